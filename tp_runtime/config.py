@@ -1,0 +1,299 @@
+"""Frozen engine configuration, validated once at the edge.
+
+Everything here is plain data (no tensors) so it can travel to spawned workers and be rebuilt from the
+same command line under torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tp_runtime.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    rope_type: str
+    theta: float
+    # Inverse frequencies from HF's own rope init functions (exactly what transformers uses), as floats.
+    inv_freq: tuple[float, ...]
+    attention_scaling: float
+    # Only for "dynamic" NTK scaling, which HF recomputes from the sequence length at run time.
+    dynamic_factor: float = 1.0
+    original_max_position: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+    max_model_len: int
+    dtype: str  # resolved: float32 | bfloat16 | float16
+    rope: RopeConfig
+    load_format: str  # auto | dummy
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    # "auto": in-process at TP=1, spawned worker processes at TP>1; "torchrun": ranks started by torchrun.
+    executor: str = "auto"
+    # Seconds a single step or control call may take before the driver gives up.
+    step_timeout_s: float = 300.0
+    # Host the torchrun driver binds its sockets on (MASTER_ADDR); spawned workers always use loopback/ipc.
+    driver_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.executor not in ("auto", "inprocess", "multiprocess", "torchrun"):
+            raise ConfigError(f"executor must be auto|inprocess|multiprocess|torchrun, got {self.executor!r}")
+        if self.step_timeout_s <= 0:
+            raise ConfigError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Fixed number of KV blocks (mainly for tests that force preemption); None sizes the cache from memory.
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ConfigError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"  # resolved: cpu | cuda
+    seed: int = 0
+    # Runner option kept for benchmarking: "overlap" does value-free bookkeeping before the device->host
+    # sync; "sync_first" waits for the sampled ids first (the order this project replaced).
+    bookkeeping_order: str = "overlap"
+
+    def __post_init__(self) -> None:
+        if self.bookkeeping_order not in ("overlap", "sync_first"):
+            raise ConfigError(f"bookkeeping_order must be overlap|sync_first, got {self.bookkeeping_order!r}")
+        validate_tensor_parallel(self.model, self.parallel.tensor_parallel_size)
+
+
+def validate_tensor_parallel(model: ModelConfig, tp: int) -> None:
+    if model.num_heads % tp:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} does not divide the model's {model.num_heads} attention heads; "
+            f"use a TP size that divides {model.num_heads}"
+        )
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} and the model's {model.num_kv_heads} KV heads do not divide one "
+            "another; use a TP size that divides or is a multiple of the KV head count"
+        )
+    if model.intermediate_size % tp:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} does not divide intermediate_size={model.intermediate_size}"
+        )
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device='cuda' was requested but no CUDA GPU is visible; use device='cpu'")
+        return "cuda"
+    raise ConfigError(f"device must be auto|cpu|cuda, got {device!r}")
+
+
+def resolve_dtype(dtype: str, config_dtype: str | None, device: str) -> str:
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    if device == "cpu":
+        # Half-precision matmuls on CPU are slow and less exact; float32 is the safe CPU default.
+        return "float32"
+    if config_dtype in ("bfloat16", "float16"):
+        return config_dtype
+    return "bfloat16"
+
+
+def _load_hf_config(path: str) -> Any:
+    import transformers
+
+    return transformers.AutoConfig.from_pretrained(path)
+
+
+def _rope_config(hf_config: Any, head_dim: int) -> RopeConfig:
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    # transformers >= 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta + rope_scaling.
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    partial = float(getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0)
+    if partial != 1.0:
+        raise ConfigError("partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim
+        inv_freq = 1.0 / (theta**exponents)
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    factor = float(params.get("factor", 1.0))
+    return RopeConfig(
+        rope_type=rope_type,
+        theta=theta,
+        inv_freq=tuple(float(x) for x in inv_freq.float().tolist()),
+        attention_scaling=float(scaling),
+        dynamic_factor=factor,
+        original_max_position=int(
+            params.get("original_max_position_embeddings", hf_config.max_position_embeddings)
+        ),
+    )
+
+
+def _eos_token_ids(path: str, hf_config: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            value = [value]
+        for v in value or []:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+
+    gen_path = Path(path) / "generation_config.json"
+    if gen_path.is_file():
+        add(json.loads(gen_path.read_text()).get("eos_token_id"))
+    add(getattr(hf_config, "eos_token_id", None))
+    return tuple(ids)
+
+
+def build_model_config(
+    path: str | os.PathLike[str],
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    max_model_len: int | None = None,
+    load_format: str = "auto",
+) -> ModelConfig:
+    """Read and check a Hugging Face checkpoint folder's config."""
+    path = str(path)
+    if not os.path.isdir(path):
+        raise ConfigError(f"model path {path!r} is not a directory; pass a local Hugging Face checkpoint folder")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"model path {path!r} has no config.json; it is not a Hugging Face checkpoint folder")
+    if load_format not in ("auto", "dummy"):
+        raise ConfigError(f"load_format must be auto|dummy, got {load_format!r}")
+    hf = _load_hf_config(path)
+    archs = list(getattr(hf, "architectures", None) or [])
+    arch = archs[0] if archs else ""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(
+            f"architecture {arch or '(none)'!r} in {path}/config.json is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    num_heads = int(hf.num_attention_heads)
+    head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // num_heads)
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {hf.hidden_act!r} is not supported (only silu)")
+    if arch == "Qwen2ForCausalLM":
+        qkv_bias, o_bias = True, False
+        if getattr(hf, "use_sliding_window", False):
+            raise ConfigError("Qwen2 checkpoints with use_sliding_window=true are not supported")
+        sliding = None
+    else:
+        qkv_bias = o_bias = bool(getattr(hf, "attention_bias", False))
+        sliding = getattr(hf, "sliding_window", None) if arch == "MistralForCausalLM" else None
+    derived_max = int(hf.max_position_embeddings)
+    if max_model_len is None:
+        max_model_len = derived_max
+    elif max_model_len < 2:
+        raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
+    elif max_model_len > derived_max:
+        raise ConfigError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={derived_max}; "
+            "lower max_model_len"
+        )
+    config_dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    config_dtype = str(config_dtype).replace("torch.", "") if config_dtype is not None else None
+    return ModelConfig(
+        path=path,
+        architecture=arch,
+        hidden_size=int(hf.hidden_size),
+        num_layers=int(hf.num_hidden_layers),
+        num_heads=num_heads,
+        num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or num_heads),
+        head_dim=head_dim,
+        intermediate_size=int(hf.intermediate_size),
+        vocab_size=int(hf.vocab_size),
+        rms_norm_eps=float(hf.rms_norm_eps),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_proj_bias=o_bias,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        sliding_window=int(sliding) if sliding else None,
+        max_model_len=int(max_model_len),
+        dtype=resolve_dtype(dtype, config_dtype, device),
+        rope=_rope_config(hf, head_dim),
+        load_format=load_format,
+        eos_token_ids=_eos_token_ids(path, hf),
+        bos_token_id=getattr(hf, "bos_token_id", None),
+    )

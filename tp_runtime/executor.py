@@ -1,0 +1,384 @@
+"""Executors: how the driver reaches its workers.
+
+- InProcessExecutor: TP=1 in the driver's own process (no sockets, no process group).
+- MultiprocExecutor: one spawned process per rank. The driver broadcasts over a ZeroMQ XPUB socket and
+  reads replies from a PULL socket; only rank 0 answers execute_model. Start-up waits until every worker
+  has subscribed (XPUB reports each subscription, so no message is lost to the PUB/SUB slow joiner) and
+  sent READY. While waiting for any reply the driver watches the worker processes' sentinels, so a dead
+  worker is an error naming its rank within a fraction of a second, and every wait has a timeout.
+  Workers hold a pipe from the driver and exit when it closes, so they never outlive the driver.
+- TorchrunExecutor: torchrun started every rank; rank 0 runs the driver plus its own worker in-process,
+  ranks > 0 run the worker loop and connect to rank 0 over TCP (MASTER_ADDR).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from multiprocessing.connection import wait as wait_for_sentinels
+from typing import Any, Protocol
+
+import zmq
+
+from tp_runtime.config import EngineConfig
+from tp_runtime.errors import ConfigError, ProtocolError, StepTimeoutError, WorkerDiedError, WorkerError
+from tp_runtime.messages import ControlCall, DriverMessage, ExecuteModel, ModelRunnerOutput, SchedulerOutput, Shutdown
+from tp_runtime.serialize import driver_message_codec, worker_reply_codec
+from tp_runtime.worker import Worker, WorkerAddresses, run_worker_loop
+
+# How often a blocked driver wakes to check that its workers are alive.
+_LIVENESS_POLL_MS = 100
+_STARTUP_TIMEOUT_S = 600.0
+
+
+class Executor(Protocol):
+    def initialize(self) -> int:
+        """Load the model on every rank and allocate the KV cache; returns the number of KV blocks."""
+        ...
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
+        """Run a worker control method on every rank; results in rank order."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+class InProcessExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(config, rank=0, local_rank=0)
+
+    def initialize(self) -> int:
+        self.worker.init_device(None)
+        self.worker.load_model()
+        return _size_kv_cache(self)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.worker.finish_step()
+        return self.worker.execute_model(so)
+
+    def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
+        return [self.worker.call(method, list(args or []))]
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def _size_kv_cache(executor: Executor) -> int:
+    num_blocks = int(executor.collective_rpc("determine_num_kv_blocks")[0])
+    executor.collective_rpc("allocate_kv_cache", [num_blocks])
+    return num_blocks
+
+
+def _free_tcp_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class _Channel:
+    """Driver side of the sockets: broadcast out, replies in, with liveness checks while waiting."""
+
+    def __init__(self, broadcast_addr: str, results_addr: str, world_size: int, timeout_s: float) -> None:
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not only the first
+        self.pub.setsockopt(zmq.SNDHWM, 0)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.broadcast_addr = self._bind(self.pub, broadcast_addr)
+        self.results_addr = self._bind(self.pull, results_addr)
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.encoder = driver_message_codec()
+        self.decoder = worker_reply_codec()
+        self.next_call_id = 0
+
+    @staticmethod
+    def _bind(sock: zmq.Socket[bytes], addr: str) -> str:
+        if addr.endswith(":0"):
+            port = sock.bind_to_random_port(addr[: addr.rindex(":")])
+            return f"{addr[: addr.rindex(':')]}:{port}"
+        sock.bind(addr)
+        return addr
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.pull.close(0)
+        self.ctx.term()
+
+
+class _RemoteWorkers:
+    """Sends to and waits on remote ranks; subclasses say how to tell whether a rank is alive."""
+
+    def __init__(self, config: EngineConfig, channel: _Channel, remote_ranks: list[int]) -> None:
+        self.config = config
+        self.channel = channel
+        self.remote_ranks = remote_ranks
+        self.closed = False
+
+    def check_alive(self) -> None:
+        """Raise WorkerDiedError for a rank that is gone."""
+
+    def broadcast(self, message: DriverMessage) -> None:
+        self.channel.pub.send(self.channel.encoder.encode(message))
+
+    def wait_for_subscribers(self, deadline: float) -> None:
+        subscribed = 0
+        while subscribed < len(self.remote_ranks):
+            if self.channel.pub.poll(_LIVENESS_POLL_MS):
+                event = self.channel.pub.recv()
+                if event[:1] == b"\x01":
+                    subscribed += 1
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise StepTimeoutError("workers did not connect to the driver in time")
+
+    def wait_replies(self, call_id: int, kind: str, ranks: set[int], timeout_s: float) -> dict[int, Any]:
+        """Replies of `kind` for `call_id` from `ranks`; a worker error or death raises at once."""
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        pull = self.channel.pull
+        while len(results) < len(ranks):
+            if pull.poll(_LIVENESS_POLL_MS):
+                try:
+                    reply = self.channel.decoder.decode(pull.recv())
+                except ProtocolError:
+                    raise
+                if reply.kind == "error":
+                    raise WorkerError(reply.rank, reply.error or "(no traceback)")
+                if reply.call_id == call_id and reply.kind == kind and reply.rank in ranks:
+                    results[reply.rank] = reply.output if kind == "output" else reply.result
+                continue
+            self.check_alive()
+            if time.monotonic() > deadline:
+                missing = sorted(ranks - results.keys())
+                raise StepTimeoutError(
+                    f"no reply from rank(s) {missing} within {timeout_s:.0f} s; raise step_timeout_s if "
+                    "steps are expected to take this long"
+                )
+        return results
+
+    def wait_ready(self) -> dict[int, Any]:
+        return self.wait_replies(-1, "ready", set(self.remote_ranks), _STARTUP_TIMEOUT_S)
+
+
+class _SpawnedWorkers(_RemoteWorkers):
+    def __init__(self, config: EngineConfig, channel: _Channel) -> None:
+        super().__init__(config, channel, list(range(config.parallel.tensor_parallel_size)))
+        self.procs: list[mp.process.BaseProcess] = []
+        self.death_pipes: list[Any] = []
+
+    def start(self, init_method: str | None) -> None:
+        ctx = mp.get_context("spawn")
+        addresses = WorkerAddresses(self.channel.broadcast_addr, self.channel.results_addr)
+        for rank in self.remote_ranks:
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=run_worker_loop,
+                args=(self.config, rank, rank, addresses, init_method, reader),
+                name=f"tp-runtime-worker-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            reader.close()
+            self.procs.append(proc)
+            self.death_pipes.append(writer)
+
+    def check_alive(self) -> None:
+        if self.closed:
+            raise WorkerDiedError(-1, "the engine was shut down")
+        dead = wait_for_sentinels([p.sentinel for p in self.procs], timeout=0)
+        if dead:
+            rank = next(i for i, p in enumerate(self.procs) if p.sentinel in dead)
+            code = self.procs[rank].exitcode
+            detail = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
+            raise WorkerDiedError(rank, f"{detail}; the engine is shutting the other workers down")
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    def stop(self) -> None:
+        self.closed = True
+        for p in self.procs:
+            p.join(timeout=5.0 if p.is_alive() else 0)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2.0)
+        for w in self.death_pipes:
+            w.close()
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.ipc_dir = tempfile.mkdtemp(prefix="tp-runtime-")
+        tag = uuid.uuid4().hex[:8]
+        self.channel = _Channel(
+            f"ipc://{self.ipc_dir}/bcast-{tag}",
+            f"ipc://{self.ipc_dir}/results-{tag}",
+            config.parallel.tensor_parallel_size,
+            config.parallel.step_timeout_s,
+        )
+        self.workers = _SpawnedWorkers(config, self.channel)
+        self._shut_down = False
+
+    def initialize(self) -> int:
+        tp = self.config.parallel.tensor_parallel_size
+        init_method = f"tcp://127.0.0.1:{_free_tcp_port('127.0.0.1')}" if tp > 1 else None
+        try:
+            self.workers.start(init_method)
+            deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+            self.workers.wait_for_subscribers(deadline)
+            self.workers.wait_ready()
+            return _size_kv_cache(self)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _guarded(self, fn: Any) -> Any:
+        """Run fn; on any failure shut every worker down before re-raising."""
+        try:
+            return fn()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        def run() -> ModelRunnerOutput:
+            self.workers.check_alive()
+            self.workers.broadcast(ExecuteModel(so))
+            return self.workers.wait_replies(so.step_id, "output", {0}, self.config.parallel.step_timeout_s)[0]
+
+        return self._guarded(run)  # type: ignore[no-any-return]
+
+    def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
+        def run() -> list[Any]:
+            channel = self.channel
+            call_id = channel.next_call_id
+            channel.next_call_id += 1
+            self.workers.check_alive()
+            self.workers.broadcast(ControlCall(call_id, method, list(args or [])))
+            ranks = set(self.workers.remote_ranks)
+            results = self.workers.wait_replies(call_id, "result", ranks, self.config.parallel.step_timeout_s)
+            return [results[r] for r in sorted(results)]
+
+        return self._guarded(run)  # type: ignore[no-any-return]
+
+    def worker_pids(self) -> list[int]:
+        return self.workers.pids()
+
+    def shutdown(self) -> None:
+        if self._shut_down:
+            return
+        self._shut_down = True
+        try:
+            self.workers.broadcast(Shutdown())
+        except zmq.ZMQError:
+            pass
+        self.workers.stop()
+        self.channel.close()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class TorchrunExecutor:
+    """Rank 0 of a torchrun job: hosts the driver and rank 0's worker; other ranks connect over TCP."""
+
+    def __init__(self, config: EngineConfig, worker: Worker) -> None:
+        self.config = config
+        self.worker = worker
+        tp = config.parallel.tensor_parallel_size
+        host = config.parallel.driver_host
+        self.channel = _Channel(f"tcp://{host}:0", f"tcp://{host}:0", tp, config.parallel.step_timeout_s)
+        self.remote = _RemoteWorkers(config, self.channel, list(range(1, tp)))
+        self._shut_down = False
+
+    def addresses(self) -> WorkerAddresses:
+        return WorkerAddresses(self.channel.broadcast_addr, self.channel.results_addr)
+
+    def initialize(self) -> int:
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        self.remote.wait_for_subscribers(deadline)
+        self.remote.wait_ready()
+        return _size_kv_cache(self)
+
+    def _drain_errors(self) -> None:
+        """A remote rank that failed has sent an error reply; surface it."""
+        while self.channel.pull.poll(0):
+            reply = self.channel.decoder.decode(self.channel.pull.recv())
+            if reply.kind == "error":
+                raise WorkerError(reply.rank, reply.error or "(no traceback)")
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.worker.finish_step()
+        self._drain_errors()
+        self.remote.broadcast(ExecuteModel(so))
+        return self.worker.execute_model(so)
+
+    def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
+        call_id = self.channel.next_call_id
+        self.channel.next_call_id += 1
+        self._drain_errors()
+        self.remote.broadcast(ControlCall(call_id, method, list(args or [])))
+        local = self.worker.call(method, list(args or []))
+        results = self.remote.wait_replies(
+            call_id, "result", set(self.remote.remote_ranks), self.config.parallel.step_timeout_s
+        )
+        return [local] + [results[r] for r in sorted(results)]
+
+    def shutdown(self) -> None:
+        if self._shut_down:
+            return
+        self._shut_down = True
+        try:
+            self.remote.broadcast(Shutdown())
+            time.sleep(0.2)  # let the shutdown message leave before the socket closes
+        except zmq.ZMQError:
+            pass
+        self.channel.close()
+        self.worker.shutdown()
+
+
+def start_torchrun_rank(config: EngineConfig) -> TorchrunExecutor | None:
+    """Join the torchrun job this process belongs to. Rank 0 returns the executor its driver uses; every
+    other rank serves as a worker until the driver shuts down, then returns None."""
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ["WORLD_SIZE"])
+    if world != config.parallel.tensor_parallel_size:
+        raise ConfigError(
+            f"torchrun started {world} processes but tensor_parallel_size is "
+            f"{config.parallel.tensor_parallel_size}; pass the same number to both"
+        )
+    worker = Worker(config, rank, local_rank)
+    worker.init_device("env://")
+    executor = TorchrunExecutor(config, worker) if rank == 0 else None
+    # Share rank 0's socket addresses through the process group (raw bytes, nothing unpickled).
+    payload = f"{executor.channel.broadcast_addr} {executor.channel.results_addr}".encode() if executor else None
+    broadcast_addr, results_addr = worker.tp.broadcast_bytes(payload, worker.device).decode().split(" ")
+    worker.load_model()
+    if executor is not None:
+        return executor
+    run_worker_loop(config, rank, local_rank, WorkerAddresses(broadcast_addr, results_addr), None, worker=worker)
+    return None
+
+
+def executor_kind(config: EngineConfig) -> str:
+    kind = config.parallel.executor
+    if kind == "auto":
+        if os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return "torchrun"
+        return "inprocess" if config.parallel.tensor_parallel_size == 1 else "multiprocess"
+    return kind

@@ -1,0 +1,100 @@
+"""Typed messages that cross process boundaries (msgspec Structs, msgpack on the wire).
+
+Decode steps carry only a diff: a new request's prompt, sampling settings and block ids travel once; after
+that a request is named by its integer id and only new block ids and token counts are sent. Workers keep
+the token history themselves (every rank samples the same tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class RequestSampling(msgspec.Struct, array_like=True, frozen=True):
+    """What a worker needs of SamplingParams to sample one request."""
+
+    temperature: float
+    top_p: float
+    top_k: int  # 0: disabled
+    min_p: float
+    seed: int | None
+    min_tokens: int
+    # Token ids masked out until min_tokens outputs exist (EOS and stop_token_ids).
+    stop_token_ids: list[int]
+    num_logprobs: int  # -1: none
+
+
+class NewRequest(msgspec.Struct, array_like=True):
+    req_id: int
+    # Prompt, plus the tokens generated before a preemption when a request is resumed.
+    token_ids: list[int]
+    num_output_tokens: int
+    sampling: RequestSampling
+    block_ids: list[int]
+
+
+class CachedRequests(msgspec.Struct, array_like=True):
+    req_ids: list[int]
+    new_block_ids: list[list[int]]
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True):
+    step_id: int
+    new_requests: list[NewRequest]
+    cached_requests: CachedRequests
+    # Every request that runs this step, in batch order, and how many tokens each computes.
+    scheduled_req_ids: list[int]
+    num_scheduled_tokens: list[int]
+    # Requests whose state the workers drop (finished, aborted or preempted) before this step runs.
+    freed_req_ids: list[int]
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """Per sampled token: the sampled token first, then the top-k; logprobs of the raw model output."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_ranks: list[int]
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True):
+    step_id: int
+    # Requests that produced a token this step (a partial prefill chunk produces none).
+    req_ids: list[int]
+    sampled_token_ids: list[int]
+    logprobs: Logprobs | None = None
+    # Optional per-step timings from rank 0 (seconds), filled when timing is enabled.
+    timings: dict[str, float] | None = None
+
+
+# Driver -> workers (broadcast).
+class ExecuteModel(msgspec.Struct, tag="exec", array_like=True):
+    scheduler_output: SchedulerOutput
+
+
+class ControlCall(msgspec.Struct, tag="call", array_like=True):
+    call_id: int
+    method: str
+    args: list[Any]
+    # False: only rank 0 replies (like execute_model); True: every rank replies.
+    all_ranks: bool = True
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+DriverMessage = ExecuteModel | ControlCall | Shutdown
+
+
+# Workers -> driver.
+class WorkerReply(msgspec.Struct, array_like=True):
+    rank: int
+    # step_id for execute_model, call_id for control calls, -1 for unsolicited messages.
+    call_id: int
+    kind: str  # "output" | "result" | "error" | "ready" | "heartbeat"
+    output: ModelRunnerOutput | None = None
+    result: Any = None
+    error: str | None = None

@@ -1,0 +1,410 @@
+"""One worker's model runner: persistent batch, input preparation, forward, sampling, bookkeeping.
+
+Per step, top to bottom:
+  apply the scheduler's diff to the persistent batch -> build inputs with vectorised numpy ->
+  forward (TP layers) -> sample -> bookkeeping that needs no token values (counts, output ids list) ->
+  ONE device->host transfer of the sampled ids (and logprobs) -> write the ids into the token history.
+Nothing waits for the device before the single transfer, so on GPU the host runs ahead of the kernels.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tp_runtime.config import EngineConfig
+from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk
+from tp_runtime.messages import Logprobs, ModelRunnerOutput, NewRequest, RequestSampling, SchedulerOutput
+from tp_runtime.sampler import Sampler, SamplerOutput, SamplingBatch, token_seed
+from tp_runtime.sampling_params import GREEDY_EPS
+
+
+class PersistentBatch:
+    """Per-request state kept on the worker between steps, one row per live request (numpy arrays)."""
+
+    def __init__(self, max_rows: int, max_model_len: int, max_blocks: int) -> None:
+        self.row_of: dict[int, int] = {}
+        self.req_at: list[int] = []
+        self.token_ids = np.zeros((max_rows, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_rows, dtype=np.int64)
+        self.num_computed = np.zeros(max_rows, dtype=np.int64)
+        self.num_output = np.zeros(max_rows, dtype=np.int64)
+        self.block_table = np.zeros((max_rows, max_blocks), dtype=np.int64)
+        self.num_blocks = np.zeros(max_rows, dtype=np.int64)
+        self.temperature = np.ones(max_rows, dtype=np.float32)
+        self.greedy = np.ones(max_rows, dtype=bool)
+        self.top_k = np.zeros(max_rows, dtype=np.int64)
+        self.top_p = np.ones(max_rows, dtype=np.float32)
+        self.min_p = np.zeros(max_rows, dtype=np.float32)
+        self.seed = np.zeros(max_rows, dtype=np.int64)
+        self.has_seed = np.zeros(max_rows, dtype=bool)
+        self.min_tokens = np.zeros(max_rows, dtype=np.int64)
+        self.num_logprobs = np.full(max_rows, -1, dtype=np.int64)
+        self.stop_token_ids: list[list[int]] = [[] for _ in range(max_rows)]
+        self._row_arrays = [
+            self.token_ids, self.num_tokens, self.num_computed, self.num_output, self.block_table,
+            self.num_blocks, self.temperature, self.greedy, self.top_k, self.top_p, self.min_p, self.seed,
+            self.has_seed, self.min_tokens, self.num_logprobs,
+        ]  # fmt: skip
+
+    def add(self, req: NewRequest) -> None:
+        row = len(self.req_at)
+        self.row_of[req.req_id] = row
+        self.req_at.append(req.req_id)
+        n = len(req.token_ids)
+        self.token_ids[row, :n] = req.token_ids
+        self.num_tokens[row] = n
+        self.num_computed[row] = 0
+        self.num_output[row] = req.num_output_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, req.block_ids)
+        s: RequestSampling = req.sampling
+        self.greedy[row] = s.temperature < GREEDY_EPS
+        self.temperature[row] = 1.0 if self.greedy[row] else s.temperature
+        self.top_k[row] = s.top_k
+        self.top_p[row] = s.top_p
+        self.min_p[row] = s.min_p
+        self.has_seed[row] = s.seed is not None
+        self.seed[row] = s.seed or 0
+        self.min_tokens[row] = s.min_tokens
+        self.num_logprobs[row] = s.num_logprobs
+        self.stop_token_ids[row] = s.stop_token_ids
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[row]
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def remove(self, req_id: int) -> None:
+        """Swap-remove: the last row moves into the hole so rows stay dense."""
+        row = self.row_of.pop(req_id, None)
+        if row is None:
+            return
+        last = len(self.req_at) - 1
+        if row != last:
+            moved = self.req_at[last]
+            for arr in self._row_arrays:
+                arr[row] = arr[last]
+            self.stop_token_ids[row] = self.stop_token_ids[last]
+            self.req_at[row] = moved
+            self.row_of[moved] = row
+        self.req_at.pop()
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # token index of each row that samples
+    sample_rows: np.ndarray  # batch rows that sample, in output order
+    req_ids: list[int]  # their request ids
+    scheduled_rows: np.ndarray
+    num_scheduled: np.ndarray
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device, rank: int) -> None:
+        self.config = config
+        self.model = model
+        self.device = device
+        self.rank = rank
+        self.block_size = config.cache.block_size
+        mc = config.model
+        self.max_blocks = -(-mc.max_model_len // self.block_size)
+        self.batch = PersistentBatch(config.scheduler.max_num_seqs, mc.max_model_len, self.max_blocks)
+        self.sampler = Sampler(device, config.seed)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sliding_window = mc.sliding_window
+        self.dynamic_rope = mc.rope.rope_type == "dynamic"
+        self.sync_first = config.bookkeeping_order == "sync_first"
+        self.collect_timings = False
+        self._use_cuda = device.type == "cuda"
+        self._pinned = self._use_cuda
+        self._prev_forward_end: torch.cuda.Event | float | None = None
+        self._pending_tokens: tuple[np.ndarray, list[int]] | None = None
+
+    # ----------------------------------------------------------------- KV cache
+    def kv_bytes_per_block(self) -> int:
+        attn = self.model.model.layers[0].self_attn  # type: ignore[union-attr,index]
+        elem = torch.empty((), dtype=self.model.lm_head.weight.dtype).element_size()  # type: ignore[union-attr]
+        per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim * elem
+        return per_layer * self.config.model.num_layers
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        attn = self.model.model.layers[0].self_attn  # type: ignore[union-attr,index]
+        dtype = self.model.lm_head.weight.dtype  # type: ignore[union-attr]
+        shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(self.config.model.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def profile_peak_memory(self) -> int:
+        """Run the largest prefill a step can hold once and return the peak device memory in bytes."""
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
+        self.allocate_kv_cache(1)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        slots = positions % self.block_size
+        meta = AttentionMetadata(
+            slot_mapping=slots, num_decode_tokens=0, decode_block_tables=None, decode_mask=None,
+            prefills=[PrefillChunk(0, num_tokens, None, None)],
+        )  # fmt: skip
+        hidden = self.model(ids, positions, self.kv_caches, meta)
+        self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler.max_num_seqs) :])  # type: ignore[operator]
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    # ----------------------------------------------------------------- step
+    def _update_batch(self, so: SchedulerOutput) -> None:
+        batch = self.batch
+        for req_id in so.freed_req_ids:
+            batch.remove(req_id)
+        for req in so.new_requests:
+            batch.add(req)
+        cached = so.cached_requests
+        for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if block_ids:
+                batch.append_blocks(batch.row_of[req_id], block_ids)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(array)
+        if not self._use_cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        batch = self.batch
+        bs = self.block_size
+        rows = np.fromiter((batch.row_of[r] for r in so.scheduled_req_ids), dtype=np.int64,
+                           count=len(so.scheduled_req_ids))  # fmt: skip
+        n = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
+        # Decodes (one token) first so attention can batch them; prefill chunks follow, one per sequence.
+        order = np.argsort(n > 1, kind="stable")
+        rows, n = rows[order], n[order]
+        num_decode = int(np.count_nonzero(n == 1))
+        computed = batch.num_computed[rows]
+        seq_lens = computed + n
+        ends = np.cumsum(n)
+        starts = ends - n
+        total = int(ends[-1])
+        token_req = np.repeat(np.arange(len(rows)), n)
+        positions = computed[token_req] + (np.arange(total) - starts[token_req])
+        token_rows = rows[token_req]
+        input_ids = batch.token_ids[token_rows, positions]
+        slots = batch.block_table[token_rows, positions // bs] * bs + positions % bs
+        samples = seq_lens == batch.num_tokens[rows]
+        sample_rows = rows[samples]
+        logits_indices = ends[samples] - 1
+
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(slots), num_decode_tokens=num_decode,
+            decode_block_tables=None, decode_mask=None,
+        )  # fmt: skip
+        window = self.sliding_window
+        if num_decode:
+            d_rows = rows[:num_decode]
+            d_lens = seq_lens[:num_decode]
+            blocks = int(-(-d_lens.max() // bs))
+            meta.decode_block_tables = self._to_device(batch.block_table[d_rows, :blocks])
+            key_pos = np.arange(blocks * bs)
+            mask = key_pos[None, :] < d_lens[:, None]
+            if window is not None:
+                mask &= key_pos[None, :] > (d_lens[:, None] - 1 - window)
+            meta.decode_mask = self._to_device(mask[:, None, None, :])
+        for i in range(num_decode, len(rows)):
+            start, end, ctx = int(starts[i]), int(ends[i]), int(computed[i])
+            if ctx == 0 and window is None:
+                meta.prefills.append(PrefillChunk(start, end, None, None))
+                continue
+            blocks = int(-(-seq_lens[i] // bs))
+            q_pos = np.arange(ctx, ctx + n[i])[:, None]
+            key_pos = np.arange(blocks * bs)[None, :]
+            mask = key_pos <= q_pos
+            if window is not None:
+                mask &= key_pos > q_pos - window
+            meta.prefills.append(
+                PrefillChunk(start, end, self._to_device(batch.block_table[rows[i], :blocks]),
+                             self._to_device(mask[None, None]))
+            )  # fmt: skip
+        if self.dynamic_rope:
+            meta.token_seq_lens = self._to_device(seq_lens[token_req])
+        return StepInputs(
+            input_ids=self._to_device(input_ids),
+            positions=self._to_device(positions),
+            meta=meta,
+            logits_indices=self._to_device(logits_indices),
+            sample_rows=sample_rows,
+            req_ids=[batch.req_at[r] for r in sample_rows.tolist()],
+            scheduled_rows=rows,
+            num_scheduled=n,
+        )
+
+    def _sampling_batch(self, rows: np.ndarray) -> SamplingBatch:
+        batch = self.batch
+        greedy = batch.greedy[rows]
+        all_greedy = bool(greedy.all())
+        vocab = self.config.model.vocab_size
+
+        def maybe(values: np.ndarray, active: np.ndarray) -> torch.Tensor | None:
+            return self._to_device(values) if (active & ~greedy).any() else None
+
+        top_k = batch.top_k[rows]
+        top_k_used = (top_k > 0) & (top_k < vocab)
+        top_p = batch.top_p[rows]
+        min_p = batch.min_p[rows]
+        seeded = np.flatnonzero(batch.has_seed[rows] & ~greedy)
+        row_seeds = {
+            int(i): token_seed(int(batch.seed[rows[i]]), int(batch.num_output[rows[i]])) for i in seeded
+        }
+        return SamplingBatch(
+            temperature=self._to_device(batch.temperature[rows]),
+            greedy=self._to_device(greedy),
+            all_greedy=all_greedy,
+            top_k=None if all_greedy else maybe(np.where(top_k_used, top_k, vocab), top_k_used),
+            top_p=None if all_greedy else maybe(top_p, top_p < 1.0),
+            min_p=None if all_greedy else maybe(min_p, min_p > 0.0),
+            row_seeds=row_seeds,
+            max_num_logprobs=int(batch.num_logprobs[rows].max()) if len(rows) else -1,
+        )
+
+    def _mask_stop_tokens(self, logits: torch.Tensor, rows: np.ndarray) -> None:
+        """Before min_tokens outputs exist, EOS and stop_token_ids cannot be sampled."""
+        batch = self.batch
+        pending = np.flatnonzero(batch.num_output[rows] < batch.min_tokens[rows])
+        for i in pending.tolist():
+            stop_ids = batch.stop_token_ids[rows[i]]
+            if stop_ids:
+                logits[i, stop_ids] = float("-inf")
+
+    def _mark_forward_start(self, timings: dict[str, float] | None) -> None:
+        if timings is None:
+            return
+        if self._use_cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._forward_start = start
+        else:
+            now = time.perf_counter()
+            if isinstance(self._prev_forward_end, float):
+                timings["host_gap"] = now - self._prev_forward_end
+            self._forward_start_wall = now
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        timings: dict[str, float] | None = {} if self.collect_timings else None
+        t0 = time.perf_counter()
+        self.finish_step()
+        self._update_batch(so)
+        if not so.scheduled_req_ids:
+            return ModelRunnerOutput(step_id=so.step_id, req_ids=[], sampled_token_ids=[])
+        inputs = self._prepare_inputs(so)
+        t_prep = time.perf_counter()
+        self._mark_forward_start(timings)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        rows = inputs.sample_rows
+        sampled = None
+        if len(rows):
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # type: ignore[operator]
+            logits = logits.float()
+            self._mask_stop_tokens(logits, rows)
+            sampled = self.sampler(logits, self._sampling_batch(rows))
+        forward_end = None
+        if timings is not None and self._use_cuda:
+            forward_end = torch.cuda.Event(enable_timing=True)
+            forward_end.record()
+        t_dispatch = time.perf_counter()
+
+        if self.sync_first:
+            # The order this project replaced: wait for the values, then do all bookkeeping.
+            token_ids, logprobs = self._device_to_host(sampled)
+            t_sync = time.perf_counter()
+            self._bookkeeping(inputs)
+            self._pending_tokens = (rows, token_ids)
+            self.finish_step()
+            t_book = t_end = time.perf_counter()
+        else:
+            # Everything here is independent of the sampled values, so it runs while the device computes;
+            # writing the values into the history waits until after rank 0 has replied (finish_step).
+            self._bookkeeping(inputs)
+            t_book = time.perf_counter()
+            token_ids, logprobs = self._device_to_host(sampled)
+            t_sync = t_end = time.perf_counter()
+            self._pending_tokens = (rows, token_ids)
+        if timings is not None:
+            timings["prepare_inputs"] = t_prep - t0
+            timings["forward_dispatch"] = t_dispatch - t_prep
+            if self.sync_first:
+                timings["sync_wait"] = t_sync - t_dispatch
+                timings["bookkeeping"] = t_end - t_sync
+            else:
+                timings["bookkeeping"] = t_book - t_dispatch
+                timings["sync_wait"] = t_sync - t_book
+            self._finish_device_timings(timings, forward_end, t_sync)
+        return ModelRunnerOutput(
+            step_id=so.step_id,
+            req_ids=inputs.req_ids,
+            sampled_token_ids=token_ids,
+            logprobs=logprobs,
+            timings=timings,
+        )
+
+    def finish_step(self) -> None:
+        """Write the sampled ids into the token history (the only bookkeeping that needs their values)."""
+        if self._pending_tokens is None:
+            return
+        rows, token_ids = self._pending_tokens
+        self._pending_tokens = None
+        if len(rows):
+            batch = self.batch
+            batch.token_ids[rows, batch.num_tokens[rows] - 1] = token_ids
+
+    def _finish_device_timings(
+        self, timings: dict[str, float], forward_end: torch.cuda.Event | None, t_sync: float
+    ) -> None:
+        if self._use_cuda:
+            assert forward_end is not None
+            forward_end.synchronize()
+            timings["forward_device"] = self._forward_start.elapsed_time(forward_end) / 1e3
+            if isinstance(self._prev_forward_end, torch.cuda.Event):
+                timings["host_gap"] = self._prev_forward_end.elapsed_time(self._forward_start) / 1e3
+            self._prev_forward_end = forward_end
+        else:
+            # On CPU the forward runs synchronously inside dispatch; its end is when the values exist.
+            timings["forward_device"] = t_sync - self._forward_start_wall
+            self._prev_forward_end = t_sync
+
+    def _bookkeeping(self, inputs: StepInputs) -> None:
+        batch = self.batch
+        batch.num_computed[inputs.scheduled_rows] += inputs.num_scheduled
+        rows = inputs.sample_rows
+        batch.num_tokens[rows] += 1
+        batch.num_output[rows] += 1
+
+    def _device_to_host(self, sampled: SamplerOutput | None) -> tuple[list[int], Logprobs | None]:
+        """The step's one device->host transfer (ids, plus logprobs on rank 0 when asked for)."""
+        if sampled is None:
+            return [], None
+        if sampled.logprobs is None or self.rank != 0:
+            return sampled.token_ids.tolist(), None
+        assert sampled.logprob_token_ids is not None and sampled.sampled_ranks is not None
+        k = sampled.logprobs.shape[1]
+        # float64 holds every token id exactly, so one packed tensor keeps it to one transfer.
+        packed = torch.cat(
+            [sampled.token_ids.double().unsqueeze(1), sampled.sampled_ranks.double().unsqueeze(1),
+             sampled.logprob_token_ids.double(), sampled.logprobs.double()], dim=1,
+        ).tolist()  # fmt: skip
+        return [int(r[0]) for r in packed], Logprobs(
+            token_ids=[[int(x) for x in r[2 : 2 + k]] for r in packed],
+            logprobs=[r[2 + k :] for r in packed],
+            sampled_ranks=[int(r[1]) for r in packed],
+        )

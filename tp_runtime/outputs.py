@@ -1,0 +1,33 @@
+"""What `LLM.generate` returns (field names as in vLLM's offline API)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = most likely
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    cumulative_logprob: float | None = None
+    # One dict per generated token: token id -> Logprob (the sampled token plus the top `logprobs`).
+    logprobs: list[dict[int, Logprob]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True

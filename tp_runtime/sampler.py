@@ -1,0 +1,103 @@
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs.
+
+Filters apply in this order, each to the distribution left by the previous one:
+temperature -> min_p (drop tokens with p < min_p * p_max) -> top_k (keep the k most likely) ->
+top_p (keep the shortest most-likely-first prefix whose probability mass reaches top_p).
+
+A draw uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1)), which samples exactly from p. A
+seeded request draws its noise from a generator seeded by (seed, index of the token being generated), so
+its samples depend on nothing else in the batch, on preemption, or on the TP size. Every rank holds the
+same full logits and runs the same ops, so every rank samples the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK_62 = (1 << 62) - 1
+
+
+def token_seed(seed: int, output_index: int) -> int:
+    """A per-(request seed, token index) generator seed; mixing keeps nearby seeds uncorrelated."""
+    h = (seed * 0x9E3779B97F4A7C15 + output_index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK_62
+    h ^= h >> 31
+    return (h * 0xD6E8FEB86659FD93) & _MASK_62
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings for the rows that sample this step (tensors on the logits' device)."""
+
+    temperature: torch.Tensor  # [rows] float32; greedy rows hold 1.0 and are listed in greedy
+    greedy: torch.Tensor  # [rows] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [rows] int64, vocab size where disabled; None if no row uses it
+    top_p: torch.Tensor | None  # [rows] float32, 1.0 where disabled
+    min_p: torch.Tensor | None  # [rows] float32, 0.0 where disabled
+    # row -> generator seed for this token (seeded requests); other rows use the engine's generator.
+    row_seeds: dict[int, int]
+    max_num_logprobs: int  # -1: no row wants logprobs
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [rows] int64
+    # Only when some row asked for logprobs: [rows, 1 + k] ids and logprobs (sampled token first), ranks.
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
+
+
+def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature and min-p/top-k/top-p filtering; removed tokens get -inf. logits: [rows, vocab] fp32."""
+    logits = logits / batch.temperature.unsqueeze(1)
+    if batch.min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * batch.min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if batch.top_k is None and batch.top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if batch.top_k is not None:
+        ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= batch.top_k.unsqueeze(1), float("-inf"))
+    if batch.top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove = mass_before >= batch.top_p.unsqueeze(1)
+        remove[:, 0] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self._device = device
+        self._engine_generator = torch.Generator(device=device).manual_seed(seed)
+        self._row_generator = torch.Generator(device=device)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        greedy_ids = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            token_ids = greedy_ids
+        else:
+            probs = filter_logits(logits, batch).softmax(dim=-1)
+            noise = torch.empty_like(probs).exponential_(generator=self._engine_generator)
+            for row, seed in batch.row_seeds.items():
+                self._row_generator.manual_seed(seed)
+                noise[row].exponential_(generator=self._row_generator)
+            sampled = (probs / noise).argmax(dim=-1)
+            token_ids = torch.where(batch.greedy, greedy_ids, sampled)
+        out = SamplerOutput(token_ids=token_ids)
+        if batch.max_num_logprobs >= 0:
+            # Logprobs of the raw model distribution (before temperature and filtering), as vLLM returns.
+            logprobs = logits.log_softmax(dim=-1)
+            sampled_lp = logprobs.gather(1, token_ids.unsqueeze(1))
+            top_lp, top_ids = logprobs.topk(batch.max_num_logprobs, dim=-1)
+            out.logprob_token_ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1)
+            out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
+            out.sampled_ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
+        return out

@@ -1,0 +1,156 @@
+"""Continuous batching over the paged KV cache.
+
+Every request has `num_tokens` known tokens (prompt + generated) of which `num_computed_tokens` are in the
+KV cache; each step gives it min(remaining, budget) tokens. A request samples a new token in the step that
+computes its last known token, so decode, chunked prefill and resumption after preemption are one rule.
+Running requests go first (oldest first), then waiting ones, under `max_num_batched_tokens` and
+`max_num_seqs`. When blocks run out the newest running request is preempted: its blocks are freed and it
+is recomputed later from its prompt and the tokens generated so far.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tp_runtime.config import EngineConfig
+from tp_runtime.kv_cache import KVCacheManager
+from tp_runtime.messages import CachedRequests, ModelRunnerOutput, NewRequest, RequestSampling, SchedulerOutput
+from tp_runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    req_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sampling: RequestSampling
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    stop_text: str | None = None  # output text cut before the stop string
+    num_preemptions: int = 0
+    # Logprobs per generated token: (token ids, logprobs, rank of the sampled token).
+    logprobs: list[tuple[list[int], list[float], int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.kv = KVCacheManager(num_kv_blocks, config.cache.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self._freed_since_last_step: list[int] = []
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.req_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        new_requests: list[NewRequest] = []
+        cached_ids: list[int] = []
+        cached_blocks: list[list[int]] = []
+        freed = self._freed_since_last_step
+        self._freed_since_last_step = []
+        preempted_now = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_blocks = self.kv.allocate_slots(req.req_id, req.num_computed_tokens + n)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                freed.append(victim.req_id)
+                preempted_now = True
+                if victim is req:
+                    break
+                new_blocks = self.kv.allocate_slots(req.req_id, req.num_computed_tokens + n)
+            if new_blocks is None:
+                break
+            scheduled.append((req, n))
+            cached_ids.append(req.req_id)
+            cached_blocks.append(new_blocks)
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.kv.allocate_slots(req.req_id, req.num_computed_tokens + n) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            scheduled.append((req, n))
+            new_requests.append(
+                NewRequest(
+                    req_id=req.req_id,
+                    token_ids=req.all_token_ids,
+                    num_output_tokens=len(req.output_token_ids),
+                    sampling=req.sampling,
+                    block_ids=list(self.kv.blocks[req.req_id]),
+                )
+            )
+            budget -= n
+
+        for req, n in scheduled:
+            req.num_computed_tokens += n
+        self._step_id += 1
+        return SchedulerOutput(
+            step_id=self._step_id,
+            new_requests=new_requests,
+            cached_requests=CachedRequests(req_ids=cached_ids, new_block_ids=cached_blocks),
+            scheduled_req_ids=[req.req_id for req, _ in scheduled],
+            num_scheduled_tokens=[n for _, n in scheduled],
+            freed_req_ids=freed,
+        )
+
+    def update(self, output: ModelRunnerOutput) -> list[Request]:
+        """Append each sampled token to its request; returns the requests that got a token."""
+        updated = []
+        lp = output.logprobs
+        for i, (req_id, token) in enumerate(zip(output.req_ids, output.sampled_token_ids, strict=True)):
+            req = self.requests[req_id]
+            req.output_token_ids.append(token)
+            if lp is not None and req.sampling.num_logprobs >= 0:
+                k = req.sampling.num_logprobs
+                req.logprobs.append((lp.token_ids[i][: 1 + k], lp.logprobs[i][: 1 + k], lp.sampled_ranks[i]))
+            updated.append(req)
+        return updated
+
+    def finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        self.kv.free(request.req_id)
+        self.requests.pop(request.req_id, None)
+        if request in self.running:
+            self.running.remove(request)
+            self._freed_since_last_step.append(request.req_id)
+        elif request in self.waiting:
+            self.waiting.remove(request)

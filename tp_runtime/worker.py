@@ -1,0 +1,207 @@
+"""A worker: one TP rank. Owns its device, its model shard, its KV cache and its model runner.
+
+`Worker` is the in-process object (the in-process executor and torchrun's rank 0 call it directly);
+`run_worker_loop` is the process main loop used by spawned workers and by torchrun ranks > 0:
+receive a broadcast message -> execute -> rank 0 replies (control calls may ask every rank to reply).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from tp_runtime import distributed
+from tp_runtime.config import EngineConfig
+from tp_runtime.distributed import TPGroup
+from tp_runtime.errors import ConfigError, ProtocolError
+from tp_runtime.loader import init_dummy_weights, load_weights
+from tp_runtime.messages import (
+    ControlCall,
+    ExecuteModel,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    Shutdown,
+    WorkerReply,
+)
+from tp_runtime.model_runner import ModelRunner
+from tp_runtime.models.registry import model_class
+from tp_runtime.serialize import driver_message_codec, worker_reply_codec
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class WorkerAddresses:
+    broadcast: str  # driver's XPUB; workers SUB-connect
+    results: str  # driver's PULL; workers PUSH-connect
+
+
+class Worker:
+    # Methods a control call may name; nothing else is reachable from the socket.
+    CONTROL_METHODS = frozenset(
+        {"determine_num_kv_blocks", "allocate_kv_cache", "set_collect_timings", "check_health", "debug_raise"}
+    )
+
+    def __init__(self, config: EngineConfig, rank: int, local_rank: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.world_size = config.parallel.tensor_parallel_size
+        self.device = torch.device(f"cuda:{local_rank}" if config.device == "cuda" else "cpu")
+        self.tp = TPGroup(rank, self.world_size)
+        self.runner: ModelRunner | None = None
+
+    def init_device(self, init_method: str | None) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        elif torch.get_num_threads() > 1 and self.world_size > 1:
+            # CPU ranks share the machine's cores; oversubscription makes every rank slower.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+        if self.world_size > 1:
+            if init_method is None:
+                raise ConfigError("internal: a TP>1 worker needs a process-group init method")
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            self.tp = distributed.init_process_group(
+                backend, init_method, self.rank, self.world_size, self.config.parallel.step_timeout_s, self.device
+            )
+
+    def load_model(self) -> None:
+        mc = self.config.model
+        dtype = _DTYPES[mc.dtype]
+        model = model_class(mc.architecture)(mc, self.tp, dtype, self.device)
+        if mc.load_format == "dummy":
+            init_dummy_weights(model, self.config.seed, dtype, self.device)
+        else:
+            load_weights(model, mc.path, dtype)
+        model.eval()
+        self.runner = ModelRunner(self.config, model, self.device, self.rank)
+
+    def _runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError("internal: worker used before load_model()")
+        return self.runner
+
+    def determine_num_kv_blocks(self) -> int:
+        """Blocks this rank can hold, agreed across ranks (the minimum)."""
+        runner = self._runner()
+        cache = self.config.cache
+        per_block = runner.kv_bytes_per_block()
+        if cache.num_kv_blocks is not None:
+            blocks = cache.num_kv_blocks
+        elif self.device.type == "cuda":
+            peak = runner.profile_peak_memory()
+            _, total = torch.cuda.mem_get_info(self.device)
+            blocks = int((total * cache.gpu_memory_utilization - peak) // per_block)
+        else:
+            mc, sc = self.config.model, self.config.scheduler
+            # Never more than every sequence at full length needs, so tiny models stay tiny.
+            enough = sc.max_num_seqs * runner.max_blocks + 1
+            blocks = min(int(cache.cpu_kv_cache_gib * (1 << 30) // per_block), enough)
+            del mc
+        return self.tp.all_reduce_min_int(blocks, self.device)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._runner().allocate_kv_cache(num_blocks)
+
+    def set_collect_timings(self, enabled: bool) -> None:
+        self._runner().collect_timings = bool(enabled)
+
+    def check_health(self) -> int:
+        return os.getpid()
+
+    def debug_raise(self, message: str) -> None:
+        """Raise inside the worker (tests use it to check that remote errors reach the driver)."""
+        raise RuntimeError(message)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self._runner().execute_model(so)
+
+    def finish_step(self) -> None:
+        self._runner().finish_step()
+
+    def call(self, method: str, args: list[Any]) -> Any:
+        if method not in self.CONTROL_METHODS:
+            raise ValueError(f"unknown control method {method!r}")
+        return getattr(self, method)(*args)
+
+    def shutdown(self) -> None:
+        distributed.destroy_process_group()
+
+
+def _exit_when_parent_dies(parent_conn: Any) -> None:
+    """Block on the pipe from the driver; EOF means the driver is gone, so leave at once (no orphans)."""
+    try:
+        parent_conn.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(1)
+
+
+def run_worker_loop(
+    config: EngineConfig,
+    rank: int,
+    local_rank: int,
+    addresses: WorkerAddresses,
+    init_method: str | None,
+    parent_conn: Any | None = None,
+    worker: Worker | None = None,
+) -> None:
+    """Main loop of a worker process. `worker` is given when the caller already initialised it (torchrun)."""
+    if parent_conn is not None:
+        threading.Thread(target=_exit_when_parent_dies, args=(parent_conn,), daemon=True).start()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(addresses.broadcast)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(addresses.results)
+    decoder = driver_message_codec()
+    encoder = worker_reply_codec()
+
+    def reply(call_id: int, kind: str, **fields: Any) -> None:
+        push.send(encoder.encode(WorkerReply(rank=rank, call_id=call_id, kind=kind, **fields)))
+
+    try:
+        if worker is None:
+            worker = Worker(config, rank, local_rank)
+            worker.init_device(init_method)
+            worker.load_model()
+        reply(-1, "ready", result=os.getpid())
+    except Exception:
+        reply(-1, "error", error=traceback.format_exc())
+        raise
+
+    while True:
+        data = sub.recv()
+        call_id = -1
+        try:
+            message = decoder.decode(data)
+            if isinstance(message, Shutdown):
+                break
+            if isinstance(message, ExecuteModel):
+                call_id = message.scheduler_output.step_id
+                output = worker.execute_model(message.scheduler_output)
+                if rank == 0:
+                    reply(call_id, "output", output=output)
+                worker.finish_step()
+            elif isinstance(message, ControlCall):
+                call_id = message.call_id
+                result = worker.call(message.method, message.args)
+                if message.all_ranks or rank == 0:
+                    reply(call_id, "result", result=result)
+        except ProtocolError:
+            reply(call_id, "error", error=traceback.format_exc())
+        except Exception:
+            reply(call_id, "error", error=traceback.format_exc())
+    worker.shutdown()
+    push.close()
+    sub.close()
+    ctx.term()

@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints built locally, and HF reference outputs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from tp_runtime.presets import build_preset_tokenizer
+
+ARCH_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
+    "LlamaForCausalLM": transformers.LlamaConfig,
+    "MistralForCausalLM": transformers.MistralConfig,
+    "Qwen2ForCausalLM": transformers.Qwen2Config,
+}
+
+BASE_CONFIG: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def build_checkpoint(root: Path, architecture: str = "LlamaForCausalLM", seed: int = 0, **overrides: Any) -> Path:
+    """Save a random-weight float32 checkpoint (config, safetensors, tokenizer) under root; cached by args."""
+    kwargs = {**BASE_CONFIG, **overrides}
+    key = hashlib.sha1(json.dumps([architecture, seed, kwargs], sort_keys=True, default=str).encode()).hexdigest()
+    out = root / f"{architecture}-{key[:12]}"
+    if (out / "config.json").is_file():
+        return out
+    config = ARCH_CONFIGS[architecture](architectures=[architecture], **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Default init is tiny (std 0.02); larger weights make logits peaked, so greedy ties are improbable.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.15 if p.dim() > 1 else 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+    build_preset_tokenizer(kwargs["vocab_size"]).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(checkpoint_root: Path) -> Callable[..., Path]:
+    def make(architecture: str = "LlamaForCausalLM", seed: int = 0, **overrides: Any) -> Path:
+        return build_checkpoint(checkpoint_root, architecture, seed, **overrides)
+
+    return make
+
+
+def hf_greedy(
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, suppress_eos: bool = False
+) -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt (one at a time, no padding), float32.
+
+    It never stops early: with suppress_eos EOS is masked out (pair with SamplingParams(min_tokens=N)),
+    otherwise EOS may be generated and generation goes on (pair with SamplingParams(ignore_eos=True)).
+    """
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if not suppress_eos:
+        model.generation_config.eos_token_id = None
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens if suppress_eos else None,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        outs.append(gen[0, len(p) :].tolist())
+    return outs
+
+
+def hf_logprobs(model_dir: Path, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """log-softmax of HF's logits at each generated position: [len(continuation), vocab]."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + continuation])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) + len(continuation) - 1]
+    return logits.float().log_softmax(-1)

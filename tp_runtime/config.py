@@ -237,9 +237,13 @@ def build_model_config(
     """Read and check a Hugging Face checkpoint folder's config."""
     path = str(path)
     if not os.path.isdir(path):
-        raise ConfigError(f"model path {path!r} is not a directory; pass a local Hugging Face checkpoint folder")
+        raise ConfigError(
+            f"model path {path!r} is not a directory; pass a local Hugging Face checkpoint folder"
+        )
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"model path {path!r} has no config.json; it is not a Hugging Face checkpoint folder")
+        raise ConfigError(
+            f"model path {path!r} has no config.json; it is not a Hugging Face checkpoint folder"
+        )
     if load_format not in ("auto", "dummy"):
         raise ConfigError(f"load_format must be auto|dummy, got {load_format!r}")
     hf = _load_hf_config(path)

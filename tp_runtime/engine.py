@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import time
 import weakref
@@ -26,7 +27,7 @@ from tp_runtime.executor import (
     executor_kind,
     start_torchrun_rank,
 )
-from tp_runtime.messages import RequestSampling
+from tp_runtime.messages import ModelRunnerOutput, RequestSampling, SchedulerOutput
 from tp_runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from tp_runtime.sampling_params import SamplingParams
 from tp_runtime.scheduler import Request, Scheduler
@@ -143,13 +144,26 @@ class LLMEngine:
                 self._stop_states.pop(req.req_id, None)
                 finished.append(req)
         if self.step_timings is not None:
-            t3 = time.perf_counter()
-            entry = {"schedule": t1 - t0, "execute_roundtrip": t2 - t1, "engine_update": t3 - t2}
-            entry["num_scheduled_tokens"] = float(sum(so.num_scheduled_tokens))
-            if output.timings:
-                entry.update({f"worker_{k}": v for k, v in output.timings.items()})
-            self.step_timings.append(entry)
+            self._record_timings(so, output, t0, t1, t2, time.perf_counter())
         return finished
+
+    def _record_timings(
+        self, so: SchedulerOutput, output: ModelRunnerOutput, t0: float, t1: float, t2: float, t3: float
+    ) -> None:
+        assert self.step_timings is not None
+        entry = {
+            "schedule": t1 - t0,
+            "execute_roundtrip": t2 - t1,
+            "engine_update": t3 - t2,
+            "step_total": t3 - t0,
+        }
+        entry["num_scheduled_tokens"] = float(sum(so.num_scheduled_tokens))
+        entry["decode_only"] = float(all(n == 1 for n in so.num_scheduled_tokens))
+        entry.update(self.executor.last_step_timings)
+        if output.timings:
+            entry.update({f"worker_{k}": v for k, v in output.timings.items()})
+            entry["overhead"] = entry["step_total"] - output.timings.get("forward_device", 0.0)
+        self.step_timings.append(entry)
 
     def _check_stop(self, req: Request) -> str | None:
         params = req.params
@@ -238,9 +252,13 @@ class LLM:
                 driver_host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
             ),
             cache=CacheConfig(
-                block_size=block_size, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                gpu_memory_utilization=gpu_memory_utilization,
             ),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            ),
             device=resolved_device,
             seed=seed,
             bookkeeping_order=bookkeeping_order,
@@ -267,10 +285,8 @@ class LLM:
             self.engine.shutdown()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.shutdown()
-        except Exception:
-            pass
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -297,11 +313,14 @@ class LLM:
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (
-            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
         )
         if len(params_list) != len(prompts):
             raise InvalidRequestError(
-                f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one or one per prompt"
+                f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
+                "give one, or one per prompt"
             )
         # Tokenize and validate everything before the first request enters the engine.
         encoded = [self._prompt_ids(p) for p in prompts]
@@ -311,7 +330,11 @@ class LLM:
         try:
             for i, ((_, ids), params) in enumerate(zip(encoded, params_list, strict=True)):
                 for j in range(params.n):
-                    child = params if params.n == 1 or params.seed is None else _with_seed(params, params.seed + j)
+                    child = (
+                        params
+                        if params.n == 1 or params.seed is None
+                        else _with_seed(params, params.seed + j)
+                    )
                     owners[self.engine.add_request(ids, child)] = (i, j)
             finished = self._run(len(owners), use_tqdm)
         except BaseException:
@@ -340,7 +363,7 @@ class LLM:
     def _completion(self, req: Request, index: int) -> CompletionOutput:
         text = req.stop_text
         if text is None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            text = str(self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True))
         logprobs = None
         cumulative = None
         if req.params.logprobs is not None:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import shutil
@@ -20,23 +21,35 @@ import socket
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from multiprocessing.connection import wait as wait_for_sentinels
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import zmq
 
 from tp_runtime.config import EngineConfig
 from tp_runtime.errors import ConfigError, ProtocolError, StepTimeoutError, WorkerDiedError, WorkerError
-from tp_runtime.messages import ControlCall, DriverMessage, ExecuteModel, ModelRunnerOutput, SchedulerOutput, Shutdown
+from tp_runtime.messages import (
+    ControlCall,
+    DriverMessage,
+    ExecuteModel,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    Shutdown,
+)
 from tp_runtime.serialize import driver_message_codec, worker_reply_codec
 from tp_runtime.worker import Worker, WorkerAddresses, run_worker_loop
 
 # How often a blocked driver wakes to check that its workers are alive.
 _LIVENESS_POLL_MS = 100
 _STARTUP_TIMEOUT_S = 600.0
+T = TypeVar("T")
 
 
 class Executor(Protocol):
+    # Driver-side timings of the last execute_model (seconds), for the benchmark's step breakdown.
+    last_step_timings: dict[str, float]
+
     def initialize(self) -> int:
         """Load the model on every rank and allocate the KV cache; returns the number of KV blocks."""
         ...
@@ -53,6 +66,7 @@ class Executor(Protocol):
 class InProcessExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.worker = Worker(config, rank=0, local_rank=0)
+        self.last_step_timings: dict[str, float] = {}
 
     def initialize(self) -> int:
         self.worker.init_device(None)
@@ -234,6 +248,7 @@ class MultiprocExecutor:
         )
         self.workers = _SpawnedWorkers(config, self.channel)
         self._shut_down = False
+        self.last_step_timings: dict[str, float] = {}
 
     def initialize(self) -> int:
         tp = self.config.parallel.tensor_parallel_size
@@ -248,7 +263,7 @@ class MultiprocExecutor:
             self.shutdown()
             raise
 
-    def _guarded(self, fn: Any) -> Any:
+    def _guarded(self, fn: Callable[[], T]) -> T:
         """Run fn; on any failure shut every worker down before re-raising."""
         try:
             return fn()
@@ -258,11 +273,15 @@ class MultiprocExecutor:
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         def run() -> ModelRunnerOutput:
+            t0 = time.perf_counter()
             self.workers.check_alive()
             self.workers.broadcast(ExecuteModel(so))
-            return self.workers.wait_replies(so.step_id, "output", {0}, self.config.parallel.step_timeout_s)[0]
+            t1 = time.perf_counter()
+            out = self.workers.wait_replies(so.step_id, "output", {0}, self.config.parallel.step_timeout_s)[0]
+            self.last_step_timings = {"encode_broadcast": t1 - t0}
+            return out
 
-        return self._guarded(run)  # type: ignore[no-any-return]
+        return self._guarded(run)
 
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         def run() -> list[Any]:
@@ -275,7 +294,7 @@ class MultiprocExecutor:
             results = self.workers.wait_replies(call_id, "result", ranks, self.config.parallel.step_timeout_s)
             return [results[r] for r in sorted(results)]
 
-        return self._guarded(run)  # type: ignore[no-any-return]
+        return self._guarded(run)
 
     def worker_pids(self) -> list[int]:
         return self.workers.pids()
@@ -284,10 +303,8 @@ class MultiprocExecutor:
         if self._shut_down:
             return
         self._shut_down = True
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             self.workers.broadcast(Shutdown())
-        except zmq.ZMQError:
-            pass
         self.workers.stop()
         self.channel.close()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
@@ -304,6 +321,7 @@ class TorchrunExecutor:
         self.channel = _Channel(f"tcp://{host}:0", f"tcp://{host}:0", tp, config.parallel.step_timeout_s)
         self.remote = _RemoteWorkers(config, self.channel, list(range(1, tp)))
         self._shut_down = False
+        self.last_step_timings: dict[str, float] = {}
 
     def addresses(self) -> WorkerAddresses:
         return WorkerAddresses(self.channel.broadcast_addr, self.channel.results_addr)
@@ -322,9 +340,11 @@ class TorchrunExecutor:
                 raise WorkerError(reply.rank, reply.error or "(no traceback)")
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
         self.worker.finish_step()
         self._drain_errors()
         self.remote.broadcast(ExecuteModel(so))
+        self.last_step_timings = {"encode_broadcast": time.perf_counter() - t0}
         return self.worker.execute_model(so)
 
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
@@ -366,12 +386,16 @@ def start_torchrun_rank(config: EngineConfig) -> TorchrunExecutor | None:
     worker.init_device("env://")
     executor = TorchrunExecutor(config, worker) if rank == 0 else None
     # Share rank 0's socket addresses through the process group (raw bytes, nothing unpickled).
-    payload = f"{executor.channel.broadcast_addr} {executor.channel.results_addr}".encode() if executor else None
+    payload = (
+        f"{executor.channel.broadcast_addr} {executor.channel.results_addr}".encode() if executor else None
+    )
     broadcast_addr, results_addr = worker.tp.broadcast_bytes(payload, worker.device).decode().split(" ")
     worker.load_model()
     if executor is not None:
         return executor
-    run_worker_loop(config, rank, local_rank, WorkerAddresses(broadcast_addr, results_addr), None, worker=worker)
+    run_worker_loop(
+        config, rank, local_rank, WorkerAddresses(broadcast_addr, results_addr), None, worker=worker
+    )
     return None
 
 

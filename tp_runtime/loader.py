@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from tp_runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tp_runtime.models.llama import LlamaForCausalLM
 
 
 class CheckpointTensor:
@@ -44,18 +46,18 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def load_weights(model: nn.Module, model_dir: str, dtype: torch.dtype) -> None:
+def load_weights(model: LlamaForCausalLM, model_dir: str, dtype: torch.dtype) -> None:
     """Fill every parameter of `model` from the checkpoint; missing or unknown tensors are errors."""
     unfilled = {id(p): name for name, p in model.named_parameters()}
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
                 try:
-                    targets = list(model.checkpoint_targets(name))  # type: ignore[operator]
+                    targets = list(model.checkpoint_targets(name))
                 except KeyError:
                     raise ConfigError(f"{os.path.basename(path)} holds unexpected tensor {name!r}") from None
                 for param, shard_id in targets:
-                    param.weight_loader(param, CheckpointTensor(handle, name, dtype), shard_id)
+                    param.weight_loader(param, CheckpointTensor(handle, name, dtype), shard_id)  # type: ignore[attr-defined]
                     unfilled.pop(id(param), None)
     if unfilled:
         missing = sorted(unfilled.values())
@@ -70,7 +72,13 @@ class DummyTensor:
     """
 
     def __init__(
-        self, shape: tuple[int, ...], seed: int, scale: float, offset: float, dtype: torch.dtype, device: torch.device
+        self,
+        shape: tuple[int, ...],
+        seed: int,
+        scale: float,
+        offset: float,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         self.shape = shape
         self._seed = seed
@@ -100,9 +108,9 @@ class DummyTensor:
         return self.narrow(0, 0, self.shape[0])
 
 
-def init_dummy_weights(model: nn.Module, seed: int, dtype: torch.dtype, device: torch.device) -> None:
+def init_dummy_weights(model: LlamaForCausalLM, seed: int, dtype: torch.dtype, device: torch.device) -> None:
     """Random weights through the same sharding path as a real checkpoint (see DummyTensor)."""
-    for tensor_index, (name, shape) in enumerate(model.checkpoint_shapes()):  # type: ignore[operator]
+    for tensor_index, (name, shape) in enumerate(model.checkpoint_shapes()):
         is_norm = name.endswith("norm.weight")
         is_bias = name.endswith(".bias")
         source = DummyTensor(
@@ -113,5 +121,5 @@ def init_dummy_weights(model: nn.Module, seed: int, dtype: torch.dtype, device: 
             dtype=dtype,
             device=device,
         )
-        for param, shard_id in model.checkpoint_targets(name):  # type: ignore[operator]
-            param.weight_loader(param, source, shard_id)
+        for param, shard_id in model.checkpoint_targets(name):
+            param.weight_loader(param, source, shard_id)  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ import torch
 from tp_runtime.config import EngineConfig
 from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk
 from tp_runtime.messages import Logprobs, ModelRunnerOutput, NewRequest, RequestSampling, SchedulerOutput
+from tp_runtime.models.llama import LlamaForCausalLM
 from tp_runtime.sampler import Sampler, SamplerOutput, SamplingBatch, token_seed
 from tp_runtime.sampling_params import GREEDY_EPS
 
@@ -44,7 +45,7 @@ class PersistentBatch:
         self.min_tokens = np.zeros(max_rows, dtype=np.int64)
         self.num_logprobs = np.full(max_rows, -1, dtype=np.int64)
         self.stop_token_ids: list[list[int]] = [[] for _ in range(max_rows)]
-        self._row_arrays = [
+        self._row_arrays: list[np.ndarray] = [
             self.token_ids, self.num_tokens, self.num_computed, self.num_output, self.block_table,
             self.num_blocks, self.temperature, self.greedy, self.top_k, self.top_p, self.min_p, self.seed,
             self.has_seed, self.min_tokens, self.num_logprobs,
@@ -107,7 +108,9 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device, rank: int) -> None:
+    def __init__(
+        self, config: EngineConfig, model: LlamaForCausalLM, device: torch.device, rank: int
+    ) -> None:
         self.config = config
         self.model = model
         self.device = device
@@ -129,17 +132,18 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- KV cache
     def kv_bytes_per_block(self) -> int:
-        attn = self.model.model.layers[0].self_attn  # type: ignore[union-attr,index]
-        elem = torch.empty((), dtype=self.model.lm_head.weight.dtype).element_size()  # type: ignore[union-attr]
-        per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim * elem
+        elem = torch.empty((), dtype=self.model.dtype).element_size()
+        per_layer = 2 * self.block_size * self.model.num_local_kv_heads * self.config.model.head_dim * elem
         return per_layer * self.config.model.num_layers
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        attn = self.model.model.layers[0].self_attn  # type: ignore[union-attr,index]
-        dtype = self.model.lm_head.weight.dtype  # type: ignore[union-attr]
-        shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        dtype = self.model.dtype
+        shape = (num_blocks, self.block_size, self.model.num_local_kv_heads, self.config.model.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
             for _ in range(self.config.model.num_layers)
         ]
 
@@ -157,7 +161,7 @@ class ModelRunner:
             prefills=[PrefillChunk(0, num_tokens, None, None)],
         )  # fmt: skip
         hidden = self.model(ids, positions, self.kv_caches, meta)
-        self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler.max_num_seqs) :])  # type: ignore[operator]
+        self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler.max_num_seqs) :])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
@@ -314,7 +318,7 @@ class ModelRunner:
         rows = inputs.sample_rows
         sampled = None
         if len(rows):
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # type: ignore[operator]
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
             logits = logits.float()
             self._mask_stop_tokens(logits, rows)
             sampled = self.sampler(logits, self._sampling_batch(rows))

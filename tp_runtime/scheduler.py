@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 
 from tp_runtime.config import EngineConfig
 from tp_runtime.kv_cache import KVCacheManager
-from tp_runtime.messages import CachedRequests, ModelRunnerOutput, NewRequest, RequestSampling, SchedulerOutput
+from tp_runtime.messages import (
+    CachedRequests,
+    ModelRunnerOutput,
+    NewRequest,
+    RequestSampling,
+    SchedulerOutput,
+)
 from tp_runtime.sampling_params import SamplingParams
 
 

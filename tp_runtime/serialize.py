@@ -17,7 +17,7 @@ class Codec(Generic[T]):
 
     def __init__(self, type_: type[T] | object, what: str) -> None:
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(type_)  # type: ignore[arg-type]
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(type_)
         self._what = what
 
     def encode(self, message: T) -> bytes:

@@ -7,6 +7,7 @@ receive a broadcast message -> execute -> rank 0 replies (control calls may ask 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import traceback
@@ -68,7 +69,12 @@ class Worker:
                 raise ConfigError("internal: a TP>1 worker needs a process-group init method")
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             self.tp = distributed.init_process_group(
-                backend, init_method, self.rank, self.world_size, self.config.parallel.step_timeout_s, self.device
+                backend,
+                init_method,
+                self.rank,
+                self.world_size,
+                self.config.parallel.step_timeout_s,
+                self.device,
             )
 
     def load_model(self) -> None:
@@ -136,10 +142,8 @@ class Worker:
 
 def _exit_when_parent_dies(parent_conn: Any) -> None:
     """Block on the pipe from the driver; EOF means the driver is gone, so leave at once (no orphans)."""
-    try:
+    with contextlib.suppress(EOFError, OSError):
         parent_conn.recv()
-    except (EOFError, OSError):
-        pass
     os._exit(1)
 
 

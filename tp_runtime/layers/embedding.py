@@ -28,7 +28,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def _load(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
         if source.shape[0] != self.vocab_size:
-            raise ValueError(f"checkpoint embedding has {source.shape[0]} rows, config says {self.vocab_size}")
+            raise ValueError(
+                f"checkpoint embedding has {source.shape[0]} rows, config says {self.vocab_size}"
+            )
         n = max(self.vocab_end - self.vocab_start, 0)
         if n:
             param.data[:n].copy_(source.narrow(0, self.vocab_start, n))

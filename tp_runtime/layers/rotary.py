@@ -14,6 +14,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, device: torch.device) -> None:
         super().__init__()
         self.rope = rope

@@ -109,11 +109,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.config = cfg
+        self.dtype = dtype
         self.model = LlamaModel(cfg, tp, dtype, device)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._params_by_name = dict(self.named_parameters())
+        self.num_local_kv_heads: int = self.model.layers[0].self_attn.num_kv_heads  # type: ignore[union-attr,assignment]
 
     def forward(
         self,

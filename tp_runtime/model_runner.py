@@ -102,6 +102,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # token index of each row that samples
     sample_rows: np.ndarray  # batch rows that sample, in output order
+    sampling: SamplingBatch | None  # their sampling settings, staged on the device before the forward
     req_ids: list[int]  # their request ids
     scheduled_rows: np.ndarray
     num_scheduled: np.ndarray
@@ -126,7 +127,6 @@ class ModelRunner:
         self.sync_first = config.bookkeeping_order == "sync_first"
         self.collect_timings = False
         self._use_cuda = device.type == "cuda"
-        self._pinned = self._use_cuda
         self._prev_forward_end: torch.cuda.Event | float | None = None
         self._pending_tokens: tuple[np.ndarray, list[int]] | None = None
 
@@ -184,7 +184,9 @@ class ModelRunner:
         t = torch.from_numpy(array)
         if not self._use_cuda:
             return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        # Inputs are staged before the forward is queued, while the device is idle, so a plain
+        # (pageable) copy costs no overlap and avoids pinning a fresh buffer per tensor.
+        return t.to(self.device, non_blocking=True)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch = self.batch
@@ -248,6 +250,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=self._to_device(logits_indices),
             sample_rows=sample_rows,
+            sampling=self._sampling_batch(sample_rows) if len(sample_rows) else None,
             req_ids=[batch.req_at[r] for r in sample_rows.tolist()],
             scheduled_rows=rows,
             num_scheduled=n,
@@ -321,7 +324,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
             logits = logits.float()
             self._mask_stop_tokens(logits, rows)
-            sampled = self.sampler(logits, self._sampling_batch(rows))
+            assert inputs.sampling is not None
+            sampled = self.sampler(logits, inputs.sampling)
         forward_end = None
         if timings is not None and self._use_cuda:
             forward_end = torch.cuda.Event(enable_timing=True)

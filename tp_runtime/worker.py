@@ -137,6 +137,10 @@ class Worker:
         return getattr(self, method)(*args)
 
     def shutdown(self) -> None:
+        # Drop the weights and KV cache now: an in-process engine's memory must not outlive shutdown().
+        self.runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         distributed.destroy_process_group()
 
 

@@ -1,0 +1,71 @@
+"""Greedy outputs at several TP sizes on the same model must be identical; prints a table and exits 1 if not.
+
+python scripts/compare_tp.py --model llama-3-8b --load-format dummy --dtype float32 --tp-sizes 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+
+import numpy as np
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="tiny-llama-tp")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args()
+
+    from tp_runtime import LLM, SamplingParams
+    from tp_runtime.cli import resolve_model
+
+    model = resolve_model(args.model, args.load_format)
+    outputs: dict[int, list[list[int]]] = {}
+    for tp in args.tp_sizes:
+        with LLM(
+            model, tensor_parallel_size=tp, dtype=args.dtype, device=args.device,
+            load_format=args.load_format, gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.input_len + args.max_tokens + 16,
+        ) as llm:  # fmt: skip
+            rng = np.random.default_rng(0)
+            vocab = llm.config.model.vocab_size
+            prompts = [
+                {"prompt_token_ids": rng.integers(3, vocab, size=args.input_len).tolist()}
+                for _ in range(args.num_prompts)
+            ]
+            params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            outputs[tp] = [o.outputs[0].token_ids for o in outs]
+        gc.collect()
+    base = args.tp_sizes[0]
+    ok = True
+    print(f"model={args.model} dtype={args.dtype} prompts={args.num_prompts} tokens={args.max_tokens}")
+    for tp in args.tp_sizes[1:]:
+        same = sum(a == b for a, b in zip(outputs[base], outputs[tp], strict=True))
+        tokens_same = sum(
+            x == y for a, b in zip(outputs[base], outputs[tp], strict=True) for x, y in zip(a, b)
+        )
+        total = sum(len(a) for a in outputs[base])
+        print(
+            f"TP={tp} vs TP={base}: {same}/{len(outputs[base])} sequences identical, {tokens_same}/{total} tokens"
+        )
+        ok &= same == len(outputs[base])
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": vars(args), "outputs": outputs}, f)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

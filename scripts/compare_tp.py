@@ -52,14 +52,11 @@ def main() -> None:
     ok = True
     print(f"model={args.model} dtype={args.dtype} prompts={args.num_prompts} tokens={args.max_tokens}")
     for tp in args.tp_sizes[1:]:
-        same = sum(a == b for a, b in zip(outputs[base], outputs[tp], strict=True))
-        tokens_same = sum(
-            x == y for a, b in zip(outputs[base], outputs[tp], strict=True) for x, y in zip(a, b)
-        )
+        pairs = list(zip(outputs[base], outputs[tp], strict=True))
+        same = sum(a == b for a, b in pairs)
+        tokens_same = sum(x == y for a, b in pairs for x, y in zip(a, b, strict=False))
         total = sum(len(a) for a in outputs[base])
-        print(
-            f"TP={tp} vs TP={base}: {same}/{len(outputs[base])} sequences identical, {tokens_same}/{total} tokens"
-        )
+        print(f"TP={tp} vs TP={base}: {same}/{len(pairs)} sequences identical, {tokens_same}/{total} tokens")
         ok &= same == len(outputs[base])
     if args.output_json:
         with open(args.output_json, "w") as f:

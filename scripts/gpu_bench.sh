@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU measurements recorded in BENCHMARKS.md (run on the device machines; see the device README).
+#   scripts/gpu_bench.sh smoke|tp1|tp2|peer OUT_DIR
+set -euo pipefail
+part=$1
+out=${2:-/tmp/tp-runtime-bench}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+py=${PYTHON:-python3}
+bench() {  # name, then bench latency args
+  local name=$1
+  shift
+  $py -m tp_runtime.cli bench latency --load-format dummy --dtype bfloat16 --no-progress \
+    --output-json "$out/$name.json" "$@" 2>&1 | grep -v Warning | tail -16 | tee "$out/$name.txt"
+}
+case $part in
+  smoke)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    $py -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
+    $py scripts/compare_tp.py --model tiny-llama-tp --tp-sizes 1 2 --num-prompts 4 --max-tokens 16
+    bench tiny_tp2 --model tiny-llama-tp -tp 2 --batch-size 8 --output-len 32 --num-iters 2
+    ;;
+  compare)
+    for dtype in float32 bfloat16; do
+      $py scripts/compare_tp.py --model llama-3-8b --load-format dummy --dtype $dtype --tp-sizes 1 2 \
+        --num-prompts 8 --input-len 64 --max-tokens 32 --output-json "$out/compare_$dtype.json"
+    done
+    ;;
+  tp1 | tp2)
+    tp=${part#tp}
+    for order in overlap sync_first; do
+      bench "llama3_8b_tp${tp}_b32_${order}" --model llama-3-8b -tp "$tp" --batch-size 32 --input-len 1000 \
+        --output-len 128 --num-iters-warmup 1 --num-iters 3 --bookkeeping-order $order
+    done
+    bench "llama3_8b_tp${tp}_b1" --model llama-3-8b -tp "$tp" --batch-size 1 --input-len 32 --output-len 128 \
+      --num-iters-warmup 1 --num-iters 5
+    ;;
+  peer)
+    for cache in static dynamic; do
+      $py scripts/bench_hf_peer.py --model llama-3-8b --batch-size 32 --input-len 1000 --output-len 128 \
+        --cache-implementation $cache --output-json "$out/hf_${cache}_b32.json"
+    done
+    $py scripts/bench_hf_peer.py --model llama-3-8b --batch-size 1 --input-len 32 --output-len 128 \
+      --cache-implementation static --num-iters 5 --output-json "$out/hf_static_b1.json"
+    ;;
+  *)
+    echo "unknown part $part" >&2
+    exit 2
+    ;;
+esac

@@ -36,10 +36,13 @@ BASE_CONFIG: dict[str, Any] = dict(
 )
 
 
-def build_checkpoint(root: Path, architecture: str = "LlamaForCausalLM", seed: int = 0, **overrides: Any) -> Path:
+def build_checkpoint(
+    root: Path, architecture: str = "LlamaForCausalLM", seed: int = 0, **overrides: Any
+) -> Path:
     """Save a random-weight float32 checkpoint (config, safetensors, tokenizer) under root; cached by args."""
     kwargs = {**BASE_CONFIG, **overrides}
-    key = hashlib.sha1(json.dumps([architecture, seed, kwargs], sort_keys=True, default=str).encode()).hexdigest()
+    spec = json.dumps([architecture, seed, kwargs], sort_keys=True, default=str)
+    key = hashlib.sha1(spec.encode()).hexdigest()
     out = root / f"{architecture}-{key[:12]}"
     if (out / "config.json").is_file():
         return out

@@ -41,7 +41,11 @@ def hf_reference(smollm2_dir: Path) -> list[list[int]]:
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt").input_ids
         gen = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            pad_token_id=2,
         )
         outs.append(gen[0, ids.shape[1] :].tolist())
     return outs

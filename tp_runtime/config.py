@@ -26,9 +26,8 @@ class RopeConfig:
     # Inverse frequencies from HF's own rope init functions (exactly what transformers uses), as floats.
     inv_freq: tuple[float, ...]
     attention_scaling: float
-    # Only for "dynamic" NTK scaling, which HF recomputes from the sequence length at run time.
-    dynamic_factor: float = 1.0
-    original_max_position: int = 0
+    # "dynamic" NTK scaling only changes frequencies past max_position_embeddings, which max_model_len
+    # never exceeds, so within the engine it is the frequencies HF starts from.
 
 
 @dataclass(frozen=True)
@@ -196,16 +195,11 @@ def _rope_config(hf_config: Any, head_dim: int) -> RopeConfig:
         scaling = 1.0
     else:
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-    factor = float(params.get("factor", 1.0))
     return RopeConfig(
         rope_type=rope_type,
         theta=theta,
         inv_freq=tuple(float(x) for x in inv_freq.float().tolist()),
         attention_scaling=float(scaling),
-        dynamic_factor=factor,
-        original_max_position=int(
-            params.get("original_max_position_embeddings", hf_config.max_position_embeddings)
-        ),
     )
 
 

@@ -123,7 +123,6 @@ class ModelRunner:
         self.sampler = Sampler(device, config.seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sliding_window = mc.sliding_window
-        self.dynamic_rope = mc.rope.rope_type == "dynamic"
         self.sync_first = config.bookkeeping_order == "sync_first"
         self.collect_timings = False
         self._use_cuda = device.type == "cuda"
@@ -242,8 +241,6 @@ class ModelRunner:
                 PrefillChunk(start, end, self._to_device(batch.block_table[rows[i], :blocks]),
                              self._to_device(mask[None, None]))
             )  # fmt: skip
-        if self.dynamic_rope:
-            meta.token_seq_lens = self._to_device(seq_lens[token_req])
         return StepInputs(
             input_ids=self._to_device(input_ids),
             positions=self._to_device(positions),

@@ -32,8 +32,6 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decode, blocks] (padding: block 0)
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, blocks * block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # Length of each token's sequence after this step (dynamic rope only); else None.
-    token_seq_lens: torch.Tensor | None = None
 
 
 def write_kv(

@@ -30,31 +30,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_table", sin, persistent=False)
 
     def _cos_sin(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # inv_freq is [head_dim/2] (shared) or [tokens, head_dim/2] (dynamic scaling); both broadcast.
         freqs = positions.float().unsqueeze(-1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.rope.attention_scaling, emb.sin() * self.rope.attention_scaling
 
-    def _dynamic_inv_freq(self, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Per-token inverse frequencies of dynamic NTK scaling, recomputed from each sequence's length as
-        transformers does once a sequence outgrows the original context."""
-        rope = self.rope
-        dim = self.head_dim
-        seq = torch.clamp(seq_lens.float(), min=float(rope.original_max_position)).unsqueeze(-1)
-        base = rope.theta * (
-            (rope.dynamic_factor * seq / rope.original_max_position) - (rope.dynamic_factor - 1)
-        ) ** (dim / (dim - 2))
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=seq.device).float() / dim
-        scaled = 1.0 / (base**exponents)
-        return torch.where(seq > rope.original_max_position, scaled, self.inv_freq.unsqueeze(0))
-
-    def cos_sin(
-        self, positions: torch.Tensor, token_seq_lens: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for each token; `token_seq_lens` (length of the token's sequence after this step) is
-        only needed for dynamic scaling."""
-        if self.rope.rope_type == "dynamic" and token_seq_lens is not None:
-            return self._cos_sin(positions, self._dynamic_inv_freq(token_seq_lens))
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos_table[positions], self.sin_table[positions]
 
 

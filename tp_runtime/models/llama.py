@@ -125,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per scheduled token."""
-        cos, sin = self.model.rotary.cos_sin(positions, meta.token_seq_lens)
+        cos, sin = self.model.rotary.cos_sin(positions)
         hidden = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, meta)

@@ -7,6 +7,7 @@ prints; the other ranks serve as workers and exit when the driver shuts down.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -107,6 +108,19 @@ def _generate(args: argparse.Namespace) -> None:
     prompts = args.prompts or ["The capital of France is"]
     with build_llm(args) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
+    if args.output_json:
+        records = [
+            {
+                "prompt": o.prompt,
+                "prompt_token_ids": o.prompt_token_ids,
+                "text": o.outputs[0].text,
+                "token_ids": o.outputs[0].token_ids,
+                "finish_reason": o.outputs[0].finish_reason,
+            }
+            for o in outputs
+        ]
+        with open(args.output_json, "w") as f:
+            json.dump(records, f, indent=2)
     for out in outputs:
         completion = out.outputs[0]
         print(
@@ -136,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--output-json", default=None, help="also write prompts, texts and token ids here")
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="benchmarks")

@@ -1,0 +1,80 @@
+"""The command line, the torchrun launcher and the latency benchmark, end to end on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import transformers
+from conftest import hf_greedy
+
+from tp_runtime.bench.latency import BREAKDOWN_FIELDS, PERCENTILES
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["The capital of France is", "Hello world, this is a test"]
+
+
+def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def tp_model(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint(
+        hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=2, vocab_size=301
+    )
+
+
+def _hf_reference(model_dir: Path, max_tokens: int) -> list[list[int]]:
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    return hf_greedy(model_dir, [tok(p)["input_ids"] for p in PROMPTS], max_tokens)
+
+
+@pytest.mark.parametrize("launcher", ["cli", "torchrun"])
+def test_generate_matches_hf(tp_model: Path, tmp_path: Path, launcher: str) -> None:
+    out = tmp_path / "out.json"
+    args = ["generate", "--model", str(tp_model), "--max-tokens", "10", "--ignore-eos", "--device", "cpu",
+            "--dtype", "float32", "--output-json", str(out), *PROMPTS]  # fmt: skip
+    if launcher == "cli":
+        proc = _run([sys.executable, "-m", "tp_runtime.cli", *args, "-tp", "2"])
+    else:
+        # Rank 0 hosts the driver; rank 1 is a worker connecting over TCP (torchrun mode).
+        proc = _run(["bash", "scripts/launch_tp.sh", "2", *args])
+    records = json.loads(out.read_text())
+    assert [r["token_ids"] for r in records] == _hf_reference(tp_model, 10)
+    assert all(r["finish_reason"] == "length" for r in records)
+    assert proc.stdout.count("->") == len(PROMPTS)  # rank 0 alone prints
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bench_latency_writes_every_field(tmp_path: Path, tp: int) -> None:
+    out = tmp_path / "latency.json"
+    proc = _run([sys.executable, "-m", "tp_runtime.cli", "bench", "latency", "--model", "tiny-llama", "-tp", str(tp),
+                 "--device", "cpu", "--batch-size", "4", "--input-len", "16", "--output-len", "8",
+                 "--num-iters-warmup", "1", "--num-iters", "2", "--no-progress", "--output-json", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert len(result["latencies"]) == 2 and all(x > 0 for x in result["latencies"])
+    assert result["avg_latency"] == pytest.approx(sum(result["latencies"]) / 2)
+    assert set(result["percentiles"]) == {str(p) for p in PERCENTILES}
+    assert result["config"]["tensor_parallel_size"] == tp
+    breakdown = result["decode_step_breakdown"]
+    # 8 output tokens: the first comes from the prefill step, the other 7 from decode steps.
+    assert breakdown["num_decode_steps"] == 7
+    expected = set(BREAKDOWN_FIELDS) - ({"encode_broadcast"} if tp == 1 else set())
+    assert expected <= set(breakdown), expected - set(breakdown)
+    assert all(v >= 0 for k, v in breakdown.items() if k != "reply_transport")
+    assert breakdown["worker_forward_device"] < breakdown["step_total"]
+    assert "Avg latency" in proc.stdout and "host gap" in proc.stdout
+
+
+def test_launch_script_usage_error() -> None:
+    proc = subprocess.run(["bash", "scripts/launch_tp.sh"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage" in proc.stderr

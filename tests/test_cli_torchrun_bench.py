@@ -57,9 +57,10 @@ def test_generate_matches_hf(tp_model: Path, tmp_path: Path, launcher: str) -> N
 @pytest.mark.parametrize("tp", [1, 2])
 def test_bench_latency_writes_every_field(tmp_path: Path, tp: int) -> None:
     out = tmp_path / "latency.json"
-    proc = _run([sys.executable, "-m", "tp_runtime.cli", "bench", "latency", "--model", "tiny-llama", "-tp", str(tp),
-                 "--device", "cpu", "--batch-size", "4", "--input-len", "16", "--output-len", "8",
-                 "--num-iters-warmup", "1", "--num-iters", "2", "--no-progress", "--output-json", str(out)])  # fmt: skip
+    proc = _run([sys.executable, "-m", "tp_runtime.cli", "bench", "latency", "--model", "tiny-llama",
+                 "-tp", str(tp), "--device", "cpu", "--batch-size", "4", "--input-len", "16",
+                 "--output-len", "8", "--num-iters-warmup", "1", "--num-iters", "2", "--no-progress",
+                 "--output-json", str(out)])  # fmt: skip
     result = json.loads(out.read_text())
     assert len(result["latencies"]) == 2 and all(x > 0 for x in result["latencies"])
     assert result["avg_latency"] == pytest.approx(sum(result["latencies"]) / 2)

@@ -116,8 +116,13 @@ class EngineConfig:
     # Runner option kept for benchmarking: "overlap" does value-free bookkeeping before the device->host
     # sync; "sync_first" waits for the sampled ids first (the order this project replaced).
     bookkeeping_order: str = "overlap"
+    # Decode steps as CUDA graphs: "auto" (on CUDA), "off" (always eager), "padded" (the graph path's
+    # padded static inputs run eagerly, to check that path on CPU).
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cuda_graphs not in ("auto", "off", "padded"):
+            raise ConfigError(f"cuda_graphs must be auto|off|padded, got {self.cuda_graphs!r}")
         if self.bookkeeping_order not in ("overlap", "sync_first"):
             raise ConfigError(f"bookkeeping_order must be overlap|sync_first, got {self.bookkeeping_order!r}")
         validate_tensor_parallel(self.model, self.parallel.tensor_parallel_size)

@@ -238,6 +238,8 @@ class LLM:
         step_timeout_s: float = 300.0,
         executor: str = "auto",
         bookkeeping_order: str = "overlap",
+        enforce_eager: bool = False,
+        cuda_graphs: str = "auto",
     ) -> None:
         import transformers
 
@@ -262,6 +264,7 @@ class LLM:
             device=resolved_device,
             seed=seed,
             bookkeeping_order=bookkeeping_order,
+            cuda_graphs="off" if enforce_eager else cuda_graphs,
         )  # fmt: skip
         try:
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(model))

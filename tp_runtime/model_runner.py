@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tp_runtime.config import EngineConfig
+from tp_runtime.decode_graphs import DecodeGraphs
 from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk
 from tp_runtime.messages import Logprobs, ModelRunnerOutput, NewRequest, RequestSampling, SchedulerOutput
 from tp_runtime.models.llama import LlamaForCausalLM
@@ -97,9 +98,11 @@ class PersistentBatch:
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
+    # Eager path: device tensors and attention metadata. Decode-graph path: the host arrays instead.
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor | None
+    meta: AttentionMetadata | None
+    graph_inputs: tuple[np.ndarray, ...] | None
     logits_indices: torch.Tensor  # token index of each row that samples
     sample_rows: np.ndarray  # batch rows that sample, in output order
     sampling: SamplingBatch | None  # their sampling settings, staged on the device before the forward
@@ -122,6 +125,7 @@ class ModelRunner:
         self.batch = PersistentBatch(config.scheduler.max_num_seqs, mc.max_model_len, self.max_blocks)
         self.sampler = Sampler(device, config.seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.decode_graphs: DecodeGraphs | None = None
         self.sliding_window = mc.sliding_window
         self.sync_first = config.bookkeeping_order == "sync_first"
         self.collect_timings = False
@@ -137,7 +141,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         dtype = self.model.dtype
-        shape = (num_blocks, self.block_size, self.model.num_local_kv_heads, self.config.model.head_dim)
+        # One block more than the scheduler owns: the decode graphs' padding rows write into it.
+        shape = (num_blocks + 1, self.block_size, self.model.num_local_kv_heads, self.config.model.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=dtype, device=self.device),
@@ -145,12 +150,31 @@ class ModelRunner:
             )
             for _ in range(self.config.model.num_layers)
         ]
+        mode = self.config.cuda_graphs
+        if mode == "auto":
+            mode = "capture" if self.device.type == "cuda" else "off"
+        self.decode_graphs = None
+        if mode != "off":
+            self.decode_graphs = DecodeGraphs(
+                self._graph_forward, self.block_size, self.config.scheduler.max_num_seqs, self.max_blocks,
+                trash_slot=num_blocks * self.block_size, sliding_window=self.sliding_window,
+                device=self.device, capture=mode == "capture",
+            )  # fmt: skip
+
+    def _graph_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
 
     @torch.inference_mode()
     def profile_peak_memory(self) -> int:
         """Run the largest prefill a step can hold once and return the peak device memory in bytes."""
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
-        self.allocate_kv_cache(1)
+        self.kv_caches = [
+            (torch.zeros(1, self.block_size, self.model.num_local_kv_heads, self.config.model.head_dim,
+                         dtype=self.model.dtype, device=self.device),) * 2
+            for _ in range(self.config.model.num_layers)
+        ]  # fmt: skip
         torch.cuda.reset_peak_memory_stats(self.device)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
@@ -211,6 +235,22 @@ class ModelRunner:
         sample_rows = rows[samples]
         logits_indices = ends[samples] - 1
 
+        common = dict(
+            logits_indices=self._to_device(logits_indices),
+            sample_rows=sample_rows,
+            sampling=self._sampling_batch(sample_rows) if len(sample_rows) else None,
+            req_ids=[batch.req_at[r] for r in sample_rows.tolist()],
+            scheduled_rows=rows,
+            num_scheduled=n,
+        )
+        graphs = self.decode_graphs
+        if graphs is not None and num_decode == len(rows) and graphs.supports(num_decode):
+            blocks = int(-(-seq_lens.max() // bs))
+            return StepInputs(
+                input_ids=None, positions=None, meta=None,
+                graph_inputs=(input_ids, positions, slots, batch.block_table[rows, :blocks], seq_lens),
+                **common,
+            )  # fmt: skip
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slots), num_decode_tokens=num_decode,
             decode_block_tables=None, decode_mask=None,
@@ -245,12 +285,8 @@ class ModelRunner:
             input_ids=self._to_device(input_ids),
             positions=self._to_device(positions),
             meta=meta,
-            logits_indices=self._to_device(logits_indices),
-            sample_rows=sample_rows,
-            sampling=self._sampling_batch(sample_rows) if len(sample_rows) else None,
-            req_ids=[batch.req_at[r] for r in sample_rows.tolist()],
-            scheduled_rows=rows,
-            num_scheduled=n,
+            graph_inputs=None,
+            **common,
         )
 
     def _sampling_batch(self, rows: np.ndarray) -> SamplingBatch:
@@ -314,11 +350,17 @@ class ModelRunner:
         inputs = self._prepare_inputs(so)
         t_prep = time.perf_counter()
         self._mark_forward_start(timings)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         rows = inputs.sample_rows
         sampled = None
-        if len(rows):
+        if inputs.graph_inputs is not None:
+            assert self.decode_graphs is not None
+            all_logits = self.decode_graphs.run(*inputs.graph_inputs)
+            logits = all_logits if len(rows) == len(all_logits) else all_logits[inputs.logits_indices]
+        else:
+            assert inputs.input_ids is not None and inputs.positions is not None and inputs.meta is not None
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        if len(rows):
             logits = logits.float()
             self._mask_stop_tokens(logits, rows)
             assert inputs.sampling is not None

@@ -1,0 +1,140 @@
+"""Decode steps on static, padded buffers, captured as CUDA graphs on GPU.
+
+A decode forward launches a few dozen kernels per layer; replayed from a CUDA graph it is one launch, so
+the host stops being the bottleneck. Graphs need fixed shapes and addresses, so the batch is padded up to
+a bucket size and each sequence's block table to a bucket of blocks; the inputs of a step are packed into
+one pinned host buffer and copied to the device with one transfer. Padding rows write their keys/values
+into a trash slot (one extra cache block nobody owns) and attend only to key 0.
+
+Graphs are captured lazily, the first time a (batch bucket, block bucket) pair is needed. The same
+padded path can run without capture ("padded" mode), which is how CPU tests check its inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from tp_runtime.layers.attention import AttentionMetadata
+
+# Columns of the packed input buffer before the block table.
+_IDS, _POS, _SLOT, _LEN, _TABLE = 0, 1, 2, 3, 4
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8, *range(16, max_batch + 16, 16)]
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+def block_buckets(max_blocks: int) -> list[int]:
+    sizes, b = [], 4
+    while b < max_blocks:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, max_blocks]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        block_size: int,
+        max_batch: int,
+        max_blocks: int,
+        trash_slot: int,
+        sliding_window: int | None,
+        device: torch.device,
+        capture: bool,
+    ) -> None:
+        """`forward(input_ids, positions, meta)` returns the logits of every row."""
+        self._forward = forward
+        self.block_size = block_size
+        self.batch_sizes = batch_buckets(max_batch)
+        self.block_sizes = block_buckets(max_blocks)
+        self.trash_slot = trash_slot
+        self.window = sliding_window
+        self.device = device
+        self.capture = capture
+        width = _TABLE + max_blocks
+        rows = self.batch_sizes[-1]
+        self._staging = torch.zeros((rows, width), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._staging_np = self._staging.numpy()
+        self._inputs = torch.zeros((rows, width), dtype=torch.int64, device=device)
+        self._key_pos = torch.arange(max_blocks * block_size, device=device)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def supports(self, num_seqs: int) -> bool:
+        return num_seqs <= self.batch_sizes[-1]
+
+    @staticmethod
+    def _bucket(sizes: list[int], n: int) -> int:
+        return next(s for s in sizes if s >= n)
+
+    def _run_forward(self, rows: int, blocks: int) -> torch.Tensor:
+        inputs = self._inputs[:rows]
+        seq_lens = inputs[:, _LEN]
+        key_pos = self._key_pos[: blocks * self.block_size]
+        mask = key_pos.unsqueeze(0) < seq_lens.unsqueeze(1)
+        if self.window is not None:
+            mask &= key_pos.unsqueeze(0) > (seq_lens.unsqueeze(1) - 1 - self.window)
+        meta = AttentionMetadata(
+            slot_mapping=inputs[:, _SLOT],
+            num_decode_tokens=rows,
+            decode_block_tables=inputs[:, _TABLE : _TABLE + blocks],
+            decode_mask=mask[:, None, None, :],
+        )
+        return self._forward(inputs[:, _IDS], inputs[:, _POS], meta)
+
+    def _capture(self, rows: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm up on a side stream (lazy inits, allocator), then record.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._run_forward(rows, blocks)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._run_forward(rows, blocks)
+        return graph, logits
+
+    def run(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        block_tables: np.ndarray,
+        seq_lens: np.ndarray,
+    ) -> torch.Tensor:
+        """Logits [num_seqs, vocab] of one decode step; block_tables holds at least the used blocks."""
+        n = len(input_ids)
+        rows = self._bucket(self.batch_sizes, n)
+        blocks = self._bucket(self.block_sizes, int(-(-seq_lens.max() // self.block_size)))
+        used = min(blocks, block_tables.shape[1])
+        st = self._staging_np
+        st[:n, _IDS] = input_ids
+        st[:n, _POS] = positions
+        st[:n, _SLOT] = slots
+        st[:n, _LEN] = seq_lens
+        st[:n, _TABLE : _TABLE + used] = block_tables[:, :used]
+        st[:n, _TABLE + used : _TABLE + blocks] = 0
+        st[n:rows, :] = 0
+        st[n:rows, _SLOT] = self.trash_slot
+        st[n:rows, _LEN] = 1
+        # One transfer; the pinned buffer is free to reuse because the previous step synced already.
+        self._inputs[:rows].copy_(self._staging[:rows], non_blocking=True)
+        if not self.capture:
+            return self._run_forward(rows, blocks)[:n]
+        key = (rows, blocks)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(rows, blocks)
+        graph, logits = entry
+        graph.replay()
+        return logits[:n]
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)

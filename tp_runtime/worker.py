@@ -8,6 +8,7 @@ receive a broadcast message -> execute -> rank 0 replies (control calls may ask 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import threading
 import traceback
@@ -140,6 +141,7 @@ class Worker:
         # Drop the weights and KV cache now: an in-process engine's memory must not outlive shutdown().
         self.runner = None
         if self.device.type == "cuda":
+            gc.collect()  # the runner and its CUDA graphs reference each other
             torch.cuda.empty_cache()
         distributed.destroy_process_group()
 

@@ -72,14 +72,16 @@ def paged_attention(
     num_decode = meta.num_decode_tokens
     if num_decode:
         assert meta.decode_block_tables is not None
-        decode_out = _sdpa(
-            q[:num_decode].unsqueeze(2),
-            _gather(k_cache, meta.decode_block_tables),
-            _gather(v_cache, meta.decode_block_tables),
-            meta.decode_mask,
-            scale,
+        keys = _gather(k_cache, meta.decode_block_tables)
+        values = _gather(v_cache, meta.decode_block_tables)
+        # GQA without repeating keys: the query heads sharing a KV head become that head's query rows
+        # (head h uses KV head h // group, as transformers' repeat_kv lays them out).
+        group = q.shape[1] // keys.shape[1]
+        grouped = q[:num_decode].view(num_decode, keys.shape[1], group, q.shape[2])
+        decode_out = F.scaled_dot_product_attention(
+            grouped, keys, values, attn_mask=meta.decode_mask, scale=scale
         )
-        out[:num_decode] = decode_out.squeeze(2)
+        out[:num_decode] = decode_out.reshape(num_decode, q.shape[1], q.shape[2])
     for chunk in meta.prefills:
         q_chunk = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         if chunk.block_table is None:

@@ -1,0 +1,41 @@
+"""Top device kernels of decode steps (torch.profiler), to see where a step's time goes on GPU.
+
+python scripts/profile_decode.py --model llama-3-8b --batch-size 32 --input-len 1000 --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+
+    from tp_runtime import LLM, SamplingParams
+    from tp_runtime.cli import resolve_model
+
+    llm = LLM(resolve_model(args.model, "dummy"), load_format="dummy", dtype="bfloat16",
+              enforce_eager=args.enforce_eager, max_model_len=args.input_len + args.steps + 64)  # fmt: skip
+    prompts = [
+        {"prompt_token_ids": np.random.default_rng(i).integers(3, 1000, args.input_len).tolist()}
+        for i in range(args.batch_size)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # warm up (and capture graphs)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -239,6 +239,7 @@ class LLM:
         executor: str = "auto",
         bookkeeping_order: str = "overlap",
         enforce_eager: bool = False,
+        spin_wait_s: float | None = None,
         cuda_graphs: str = "auto",
     ) -> None:
         import transformers
@@ -252,6 +253,7 @@ class LLM:
             parallel=ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size, executor=executor, step_timeout_s=step_timeout_s,
                 driver_host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                spin_wait_s=spin_wait_s if spin_wait_s is not None else 0.002 * (resolved_device == "cuda"),
             ),
             cache=CacheConfig(
                 block_size=block_size,

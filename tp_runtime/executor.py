@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeVar
 import zmq
 
 from tp_runtime.config import EngineConfig
-from tp_runtime.errors import ConfigError, ProtocolError, StepTimeoutError, WorkerDiedError, WorkerError
+from tp_runtime.errors import ConfigError, StepTimeoutError, WorkerDiedError, WorkerError
 from tp_runtime.messages import (
     ControlCall,
     DriverMessage,
@@ -37,7 +37,7 @@ from tp_runtime.messages import (
     SchedulerOutput,
     Shutdown,
 )
-from tp_runtime.serialize import driver_message_codec, worker_reply_codec
+from tp_runtime.serialize import driver_message_codec, recv_spinning, worker_reply_codec
 from tp_runtime.worker import Worker, WorkerAddresses, run_worker_loop
 
 # How often a blocked driver wakes to check that its workers are alive.
@@ -132,10 +132,10 @@ class _Channel:
 class _RemoteWorkers:
     """Sends to and waits on remote ranks; subclasses say how to tell whether a rank is alive."""
 
-    def __init__(self, config: EngineConfig, channel: _Channel, remote_ranks: list[int]) -> None:
-        self.config = config
+    def __init__(self, channel: _Channel, remote_ranks: list[int], spin_wait_s: float) -> None:
         self.channel = channel
         self.remote_ranks = remote_ranks
+        self.spin_wait_s = spin_wait_s
         self.closed = False
 
     def check_alive(self) -> None:
@@ -160,12 +160,11 @@ class _RemoteWorkers:
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
         pull = self.channel.pull
+        spin_s = self.spin_wait_s
         while len(results) < len(ranks):
-            if pull.poll(_LIVENESS_POLL_MS):
-                try:
-                    reply = self.channel.decoder.decode(pull.recv())
-                except ProtocolError:
-                    raise
+            data = recv_spinning(pull, spin_s, _LIVENESS_POLL_MS)
+            if data is not None:
+                reply = self.channel.decoder.decode(data)
                 if reply.kind == "error":
                     raise WorkerError(reply.rank, reply.error or "(no traceback)")
                 if reply.call_id == call_id and reply.kind == kind and reply.rank in ranks:
@@ -186,7 +185,10 @@ class _RemoteWorkers:
 
 class _SpawnedWorkers(_RemoteWorkers):
     def __init__(self, config: EngineConfig, channel: _Channel) -> None:
-        super().__init__(config, channel, list(range(config.parallel.tensor_parallel_size)))
+        super().__init__(
+            channel, list(range(config.parallel.tensor_parallel_size)), config.parallel.spin_wait_s
+        )
+        self.config = config
         self.procs: list[mp.process.BaseProcess] = []
         self.death_pipes: list[Any] = []
 
@@ -322,7 +324,7 @@ class TorchrunExecutor:
         tp = config.parallel.tensor_parallel_size
         host = config.parallel.driver_host
         self.channel = _Channel(f"tcp://{host}:0", f"tcp://{host}:0", tp, config.parallel.step_timeout_s)
-        self.remote = _RemoteWorkers(config, self.channel, list(range(1, tp)))
+        self.remote = _RemoteWorkers(self.channel, list(range(1, tp)), config.parallel.spin_wait_s)
         self._shut_down = False
         self.last_step_timings: dict[str, float] = {}
 

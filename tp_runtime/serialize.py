@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from typing import Generic, TypeVar
 
 import msgspec
+import zmq
 
 from tp_runtime.errors import ProtocolError
 from tp_runtime.messages import DriverMessage, WorkerReply
@@ -28,6 +30,22 @@ class Codec(Generic[T]):
             return self._decoder.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ProtocolError(f"received bytes that are not a valid {self._what}: {exc}") from None
+
+
+def recv_spinning(sock: zmq.Socket[bytes], spin_s: float, block_ms: int) -> bytes | None:
+    """Receive, busy-polling for up to spin_s first (a wake-up from a blocking wait costs tens of
+    microseconds per hop), then blocking up to block_ms; None if nothing came."""
+    if spin_s > 0:
+        end = time.perf_counter() + spin_s
+        while True:
+            try:
+                return sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                if time.perf_counter() > end:
+                    break
+    if sock.poll(block_ms):
+        return sock.recv()
+    return None
 
 
 def driver_message_codec() -> Codec[DriverMessage]:

@@ -33,7 +33,7 @@ from tp_runtime.messages import (
 )
 from tp_runtime.model_runner import ModelRunner
 from tp_runtime.models.registry import model_class
-from tp_runtime.serialize import driver_message_codec, worker_reply_codec
+from tp_runtime.serialize import driver_message_codec, recv_spinning, worker_reply_codec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -189,8 +189,10 @@ def run_worker_loop(
         reply(-1, "error", error=traceback.format_exc())
         raise
 
+    spin_s = config.parallel.spin_wait_s
     while True:
-        data = sub.recv()
+        data = recv_spinning(sub, spin_s, -1)
+        assert data is not None  # a blocking wait only returns with a message
         call_id = -1
         try:
             message = decoder.decode(data)

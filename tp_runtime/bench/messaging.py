@@ -52,10 +52,21 @@ class _StubWorker:
         pass
 
 
-def _stub_worker_main(rank: int, addresses: Any, parent_conn: Any) -> None:
+def _stub_worker_main(rank: int, addresses: Any, parent_conn: Any, spin_wait_s: float) -> None:
+    from tp_runtime.config import ParallelConfig
     from tp_runtime.worker import run_worker_loop
 
-    run_worker_loop(None, rank, rank, addresses, None, parent_conn, worker=_StubWorker(rank))  # type: ignore[arg-type]
+    run_worker_loop(
+        _StubConfig(ParallelConfig(spin_wait_s=spin_wait_s)),  # type: ignore[arg-type]
+        rank, rank, addresses, None, parent_conn, worker=_StubWorker(rank),  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+class _StubConfig:
+    """The only part of EngineConfig the worker loop reads when handed a ready worker."""
+
+    def __init__(self, parallel: Any) -> None:
+        self.parallel = parallel
 
 
 def decode_step(num_reqs: int, step_id: int) -> SchedulerOutput:
@@ -138,7 +149,7 @@ def payload_formats(num_reqs: int, repeats: int) -> dict[str, dict[str, float]]:
     return results
 
 
-def round_trips(tp: int, steps: int) -> dict[str, float]:
+def round_trips(tp: int, steps: int, spin_wait_s: float) -> dict[str, float]:
     from tp_runtime.executor import _Channel, _RemoteWorkers
     from tp_runtime.worker import WorkerAddresses
 
@@ -150,12 +161,12 @@ def round_trips(tp: int, steps: int) -> dict[str, float]:
     addresses = WorkerAddresses(channel.broadcast_addr, channel.results_addr)
     for rank in range(tp):
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_stub_worker_main, args=(rank, addresses, reader), daemon=True)
+        proc = ctx.Process(target=_stub_worker_main, args=(rank, addresses, reader, spin_wait_s), daemon=True)
         proc.start()
         reader.close()
         procs.append(proc)
         pipes.append(writer)
-    remote = _RemoteWorkers(None, channel, list(range(tp)))  # type: ignore[arg-type]
+    remote = _RemoteWorkers(channel, list(range(tp)), spin_wait_s)
     results = {}
     try:
         remote.wait_for_subscribers(time.monotonic() + 120)
@@ -193,6 +204,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=256, help="requests in the payload comparison")
     parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--spin-wait-us", type=float, default=0.0, help="busy-poll before blocking (us)")
     parser.add_argument("--output-json", default=None)
 
 
@@ -201,7 +213,7 @@ def main(args: argparse.Namespace) -> None:
     print(f"ModelRunnerOutput sampled ids for {args.num_requests} requests: encode+decode, bytes")
     for name, r in formats.items():
         print(f"  {name:<40}{r['encode_decode_us']:8.1f} us {int(r['bytes']):8d} B")
-    trips = round_trips(args.tensor_parallel_size, args.steps)
+    trips = round_trips(args.tensor_parallel_size, args.steps, args.spin_wait_us * 1e-6)
     print(
         f"\nBroadcast + rank-0 reply round trip, TP={args.tensor_parallel_size}, "
         f"median of {args.steps} steps:"

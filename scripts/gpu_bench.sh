@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements recorded in BENCHMARKS.md (run on the device machines; see the device README).
-#   scripts/gpu_bench.sh smoke|tp1|tp2|peer OUT_DIR
+#   scripts/gpu_bench.sh smoke|compare|tp1|tp2|messaging|peer OUT_DIR
 set -euo pipefail
 part=$1
 out=${2:-/tmp/tp-runtime-bench}
@@ -11,7 +11,7 @@ bench() {  # name, then bench latency args
   local name=$1
   shift
   $py -m tp_runtime.cli bench latency --load-format dummy --dtype bfloat16 --no-progress \
-    --output-json "$out/$name.json" "$@" 2>&1 | grep -v Warning | tail -16 | tee "$out/$name.txt"
+    --output-json "$out/$name.json" "$@" 2>&1 | grep -v Warning | tail -24 | tee "$out/$name.txt"
 }
 case $part in
   smoke)
@@ -34,6 +34,11 @@ case $part in
     done
     bench "llama3_8b_tp${tp}_b1" --model llama-3-8b -tp "$tp" --batch-size 1 --input-len 32 --output-len 128 \
       --num-iters-warmup 1 --num-iters 5
+    ;;
+  messaging)
+    for spin in 0 2000; do
+      $py -m tp_runtime.cli bench messaging --steps 500 --spin-wait-us $spin --output-json "$out/messaging_spin$spin.json"
+    done
     ;;
   peer)
     for cache in static dynamic; do

@@ -222,4 +222,5 @@ def main(args: argparse.Namespace) -> None:
         print(f"  {name:<40}{us:8.1f} us")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"payload_formats": formats, "round_trip_us": trips, "args": vars(args)}, f, indent=2)
+            settings = {k: v for k, v in vars(args).items() if k != "func"}
+            json.dump({"payload_formats": formats, "round_trip_us": trips, "args": settings}, f, indent=2)

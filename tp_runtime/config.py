@@ -72,6 +72,11 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.spin_wait_s <= 1.0:
             raise ConfigError(f"spin_wait_s must be in [0, 1], got {self.spin_wait_s}")
+        if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool):
+            raise ConfigError(
+                f"tensor_parallel_size must be an int, got {self.tensor_parallel_size!r} "
+                f"({type(self.tensor_parallel_size).__name__})"
+            )
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.executor not in ("auto", "inprocess", "multiprocess", "torchrun"):
@@ -181,7 +186,14 @@ def resolve_dtype(dtype: str, config_dtype: str | None, device: str) -> str:
 def _load_hf_config(path: str) -> Any:
     import transformers
 
-    return transformers.AutoConfig.from_pretrained(path)
+    try:
+        return transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(
+            f"could not read {path}/config.json as a Hugging Face config ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else exc!r}); check that the file is a valid config of a "
+            "supported architecture"
+        ) from None
 
 
 def _rope_config(hf_config: Any, head_dim: int) -> RopeConfig:

@@ -83,7 +83,11 @@ class LLMEngine:
     # ----------------------------------------------------------------- requests
     def _validate_prompt(self, prompt_ids: Any) -> list[int]:
         vocab = self.config.model.vocab_size
-        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+        if not isinstance(prompt_ids, (list, tuple)):
+            raise InvalidRequestError(
+                f"prompt_token_ids must be a list of ints, got {type(prompt_ids).__name__}"
+            )
+        if not prompt_ids:
             raise InvalidRequestError("the prompt is empty; give at least one token")
         for t in prompt_ids:
             if isinstance(t, bool) or not isinstance(t, int):
@@ -100,6 +104,7 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
         prompt_ids = self._validate_prompt(prompt_ids)
+        self.validate_params(params)
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -119,6 +124,17 @@ class LLMEngine:
         if params.stop_strings:
             self._stop_states[req_id] = _StopState(self._decode_stream(), stop_strings=params.stop_strings)
         return req_id
+
+    def validate_params(self, params: Any) -> None:
+        """Checks of SamplingParams that need the model (its own fields are checked on construction)."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"expected SamplingParams, got {type(params).__name__}")
+        vocab = self.config.model.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise InvalidRequestError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+        for t in params.stop_token_ids or []:
+            if t >= vocab:
+                raise InvalidRequestError(f"stop token id {t} is outside the vocabulary [0, {vocab})")
 
     def _decode_stream(self) -> Any:
         from tokenizers.decoders import DecodeStream
@@ -314,9 +330,19 @@ class LLM:
             raise RuntimeError("this LLM has been shut down; create a new one")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(
+                f"a prompt must be a str or a dict with 'prompt_token_ids' (or a list of them), "
+                f"got {type(prompts).__name__}"
+            )
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
+        if not isinstance(sampling_params, (SamplingParams, list, tuple)):
+            raise InvalidRequestError(
+                "sampling_params must be a SamplingParams or a list of them, "
+                f"got {type(sampling_params).__name__}"
+            )
         params_list = (
             [sampling_params] * len(prompts)
             if isinstance(sampling_params, SamplingParams)
@@ -328,6 +354,8 @@ class LLM:
                 "give one, or one per prompt"
             )
         # Tokenize and validate everything before the first request enters the engine.
+        for params in params_list:
+            self.engine.validate_params(params)
         encoded = [self._prompt_ids(p) for p in prompts]
         for _, ids in encoded:
             self.engine._validate_prompt(ids)

@@ -124,9 +124,7 @@ class _Channel:
         return addr
 
     def close(self) -> None:
-        self.pub.close(0)
-        self.pull.close(0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
 
 
 class _RemoteWorkers:

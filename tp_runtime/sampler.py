@@ -66,7 +66,9 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        remove = mass_before >= batch.top_p.unsqueeze(1)
+        top_p = batch.top_p.unsqueeze(1)
+        # Rows with top_p=1 keep everything, even where float cumsum reaches 1 before the tail.
+        remove = (mass_before >= top_p) & (top_p < 1.0)
         remove[:, 0] = False  # always keep the most likely token
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -28,7 +28,7 @@ class Codec(Generic[T]):
     def decode(self, data: bytes | memoryview) -> T:
         try:
             return self._decoder.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             raise ProtocolError(f"received bytes that are not a valid {self._what}: {exc}") from None
 
 

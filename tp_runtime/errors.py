@@ -32,6 +32,10 @@ class WorkerError(TPRuntimeError):
         self.remote_traceback = remote_traceback
 
 
+class EngineClosedError(TPRuntimeError):
+    """The engine was shut down, by the user or after a fatal error; create a new LLM."""
+
+
 class StepTimeoutError(TPRuntimeError):
     """A call to the workers took longer than the configured timeout."""
 

@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeVar
 import zmq
 
 from tp_runtime.config import EngineConfig
-from tp_runtime.errors import ConfigError, StepTimeoutError, WorkerDiedError, WorkerError
+from tp_runtime.errors import ConfigError, EngineClosedError, StepTimeoutError, WorkerDiedError, WorkerError
 from tp_runtime.messages import (
     ControlCall,
     DriverMessage,
@@ -136,8 +136,8 @@ class _RemoteWorkers:
         self.spin_wait_s = spin_wait_s
         self.closed = False
 
-    def check_alive(self) -> None:
-        """Raise WorkerDiedError for a rank that is gone."""
+    def check_alive(self, settle_s: float = 0.0) -> None:
+        """Raise WorkerDiedError for a rank that is gone (waiting up to settle_s for one to exit)."""
 
     def broadcast(self, message: DriverMessage) -> None:
         self.channel.pub.send(self.channel.encoder.encode(message))
@@ -164,6 +164,9 @@ class _RemoteWorkers:
             if data is not None:
                 reply = self.channel.decoder.decode(data)
                 if reply.kind == "error":
+                    # A rank that died takes its peers' collectives down with it; name the dead rank,
+                    # not the survivor whose all-reduce failed.
+                    self.check_alive(settle_s=0.5)
                     raise WorkerError(reply.rank, reply.error or "(no traceback)")
                 if reply.call_id == call_id and reply.kind == kind and reply.rank in ranks:
                     results[reply.rank] = reply.output if kind == "output" else reply.result
@@ -172,8 +175,8 @@ class _RemoteWorkers:
             if time.monotonic() > deadline:
                 missing = sorted(ranks - results.keys())
                 raise StepTimeoutError(
-                    f"no reply from rank(s) {missing} within {timeout_s:.0f} s; raise step_timeout_s if "
-                    "steps are expected to take this long"
+                    f"no reply from rank(s) {missing} within {timeout_s:g} s (one slow or stuck rank stalls "
+                    "every rank of the group); raise step_timeout_s if steps are expected to take this long"
                 )
         return results
 
@@ -206,10 +209,12 @@ class _SpawnedWorkers(_RemoteWorkers):
             self.procs.append(proc)
             self.death_pipes.append(writer)
 
-    def check_alive(self) -> None:
+    def check_alive(self, settle_s: float = 0.0) -> None:
         if self.closed:
-            raise WorkerDiedError(-1, "the engine was shut down")
-        dead = wait_for_sentinels([p.sentinel for p in self.procs], timeout=0)
+            raise EngineClosedError(
+                "the engine was shut down (after an error, or by shutdown()); create a new LLM"
+            )
+        dead = wait_for_sentinels([p.sentinel for p in self.procs], timeout=settle_s)
         if dead:
             rank = next(i for i, p in enumerate(self.procs) if p.sentinel in dead)
             code = self.procs[rank].exitcode
@@ -277,7 +282,8 @@ class MultiprocExecutor:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         def run() -> ModelRunnerOutput:
             t0 = time.perf_counter()
-            self.workers.check_alive()
+            # Liveness is checked while waiting (each time the reply poll times out), not per step.
+            self._check_open()
             self.workers.broadcast(ExecuteModel(so))
             t1 = time.perf_counter()
             out = self.workers.wait_replies(so.step_id, "output", {0}, self.config.parallel.step_timeout_s)[0]
@@ -291,6 +297,7 @@ class MultiprocExecutor:
             channel = self.channel
             call_id = channel.next_call_id
             channel.next_call_id += 1
+            self._check_open()
             self.workers.check_alive()
             self.workers.broadcast(ControlCall(call_id, method, list(args or [])))
             ranks = set(self.workers.remote_ranks)
@@ -298,6 +305,12 @@ class MultiprocExecutor:
             return [results[r] for r in sorted(results)]
 
         return self._guarded(run)
+
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise EngineClosedError(
+                "the engine was shut down (after an error, or by shutdown()); create a new LLM"
+            )
 
     def worker_pids(self) -> list[int]:
         return self.workers.pids()

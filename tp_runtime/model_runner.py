@@ -9,6 +9,7 @@ Nothing waits for the device before the single transfer, so on GPU the host runs
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -132,6 +133,7 @@ class ModelRunner:
         self._use_cuda = device.type == "cuda"
         self._prev_forward_end: torch.cuda.Event | float | None = None
         self._pending_tokens: tuple[np.ndarray, list[int]] | None = None
+        self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
 
     # ----------------------------------------------------------------- KV cache
     def kv_bytes_per_block(self) -> int:
@@ -217,29 +219,38 @@ class ModelRunner:
         rows = np.fromiter((batch.row_of[r] for r in so.scheduled_req_ids), dtype=np.int64,
                            count=len(so.scheduled_req_ids))  # fmt: skip
         n = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
-        # Decodes (one token) first so attention can batch them; prefill chunks follow, one per sequence.
-        order = np.argsort(n > 1, kind="stable")
-        rows, n = rows[order], n[order]
-        num_decode = int(np.count_nonzero(n == 1))
-        computed = batch.num_computed[rows]
-        seq_lens = computed + n
-        ends = np.cumsum(n)
-        starts = ends - n
-        total = int(ends[-1])
-        token_req = np.repeat(np.arange(len(rows)), n)
-        positions = computed[token_req] + (np.arange(total) - starts[token_req])
-        token_rows = rows[token_req]
+        if max(so.num_scheduled_tokens) == 1:
+            # Pure decode, the common step: one token per sequence, no reordering needed.
+            num_decode = len(rows)
+            computed = positions = batch.num_computed[rows]
+            seq_lens = positions + 1
+            ends = np.arange(1, num_decode + 1)
+            starts = ends - 1
+            token_rows = rows
+        else:
+            # Decodes first so attention can batch them; prefill chunks follow, one per sequence.
+            order = np.argsort(n > 1, kind="stable")
+            rows, n = rows[order], n[order]
+            num_decode = int(np.count_nonzero(n == 1))
+            computed = batch.num_computed[rows]
+            seq_lens = computed + n
+            ends = np.cumsum(n)
+            starts = ends - n
+            token_req = np.repeat(np.arange(len(rows)), n)
+            positions = computed[token_req] + (np.arange(int(ends[-1])) - starts[token_req])
+            token_rows = rows[token_req]
         input_ids = batch.token_ids[token_rows, positions]
         slots = batch.block_table[token_rows, positions // bs] * bs + positions % bs
         samples = seq_lens == batch.num_tokens[rows]
         sample_rows = rows[samples]
         logits_indices = ends[samples] - 1
 
+        req_ids = [batch.req_at[r] for r in sample_rows.tolist()]
         common = dict(
             logits_indices=self._to_device(logits_indices),
             sample_rows=sample_rows,
-            sampling=self._sampling_batch(sample_rows) if len(sample_rows) else None,
-            req_ids=[batch.req_at[r] for r in sample_rows.tolist()],
+            sampling=self._sampling_batch(sample_rows, req_ids) if len(sample_rows) else None,
+            req_ids=req_ids,
             scheduled_rows=rows,
             num_scheduled=n,
         )
@@ -289,7 +300,24 @@ class ModelRunner:
             **common,
         )
 
-    def _sampling_batch(self, rows: np.ndarray) -> SamplingBatch:
+    def _sampling_batch(self, rows: np.ndarray, req_ids: list[int]) -> SamplingBatch:
+        """Sampling settings of `rows`; reused while the same requests sample (every decode step of a
+        stable batch), except the per-token seeds, which change every step."""
+        key = tuple(req_ids)
+        cached = self._sampling_cache
+        if cached is None or cached[0] != key:
+            cached = self._sampling_cache = (key, self._build_sampling_batch(rows))
+        sampling = cached[1]
+        if not sampling.row_seeds:
+            return sampling
+        batch = self.batch
+        seeds = {
+            i: token_seed(int(batch.seed[rows[i]]), int(batch.num_output[rows[i]]))
+            for i in sampling.row_seeds
+        }
+        return dataclasses.replace(sampling, row_seeds=seeds)
+
+    def _build_sampling_batch(self, rows: np.ndarray) -> SamplingBatch:
         batch = self.batch
         greedy = batch.greedy[rows]
         all_greedy = bool(greedy.all())

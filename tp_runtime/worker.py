@@ -69,13 +69,11 @@ class Worker:
             if init_method is None:
                 raise ConfigError("internal: a TP>1 worker needs a process-group init method")
             backend = "nccl" if self.device.type == "cuda" else "gloo"
+            # Longer than the driver's step timeout, so a stuck rank is reported by the driver rather than
+            # by a peer whose collective happened to time out first.
+            timeout_s = self.config.parallel.step_timeout_s + 60.0
             self.tp = distributed.init_process_group(
-                backend,
-                init_method,
-                self.rank,
-                self.world_size,
-                self.config.parallel.step_timeout_s,
-                self.device,
+                backend, init_method, self.rank, self.world_size, timeout_s, self.device
             )
 
     def load_model(self) -> None:

@@ -1,0 +1,419 @@
+"""Process-level robustness of the multiprocess executor (TP=2 over gloo, tiny model).
+
+Each test starts its own engine (a few seconds), injects one fault and checks that the driver raises the
+documented error promptly and that no worker process outlives the engine. A per-test guard turns a hang
+into a failure: SIGALRM fails the test from Python, and faulthandler ends the whole run (with every
+thread's traceback) if the main thread is stuck where Python signal handlers cannot run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import pickle
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from tp_runtime import LLM, SamplingParams
+from tp_runtime.errors import (
+    ProtocolError,
+    StepTimeoutError,
+    TPRuntimeError,
+    WorkerDiedError,
+    WorkerError,
+)
+
+pytestmark = pytest.mark.slow
+
+TEST_TIMEOUT_S = 120  # generous: engines start in ~4 s on an idle 2-core machine, far slower when loaded
+SHORT = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+PROMPT = {"prompt_token_ids": [1, 5, 6, 7]}
+# Long enough to still be running a second after it starts (several seconds of decode steps).
+LONG_PROMPTS = [{"prompt_token_ids": [1, 5 + i % 7, 6, 7]} for i in range(64)]
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+
+# ----------------------------------------------------------------------------- process helpers
+def alive(pid: int) -> bool:
+    """True while any thread of pid runs. A SIGKILLed multi-threaded process shows its main thread as a
+    zombie while other threads still run and its file descriptors (sockets, pipes) are still open, so the
+    state of every thread is checked, not only the main thread's (which is all psutil.status() reports)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            return True
+    return False
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """The pids still alive after waiting up to timeout_s for all of them to go."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def is_spawned_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"spawn_main" in f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def spawned_children() -> set[int]:
+    """Live multiprocessing-spawned children of this process (engine workers)."""
+    me = os.getpid()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) == me and alive(int(entry)) and is_spawned_worker(int(entry)):
+                found.add(int(entry))
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+    return found
+
+
+def kill_quietly(pid: int, sig: int = signal.SIGKILL) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(autouse=True)
+def hang_guard() -> Iterator[None]:
+    """Fail a test that runs past TEST_TIMEOUT_S, and make sure it leaves no worker process behind."""
+    before = spawned_children()
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        pytest.fail(f"test still running after {TEST_TIMEOUT_S} s (hang)", pytrace=True)
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(TEST_TIMEOUT_S)
+    faulthandler.dump_traceback_later(TEST_TIMEOUT_S + 60, exit=True)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        faulthandler.cancel_dump_traceback_later()
+        leftover = spawned_children() - before
+        for pid in leftover:  # our own engine's workers: don't let them leak into later tests
+            kill_quietly(pid)
+        assert not leftover, f"worker processes {sorted(leftover)} outlived the test"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint()
+
+
+@pytest.fixture
+def start_llm(checkpoint: Path) -> Iterator[Callable[..., LLM]]:
+    """Start TP=2 multiprocess engines; whatever happens, they are shut down after the test."""
+    engines: list[LLM] = []
+
+    def start(**kwargs: Any) -> LLM:
+        kwargs = {"tensor_parallel_size": 2, "device": "cpu", "dtype": "float32", "executor": "multiprocess",
+                  "step_timeout_s": 60.0, **kwargs}  # fmt: skip
+        llm = LLM(checkpoint, **kwargs)
+        engines.append(llm)
+        pids = llm.engine.executor.worker_pids()  # type: ignore[attr-defined]
+        assert len(pids) == kwargs["tensor_parallel_size"] and all(alive(p) for p in pids)
+        return llm
+
+    yield start
+    for llm in engines:
+        for pid in llm.engine.executor.worker_pids():  # type: ignore[attr-defined]
+            if alive(pid):  # a test may have stopped it
+                kill_quietly(pid, signal.SIGCONT)
+        llm.shutdown()
+
+
+def pids_of(llm: LLM) -> list[int]:
+    return list(llm.engine.executor.worker_pids())  # type: ignore[attr-defined]
+
+
+def generate_ok(llm: LLM) -> list[int]:
+    out = llm.generate(PROMPT, SHORT, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(out) == 4
+    return out
+
+
+def describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text[:300]}{' ... ' + text[-400:] if len(text) > 700 else text[300:]}"
+
+
+def assert_engine_closed(llm: LLM) -> None:
+    """After a fatal fault the engine is shut down: the next call fails at once with a clear error."""
+    t0 = time.monotonic()
+    with pytest.raises((TPRuntimeError, RuntimeError)) as info:
+        llm.generate(PROMPT, SHORT, use_tqdm=False)
+    assert time.monotonic() - t0 < 5
+    assert "shut down" in str(info.value), describe(info.value)
+
+
+# ----------------------------------------------------------------------------- (a) a worker is killed
+@pytest.mark.parametrize("victim", [0, 1])
+def test_sigkill_worker_mid_generation(start_llm: Callable[..., LLM], victim: int) -> None:
+    llm = start_llm()
+    pids = pids_of(llm)
+    generate_ok(llm)
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        killed_at.append(time.monotonic())
+        os.kill(pids[victim], signal.SIGKILL)
+
+    timer = threading.Timer(1.0, kill)
+    timer.start()
+    try:
+        with pytest.raises(TPRuntimeError) as info:
+            llm.generate(LONG_PROMPTS, LONG, use_tqdm=False)
+        raised_at = time.monotonic()
+    finally:
+        timer.cancel()
+    assert killed_at, "generate failed before the worker was killed"
+    latency = raised_at - killed_at[0]
+    left = wait_gone(pids, 5.0)
+
+    problems = []
+    if not isinstance(info.value, WorkerDiedError):
+        problems.append(f"expected WorkerDiedError naming rank {victim}, got {describe(info.value)}")
+    elif info.value.rank != victim or f"worker rank {victim} died" not in str(info.value):
+        problems.append(f"wrong rank: {describe(info.value)}")
+    elif "signal 9" not in str(info.value):
+        problems.append(f"the message should say how the worker died: {info.value}")
+    if latency > 10:
+        problems.append(f"the error came {latency:.1f} s after the kill")
+    if left:
+        problems.append(f"worker processes {left} still alive 5 s after the error")
+    assert not problems, "\n".join(problems)
+    assert_engine_closed(llm)
+
+
+def test_sigkill_worker_between_generates(start_llm: Callable[..., LLM]) -> None:
+    llm = start_llm()
+    pids = pids_of(llm)
+    generate_ok(llm)
+    os.kill(pids[1], signal.SIGKILL)
+    assert not wait_gone([pids[1]], 5.0)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError) as info:
+        llm.generate(PROMPT, SHORT, use_tqdm=False)
+    assert time.monotonic() - t0 < 10
+    assert info.value.rank == 1
+    assert "worker rank 1 died: killed by signal 9" in str(info.value)
+    assert wait_gone(pids, 5.0) == []
+    assert_engine_closed(llm)
+    llm.shutdown()
+    llm.shutdown()
+
+
+# ----------------------------------------------------------------------------- (b) a worker raises
+def test_worker_exception_reaches_driver_with_remote_traceback(start_llm: Callable[..., LLM]) -> None:
+    llm = start_llm()
+    pids = pids_of(llm)
+    generate_ok(llm)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        llm.engine.executor.collective_rpc("debug_raise", ["boom"])
+    assert time.monotonic() - t0 < 10
+    exc = info.value
+    assert exc.rank in (0, 1)
+    message = str(exc)
+    assert message.startswith(f"worker rank {exc.rank} raised an exception:"), message
+    assert "Traceback (most recent call last)" in exc.remote_traceback
+    assert "debug_raise" in exc.remote_traceback
+    assert "RuntimeError: boom" in exc.remote_traceback
+    assert "boom" in message
+    # A failed call shuts every worker down (documented in MultiprocExecutor._guarded).
+    assert wait_gone(pids, 5.0) == []
+    assert_engine_closed(llm)
+
+
+# ----------------------------------------------------------------------------- (c) the driver is killed
+_DRIVER_SCRIPT = """
+import sys, time
+from tp_runtime import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", dtype="float32", executor="multiprocess")
+llm.generate({"prompt_token_ids": [1, 5, 6]}, use_tqdm=False)
+print("PIDS", *llm.engine.executor.worker_pids(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_killing_the_driver_leaves_no_worker(checkpoint: Path, tmp_path: Path) -> None:
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    log = (tmp_path / "driver.log").open("w")
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER_SCRIPT, str(checkpoint)],
+        stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in driver.stdout or []], daemon=True).start()
+    worker_pids: list[int] = []
+    try:
+        try:
+            line = lines.get(timeout=TEST_TIMEOUT_S - 30)
+        except queue.Empty:
+            pytest.fail(
+                f"the driver never reported its workers; stderr:\n{(tmp_path / 'driver.log').read_text()}"
+            )
+        assert line.startswith("PIDS "), line
+        worker_pids = [int(p) for p in line.split()[1:]]
+        assert len(worker_pids) == 2 and all(alive(p) for p in worker_pids)
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=10)
+        t0 = time.monotonic()
+        left = wait_gone(worker_pids, 10.0)
+        assert not left, f"workers {left} outlived their driver by {time.monotonic() - t0:.1f} s"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        for pid in worker_pids:  # started (indirectly) by this test
+            if alive(pid) and is_spawned_worker(pid):
+                kill_quietly(pid)
+        log.close()
+
+
+# ----------------------------------------------------------------------------- (d) garbage on the sockets
+def test_garbage_on_result_socket_during_generate(start_llm: Callable[..., LLM]) -> None:
+    llm = start_llm()
+    pids = pids_of(llm)
+    generate_ok(llm)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(llm.engine.executor.channel.results_addr)  # type: ignore[attr-defined]
+    sent_at: list[float] = []
+
+    def send() -> None:
+        sent_at.append(time.monotonic())
+        push.send(b"\x00garbage")
+
+    timer = threading.Timer(1.0, send)
+    timer.start()
+    try:
+        with pytest.raises(TPRuntimeError) as info:
+            llm.generate(LONG_PROMPTS, LONG, use_tqdm=False)
+        raised_at = time.monotonic()
+    finally:
+        timer.cancel()
+        timer.join()
+        push.close(0)
+        ctx.term()
+    assert sent_at, "generate failed before the garbage was sent"
+    assert isinstance(info.value, ProtocolError), describe(info.value)
+    assert "not a valid worker reply" in str(info.value)
+    assert raised_at - sent_at[0] < 10
+    assert wait_gone(pids, 5.0) == []
+    assert_engine_closed(llm)
+
+
+class _RunsShellOnUnpickle:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_garbage_on_broadcast_socket(start_llm: Callable[..., LLM], tmp_path: Path) -> None:
+    llm = start_llm(step_timeout_s=5.0)
+    pids = pids_of(llm)
+    generate_ok(llm)
+    marker = tmp_path / "pwned"
+    channel = llm.engine.executor.channel  # type: ignore[attr-defined]
+    channel.pub.send(b"junk")
+    channel.pub.send(pickle.dumps(_RunsShellOnUnpickle(marker)))
+    t0 = time.monotonic()
+    with pytest.raises(TPRuntimeError) as info:
+        llm.generate(PROMPT, SHORT, use_tqdm=False)
+    elapsed = time.monotonic() - t0
+    assert isinstance(info.value, (WorkerError, ProtocolError)), describe(info.value)
+    assert "not a valid driver message" in str(info.value), describe(info.value)
+    assert elapsed < 10, f"took {elapsed:.1f} s"
+    assert wait_gone(pids, 5.0) == []
+    assert not marker.exists(), "a worker unpickled bytes from the socket"
+    assert_engine_closed(llm)
+
+
+# ----------------------------------------------------------------------------- (e) step timeout
+def test_step_timeout_when_a_worker_is_stopped(start_llm: Callable[..., LLM]) -> None:
+    llm = start_llm(step_timeout_s=1.0)
+    pids = pids_of(llm)
+    generate_ok(llm)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TPRuntimeError) as info:
+            llm.generate(PROMPT, SHORT, use_tqdm=False)
+        elapsed = time.monotonic() - t0
+    finally:
+        for pid in pids:
+            kill_quietly(pid, signal.SIGCONT)
+    assert isinstance(info.value, StepTimeoutError), describe(info.value)
+    assert "within 1 s" in str(info.value) and "step_timeout_s" in str(info.value)
+    # 1 s timeout, then the engine shuts the workers down (a stopped one needs SIGKILL) before raising.
+    assert elapsed < 15, f"StepTimeoutError took {elapsed:.1f} s with step_timeout_s=1"
+    assert wait_gone(pids, 5.0) == []
+    assert_engine_closed(llm)
+
+
+# ----------------------------------------------------------------------------- (f) orderly shutdown
+def test_context_manager_leaves_no_worker(start_llm: Callable[..., LLM]) -> None:
+    with start_llm() as llm:
+        pids = pids_of(llm)
+        ipc_dir = Path(llm.engine.executor.ipc_dir)  # type: ignore[attr-defined]
+        assert ipc_dir.is_dir()
+        generate_ok(llm)
+    assert wait_gone(pids, 5.0) == []
+    assert not ipc_dir.exists()
+    llm.shutdown()
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="has been shut down; create a new one"):
+        llm.generate(PROMPT, SHORT, use_tqdm=False)
+
+
+def test_context_manager_exiting_by_exception_tp1_multiprocess(start_llm: Callable[..., LLM]) -> None:
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        with start_llm(tensor_parallel_size=1) as llm:
+            pids = pids_of(llm)
+            generate_ok(llm)
+            raise Boom
+    assert wait_gone(pids, 5.0) == []
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(PROMPT, SHORT, use_tqdm=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import shutil
 import threading
 import traceback
 from dataclasses import dataclass
@@ -144,10 +145,13 @@ class Worker:
         distributed.destroy_process_group()
 
 
-def _exit_when_parent_dies(parent_conn: Any) -> None:
-    """Block on the pipe from the driver; EOF means the driver is gone, so leave at once (no orphans)."""
+def _exit_when_parent_dies(parent_conn: Any, addresses: WorkerAddresses) -> None:
+    """Block on the pipe from the driver; EOF means the driver is gone, so leave at once (no orphans),
+    removing the driver's ipc socket folder, which a killed driver cannot remove itself."""
     with contextlib.suppress(EOFError, OSError):
         parent_conn.recv()
+    if addresses.broadcast.startswith("ipc://"):
+        shutil.rmtree(os.path.dirname(addresses.broadcast[len("ipc://") :]), ignore_errors=True)
     os._exit(1)
 
 
@@ -162,7 +166,7 @@ def run_worker_loop(
 ) -> None:
     """Main loop of a worker process. `worker` is given when the caller already initialised it (torchrun)."""
     if parent_conn is not None:
-        threading.Thread(target=_exit_when_parent_dies, args=(parent_conn,), daemon=True).start()
+        threading.Thread(target=_exit_when_parent_dies, args=(parent_conn, addresses), daemon=True).start()
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)

@@ -64,9 +64,9 @@ class ParallelConfig:
     step_timeout_s: float = 300.0
     # Host the torchrun driver binds its sockets on (MASTER_ADDR); spawned workers always use loopback/ipc.
     driver_host: str = "127.0.0.1"
-    # Busy-poll a socket this long before blocking on it. It saves the wake-up latency of each hop
-    # between steps; worth it where host cores are plentiful (GPU hosts), harmful where the CPU ranks
-    # compute the model themselves. LLM() sets 2 ms on CUDA and 0 on CPU.
+    # Busy-poll a socket this long before blocking on it, to save the wake-up latency of each hop.
+    # Off by default: on 2 CPU cores it starves the ranks computing the model, and on an H200 host at
+    # TP=2 2 ms of it did not lower the measured host gap (BENCHMARKS.md).
     spin_wait_s: float = 0.0
 
     def __post_init__(self) -> None:

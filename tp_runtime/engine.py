@@ -255,7 +255,7 @@ class LLM:
         executor: str = "auto",
         bookkeeping_order: str = "overlap",
         enforce_eager: bool = False,
-        spin_wait_s: float | None = None,
+        spin_wait_s: float = 0.0,
         cuda_graphs: str = "auto",
     ) -> None:
         import transformers
@@ -269,7 +269,7 @@ class LLM:
             parallel=ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size, executor=executor, step_timeout_s=step_timeout_s,
                 driver_host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                spin_wait_s=spin_wait_s if spin_wait_s is not None else 0.002 * (resolved_device == "cuda"),
+                spin_wait_s=spin_wait_s,
             ),
             cache=CacheConfig(
                 block_size=block_size,

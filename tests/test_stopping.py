@@ -1,0 +1,115 @@
+"""Stop conditions and multi-sample requests, against the plain greedy continuation as reference."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import transformers
+from conftest import hf_greedy
+
+from tp_runtime import LLM, SamplingParams
+
+PROMPT = [1, 57, 201, 33, 90, 14]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint(seed=5)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> list[int]:
+    return hf_greedy(model_dir, [PROMPT], N)[0]
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> LLM:
+    with LLM(model_dir, device="cpu", dtype="float32") as engine:
+        yield engine
+
+
+def _greedy(llm: LLM, **kwargs: object) -> object:
+    params = SamplingParams(temperature=0, max_tokens=N, **kwargs)  # type: ignore[arg-type]
+    return llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0]
+
+
+def test_length_and_text(llm: LLM, model_dir: Path, reference: list[int]) -> None:
+    out = _greedy(llm, ignore_eos=True)
+    assert out.token_ids == reference and out.finish_reason == "length"  # type: ignore[attr-defined]
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    assert out.text == tok.decode(reference, skip_special_tokens=True)  # type: ignore[attr-defined]
+
+
+def test_stop_token_ids(llm: LLM, reference: list[int]) -> None:
+    stop = reference[7]
+    cut = reference.index(stop)
+    out = _greedy(llm, ignore_eos=True, stop_token_ids=[stop])
+    assert out.token_ids == reference[: cut + 1]  # type: ignore[attr-defined]
+    assert out.finish_reason == "stop" and out.stop_reason == stop  # type: ignore[attr-defined]
+
+
+def test_stop_token_ids_wait_for_min_tokens(llm: LLM, reference: list[int]) -> None:
+    # Masked until min_tokens outputs exist, so the continuation changes; it must not stop early.
+    stop = reference[0]
+    out = _greedy(llm, ignore_eos=True, stop_token_ids=[stop], min_tokens=5)
+    assert len(out.token_ids) >= 5 and stop not in out.token_ids[:5]  # type: ignore[attr-defined]
+
+
+def test_stop_string(llm: LLM, model_dir: Path, reference: list[int]) -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    full = tok.decode(reference, skip_special_tokens=True)
+    stop = next(
+        full[i : i + 2]
+        for i in range(len(full) // 3, len(full) - 2)
+        if full[i : i + 2].strip() and "\ufffd" not in full[i : i + 2]
+    )
+    idx = full.find(stop)
+    # The first token whose text completes the stop string ends the request.
+    end = next(j for j in range(1, N + 1) if stop in tok.decode(reference[:j], skip_special_tokens=True))
+    out = _greedy(llm, ignore_eos=True, stop=[stop, "\x00never"])
+    assert out.text == full[:idx]  # type: ignore[attr-defined]
+    assert out.token_ids == reference[:end]  # type: ignore[attr-defined]
+    assert out.finish_reason == "stop" and out.stop_reason == stop  # type: ignore[attr-defined]
+
+
+def test_eos_list_from_generation_config(model_dir: Path, reference: list[int], tmp_path: Path) -> None:
+    local = tmp_path / "model"
+    shutil.copytree(model_dir, local)
+    eos = reference[4]
+    (local / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, eos]}))
+    with LLM(local, device="cpu", dtype="float32") as engine:
+        out = engine.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=N),
+                              use_tqdm=False)[0].outputs[0]  # fmt: skip
+        ignored = engine.generate(
+            {"prompt_token_ids": PROMPT},
+            SamplingParams(temperature=0, max_tokens=N, ignore_eos=True),
+            use_tqdm=False,
+        )[0].outputs[0]
+    assert out.token_ids == reference[: reference.index(eos) + 1] and out.finish_reason == "stop"
+    assert ignored.token_ids == reference
+
+
+def test_max_model_len_ends_with_length(model_dir: Path, reference: list[int]) -> None:
+    with LLM(model_dir, device="cpu", dtype="float32", max_model_len=len(PROMPT) + 5) as engine:
+        out = engine.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=N,
+                              ignore_eos=True), use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert out.token_ids == reference[:5] and out.finish_reason == "length"
+
+
+def test_n_samples_are_seeded_children(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=11, n=3)
+    first = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0]
+    again = llm.generate(
+        [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[:3]}], params, use_tqdm=False
+    )
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in again[0].outputs] == [c.token_ids for c in first.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) == 3  # independent samples
+    single = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=12)
+    alone = llm.generate({"prompt_token_ids": PROMPT}, single, use_tqdm=False)[0].outputs[0]
+    assert alone.token_ids == first.outputs[1].token_ids  # child j uses seed + j

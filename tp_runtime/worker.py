@@ -105,11 +105,9 @@ class Worker:
             _, total = torch.cuda.mem_get_info(self.device)
             blocks = int((total * cache.gpu_memory_utilization - peak) // per_block)
         else:
-            mc, sc = self.config.model, self.config.scheduler
             # Never more than every sequence at full length needs, so tiny models stay tiny.
-            enough = sc.max_num_seqs * runner.max_blocks + 1
+            enough = self.config.scheduler.max_num_seqs * runner.max_blocks + 1
             blocks = min(int(cache.cpu_kv_cache_gib * (1 << 30) // per_block), enough)
-            del mc
         return self.tp.all_reduce_min_int(blocks, self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

@@ -14,25 +14,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    inv_freq: torch.Tensor
     cos_table: torch.Tensor
     sin_table: torch.Tensor
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, device: torch.device) -> None:
+    def __init__(self, rope: RopeConfig, max_positions: int, device: torch.device) -> None:
         super().__init__()
-        self.rope = rope
-        self.head_dim = head_dim
         inv_freq = torch.tensor(rope.inv_freq, dtype=torch.float32, device=device)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        cos, sin = self._cos_sin(torch.arange(max_positions, device=device), inv_freq)
-        # One table lookup per step instead of recomputing cos/sin in every layer.
-        self.register_buffer("cos_table", cos, persistent=False)
-        self.register_buffer("sin_table", sin, persistent=False)
-
-    def _cos_sin(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(-1) * inv_freq
+        # Tables for every position, computed as transformers does (fp32 product, then cos/sin, then the
+        # scaling), so each step is one lookup instead of a recomputation in every layer.
+        freqs = torch.arange(max_positions, device=device).float().unsqueeze(-1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.rope.attention_scaling, emb.sin() * self.rope.attention_scaling
+        self.register_buffer("cos_table", emb.cos() * rope.attention_scaling, persistent=False)
+        self.register_buffer("sin_table", emb.sin() * rope.attention_scaling, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos_table[positions], self.sin_table[positions]

@@ -102,7 +102,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype, device) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_model_len, device)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.max_model_len, device)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -141,6 +141,11 @@ class ModelRunner:
         per_layer = 2 * self.block_size * self.model.num_local_kv_heads * self.config.model.head_dim * elem
         return per_layer * self.config.model.num_layers
 
+    def decode_gather_bytes(self) -> int:
+        """Keys and values one layer gathers for a full decode batch at max_model_len."""
+        per_block_layer = self.kv_bytes_per_block() // self.config.model.num_layers
+        return self.config.scheduler.max_num_seqs * self.max_blocks * per_block_layer
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         dtype = self.model.dtype
         # One block more than the scheduler owns: the decode graphs' padding rows write into it.

@@ -103,7 +103,10 @@ class Worker:
         elif self.device.type == "cuda":
             peak = runner.profile_peak_memory()
             _, total = torch.cuda.mem_get_info(self.device)
-            blocks = int((total * cache.gpu_memory_utilization - peak) // per_block)
+            # The profile runs a prefill; a full decode batch at max_model_len needs its gathered keys
+            # and values (one layer at a time) on top, so reserve that too rather than OOM mid-run.
+            reserve = runner.decode_gather_bytes()
+            blocks = int((total * cache.gpu_memory_utilization - peak - reserve) // per_block)
         else:
             # Never more than every sequence at full length needs, so tiny models stay tiny.
             enough = self.config.scheduler.max_num_seqs * runner.max_blocks + 1

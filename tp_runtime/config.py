@@ -130,8 +130,13 @@ class EngineConfig:
     # Decode steps as CUDA graphs: "auto" (on CUDA), "off" (always eager), "padded" (the graph path's
     # padded static inputs run eagerly, to check that path on CPU).
     cuda_graphs: str = "auto"
+    # Decode attention: "auto" (Triton paged kernel on CUDA if Triton is installed, else PyTorch),
+    # "torch" (gathered blocks + SDPA), "triton".
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}")
         if self.cuda_graphs not in ("auto", "off", "padded"):
             raise ConfigError(f"cuda_graphs must be auto|off|padded, got {self.cuda_graphs!r}")
         if self.bookkeeping_order not in ("overlap", "sync_first"):

@@ -47,6 +47,7 @@ class DecodeGraphs:
         sliding_window: int | None,
         device: torch.device,
         capture: bool,
+        decode_kernel: str = "torch",
     ) -> None:
         """`forward(input_ids, positions, meta)` returns the logits of every row."""
         self._forward = forward
@@ -57,6 +58,7 @@ class DecodeGraphs:
         self.window = sliding_window
         self.device = device
         self.capture = capture
+        self.decode_kernel = decode_kernel
         width = _TABLE + max_blocks
         rows = self.batch_sizes[-1]
         self._staging = torch.zeros((rows, width), dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -85,6 +87,9 @@ class DecodeGraphs:
             num_decode_tokens=rows,
             decode_block_tables=inputs[:, _TABLE : _TABLE + blocks],
             decode_mask=mask[:, None, None, :],
+            decode_kernel=self.decode_kernel,
+            decode_seq_lens=seq_lens,
+            sliding_window=self.window,
         )
         return self._forward(inputs[:, _IDS], inputs[:, _POS], meta)
 

@@ -260,6 +260,7 @@ class LLM:
         enforce_eager: bool = False,
         spin_wait_s: float = 0.0,
         cuda_graphs: str = "auto",
+        attention_backend: str = "auto",
     ) -> None:
         import transformers
 
@@ -286,6 +287,7 @@ class LLM:
             seed=seed,
             bookkeeping_order=bookkeeping_order,
             cuda_graphs="off" if enforce_eager else cuda_graphs,
+            attention_backend=attention_backend,
         )  # fmt: skip
         try:
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(model))

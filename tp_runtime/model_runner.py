@@ -112,6 +112,17 @@ class StepInputs:
     num_scheduled: np.ndarray
 
 
+def _decode_kernel(backend: str, device: torch.device) -> str:
+    """ "auto": the Triton kernel on CUDA when Triton is installed, else the PyTorch path."""
+    if backend != "auto":
+        return backend
+    if device.type != "cuda":
+        return "torch"
+    import importlib.util
+
+    return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+
+
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, model: LlamaForCausalLM, device: torch.device, rank: int
@@ -130,6 +141,7 @@ class ModelRunner:
         self.sliding_window = mc.sliding_window
         self.sync_first = config.bookkeeping_order == "sync_first"
         self.collect_timings = False
+        self.decode_kernel = _decode_kernel(config.attention_backend, device)
         self._use_cuda = device.type == "cuda"
         self._prev_forward_end: torch.cuda.Event | float | None = None
         self._pending_tokens: tuple[np.ndarray, list[int]] | None = None
@@ -165,7 +177,7 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 self._graph_forward, self.block_size, self.config.scheduler.max_num_seqs, self.max_blocks,
                 trash_slot=num_blocks * self.block_size, sliding_window=self.sliding_window,
-                device=self.device, capture=mode == "capture",
+                device=self.device, capture=mode == "capture", decode_kernel=self.decode_kernel,
             )  # fmt: skip
 
     def _graph_forward(
@@ -282,6 +294,9 @@ class ModelRunner:
             if window is not None:
                 mask &= key_pos[None, :] > (d_lens[:, None] - 1 - window)
             meta.decode_mask = self._to_device(mask[:, None, None, :])
+            meta.decode_kernel = self.decode_kernel
+            meta.decode_seq_lens = self._to_device(d_lens)
+            meta.sliding_window = window
         for i in range(num_decode, len(rows)):
             start, end, ctx = int(starts[i]), int(ends[i]), int(computed[i])
             if ctx == 0 and window is None:

@@ -32,6 +32,11 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decode, blocks] (padding: block 0)
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, blocks * block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Decode kernel: "torch" (gathered blocks + SDPA, any device) or "triton" (reads the cache blocks in
+    # place; needs decode_seq_lens).
+    decode_kernel: str = "torch"
+    decode_seq_lens: torch.Tensor | None = None  # [num_decode] context length after this step
+    sliding_window: int | None = None
 
 
 def write_kv(
@@ -72,7 +77,15 @@ def paged_attention(
     """q: [tokens, heads, d]; k/v: this step's [tokens, kv_heads, d] (already in the cache)."""
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
-    if num_decode:
+    if num_decode and meta.decode_kernel == "triton":
+        from tp_runtime.layers.paged_decode_triton import paged_decode_attention
+
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        out[:num_decode] = paged_decode_attention(
+            q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+            meta.sliding_window,
+        )  # fmt: skip
+    elif num_decode:
         assert meta.decode_block_tables is not None
         keys = _gather(k_cache, meta.decode_block_tables)
         values = _gather(v_cache, meta.decode_block_tables)

@@ -47,9 +47,8 @@ def _paged_decode_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    first = 0
-    if window > 0:
-        first = tl.maximum(seq_len - window, 0) // BLOCK_SIZE
+    # With a sliding window, blocks wholly before it are skipped (same types on both sides for the compiler).
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0) // BLOCK_SIZE, 0)
     for block in range(first, tl.cdiv(seq_len, BLOCK_SIZE)):
         block_id = tl.load(block_tables_ptr + seq * table_stride + block).to(tl.int64)
         pos = block * BLOCK_SIZE + offs
@@ -61,9 +60,7 @@ def _paged_decode_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale
-        valid = pos < seq_len
-        if window > 0:
-            valid = valid & (pos > seq_len - 1 - window)
+        valid = (pos < seq_len) & ((window <= 0) | (pos > seq_len - 1 - window))
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])

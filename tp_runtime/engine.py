@@ -120,7 +120,9 @@ class LLMEngine:
         )
         req_id = self._next_req_id
         self._next_req_id += 1
-        self.scheduler.add(Request(req_id, prompt_ids, params, sampling))
+        request = Request(req_id, prompt_ids, params, sampling)
+        request.stop_ids = frozenset(stop_ids)
+        self.scheduler.add(request)
         if params.stop_strings:
             self._stop_states[req_id] = _StopState(self._decode_stream(), stop_strings=params.stop_strings)
         return req_id
@@ -188,12 +190,10 @@ class LLMEngine:
         params = req.params
         token = req.output_token_ids[-1]
         num_out = len(req.output_token_ids)
-        if num_out >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return "stop"
+        if token in req.stop_ids and num_out >= params.min_tokens:
             if params.stop_token_ids and token in params.stop_token_ids:
                 req.stop_reason = token
-                return "stop"
+            return "stop"
         state = self._stop_states.get(req.req_id)
         if state is not None:
             if state.stream is not None:

@@ -87,10 +87,12 @@ class Sampler:
             token_ids = greedy_ids
         else:
             probs = filter_logits(logits, batch).softmax(dim=-1)
-            noise = torch.empty_like(probs).exponential_(generator=self._engine_generator)
+            # Exp(1) noise as -log(U): the same distribution as exponential_(), several times faster on CPU.
+            noise = torch.rand(probs.shape, generator=self._engine_generator, device=probs.device)
             for row, seed in batch.row_seeds.items():
                 self._row_generator.manual_seed(seed)
-                noise[row].exponential_(generator=self._row_generator)
+                noise[row] = torch.rand(probs.shape[1], generator=self._row_generator, device=probs.device)
+            noise = noise.log_().neg_()
             sampled = (probs / noise).argmax(dim=-1)
             token_ids = torch.where(batch.greedy, greedy_ids, sampled)
         out = SamplerOutput(token_ids=token_ids)

@@ -40,9 +40,13 @@ class Request:
     # Logprobs per generated token: (token ids, logprobs, rank of the sampled token).
     logprobs: list[tuple[list[int], list[float], int]] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    # Known tokens (prompt + generated); kept as a field because the scheduler reads it every step.
+    num_tokens: int = 0
+    # Token ids that end the request once min_tokens outputs exist (EOS unless ignore_eos, stop ids).
+    stop_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -86,11 +90,21 @@ class Scheduler:
         self._freed_since_last_step = []
         preempted_now = False
 
+        kv = self.kv
+        block_size = kv.block_size
+        held_blocks = kv.blocks
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_blocks = self.kv.allocate_slots(req.req_id, req.num_computed_tokens + n)
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget:
+                n = budget
+            target = req.num_computed_tokens + n
+            # Most decode steps need no new block: skip the allocator then.
+            if target <= len(held_blocks[req.req_id]) * block_size:
+                new_blocks: list[int] | None = []
+            else:
+                new_blocks = kv.allocate_slots(req.req_id, target)
             while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -98,7 +112,7 @@ class Scheduler:
                 preempted_now = True
                 if victim is req:
                     break
-                new_blocks = self.kv.allocate_slots(req.req_id, req.num_computed_tokens + n)
+                new_blocks = kv.allocate_slots(req.req_id, target)
             if new_blocks is None:
                 break
             scheduled.append((req, n))
@@ -145,6 +159,7 @@ class Scheduler:
         for i, (req_id, token) in enumerate(zip(output.req_ids, output.sampled_token_ids, strict=True)):
             req = self.requests[req_id]
             req.output_token_ids.append(token)
+            req.num_tokens += 1
             if lp is not None and req.sampling.num_logprobs >= 0:
                 k = req.sampling.num_logprobs
                 req.logprobs.append((lp.token_ids[i][: 1 + k], lp.logprobs[i][: 1 + k], lp.sampled_ranks[i]))

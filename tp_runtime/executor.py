@@ -99,7 +99,7 @@ def _free_tcp_port(host: str) -> int:
 class _Channel:
     """Driver side of the sockets: broadcast out, replies in, with liveness checks while waiting."""
 
-    def __init__(self, broadcast_addr: str, results_addr: str, world_size: int, timeout_s: float) -> None:
+    def __init__(self, broadcast_addr: str, results_addr: str) -> None:
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -109,8 +109,6 @@ class _Channel:
         self.pull.setsockopt(zmq.LINGER, 0)
         self.broadcast_addr = self._bind(self.pub, broadcast_addr)
         self.results_addr = self._bind(self.pull, results_addr)
-        self.world_size = world_size
-        self.timeout_s = timeout_s
         self.encoder = driver_message_codec()
         self.decoder = worker_reply_codec()
         self.next_call_id = 0
@@ -247,12 +245,7 @@ class MultiprocExecutor:
         self.config = config
         self.ipc_dir = tempfile.mkdtemp(prefix="tp-runtime-")
         tag = uuid.uuid4().hex[:8]
-        self.channel = _Channel(
-            f"ipc://{self.ipc_dir}/bcast-{tag}",
-            f"ipc://{self.ipc_dir}/results-{tag}",
-            config.parallel.tensor_parallel_size,
-            config.parallel.step_timeout_s,
-        )
+        self.channel = _Channel(f"ipc://{self.ipc_dir}/bcast-{tag}", f"ipc://{self.ipc_dir}/results-{tag}")
         self.workers = _SpawnedWorkers(config, self.channel)
         self._shut_down = False
         self.last_step_timings: dict[str, float] = {}
@@ -334,13 +327,10 @@ class TorchrunExecutor:
         self.worker = worker
         tp = config.parallel.tensor_parallel_size
         host = config.parallel.driver_host
-        self.channel = _Channel(f"tcp://{host}:0", f"tcp://{host}:0", tp, config.parallel.step_timeout_s)
+        self.channel = _Channel(f"tcp://{host}:0", f"tcp://{host}:0")
         self.remote = _RemoteWorkers(self.channel, list(range(1, tp)), config.parallel.spin_wait_s)
         self._shut_down = False
         self.last_step_timings: dict[str, float] = {}
-
-    def addresses(self) -> WorkerAddresses:
-        return WorkerAddresses(self.channel.broadcast_addr, self.channel.results_addr)
 
     def initialize(self) -> int:
         deadline = time.monotonic() + _STARTUP_TIMEOUT_S

@@ -113,7 +113,7 @@ class StepInputs:
 
 
 def _decode_kernel(backend: str, device: torch.device) -> str:
-    """ "auto": the Triton kernel on CUDA when Triton is installed, else the PyTorch path."""
+    """Decode attention kernel; for "auto", Triton on CUDA when it is installed, else PyTorch."""
     if backend != "auto":
         return backend
     if device.type != "cuda":

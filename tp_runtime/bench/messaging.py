@@ -155,7 +155,7 @@ def round_trips(tp: int, steps: int, spin_wait_s: float) -> dict[str, float]:
 
     ipc_dir = tempfile.mkdtemp(prefix="tp-runtime-bench-")
     tag = uuid.uuid4().hex[:8]
-    channel = _Channel(f"ipc://{ipc_dir}/b-{tag}", f"ipc://{ipc_dir}/r-{tag}", tp, 60.0)
+    channel = _Channel(f"ipc://{ipc_dir}/b-{tag}", f"ipc://{ipc_dir}/r-{tag}")
     ctx = mp.get_context("spawn")
     procs, pipes = [], []
     addresses = WorkerAddresses(channel.broadcast_addr, channel.results_addr)

@@ -104,7 +104,8 @@ class StepInputs:
     positions: torch.Tensor | None
     meta: AttentionMetadata | None
     graph_inputs: tuple[np.ndarray, ...] | None
-    logits_indices: torch.Tensor  # token index of each row that samples
+    # Token index of each row that samples; None when every token samples (pure decode, nothing to pick).
+    logits_indices: torch.Tensor | None
     sample_rows: np.ndarray  # batch rows that sample, in output order
     sampling: SamplingBatch | None  # their sampling settings, staged on the device before the forward
     req_ids: list[int]  # their request ids
@@ -264,7 +265,7 @@ class ModelRunner:
 
         req_ids = [batch.req_at[r] for r in sample_rows.tolist()]
         common = dict(
-            logits_indices=self._to_device(logits_indices),
+            logits_indices=None if len(logits_indices) == len(input_ids) else self._to_device(logits_indices),
             sample_rows=sample_rows,
             sampling=self._sampling_batch(sample_rows, req_ids) if len(sample_rows) else None,
             req_ids=req_ids,
@@ -403,11 +404,13 @@ class ModelRunner:
         if inputs.graph_inputs is not None:
             assert self.decode_graphs is not None
             all_logits = self.decode_graphs.run(*inputs.graph_inputs)
-            logits = all_logits if len(rows) == len(all_logits) else all_logits[inputs.logits_indices]
+            logits = all_logits if inputs.logits_indices is None else all_logits[inputs.logits_indices]
         else:
             assert inputs.input_ids is not None and inputs.positions is not None and inputs.meta is not None
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+            if inputs.logits_indices is not None:
+                hidden = hidden.index_select(0, inputs.logits_indices)
+            logits = self.model.compute_logits(hidden)
         if len(rows):
             logits = logits.float()
             self._mask_stop_tokens(logits, rows)

@@ -120,3 +120,26 @@ def test_readme_main_command_completes_paris() -> None:
     proc = _run([sys.executable, "-m", "tp_runtime.cli", "generate", "--max-tokens", "4", "--device", "cpu",
                  "The capital of France is"])  # fmt: skip
     assert "-> ' Paris" in proc.stdout, proc.stdout
+
+
+def test_bench_messaging_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "messaging.json"
+    _run([sys.executable, "-m", "tp_runtime.cli", "bench", "messaging", "--steps", "20",
+          "--num-requests", "64", "--output-json", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    formats = result["payload_formats"]
+    assert (
+        formats["msgspec list[int] (ModelRunnerOutput)"]["bytes"] < formats["pickled torch tensor"]["bytes"]
+    )
+    assert set(result["round_trip_us"]) == {
+        "empty step", "decode, 64 requests", "decode, 256 requests", "prefill, 8 x 1000 tokens"
+    }  # fmt: skip
+    assert all(v > 0 for v in result["round_trip_us"].values())
+
+
+def test_make_smollm2_refuses_a_non_empty_folder(tmp_path: Path) -> None:
+    (tmp_path / "keep.txt").write_text("x")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "tp_runtime.cli", "make-smollm2", str(tmp_path)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "not empty" in proc.stderr and "Traceback" not in proc.stderr

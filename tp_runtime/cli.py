@@ -132,7 +132,11 @@ def _generate(args: argparse.Namespace) -> None:
 def _make_smollm2(args: argparse.Namespace) -> None:
     from tp_runtime.smollm2 import convert_smollm2
 
-    print(convert_smollm2(Path(args.out_dir), overwrite=args.overwrite))
+    try:
+        print(convert_smollm2(Path(args.out_dir), overwrite=args.overwrite))
+    except (FileExistsError, RuntimeError) as exc:
+        print(f"tp-runtime: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

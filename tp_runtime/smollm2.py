@@ -33,7 +33,9 @@ def convert_smollm2(out_dir: str | Path, *, overwrite: bool = False) -> Path:
     generation config, tokenizer) and return the path. Takes about 40 s on a laptop-class CPU."""
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} is not empty; pass overwrite=True or choose another directory")
+        raise FileExistsError(
+            f"{out} is not empty; pass overwrite=True (--overwrite) or choose another directory"
+        )
     gguf = smollm2_gguf_path()
     for module in ("gguf", "accelerate"):
         if importlib.util.find_spec(module) is None:

@@ -105,3 +105,14 @@ def hf_logprobs(model_dir: Path, prompt: list[int], continuation: list[int]) -> 
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) + len(continuation) - 1]
     return logits.float().log_softmax(-1)
+
+
+def random_prompts(lengths: tuple[int, ...], vocab: int, seed: int = 1234) -> list[list[int]]:
+    """Random prompt ids from a fixed generator, avoiding the special ids 0-2 (pad, bos, eos)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def assert_same_tokens(got: list[list[int]], want: list[list[int]], prompts: list[list[int]]) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g == w, f"prompt {i} (length {len(prompts[i])}): tp_runtime {g} != HF {w}"

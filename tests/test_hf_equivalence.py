@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from conftest import hf_greedy, hf_logprobs
+from conftest import assert_same_tokens, hf_greedy, hf_logprobs
+from conftest import random_prompts as shared_random_prompts
 
 from tp_runtime import LLM, SamplingParams
 
@@ -26,9 +26,7 @@ _hf_cache: dict[tuple[Any, ...], list[list[int]]] = {}
 
 
 def random_prompts(lengths: tuple[int, ...], vocab: int = VOCAB, seed: int = 1234) -> list[list[int]]:
-    """Random prompt ids from a fixed generator, avoiding the special ids 0-2 (pad, bos, eos)."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    return shared_random_prompts(lengths, vocab, seed)
 
 
 def reference(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, suppress_eos: bool = False):
@@ -54,11 +52,6 @@ def generate_ids(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> 
 
 def greedy(max_tokens: int = MAX_TOKENS, **kwargs: Any) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
-
-
-def assert_same_tokens(got: list[list[int]], want: list[list[int]], prompts: list[list[int]]) -> None:
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g == w, f"prompt {i} (length {len(prompts[i])}): tp_runtime {g} != HF {w}"
 
 
 class ScheduleSpy:

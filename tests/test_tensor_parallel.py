@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from conftest import hf_greedy, hf_logprobs
+from conftest import assert_same_tokens, hf_greedy, hf_logprobs, random_prompts
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.errors import ConfigError
@@ -57,12 +56,6 @@ CASES = [
 SAMPLING_CASE = CASES[-1]
 
 
-def random_prompts(lengths: tuple[int, ...], vocab: int, seed: int = 1234) -> list[list[int]]:
-    """Random prompt ids from a fixed generator, avoiding the special ids 0-2 (pad, bos, eos)."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
 def generate_ids(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
@@ -70,11 +63,6 @@ def generate_ids(llm: LLM, prompts: list[list[int]], params: SamplingParams | li
 
 def greedy(max_tokens: int = MAX_TOKENS, **kwargs: Any) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
-
-
-def assert_same_tokens(got: list[list[int]], want: list[list[int]], prompts: list[list[int]]) -> None:
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g == w, f"prompt {i} (length {len(prompts[i])}): tp_runtime {g} != HF {w}"
 
 
 class LLMPool:

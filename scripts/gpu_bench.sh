@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements recorded in BENCHMARKS.md (run on the device machines; see the device README).
-#   scripts/gpu_bench.sh smoke|compare|tp1|tp2|messaging|peer OUT_DIR
+#   scripts/gpu_bench.sh smoke|compare|compare1|tp1|tp2|messaging|peer OUT_DIR
 set -euo pipefail
 part=$1
 out=${2:-/tmp/tp-runtime-bench}
@@ -26,14 +26,21 @@ case $part in
         --num-prompts 8 --input-len 64 --max-tokens 32 --output-json "$out/compare_$dtype.json"
     done
     ;;
+  compare1)  # one GPU: async scheduling on vs off must give the same tokens
+    $py scripts/compare_tp.py --model llama-3-8b --load-format dummy --dtype float32 --tp-sizes 1 \
+      --async-scheduling both --num-prompts 8 --input-len 64 --max-tokens 32 --output-json "$out/compare_async.json"
+    ;;
   tp1 | tp2)
     tp=${part#tp}
-    for order in overlap sync_first; do
-      bench "llama3_8b_tp${tp}_b32_${order}" --model llama-3-8b -tp "$tp" --batch-size 32 --input-len 1000 \
-        --output-len 128 --num-iters-warmup 1 --num-iters 3 --bookkeeping-order $order
-    done
-    bench "llama3_8b_tp${tp}_b1" --model llama-3-8b -tp "$tp" --batch-size 1 --input-len 32 --output-len 128 \
-      --num-iters-warmup 1 --num-iters 5
+    b32=(--model llama-3-8b -tp "$tp" --batch-size 32 --input-len 1000 --output-len 128 --num-iters-warmup 1
+      --num-iters 3)
+    b1=(--model llama-3-8b -tp "$tp" --batch-size 1 --input-len 32 --output-len 128 --num-iters-warmup 1
+      --num-iters 5)
+    bench "llama3_8b_tp${tp}_b32_async" "${b32[@]}"
+    bench "llama3_8b_tp${tp}_b32_sync_overlap" "${b32[@]}" --no-async-scheduling
+    bench "llama3_8b_tp${tp}_b32_sync_first" "${b32[@]}" --no-async-scheduling --bookkeeping-order sync_first
+    bench "llama3_8b_tp${tp}_b1_async" "${b1[@]}"
+    bench "llama3_8b_tp${tp}_b1_sync" "${b1[@]}" --no-async-scheduling
     ;;
   messaging)
     for spin in 0 2000; do

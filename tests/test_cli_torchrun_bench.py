@@ -84,22 +84,27 @@ def test_torchrun_two_nodes_on_one_host(tp_model: Path, tmp_path: Path) -> None:
     assert "->" not in worker_out  # only the driver's node prints
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_bench_latency_writes_every_field(tmp_path: Path, tp: int) -> None:
+@pytest.mark.parametrize(("tp", "async_scheduling"), [(1, True), (2, True), (2, False)])
+def test_bench_latency_writes_every_field(tmp_path: Path, tp: int, async_scheduling: bool) -> None:
     out = tmp_path / "latency.json"
     proc = _run([sys.executable, "-m", "tp_runtime.cli", "bench", "latency", "--model", "tiny-llama",
                  "-tp", str(tp), "--device", "cpu", "--batch-size", "4", "--input-len", "16",
                  "--output-len", "8", "--num-iters-warmup", "1", "--num-iters", "2", "--no-progress",
-                 "--output-json", str(out)])  # fmt: skip
+                 "--output-json", str(out),
+                 "--async-scheduling" if async_scheduling else "--no-async-scheduling"])  # fmt: skip
     result = json.loads(out.read_text())
     assert len(result["latencies"]) == 2 and all(x > 0 for x in result["latencies"])
     assert result["avg_latency"] == pytest.approx(sum(result["latencies"]) / 2)
     assert set(result["percentiles"]) == {str(p) for p in PERCENTILES}
     assert result["config"]["tensor_parallel_size"] == tp
+    assert result["config"]["async_scheduling"] is async_scheduling
     breakdown = result["decode_step_breakdown"]
-    # 8 output tokens: the first comes from the prefill step, the other 7 from decode steps.
+    # 8 output tokens: the first comes from the prefill step, the other 7 from decode steps (with async
+    # scheduling too: no step is sent past max_tokens).
     assert breakdown["num_decode_steps"] == 7
     expected = set(BREAKDOWN_FIELDS) - ({"encode_broadcast"} if tp == 1 else set())
+    if async_scheduling:  # the round trip spans two steps and is not split into phases
+        expected -= {"reply_transport"}
     assert expected <= set(breakdown), expected - set(breakdown)
     assert all(v >= 0 for k, v in breakdown.items() if k != "reply_transport")
     assert breakdown["worker_forward_device"] < breakdown["step_total"]

@@ -68,8 +68,9 @@ class ScheduleSpy:
         step: dict[str, list[int]] = {"prefill": [], "decode": []}
         for req_id, n in zip(so.scheduled_req_ids, so.num_scheduled_tokens, strict=True):
             req = self.scheduler.requests[req_id]
-            # After schedule(), a decode is exactly one new token on top of an already-generated one.
-            decoding = bool(req.output_token_ids) and n == 1 and req.num_computed_tokens == req.num_tokens
+            # A decode computes exactly one token, and that token was generated (its position is past the
+            # prompt); its value may still be in flight under async scheduling.
+            decoding = n == 1 and req.num_computed_tokens - 1 >= len(req.prompt_token_ids)
             step["decode" if decoding else "prefill"].append(n)
         self.steps.append(step)
         return so

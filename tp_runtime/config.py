@@ -127,6 +127,10 @@ class EngineConfig:
     # Runner option kept for benchmarking: "overlap" does value-free bookkeeping before the device->host
     # sync; "sync_first" waits for the sampled ids first (the order this project replaced).
     bookkeeping_order: str = "overlap"
+    # The driver schedules and sends step N+1 before it has step N's sampled ids (it learns of a stop one
+    # step late and drops that step's token); workers take input tokens from the device. False: one step
+    # at a time, each waiting for the previous one's ids.
+    async_scheduling: bool = True
     # Decode steps as CUDA graphs: "auto" (on CUDA), "off" (always eager), "padded" (the graph path's
     # padded static inputs run eagerly, to check that path on CPU).
     cuda_graphs: str = "auto"
@@ -139,6 +143,8 @@ class EngineConfig:
             raise ConfigError(f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}")
         if self.cuda_graphs not in ("auto", "off", "padded"):
             raise ConfigError(f"cuda_graphs must be auto|off|padded, got {self.cuda_graphs!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ConfigError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.bookkeeping_order not in ("overlap", "sync_first"):
             raise ConfigError(f"bookkeeping_order must be overlap|sync_first, got {self.bookkeeping_order!r}")
         validate_tensor_parallel(self.model, self.parallel.tensor_parallel_size)

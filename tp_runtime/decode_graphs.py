@@ -4,7 +4,9 @@ A decode forward launches a few dozen kernels per layer; replayed from a CUDA gr
 the host stops being the bottleneck. Graphs need fixed shapes and addresses, so the batch is padded up to
 a bucket size and each sequence's block table to a bucket of blocks; the inputs of a step are packed into
 one pinned host buffer and copied to the device with one transfer. Padding rows write their keys/values
-into a trash slot (one extra cache block nobody owns) and attend only to key 0.
+into a trash slot (one extra cache block nobody owns) and attend only to key 0. A row whose input token
+was sampled on the device (the previous step's output) reads it from the runner's `token_feed` buffer
+inside the graph, so the host never needs that value to launch the step.
 
 Graphs are captured lazily, the first time a (batch bucket, block bucket) pair is needed. The same
 padded path can run without capture ("padded" mode), which is how CPU tests check its inputs.
@@ -19,8 +21,9 @@ import torch
 
 from tp_runtime.layers.attention import AttentionMetadata
 
-# Columns of the packed input buffer before the block table.
-_IDS, _POS, _SLOT, _LEN, _TABLE = 0, 1, 2, 3, 4
+# Columns of the packed input buffer before the block table. _FEED: the batch row whose last sampled
+# token (in token_feed) is this row's input, or -1 for a token the host knows; _ROW: the row's batch row.
+_IDS, _POS, _SLOT, _LEN, _FEED, _ROW, _TABLE = 0, 1, 2, 3, 4, 5, 6
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -47,6 +50,7 @@ class DecodeGraphs:
         sliding_window: int | None,
         device: torch.device,
         capture: bool,
+        token_feed: torch.Tensor,
         decode_kernel: str = "torch",
     ) -> None:
         """`forward(input_ids, positions, meta)` returns the logits of every row."""
@@ -67,6 +71,10 @@ class DecodeGraphs:
         self._key_pos = torch.arange(max_blocks * block_size, device=device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._token_feed = token_feed
+        # Recorded after each staging->device copy: the host must not refill the pinned buffer before the
+        # copy ran, and with steps queued ahead of the device nothing else guarantees that.
+        self._staging_free = torch.cuda.Event() if device.type == "cuda" else None
 
     def supports(self, num_seqs: int) -> bool:
         return num_seqs <= self.batch_sizes[-1]
@@ -79,6 +87,8 @@ class DecodeGraphs:
         inputs = self._inputs[:rows]
         seq_lens = inputs[:, _LEN]
         key_pos = self._key_pos[: blocks * self.block_size]
+        feed = inputs[:, _FEED]
+        input_ids = torch.where(feed >= 0, self._token_feed[feed.clamp(min=0)], inputs[:, _IDS])
         mask = key_pos.unsqueeze(0) < seq_lens.unsqueeze(1)
         if self.window is not None:
             mask &= key_pos.unsqueeze(0) > (seq_lens.unsqueeze(1) - 1 - self.window)
@@ -91,7 +101,7 @@ class DecodeGraphs:
             decode_seq_lens=seq_lens,
             sliding_window=self.window,
         )
-        return self._forward(inputs[:, _IDS], inputs[:, _POS], meta)
+        return self._forward(input_ids, inputs[:, _POS], meta)
 
     def _capture(self, rows: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm up on a side stream (lazy inits, allocator), then record.
@@ -112,24 +122,32 @@ class DecodeGraphs:
         slots: np.ndarray,
         block_tables: np.ndarray,
         seq_lens: np.ndarray,
+        feed: np.ndarray,
+        batch_rows: np.ndarray,
     ) -> torch.Tensor:
         """Logits [num_seqs, vocab] of one decode step; block_tables holds at least the used blocks."""
         n = len(input_ids)
         rows = self._bucket(self.batch_sizes, n)
         blocks = self._bucket(self.block_sizes, int(-(-seq_lens.max() // self.block_size)))
         used = min(blocks, block_tables.shape[1])
+        if self._staging_free is not None:
+            self._staging_free.synchronize()  # long done in steady state: it ran before the last forward
         st = self._staging_np
         st[:n, _IDS] = input_ids
         st[:n, _POS] = positions
         st[:n, _SLOT] = slots
         st[:n, _LEN] = seq_lens
+        st[:n, _FEED] = feed
+        st[:n, _ROW] = batch_rows
         st[:n, _TABLE : _TABLE + used] = block_tables[:, :used]
         st[:n, _TABLE + used : _TABLE + blocks] = 0
         st[n:rows, :] = 0
         st[n:rows, _SLOT] = self.trash_slot
         st[n:rows, _LEN] = 1
-        # One transfer; the pinned buffer is free to reuse because the previous step synced already.
-        self._inputs[:rows].copy_(self._staging[:rows], non_blocking=True)
+        st[n:rows, _FEED] = -1
+        self._inputs[:rows].copy_(self._staging[:rows], non_blocking=True)  # one transfer
+        if self._staging_free is not None:
+            self._staging_free.record()
         if not self.capture:
             return self._run_forward(rows, blocks)[:n]
         key = (rows, blocks)
@@ -139,6 +157,10 @@ class DecodeGraphs:
         graph, logits = entry
         graph.replay()
         return logits[:n]
+
+    def batch_rows(self, n: int) -> torch.Tensor:
+        """Batch rows of the last run's sequences, on the device (where their sampled ids go)."""
+        return self._inputs[:n, _ROW]
 
     @property
     def num_graphs(self) -> int:

@@ -79,6 +79,9 @@ class LLMEngine:
         self._stop_states: dict[int, _StopState] = {}
         # Per-step timings (seconds) of the driver's own phases, when enabled (benchmarks).
         self.step_timings: list[dict[str, float]] | None = None
+        self.async_scheduling = config.async_scheduling
+        # Async scheduling: the step sent last, whose output is read in the next step() call.
+        self._in_flight: SchedulerOutput | None = None
 
     # ----------------------------------------------------------------- requests
     def _validate_prompt(self, prompt_ids: Any) -> list[int]:
@@ -151,12 +154,29 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that finished in it."""
+        """Run one step; returns the requests that finished in it.
+
+        With async scheduling the step sent here is only queued: this call then reads the output of the
+        step sent by the previous call, so the workers already hold their next step while the driver
+        handles this output. Without it, the step's own output is awaited."""
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
         t1 = time.perf_counter()
-        output = self.executor.execute_model(so)
+        if so.scheduled_req_ids or not self.async_scheduling:
+            self.executor.submit(so)
+            sent: SchedulerOutput | None = so
+        else:
+            sent = None  # nothing can run before the in-flight step's tokens are in
+            self.scheduler.return_freed(so.freed_req_ids)
         t2 = time.perf_counter()
+        if self.async_scheduling:
+            done, self._in_flight = self._in_flight, sent
+        else:
+            done = sent
+        if done is None:
+            return []
+        output = self.executor.wait_output(done.step_id)
+        t3 = time.perf_counter()
         finished = []
         for req in self.scheduler.update(output):
             reason = self._check_stop(req)
@@ -165,21 +185,32 @@ class LLMEngine:
                 self._stop_states.pop(req.req_id, None)
                 finished.append(req)
         if self.step_timings is not None:
-            self._record_timings(so, output, t0, t1, t2, time.perf_counter())
+            self._record_timings(done, output, t0, t1, t2, t3, time.perf_counter())
         return finished
 
     def _record_timings(
-        self, so: SchedulerOutput, output: ModelRunnerOutput, t0: float, t1: float, t2: float, t3: float
+        self,
+        so: SchedulerOutput,
+        output: ModelRunnerOutput,
+        t0: float,
+        t1: float,
+        t2: float,
+        t3: float,
+        t4: float,
     ) -> None:
+        """`so` is the step whose output was read; with async scheduling the phases before the wait
+        belong to the next step, which is how the driver's work overlaps the device's."""
         assert self.step_timings is not None
         entry = {
             "schedule": t1 - t0,
-            "execute_roundtrip": t2 - t1,
-            "engine_update": t3 - t2,
-            "step_total": t3 - t0,
+            "wait_output": t3 - t2,
+            "execute_roundtrip": t3 - t1,
+            "engine_update": t4 - t3,
+            "step_total": t4 - t0,
         }
         entry["num_scheduled_tokens"] = float(sum(so.num_scheduled_tokens))
         entry["decode_only"] = float(all(n == 1 for n in so.num_scheduled_tokens))
+        entry["async_scheduling"] = float(self.async_scheduling)
         entry.update(self.executor.last_step_timings)
         if output.timings:
             entry.update({f"worker_{k}": v for k, v in output.timings.items()})
@@ -190,6 +221,7 @@ class LLMEngine:
         params = req.params
         token = req.output_token_ids[-1]
         num_out = len(req.output_token_ids)
+        num_known = len(req.prompt_token_ids) + num_out
         if token in req.stop_ids and num_out >= params.min_tokens:
             if params.stop_token_ids and token in params.stop_token_ids:
                 req.stop_reason = token
@@ -211,7 +243,7 @@ class LLMEngine:
                             req.stop_reason = stop
                             req.stop_text = state.text[:idx]
                             return "stop"
-        if num_out >= params.max_tokens or req.num_tokens >= self.config.model.max_model_len:
+        if num_out >= params.max_tokens or num_known >= self.config.model.max_model_len:
             return "length"
         return None
 
@@ -257,6 +289,7 @@ class LLM:
         step_timeout_s: float = 300.0,
         executor: str = "auto",
         bookkeeping_order: str = "overlap",
+        async_scheduling: bool = True,
         enforce_eager: bool = False,
         spin_wait_s: float = 0.0,
         cuda_graphs: str = "auto",
@@ -286,6 +319,7 @@ class LLM:
             device=resolved_device,
             seed=seed,
             bookkeeping_order=bookkeeping_order,
+            async_scheduling=async_scheduling,
             cuda_graphs="off" if enforce_eager else cuda_graphs,
             attention_backend=attention_backend,
         )  # fmt: skip

@@ -2,7 +2,7 @@
 
 - InProcessExecutor: TP=1 in the driver's own process (no sockets, no process group).
 - MultiprocExecutor: one spawned process per rank. The driver broadcasts over a ZeroMQ XPUB socket and
-  reads replies from a PULL socket; only rank 0 answers execute_model. Start-up waits until every worker
+  reads replies from a PULL socket; only rank 0 answers a step. Start-up waits until every worker
   has subscribed (XPUB reports each subscription, so no message is lost to the PUB/SUB slow joiner) and
   sent READY. While waiting for any reply the driver watches the worker processes' sentinels, so a dead
   worker is an error naming its rank within a fraction of a second, and every wait has a timeout.
@@ -33,10 +33,12 @@ from tp_runtime.messages import (
     ControlCall,
     DriverMessage,
     ExecuteModel,
+    Flush,
     ModelRunnerOutput,
     SchedulerOutput,
     Shutdown,
 )
+from tp_runtime.model_runner import PendingOutput
 from tp_runtime.serialize import driver_message_codec, recv_spinning, worker_reply_codec
 from tp_runtime.worker import Worker, WorkerAddresses, run_worker_loop
 
@@ -47,14 +49,20 @@ T = TypeVar("T")
 
 
 class Executor(Protocol):
-    # Driver-side timings of the last execute_model (seconds), for the benchmark's step breakdown.
+    # Driver-side timings of the last submit (seconds), for the benchmark's step breakdown.
     last_step_timings: dict[str, float]
 
     def initialize(self) -> int:
         """Load the model on every rank and allocate the KV cache; returns the number of KV blocks."""
         ...
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
+    def submit(self, so: SchedulerOutput) -> None:
+        """Send a step to every rank; returns without waiting for its output."""
+        ...
+
+    def wait_output(self, step_id: int) -> ModelRunnerOutput:
+        """Rank 0's output of a submitted step (steps are answered in the order they were submitted)."""
+        ...
 
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         """Run a worker control method on every rank; results in rank order."""
@@ -67,21 +75,43 @@ class InProcessExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.worker = Worker(config, rank=0, local_rank=0)
         self.last_step_timings: dict[str, float] = {}
+        self.pending = _PendingSteps()
 
     def initialize(self) -> int:
         self.worker.init_device(None)
         self.worker.load_model()
         return _size_kv_cache(self)
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self.worker.finish_step()
-        return self.worker.execute_model(so)
+    def submit(self, so: SchedulerOutput) -> None:
+        self.pending.add(self.worker.execute_model(so))
+
+    def wait_output(self, step_id: int) -> ModelRunnerOutput:
+        return self.pending.resolve(step_id)
 
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         return [self.worker.call(method, list(args or []))]
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+class _PendingSteps:
+    """Steps queued on an in-process worker, resolved in order (older ones are dropped when a newer one is
+    asked for: their requests were aborted)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, PendingOutput] = {}
+
+    def add(self, pending: PendingOutput) -> None:
+        self.steps[pending.step_id] = pending
+
+    def resolve(self, step_id: int) -> ModelRunnerOutput:
+        for older in [s for s in self.steps if s < step_id]:
+            del self.steps[older]
+        pending = self.steps.pop(step_id, None)
+        if pending is None:
+            raise RuntimeError(f"internal: step {step_id} was never submitted")
+        return pending.resolve()
 
 
 def _size_kv_cache(executor: Executor) -> int:
@@ -133,6 +163,8 @@ class _RemoteWorkers:
         self.remote_ranks = remote_ranks
         self.spin_wait_s = spin_wait_s
         self.closed = False
+        # Step outputs that arrived while the driver waited for something else (a control call's result).
+        self.early_outputs: dict[int, ModelRunnerOutput] = {}
 
     def check_alive(self, settle_s: float = 0.0) -> None:
         """Raise WorkerDiedError for a rank that is gone (waiting up to settle_s for one to exit)."""
@@ -168,6 +200,8 @@ class _RemoteWorkers:
                     raise WorkerError(reply.rank, reply.error or "(no traceback)")
                 if reply.call_id == call_id and reply.kind == kind and reply.rank in ranks:
                     results[reply.rank] = reply.output if kind == "output" else reply.result
+                elif reply.kind == "output" and reply.output is not None:
+                    self.early_outputs[reply.call_id] = reply.output
                 continue
             self.check_alive()
             if time.monotonic() > deadline:
@@ -177,6 +211,15 @@ class _RemoteWorkers:
                     "every rank of the group); raise step_timeout_s if steps are expected to take this long"
                 )
         return results
+
+    def wait_output(self, step_id: int, timeout_s: float) -> ModelRunnerOutput:
+        early = self.early_outputs.pop(step_id, None)
+        for stale in [s for s in self.early_outputs if s < step_id]:  # steps of aborted requests
+            del self.early_outputs[stale]
+        if early is not None:
+            return early
+        output: ModelRunnerOutput = self.wait_replies(step_id, "output", {0}, timeout_s)[0]
+        return output
 
     def wait_ready(self) -> dict[int, Any]:
         return self.wait_replies(-1, "ready", set(self.remote_ranks), _STARTUP_TIMEOUT_S)
@@ -249,6 +292,7 @@ class MultiprocExecutor:
         self.workers = _SpawnedWorkers(config, self.channel)
         self._shut_down = False
         self.last_step_timings: dict[str, float] = {}
+        self._last_sent_step: int | None = None  # a step with nothing sent after it yet
 
     def initialize(self) -> int:
         tp = self.config.parallel.tensor_parallel_size
@@ -272,16 +316,25 @@ class MultiprocExecutor:
             self.shutdown(grace_s=0.5)
             raise
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        def run() -> ModelRunnerOutput:
+    def submit(self, so: SchedulerOutput) -> None:
+        def run() -> None:
             t0 = time.perf_counter()
             # Liveness is checked while waiting (each time the reply poll times out), not per step.
             self._check_open()
             self.workers.broadcast(ExecuteModel(so))
-            t1 = time.perf_counter()
-            out = self.workers.wait_replies(so.step_id, "output", {0}, self.config.parallel.step_timeout_s)[0]
-            self.last_step_timings = {"encode_broadcast": t1 - t0}
-            return out
+            self._last_sent_step = so.step_id
+            self.last_step_timings = {"encode_broadcast": time.perf_counter() - t0}
+
+        self._guarded(run)
+
+    def wait_output(self, step_id: int) -> ModelRunnerOutput:
+        def run() -> ModelRunnerOutput:
+            self._check_open()
+            if self._last_sent_step == step_id and self.config.async_scheduling:
+                # Rank 0 holds a step's answer back until the next step arrives; none is coming.
+                self.workers.broadcast(Flush())
+            self._last_sent_step = None
+            return self.workers.wait_output(step_id, self.config.parallel.step_timeout_s)
 
         return self._guarded(run)
 
@@ -293,6 +346,7 @@ class MultiprocExecutor:
             self._check_open()
             self.workers.check_alive()
             self.workers.broadcast(ControlCall(call_id, method, list(args or [])))
+            self._last_sent_step = None
             ranks = set(self.workers.remote_ranks)
             results = self.workers.wait_replies(call_id, "result", ranks, self.config.parallel.step_timeout_s)
             return [results[r] for r in sorted(results)]
@@ -331,6 +385,7 @@ class TorchrunExecutor:
         self.remote = _RemoteWorkers(self.channel, list(range(1, tp)), config.parallel.spin_wait_s)
         self._shut_down = False
         self.last_step_timings: dict[str, float] = {}
+        self.pending = _PendingSteps()
 
     def initialize(self) -> int:
         deadline = time.monotonic() + _STARTUP_TIMEOUT_S
@@ -345,13 +400,16 @@ class TorchrunExecutor:
             if reply.kind == "error":
                 raise WorkerError(reply.rank, reply.error or "(no traceback)")
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def submit(self, so: SchedulerOutput) -> None:
         t0 = time.perf_counter()
-        self.worker.finish_step()
         self._drain_errors()
         self.remote.broadcast(ExecuteModel(so))
         self.last_step_timings = {"encode_broadcast": time.perf_counter() - t0}
-        return self.worker.execute_model(so)
+        self.pending.add(self.worker.execute_model(so))
+
+    def wait_output(self, step_id: int) -> ModelRunnerOutput:
+        # Ranks > 0 never answer a step; only an error reply can be waiting from them.
+        return self.pending.resolve(step_id)
 
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         call_id = self.channel.next_call_id

@@ -82,11 +82,15 @@ class ControlCall(msgspec.Struct, tag="call", array_like=True):
     all_ranks: bool = True
 
 
+class Flush(msgspec.Struct, tag="flush", array_like=True):
+    """No further step follows for now: rank 0 answers the step it holds back (async scheduling)."""
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-DriverMessage = ExecuteModel | ControlCall | Shutdown
+DriverMessage = ExecuteModel | ControlCall | Flush | Shutdown
 
 
 # Workers -> driver.

@@ -2,9 +2,12 @@
 
 Per step, top to bottom:
   apply the scheduler's diff to the persistent batch -> build inputs with vectorised numpy ->
-  forward (TP layers) -> sample -> bookkeeping that needs no token values (counts, output ids list) ->
-  ONE device->host transfer of the sampled ids (and logprobs) -> write the ids into the token history.
-Nothing waits for the device before the single transfer, so on GPU the host runs ahead of the kernels.
+  forward (TP layers) -> sample -> bookkeeping that needs no token values (counts) -> start the ONE
+  device->host copy of the sampled ids (rank 0 only, pinned, non-blocking, with an event).
+`execute_model` returns a PendingOutput without waiting for the device; `PendingOutput.resolve()` waits for
+the copy. Sampled ids also stay on the device (`token_feed`, one slot per batch row) and the next step
+reads its input tokens from there, so no rank needs the values on the host to launch the next step: the
+host can queue step N+1 while step N still runs (async scheduling), and ranks > 0 never wait at all.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +37,8 @@ class PersistentBatch:
         self.req_at: list[int] = []
         self.token_ids = np.zeros((max_rows, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_rows, dtype=np.int64)
+        # Tokens whose values the host holds (those sent in NewRequest); later ones are in token_feed.
+        self.num_host_tokens = np.zeros(max_rows, dtype=np.int64)
         self.num_computed = np.zeros(max_rows, dtype=np.int64)
         self.num_output = np.zeros(max_rows, dtype=np.int64)
         self.block_table = np.zeros((max_rows, max_blocks), dtype=np.int64)
@@ -48,9 +54,9 @@ class PersistentBatch:
         self.num_logprobs = np.full(max_rows, -1, dtype=np.int64)
         self.stop_token_ids: list[list[int]] = [[] for _ in range(max_rows)]
         self._row_arrays: list[np.ndarray] = [
-            self.token_ids, self.num_tokens, self.num_computed, self.num_output, self.block_table,
-            self.num_blocks, self.temperature, self.greedy, self.top_k, self.top_p, self.min_p, self.seed,
-            self.has_seed, self.min_tokens, self.num_logprobs,
+            self.token_ids, self.num_tokens, self.num_host_tokens, self.num_computed, self.num_output,
+            self.block_table, self.num_blocks, self.temperature, self.greedy, self.top_k, self.top_p,
+            self.min_p, self.seed, self.has_seed, self.min_tokens, self.num_logprobs,
         ]  # fmt: skip
 
     def add(self, req: NewRequest) -> None:
@@ -60,6 +66,7 @@ class PersistentBatch:
         n = len(req.token_ids)
         self.token_ids[row, :n] = req.token_ids
         self.num_tokens[row] = n
+        self.num_host_tokens[row] = n
         self.num_computed[row] = 0
         self.num_output[row] = req.num_output_tokens
         self.num_blocks[row] = 0
@@ -81,12 +88,14 @@ class PersistentBatch:
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
-    def remove(self, req_id: int) -> None:
-        """Swap-remove: the last row moves into the hole so rows stay dense."""
+    def remove(self, req_id: int) -> tuple[int, int] | None:
+        """Swap-remove: the last row moves into the hole so rows stay dense. Returns (to, from) rows of
+        the move, if any, so the caller can move its device-side row state too."""
         row = self.row_of.pop(req_id, None)
         if row is None:
-            return
+            return None
         last = len(self.req_at) - 1
+        move = None
         if row != last:
             moved = self.req_at[last]
             for arr in self._row_arrays:
@@ -94,7 +103,9 @@ class PersistentBatch:
             self.stop_token_ids[row] = self.stop_token_ids[last]
             self.req_at[row] = moved
             self.row_of[moved] = row
+            move = (row, last)
         self.req_at.pop()
+        return move
 
 
 @dataclass
@@ -144,8 +155,9 @@ class ModelRunner:
         self.collect_timings = False
         self.decode_kernel = _decode_kernel(config.attention_backend, device)
         self._use_cuda = device.type == "cuda"
-        self._prev_forward_end: torch.cuda.Event | float | None = None
-        self._pending_tokens: tuple[np.ndarray, list[int]] | None = None
+        # The last token sampled for each batch row, on the device: the next step's input for that row.
+        self.token_feed = torch.zeros(config.scheduler.max_num_seqs, dtype=torch.int64, device=device)
+        self._last_forward_end: torch.cuda.Event | float | None = None
         self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
 
     # ----------------------------------------------------------------- KV cache
@@ -178,7 +190,8 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 self._graph_forward, self.block_size, self.config.scheduler.max_num_seqs, self.max_blocks,
                 trash_slot=num_blocks * self.block_size, sliding_window=self.sliding_window,
-                device=self.device, capture=mode == "capture", decode_kernel=self.decode_kernel,
+                device=self.device, capture=mode == "capture", token_feed=self.token_feed,
+                decode_kernel=self.decode_kernel,
             )  # fmt: skip
 
     def _graph_forward(
@@ -215,7 +228,9 @@ class ModelRunner:
     def _update_batch(self, so: SchedulerOutput) -> None:
         batch = self.batch
         for req_id in so.freed_req_ids:
-            batch.remove(req_id)
+            move = batch.remove(req_id)
+            if move is not None:
+                self.token_feed[move[0]] = self.token_feed[move[1]]
         for req in so.new_requests:
             batch.add(req)
         cached = so.cached_requests
@@ -258,6 +273,8 @@ class ModelRunner:
             positions = computed[token_req] + (np.arange(int(ends[-1])) - starts[token_req])
             token_rows = rows[token_req]
         input_ids = batch.token_ids[token_rows, positions]
+        # Tokens past what the host holds were sampled on the device: read them from token_feed there.
+        feed = np.where(positions >= batch.num_host_tokens[token_rows], token_rows, -1)
         slots = batch.block_table[token_rows, positions // bs] * bs + positions % bs
         samples = seq_lens == batch.num_tokens[rows]
         sample_rows = rows[samples]
@@ -277,7 +294,9 @@ class ModelRunner:
             blocks = int(-(-seq_lens.max() // bs))
             return StepInputs(
                 input_ids=None, positions=None, meta=None,
-                graph_inputs=(input_ids, positions, slots, batch.block_table[rows, :blocks], seq_lens),
+                graph_inputs=(
+                    input_ids, positions, slots, batch.block_table[rows, :blocks], seq_lens, feed, rows
+                ),
                 **common,
             )  # fmt: skip
         meta = AttentionMetadata(
@@ -314,12 +333,18 @@ class ModelRunner:
                              self._to_device(mask[None, None]))
             )  # fmt: skip
         return StepInputs(
-            input_ids=self._to_device(input_ids),
+            input_ids=self._fed_input_ids(input_ids, feed),
             positions=self._to_device(positions),
             meta=meta,
             graph_inputs=None,
             **common,
         )
+
+    def _fed_input_ids(self, input_ids: np.ndarray, feed: np.ndarray) -> torch.Tensor:
+        if (feed < 0).all():
+            return self._to_device(input_ids)
+        both = self._to_device(np.stack([input_ids, feed]))  # one transfer
+        return torch.where(both[1] >= 0, self.token_feed[both[1].clamp(min=0)], both[0])
 
     def _sampling_batch(self, rows: np.ndarray, req_ids: list[int]) -> SamplingBatch:
         """Sampling settings of `rows`; reused while the same requests sample (every decode step of a
@@ -375,111 +400,76 @@ class ModelRunner:
             if stop_ids:
                 logits[i, stop_ids] = float("-inf")
 
-    def _mark_forward_start(self, timings: dict[str, float] | None) -> None:
-        if timings is None:
-            return
-        if self._use_cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self._forward_start = start
-        else:
-            now = time.perf_counter()
-            if isinstance(self._prev_forward_end, float):
-                timings["host_gap"] = now - self._prev_forward_end
-            self._forward_start_wall = now
-
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> PendingOutput:
+        """Queue one step (inputs, forward, sampling) and return without waiting for the device."""
         timings: dict[str, float] | None = {} if self.collect_timings else None
         t0 = time.perf_counter()
-        self.finish_step()
         self._update_batch(so)
         if not so.scheduled_req_ids:
-            return ModelRunnerOutput(step_id=so.step_id, req_ids=[], sampled_token_ids=[])
+            return PendingOutput(so.step_id, [], None, 0, None, None)
         inputs = self._prepare_inputs(so)
         t_prep = time.perf_counter()
-        self._mark_forward_start(timings)
+        forward_start = self._now_event(timings)
         rows = inputs.sample_rows
         sampled = None
         if inputs.graph_inputs is not None:
             assert self.decode_graphs is not None
             all_logits = self.decode_graphs.run(*inputs.graph_inputs)
             logits = all_logits if inputs.logits_indices is None else all_logits[inputs.logits_indices]
+            sample_rows_dev: torch.Tensor | None = self.decode_graphs.batch_rows(len(rows))  # all sample
         else:
             assert inputs.input_ids is not None and inputs.positions is not None and inputs.meta is not None
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             if inputs.logits_indices is not None:
                 hidden = hidden.index_select(0, inputs.logits_indices)
             logits = self.model.compute_logits(hidden)
+            sample_rows_dev = self._to_device(rows) if len(rows) else None
         if len(rows):
             logits = logits.float()
             self._mask_stop_tokens(logits, rows)
-            assert inputs.sampling is not None
+            assert inputs.sampling is not None and sample_rows_dev is not None
             sampled = self.sampler(logits, inputs.sampling)
-        forward_end = None
-        if timings is not None and self._use_cuda:
-            forward_end = torch.cuda.Event(enable_timing=True)
-            forward_end.record()
+            self.token_feed.index_copy_(0, sample_rows_dev, sampled.token_ids)
+        forward_end = self._now_event(timings)
         t_dispatch = time.perf_counter()
 
         if self.sync_first:
             # The order this project replaced: wait for the values, then do all bookkeeping.
-            token_ids, logprobs = self._device_to_host(sampled)
+            transfer = self._start_transfer(sampled, every_rank=True)
+            if transfer is not None:
+                transfer.wait()
             t_sync = time.perf_counter()
             self._bookkeeping(inputs)
-            self._pending_tokens = (rows, token_ids)
-            self.finish_step()
-            t_book = t_end = time.perf_counter()
+            t_book = time.perf_counter()
+            phases = {"sync_wait": t_sync - t_dispatch, "bookkeeping": t_book - t_sync}
         else:
-            # Everything here is independent of the sampled values, so it runs while the device computes;
-            # writing the values into the history waits until after rank 0 has replied (finish_step).
+            # Nothing here needs the sampled values, so it runs while the device computes; only rank 0
+            # copies them to the host (the other ranks feed them to the next step on the device).
             self._bookkeeping(inputs)
             t_book = time.perf_counter()
-            token_ids, logprobs = self._device_to_host(sampled)
-            t_sync = t_end = time.perf_counter()
-            self._pending_tokens = (rows, token_ids)
+            transfer = self._start_transfer(sampled, every_rank=False)
+            phases = {"bookkeeping": t_book - t_dispatch}
         if timings is not None:
             timings["prepare_inputs"] = t_prep - t0
             timings["forward_dispatch"] = t_dispatch - t_prep
-            if self.sync_first:
-                timings["sync_wait"] = t_sync - t_dispatch
-                timings["bookkeeping"] = t_end - t_sync
-            else:
-                timings["bookkeeping"] = t_book - t_dispatch
-                timings["sync_wait"] = t_sync - t_book
-            self._finish_device_timings(timings, forward_end, t_sync)
-        return ModelRunnerOutput(
-            step_id=so.step_id,
-            req_ids=inputs.req_ids,
-            sampled_token_ids=token_ids,
-            logprobs=logprobs,
-            timings=timings,
-        )
+            timings.update(phases)
+        pending = PendingOutput(so.step_id, inputs.req_ids, transfer, len(rows), timings, None)
+        if timings is not None:
+            pending.device_marks = (self._last_forward_end, forward_start, forward_end)
+            self._last_forward_end = forward_end
+        return pending
 
-    def finish_step(self) -> None:
-        """Write the sampled ids into the token history (the only bookkeeping that needs their values)."""
-        if self._pending_tokens is None:
-            return
-        rows, token_ids = self._pending_tokens
-        self._pending_tokens = None
-        if len(rows):
-            batch = self.batch
-            batch.token_ids[rows, batch.num_tokens[rows] - 1] = token_ids
-
-    def _finish_device_timings(
-        self, timings: dict[str, float], forward_end: torch.cuda.Event | None, t_sync: float
-    ) -> None:
+    def _now_event(self, timings: dict[str, float] | None) -> torch.cuda.Event | float | None:
+        """A point in the step's device timeline: a CUDA event on GPU, wall time on CPU (where the
+        forward runs synchronously). None when timings are off."""
+        if timings is None:
+            return None
         if self._use_cuda:
-            assert forward_end is not None
-            forward_end.synchronize()
-            timings["forward_device"] = self._forward_start.elapsed_time(forward_end) / 1e3
-            if isinstance(self._prev_forward_end, torch.cuda.Event):
-                timings["host_gap"] = self._prev_forward_end.elapsed_time(self._forward_start) / 1e3
-            self._prev_forward_end = forward_end
-        else:
-            # On CPU the forward runs synchronously inside dispatch; its end is when the values exist.
-            timings["forward_device"] = t_sync - self._forward_start_wall
-            self._prev_forward_end = t_sync
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
 
     def _bookkeeping(self, inputs: StepInputs) -> None:
         batch = self.batch
@@ -488,21 +478,117 @@ class ModelRunner:
         batch.num_tokens[rows] += 1
         batch.num_output[rows] += 1
 
-    def _device_to_host(self, sampled: SamplerOutput | None) -> tuple[list[int], Logprobs | None]:
-        """The step's one device->host transfer (ids, plus logprobs on rank 0 when asked for)."""
-        if sampled is None:
-            return [], None
+    def _start_transfer(self, sampled: SamplerOutput | None, every_rank: bool) -> HostTransfer | None:
+        """Start the step's one device->host copy: ids, plus logprobs on rank 0 when asked for."""
+        if sampled is None or (self.rank != 0 and not every_rank):
+            return None
+        num_logprobs = 0
         if sampled.logprobs is None or self.rank != 0:
-            return sampled.token_ids.tolist(), None
-        assert sampled.logprob_token_ids is not None and sampled.sampled_ranks is not None
-        k = sampled.logprobs.shape[1]
-        # float64 holds every token id exactly, so one packed tensor keeps it to one transfer.
-        packed = torch.cat(
-            [sampled.token_ids.double().unsqueeze(1), sampled.sampled_ranks.double().unsqueeze(1),
-             sampled.logprob_token_ids.double(), sampled.logprobs.double()], dim=1,
-        ).tolist()  # fmt: skip
+            values = sampled.token_ids
+        else:
+            assert sampled.logprob_token_ids is not None and sampled.sampled_ranks is not None
+            num_logprobs = sampled.logprobs.shape[1]
+            # float64 holds every token id exactly, so one packed tensor keeps it to one transfer.
+            values = torch.cat(
+                [sampled.token_ids.double().unsqueeze(1), sampled.sampled_ranks.double().unsqueeze(1),
+                 sampled.logprob_token_ids.double(), sampled.logprobs.double()], dim=1,
+            )  # fmt: skip
+        if not self._use_cuda:
+            return HostTransfer(values, None, num_logprobs)
+        # Pinned memory from torch's caching host allocator: the copy is truly asynchronous, and the
+        # block is not reused until the copy that wrote it has completed.
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return HostTransfer(host, done, num_logprobs)
+
+
+@dataclass
+class HostTransfer:
+    """Sampled values on their way to host memory; `done` is None when they are already there (CPU)."""
+
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+    num_logprobs: int  # 1 + k columns of logprobs in a packed transfer; 0 for ids only
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
+
+    def ready(self) -> bool:
+        return self.done is None or bool(self.done.query())
+
+    def values(self) -> tuple[list[int], Logprobs | None]:
+        self.wait()
+        if not self.num_logprobs:
+            return self.host.tolist(), None
+        k = self.num_logprobs
+        packed = self.host.tolist()
         return [int(r[0]) for r in packed], Logprobs(
             token_ids=[[int(x) for x in r[2 : 2 + k]] for r in packed],
             logprobs=[r[2 + k :] for r in packed],
             sampled_ranks=[int(r[1]) for r in packed],
         )
+
+
+class PendingOutput:
+    """A queued step's output: `resolve()` waits for its sampled ids (rank 0) and builds the reply."""
+
+    def __init__(
+        self,
+        step_id: int,
+        req_ids: list[int],
+        transfer: HostTransfer | None,
+        num_sampled: int,
+        timings: dict[str, float] | None,
+        device_marks: tuple[Any, Any, Any] | None,
+    ) -> None:
+        self.step_id = step_id
+        self.req_ids = req_ids
+        self.transfer = transfer
+        self.num_sampled = num_sampled
+        self.timings = timings
+        # (previous step's forward end, this forward's start, its end): CUDA events or wall times.
+        self.device_marks = device_marks
+
+    def ready(self) -> bool:
+        """True when resolve() would not wait for the device."""
+        return self.transfer is None or self.transfer.ready()
+
+    def resolve(self) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        if self.transfer is None:
+            if self.num_sampled:
+                raise RuntimeError("internal: only rank 0 (or sync_first) copies sampled ids to the host")
+            token_ids: list[int] = []
+            logprobs = None
+        else:
+            token_ids, logprobs = self.transfer.values()
+        timings = self.timings
+        if timings is not None:
+            timings.setdefault("sync_wait", time.perf_counter() - t0)
+            self._device_timings(timings)
+        return ModelRunnerOutput(
+            step_id=self.step_id,
+            req_ids=self.req_ids,
+            sampled_token_ids=token_ids,
+            logprobs=logprobs,
+            timings=timings,
+        )
+
+    def _device_timings(self, timings: dict[str, float]) -> None:
+        if self.device_marks is None:
+            return
+        prev_end, start, end = self.device_marks
+        if isinstance(start, float):
+            # On CPU the forward ran synchronously between the two marks.
+            timings["forward_device"] = end - start
+            if isinstance(prev_end, float):
+                timings["host_gap"] = start - prev_end
+            return
+        end.synchronize()
+        timings["forward_device"] = start.elapsed_time(end) / 1e3
+        if prev_end is not None:
+            timings["host_gap"] = prev_end.elapsed_time(start) / 1e3

@@ -6,6 +6,10 @@ computes its last known token, so decode, chunked prefill and resumption after p
 Running requests go first (oldest first), then waiting ones, under `max_num_batched_tokens` and
 `max_num_seqs`. When blocks run out the newest running request is preempted: its blocks are freed and it
 is recomputed later from its prompt and the tokens generated so far.
+
+A step that samples for a request adds a placeholder token at once, so the next step can be scheduled
+before the sampled id is known (async scheduling); `update` fills the placeholder in. A request whose
+placeholders already reach max_tokens or max_model_len is not scheduled again.
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ class Request:
     # Logprobs per generated token: (token ids, logprobs, rank of the sampled token).
     logprobs: list[tuple[list[int], list[float], int]] = field(default_factory=list)
 
-    # Known tokens (prompt + generated); kept as a field because the scheduler reads it every step.
+    # Prompt + generated + placeholders (tokens being sampled in steps not yet answered); a field because
+    # the scheduler reads it every step.
     num_tokens: int = 0
+    num_placeholders: int = 0
     # Token ids that end the request once min_tokens outputs exist (EOS unless ignore_eos, stop ids).
     stop_ids: frozenset[int] = frozenset()
 
@@ -57,6 +63,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.max_model_len = config.model.max_model_len
         self.kv = KVCacheManager(num_kv_blocks, config.cache.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -96,6 +103,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_placeholders and (
+                len(req.output_token_ids) + req.num_placeholders >= req.params.max_tokens
+                or req.num_tokens >= self.max_model_len
+            ):
+                i += 1  # its last token is being sampled; the request ends when it arrives
+                continue
             n = req.num_tokens - req.num_computed_tokens
             if n > budget:
                 n = budget
@@ -123,6 +136,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_placeholders:
+                break  # preempted while a step sampling for it is in flight: resume once its token is in
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self.kv.allocate_slots(req.req_id, req.num_computed_tokens + n) is None:
                 break
@@ -142,6 +157,9 @@ class Scheduler:
 
         for req, n in scheduled:
             req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens:  # computes its last token: samples the next
+                req.num_tokens += 1
+                req.num_placeholders += 1
         self._step_id += 1
         return SchedulerOutput(
             step_id=self._step_id,
@@ -152,14 +170,21 @@ class Scheduler:
             freed_req_ids=freed,
         )
 
+    def return_freed(self, req_ids: list[int]) -> None:
+        """Freed ids of a step that was not sent (nothing to run): they go out with the next one."""
+        self._freed_since_last_step[:0] = req_ids
+
     def update(self, output: ModelRunnerOutput) -> list[Request]:
-        """Append each sampled token to its request; returns the requests that got a token."""
+        """Fill each sampled token into its request's placeholder; returns the requests that got one."""
         updated = []
         lp = output.logprobs
+        requests = self.requests
         for i, (req_id, token) in enumerate(zip(output.req_ids, output.sampled_token_ids, strict=True)):
-            req = self.requests[req_id]
+            req = requests.get(req_id)
+            if req is None:
+                continue  # finished (a stop in the step before) while this step was in flight
             req.output_token_ids.append(token)
-            req.num_tokens += 1
+            req.num_placeholders -= 1
             if lp is not None and req.sampling.num_logprobs >= 0:
                 k = req.sampling.num_logprobs
                 req.logprobs.append((lp.token_ids[i][: 1 + k], lp.logprobs[i][: 1 + k], lp.sampled_ranks[i]))

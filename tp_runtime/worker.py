@@ -3,6 +3,8 @@
 `Worker` is the in-process object (the in-process executor and torchrun's rank 0 call it directly);
 `run_worker_loop` is the process main loop used by spawned workers and by torchrun ranks > 0:
 receive a broadcast message -> execute -> rank 0 replies (control calls may ask every rank to reply).
+With async scheduling, rank 0 on a GPU answers step N only after it has queued step N+1 (or got a Flush),
+so the device always has the next step before the host waits for the previous one's ids.
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ from tp_runtime.loader import init_dummy_weights, load_weights
 from tp_runtime.messages import (
     ControlCall,
     ExecuteModel,
-    ModelRunnerOutput,
+    Flush,
     SchedulerOutput,
     Shutdown,
     WorkerReply,
 )
-from tp_runtime.model_runner import ModelRunner
+from tp_runtime.model_runner import ModelRunner, PendingOutput
 from tp_runtime.models.registry import model_class
 from tp_runtime.serialize import driver_message_codec, recv_spinning, worker_reply_codec
 
@@ -126,11 +128,8 @@ class Worker:
         """Raise inside the worker (tests use it to check that remote errors reach the driver)."""
         raise RuntimeError(message)
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> PendingOutput:
         return self._runner().execute_model(so)
-
-    def finish_step(self) -> None:
-        self._runner().finish_step()
 
     def call(self, method: str, args: list[Any]) -> Any:
         if method not in self.CONTROL_METHODS:
@@ -193,28 +192,48 @@ def run_worker_loop(
         raise
 
     spin_s = config.parallel.spin_wait_s
+    hold_back = config.async_scheduling
+    held: PendingOutput | None = None  # rank 0: a queued step not yet answered
+
+    def answer(pending: PendingOutput) -> None:
+        reply(pending.step_id, "output", output=pending.resolve())
+
     while True:
         data = recv_spinning(sub, spin_s, -1)
         assert data is not None  # a blocking wait only returns with a message
         call_id = -1
         try:
             message = decoder.decode(data)
-            if isinstance(message, Shutdown):
-                break
             if isinstance(message, ExecuteModel):
                 call_id = message.scheduler_output.step_id
-                output = worker.execute_model(message.scheduler_output)
-                if rank == 0:
-                    reply(call_id, "output", output=output)
-                worker.finish_step()
-            elif isinstance(message, ControlCall):
+                launched = worker.execute_model(message.scheduler_output)
+                if rank != 0:
+                    continue
+                if held is not None:
+                    previous, held = held, None
+                    call_id = previous.step_id
+                    answer(previous)
+                    call_id = launched.step_id
+                if hold_back and not launched.ready():
+                    held = launched
+                else:
+                    answer(launched)
+                continue
+            if held is not None:  # anything else first answers the held step
+                previous, held = held, None
+                call_id = previous.step_id
+                answer(previous)
+                call_id = -1
+            if isinstance(message, Shutdown):
+                break
+            if isinstance(message, ControlCall):
                 call_id = message.call_id
                 result = worker.call(message.method, message.args)
                 if message.all_ranks or rank == 0:
                     reply(call_id, "result", result=result)
-        except ProtocolError:
-            reply(call_id, "error", error=traceback.format_exc())
-        except Exception:
+            elif not isinstance(message, Flush):
+                raise ProtocolError(f"unexpected driver message {type(message).__name__}")
+        except Exception:  # garbage on the socket (ProtocolError) included: report it, keep serving
             reply(call_id, "error", error=traceback.format_exc())
     worker.shutdown()
     push.close()

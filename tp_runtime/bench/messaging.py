@@ -32,18 +32,30 @@ from tp_runtime.messages import (
 )
 
 
+class _StubPending:
+    """A step whose output is already on the host (what a CPU worker returns)."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+        self.step_id = output.step_id
+
+    def ready(self) -> bool:
+        return True
+
+    def resolve(self) -> ModelRunnerOutput:
+        return self.output
+
+
 class _StubWorker:
     """Stands in for Worker in the real worker loop: answers each step with one token per request."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> _StubPending:
         ids = so.scheduled_req_ids
-        return ModelRunnerOutput(step_id=so.step_id, req_ids=ids, sampled_token_ids=[7] * len(ids))
-
-    def finish_step(self) -> None:
-        pass
+        output = ModelRunnerOutput(step_id=so.step_id, req_ids=ids, sampled_token_ids=[7] * len(ids))
+        return _StubPending(output)
 
     def call(self, method: str, args: list[Any]) -> Any:
         return None
@@ -67,6 +79,7 @@ class _StubConfig:
 
     def __init__(self, parallel: Any) -> None:
         self.parallel = parallel
+        self.async_scheduling = False  # one round trip per step: what this benchmark measures
 
 
 def decode_step(num_reqs: int, step_id: int) -> SchedulerOutput:

@@ -1,0 +1,236 @@
+"""Async scheduling: the driver sends step N+1 before step N's sampled ids are back.
+
+References: HF transformers' greedy continuation, and the same engine with async scheduling off (one step
+at a time), which must give identical outputs (tokens, finish and stop reasons, text, logprobs, seeded
+samples) however requests end. The worker-side protocol (rank 0 holding a step's answer back until the
+next step is queued, or a Flush arrives) is checked against a stub model whose outputs are never ready.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from conftest import hf_greedy, random_prompts
+
+from tp_runtime import LLM, SamplingParams
+from tp_runtime.config import ParallelConfig
+from tp_runtime.messages import (
+    CachedRequests,
+    ControlCall,
+    ExecuteModel,
+    Flush,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    Shutdown,
+)
+from tp_runtime.serialize import driver_message_codec, worker_reply_codec
+from tp_runtime.worker import WorkerAddresses, run_worker_loop
+
+PROMPTS = random_prompts((5, 12, 3, 9, 17, 7), vocab=300, seed=11)
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint(seed=21)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> list[list[int]]:
+    return hf_greedy(model_dir, PROMPTS, 20)
+
+
+def _llm(model_dir: Path, async_scheduling: bool, **kwargs: Any) -> LLM:
+    return LLM(model_dir, device="cpu", dtype="float32", async_scheduling=async_scheduling, **kwargs)
+
+
+def _outputs(llm: LLM, params: list[SamplingParams]) -> list[dict[str, Any]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    result = []
+    for o in outs:
+        (c,) = o.outputs
+        lp = (
+            None
+            if c.logprobs is None
+            else [{t: round(v.logprob, 5) for t, v in d.items()} for d in c.logprobs]
+        )
+        result.append(
+            {"ids": c.token_ids, "finish": c.finish_reason, "stop": c.stop_reason, "text": c.text, "lp": lp}
+        )
+    return result
+
+
+class _StepLog:
+    """Records the order of the engine's submit / wait_output calls."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.events: list[tuple[str, int]] = []
+        executor = llm.engine.executor
+        submit, wait = executor.submit, executor.wait_output
+
+        def logged_submit(so: SchedulerOutput) -> None:
+            self.events.append(("submit", so.step_id))
+            submit(so)
+
+        def logged_wait(step_id: int) -> ModelRunnerOutput:
+            self.events.append(("wait", step_id))
+            return wait(step_id)
+
+        executor.submit = logged_submit  # type: ignore[method-assign]
+        executor.wait_output = logged_wait  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("cuda_graphs", ["off", "padded"])
+def test_mixed_stops_equal_sync_and_hf(model_dir: Path, reference: list[list[int]], cuda_graphs: str) -> None:
+    """Requests ending at different steps (length, stop id, stop id under min_tokens), so rows leave the
+    batch mid-run and in-flight tokens of finished requests must be dropped."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[reference[2][4]]),
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0.8, max_tokens=15, ignore_eos=True, seed=7, top_k=20),
+        SamplingParams(
+            temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[reference[5][1]], min_tokens=6
+        ),
+    ]
+    results = {}
+    for mode in (True, False):
+        with _llm(model_dir, mode, cuda_graphs=cuda_graphs) as llm:
+            log = _StepLog(llm)
+            results[mode] = _outputs(llm, params)
+            pairs = list(zip(log.events, log.events[1:], strict=False))
+            if mode:  # the driver ran ahead: step k+1 was sent before step k's output was read
+                assert sum(a[0] == "submit" and b == ("wait", a[1] - 1) for a, b in pairs) >= 10
+            else:  # one step at a time
+                assert all(b == ("wait", a[1]) for a, b in pairs if a[0] == "submit")
+    assert results[True] == results[False]
+    got = results[True]
+    for i in (0, 1, 3):
+        assert got[i]["ids"] == reference[i][: params[i].max_tokens] and got[i]["finish"] == "length"
+    cut = reference[2].index(reference[2][4]) + 1
+    assert got[2]["ids"] == reference[2][:cut] and got[2]["finish"] == "stop"
+    assert got[2]["stop"] == reference[2][4]
+    assert len(got[5]["ids"]) >= 6 and reference[5][1] not in got[5]["ids"][:6]
+    assert got[3]["lp"] is not None and len(got[3]["lp"]) == 9
+
+
+def test_preemption_equals_hf(model_dir: Path, reference: list[list[int]]) -> None:
+    """Few KV blocks: requests are preempted while a step sampling for them is in flight."""
+    with _llm(model_dir, True, num_kv_blocks=10, block_size=4, max_model_len=40) as llm:
+        got = _outputs(llm, [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * len(PROMPTS))
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert [g["ids"] for g in got] == reference
+
+
+def test_tensor_parallel_equals_sync(model_dir: Path) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, seed=3, ignore_eos=True)
+    results = []
+    for mode in (True, False):
+        with _llm(model_dir, mode, tensor_parallel_size=2) as llm:
+            results.append(_outputs(llm, [params] * len(PROMPTS)))
+    assert results[0] == results[1]
+
+
+# ----------------------------------------------------------------------------- worker protocol
+
+
+class _NeverReady:
+    """A step whose sampled ids are 'still on the device' until resolve() is called."""
+
+    def __init__(self, step_id: int, log: list[tuple[str, int]]) -> None:
+        self.step_id = step_id
+        self.log = log
+
+    def ready(self) -> bool:
+        return False
+
+    def resolve(self) -> ModelRunnerOutput:
+        self.log.append(("resolve", self.step_id))
+        return ModelRunnerOutput(step_id=self.step_id, req_ids=[self.step_id], sampled_token_ids=[7])
+
+
+class _StubWorker:
+    def __init__(self, log: list[tuple[str, int]]) -> None:
+        self.log = log
+
+    def execute_model(self, so: SchedulerOutput) -> _NeverReady:
+        self.log.append(("launch", so.step_id))
+        return _NeverReady(so.step_id, self.log)
+
+    def call(self, method: str, args: list[Any]) -> Any:
+        self.log.append(("call", args[0]))
+        return args[0]
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _StubConfig:
+    def __init__(self, async_scheduling: bool) -> None:
+        self.parallel = ParallelConfig()
+        self.async_scheduling = async_scheduling
+
+
+def _step(step_id: int) -> ExecuteModel:
+    return ExecuteModel(SchedulerOutput(step_id, [], CachedRequests([], []), [step_id], [1], []))
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_rank0_holds_a_step_back_until_the_next_is_queued(async_scheduling: bool) -> None:
+    log: list[tuple[str, int]] = []
+    folder = tempfile.mkdtemp(prefix="tp-runtime-test-")
+    tag = uuid.uuid4().hex[:8]
+    addresses = WorkerAddresses(f"ipc://{folder}/b-{tag}", f"ipc://{folder}/r-{tag}")
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.bind(addresses.broadcast)
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(addresses.results)
+    encoder, decoder = driver_message_codec(), worker_reply_codec()
+    thread = threading.Thread(
+        target=run_worker_loop,
+        args=(_StubConfig(async_scheduling), 0, 0, addresses, None),
+        kwargs={"worker": _StubWorker(log)},
+        daemon=True,
+    )
+    thread.start()
+
+    def recv() -> tuple[str, int]:
+        assert pull.poll(5000), f"no reply; worker log {log}"
+        reply = decoder.decode(pull.recv())
+        return reply.kind, reply.call_id
+
+    def nothing_pending() -> bool:
+        return not pull.poll(200)
+
+    try:
+        assert pub.poll(5000) and pub.recv()[:1] == b"\x01"  # subscribed
+        assert recv() == ("ready", -1)
+        pub.send(encoder.encode(_step(1)))
+        if async_scheduling:
+            assert nothing_pending()  # held back: its ids are not on the host yet
+            pub.send(encoder.encode(_step(2)))
+            assert recv() == ("output", 1)
+            assert log[:3] == [("launch", 1), ("launch", 2), ("resolve", 1)]  # 2 queued before 1 waited
+            assert nothing_pending()
+            pub.send(encoder.encode(Flush()))
+            assert recv() == ("output", 2)
+            pub.send(encoder.encode(_step(3)))
+            pub.send(encoder.encode(ControlCall(call_id=9, method="x", args=[5])))
+            assert recv() == ("output", 3)  # a control call first answers the held step
+            assert recv() == ("result", 9)
+        else:
+            assert recv() == ("output", 1)  # answered at once, ready or not
+            assert log == [("launch", 1), ("resolve", 1)]
+        pub.send(encoder.encode(Shutdown()))
+        thread.join(timeout=5)
+        assert not thread.is_alive()
+    finally:
+        ctx.destroy(linger=0)

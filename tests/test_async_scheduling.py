@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from conftest import hf_greedy, random_prompts
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.config import ParallelConfig
+from tp_runtime.executor import MultiprocExecutor
 from tp_runtime.messages import (
     CachedRequests,
     ControlCall,
@@ -234,3 +236,32 @@ def test_rank0_holds_a_step_back_until_the_next_is_queued(async_scheduling: bool
         assert not thread.is_alive()
     finally:
         ctx.destroy(linger=0)
+
+
+def test_driver_flushes_a_held_step_when_nothing_follows() -> None:
+    """The engine's pattern at the end of a batch: send k, send k+1, read k, (nothing left to schedule) read
+    k+1. Rank 0 holds k+1 back until something follows it, so the driver must send a Flush."""
+    log: list[tuple[str, int]] = []
+    config = _StubConfig(True)
+    config.parallel = ParallelConfig(step_timeout_s=5.0)
+    executor = MultiprocExecutor(config)  # type: ignore[arg-type]
+    addresses = WorkerAddresses(executor.channel.broadcast_addr, executor.channel.results_addr)
+    thread = threading.Thread(
+        target=run_worker_loop, args=(config, 0, 0, addresses, None), kwargs={"worker": _StubWorker(log)}
+    )
+    thread.start()
+    try:
+        executor.workers.wait_for_subscribers(deadline=time.monotonic() + 10)
+        executor.workers.wait_ready()
+        executor.submit(_step(1).scheduler_output)
+        executor.submit(_step(2).scheduler_output)
+        assert executor.wait_output(1).step_id == 1
+        assert executor.wait_output(2).step_id == 2  # StepTimeoutError without the Flush
+        executor.submit(_step(3).scheduler_output)
+        assert executor.wait_output(3).step_id == 3
+        assert log == [("launch", 1), ("launch", 2), ("resolve", 1), ("resolve", 2), ("launch", 3),
+                       ("resolve", 3)]  # fmt: skip
+    finally:
+        executor.shutdown(grace_s=0.0)
+        thread.join(timeout=5)
+    assert not thread.is_alive()

@@ -333,7 +333,7 @@ class MultiprocExecutor:
             if self._last_sent_step == step_id and self.config.async_scheduling:
                 # Rank 0 holds a step's answer back until the next step arrives; none is coming.
                 self.workers.broadcast(Flush())
-            self._last_sent_step = None
+                self._last_sent_step = None
             return self.workers.wait_output(step_id, self.config.parallel.step_timeout_s)
 
         return self._guarded(run)

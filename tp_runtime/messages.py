@@ -2,7 +2,7 @@
 
 Decode steps carry only a diff: a new request's prompt, sampling settings and block ids travel once; after
 that a request is named by its integer id and only new block ids and token counts are sent. Workers keep
-the token history themselves (every rank samples the same tokens).
+the sampled tokens themselves, on the device (every rank samples the same tokens).
 """
 
 from __future__ import annotations

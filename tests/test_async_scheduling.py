@@ -265,3 +265,121 @@ def test_driver_flushes_a_held_step_when_nothing_follows() -> None:
         executor.shutdown(grace_s=0.0)
         thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+# ----------------------------------------------------------------------------- scheduler, brute force
+
+
+def _token_at(req_id: int, position: int) -> int:
+    """What the fake model 'samples' at a position: depends on nothing else, so any schedule (async or
+    not, preempted or not) must produce the same sequences."""
+    return (req_id * 7919 + position * 104729) % 300
+
+
+class _FakeWorkerExecutor:
+    """Stands in for the executor: mirrors a worker's persistent batch and checks every step against it."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.tokens: dict[int, list[int]] = {}  # the worker's view: known tokens per live request
+        self.computed: dict[int, int] = {}
+        self.outputs: dict[int, ModelRunnerOutput] = {}
+        self.last_step_timings: dict[str, float] = {}
+        self.last_sampled: dict[int, int] = {}  # per request, the furthest position it sampled
+
+    def initialize(self) -> int:
+        return self.num_blocks
+
+    def submit(self, so: SchedulerOutput) -> None:
+        for req_id in so.freed_req_ids:
+            self.tokens.pop(req_id, None)
+            self.computed.pop(req_id, None)
+        for new in so.new_requests:
+            assert new.req_id not in self.tokens
+            # A resumed request's known tokens are exactly what the fake model produced before.
+            first_out = len(new.token_ids) - new.num_output_tokens
+            assert new.token_ids[first_out:] == [
+                _token_at(new.req_id, p) for p in range(first_out, len(new.token_ids))
+            ]
+            self.tokens[new.req_id] = list(new.token_ids)
+            self.computed[new.req_id] = 0
+        req_ids, sampled = [], []
+        for req_id, n in zip(so.scheduled_req_ids, so.num_scheduled_tokens, strict=True):
+            tokens = self.tokens[req_id]
+            assert self.computed[req_id] + n <= len(tokens), "scheduled tokens the worker does not have"
+            self.computed[req_id] += n
+            if self.computed[req_id] == len(tokens):
+                token = _token_at(req_id, len(tokens))
+                self.last_sampled[req_id] = max(self.last_sampled.get(req_id, 0), len(tokens))
+                tokens.append(token)
+                req_ids.append(req_id)
+                sampled.append(token)
+        self.outputs[so.step_id] = ModelRunnerOutput(so.step_id, req_ids, sampled)
+
+    def wait_output(self, step_id: int) -> ModelRunnerOutput:
+        return self.outputs.pop(step_id)
+
+    def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
+        return [None]
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_scheduler_brute_force_async_equals_sync(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """Random prompts, max_tokens, stop ids and min_tokens, with a KV cache small enough to preempt, run
+    through the real LLMEngine and Scheduler against a fake worker; every request's output must be the
+    closed-form continuation cut at its first allowed stop id or max_tokens, in both modes."""
+    import random
+
+    from tp_runtime import engine as engine_module
+    from tp_runtime.config import CacheConfig, EngineConfig, SchedulerConfig, build_model_config
+
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(12):
+        prompt = [rng.randrange(3, 300) for _ in range(rng.randrange(1, 30))]
+        stop_ids = rng.sample(range(300), 8)
+        max_tokens = rng.randrange(1, 25)
+        params = SamplingParams(
+            temperature=0, max_tokens=max_tokens, stop_token_ids=stop_ids, ignore_eos=True,
+            min_tokens=min(max_tokens, rng.choice([0, 0, 3])),
+        )  # fmt: skip
+        requests.append((prompt, params))
+    model = build_model_config(model_dir, max_model_len=64)
+    results = {}
+    for mode in (True, False):
+        config = EngineConfig(
+            model=model, cache=CacheConfig(block_size=4, num_kv_blocks=24),
+            scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=20), async_scheduling=mode,
+        )  # fmt: skip
+        fake = _FakeWorkerExecutor(24)
+        monkeypatch.setattr(engine_module, "make_executor", lambda _config, fake=fake: fake)
+        engine = engine_module.LLMEngine(config, tokenizer=None)
+        ids = [engine.add_request(p, params) for p, params in requests]
+        finished = {}
+        while engine.has_unfinished_requests():
+            for req in engine.step():
+                finished[req.req_id] = (req.output_token_ids, req.finish_reason)
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.scheduler.kv.num_free_blocks == 24  # every block came back
+        results[mode] = [finished[i] for i in ids]
+        for req_id, (prompt, _) in zip(ids, requests, strict=True):
+            out, reason = finished[req_id]
+            extra = fake.last_sampled[req_id] - (len(prompt) + len(out) - 1)
+            # Nothing is sampled past max_tokens; a stop id is seen one step late with async scheduling.
+            assert extra == 0 or (mode and reason == "stop" and extra == 1), (req_id, extra, reason)
+    assert results[True] == results[False]
+    for req_id, (prompt, params), (out, reason) in zip(ids, requests, results[True], strict=True):
+        want = []
+        for i in range(params.max_tokens):
+            token = _token_at(req_id, len(prompt) + i)
+            want.append(token)
+            if token in params.stop_token_ids and len(want) >= params.min_tokens:
+                break
+        assert out == want
+        assert reason == ("stop" if want[-1] in params.stop_token_ids and len(want) >= params.min_tokens
+                          else "length")  # fmt: skip

@@ -82,6 +82,8 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         # Async scheduling: the step sent last, whose output is read in the next step() call.
         self._in_flight: SchedulerOutput | None = None
+        # Timings: when the interval that produces the next output began (the last output's arrival).
+        self._interval_start: float | None = None
 
     # ----------------------------------------------------------------- requests
     def _validate_prompt(self, prompt_ids: Any) -> list[int]:
@@ -160,6 +162,8 @@ class LLMEngine:
         step sent by the previous call, so the workers already hold their next step while the driver
         handles this output. Without it, the step's own output is awaited."""
         t0 = time.perf_counter()
+        if self._interval_start is None:
+            self._interval_start = t0
         so = self.scheduler.schedule()
         t1 = time.perf_counter()
         if so.scheduled_req_ids or not self.async_scheduling:
@@ -185,7 +189,9 @@ class LLMEngine:
                 self._stop_states.pop(req.req_id, None)
                 finished.append(req)
         if self.step_timings is not None:
-            self._record_timings(done, output, t0, t1, t2, t3, time.perf_counter())
+            t4 = time.perf_counter()
+            self._record_timings(done, output, t0, t1, t2, t3, t4, self._interval_start, sent is None)
+            self._interval_start = t4 if self.scheduler.has_unfinished else None
         return finished
 
     def _record_timings(
@@ -197,20 +203,26 @@ class LLMEngine:
         t2: float,
         t3: float,
         t4: float,
+        interval_start: float,
+        drain: bool,
     ) -> None:
         """`so` is the step whose output was read; with async scheduling the phases before the wait
-        belong to the next step, which is how the driver's work overlaps the device's."""
+        belong to the next step, which is how the driver's work overlaps the device's. step_total is the
+        time since the previous output was handled (or since the first step began), so step totals add up
+        to the wall time in either mode."""
         assert self.step_timings is not None
         entry = {
             "schedule": t1 - t0,
             "wait_output": t3 - t2,
             "execute_roundtrip": t3 - t1,
             "engine_update": t4 - t3,
-            "step_total": t4 - t0,
+            "step_total": t4 - interval_start,
         }
         entry["num_scheduled_tokens"] = float(sum(so.num_scheduled_tokens))
         entry["decode_only"] = float(all(n == 1 for n in so.num_scheduled_tokens))
         entry["async_scheduling"] = float(self.async_scheduling)
+        # Async scheduling's last call of a batch sends nothing and only reads the last output: not a step.
+        entry["drain"] = float(drain and self.async_scheduling)
         entry.update(self.executor.last_step_timings)
         if output.timings:
             entry.update({f"worker_{k}": v for k, v in output.timings.items()})

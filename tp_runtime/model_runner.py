@@ -158,7 +158,9 @@ class ModelRunner:
         # The last token sampled for each batch row, on the device: the next step's input for that row.
         self.token_feed = torch.zeros(config.scheduler.max_num_seqs, dtype=torch.int64, device=device)
         # On CPU the same buffer as a numpy view: small torch ops cost ~20 us each there, numpy ~1 us.
-        self._feed_np = self.token_feed.numpy() if device.type == "cpu" else None
+        # cuda_graphs="padded" keeps the device-side feed ops, so CPU tests run the GPU's code path.
+        numpy_feed = device.type == "cpu" and config.cuda_graphs != "padded"
+        self._feed_np = self.token_feed.numpy() if numpy_feed else None
         self._last_forward_end: torch.cuda.Event | float | None = None
         self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
 

@@ -143,6 +143,9 @@ def test_tensor_parallel_equals_sync(model_dir: Path) -> None:
 # ----------------------------------------------------------------------------- worker protocol
 
 
+_FAILING_STEP = 13
+
+
 class _NeverReady:
     """A step whose sampled ids are 'still on the device' until resolve() is called."""
 
@@ -155,6 +158,8 @@ class _NeverReady:
 
     def resolve(self) -> ModelRunnerOutput:
         self.log.append(("resolve", self.step_id))
+        if self.step_id == _FAILING_STEP:
+            raise RuntimeError("device error while waiting for the sampled ids")
         return ModelRunnerOutput(step_id=self.step_id, req_ids=[self.step_id], sampled_token_ids=[7])
 
 
@@ -231,7 +236,13 @@ def test_rank0_holds_a_step_back_until_the_next_is_queued(async_scheduling: bool
         else:
             assert recv() == ("output", 1)  # answered at once, ready or not
             assert log == [("launch", 1), ("resolve", 1)]
+        if async_scheduling:
+            # A held step that fails when answered is that step's error; the Shutdown still ends the loop.
+            pub.send(encoder.encode(_step(_FAILING_STEP)))
+            assert nothing_pending()
         pub.send(encoder.encode(Shutdown()))
+        if async_scheduling:
+            assert recv() == ("error", _FAILING_STEP)
         thread.join(timeout=5)
         assert not thread.is_alive()
     finally:

@@ -188,10 +188,10 @@ class LLMEngine:
                 self.scheduler.finish(req, reason)
                 self._stop_states.pop(req.req_id, None)
                 finished.append(req)
+        t4 = time.perf_counter()
         if self.step_timings is not None:
-            t4 = time.perf_counter()
             self._record_timings(done, output, t0, t1, t2, t3, t4, self._interval_start, sent is None)
-            self._interval_start = t4 if self.scheduler.has_unfinished else None
+        self._interval_start = t4 if self.scheduler.has_unfinished else None
         return finished
 
     def _record_timings(
@@ -223,7 +223,8 @@ class LLMEngine:
         entry["async_scheduling"] = float(self.async_scheduling)
         # Async scheduling's last call of a batch sends nothing and only reads the last output: not a step.
         entry["drain"] = float(drain and self.async_scheduling)
-        entry.update(self.executor.last_step_timings)
+        if not drain:
+            entry.update(self.executor.last_step_timings)  # a drain step sent nothing
         if output.timings:
             entry.update({f"worker_{k}": v for k, v in output.timings.items()})
             entry["overhead"] = entry["step_total"] - output.timings.get("forward_device", 0.0)

@@ -37,7 +37,8 @@ class PersistentBatch:
         self.req_at: list[int] = []
         self.token_ids = np.zeros((max_rows, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_rows, dtype=np.int64)
-        # Tokens whose values the host holds (those sent in NewRequest); later ones are in token_feed.
+        # Tokens whose values the host holds (those sent in NewRequest). Only the last sampled token is
+        # ever read again (as the next input), and that one is in token_feed.
         self.num_host_tokens = np.zeros(max_rows, dtype=np.int64)
         self.num_computed = np.zeros(max_rows, dtype=np.int64)
         self.num_output = np.zeros(max_rows, dtype=np.int64)
@@ -249,8 +250,9 @@ class ModelRunner:
         t = torch.from_numpy(array)
         if not self._use_cuda:
             return t
-        # Inputs are staged before the forward is queued, while the device is idle, so a plain
-        # (pageable) copy costs no overlap and avoids pinning a fresh buffer per tensor.
+        # Eager-path inputs (graph decode steps use the pinned staging buffer). A pageable source is staged
+        # by the CUDA driver before the call returns, so the array is free to reuse; pinning a fresh
+        # buffer per tensor would cost more than it saves.
         return t.to(self.device, non_blocking=True)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
@@ -426,7 +428,11 @@ class ModelRunner:
             assert self.decode_graphs is not None
             all_logits = self.decode_graphs.run(*inputs.graph_inputs)
             logits = all_logits if inputs.logits_indices is None else all_logits[inputs.logits_indices]
-            sample_rows_dev: torch.Tensor | None = self.decode_graphs.batch_rows(len(rows))  # all sample
+            graph_rows = self.decode_graphs.batch_rows(len(inputs.scheduled_rows))
+            # A 1-token prefill chunk rides along as a decode row but does not sample.
+            sample_rows_dev: torch.Tensor | None = (
+                graph_rows if inputs.logits_indices is None else graph_rows[inputs.logits_indices]
+            )
         else:
             assert inputs.input_ids is not None and inputs.positions is not None and inputs.meta is not None
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)

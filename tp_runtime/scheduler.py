@@ -1,8 +1,9 @@
 """Continuous batching over the paged KV cache.
 
-Every request has `num_tokens` known tokens (prompt + generated) of which `num_computed_tokens` are in the
-KV cache; each step gives it min(remaining, budget) tokens. A request samples a new token in the step that
-computes its last known token, so decode, chunked prefill and resumption after preemption are one rule.
+Every request has `num_tokens` tokens (prompt + generated + placeholders, below) of which
+`num_computed_tokens` are in the KV cache; each step gives it min(remaining, budget) tokens. A request
+samples a new token in the step that computes its last token, so decode, chunked prefill and resumption
+after preemption are one rule.
 Running requests go first (oldest first), then waiting ones, under `max_num_batched_tokens` and
 `max_num_seqs`. When blocks run out the newest running request is preempted: its blocks are freed and it
 is recomputed later from its prompt and the tokens generated so far.

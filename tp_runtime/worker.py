@@ -3,8 +3,10 @@
 `Worker` is the in-process object (the in-process executor and torchrun's rank 0 call it directly);
 `run_worker_loop` is the process main loop used by spawned workers and by torchrun ranks > 0:
 receive a broadcast message -> execute -> rank 0 replies (control calls may ask every rank to reply).
-With async scheduling, rank 0 on a GPU answers step N only after it has queued step N+1 (or got a Flush),
-so the device always has the next step before the host waits for the previous one's ids.
+With async scheduling, rank 0 answers a step whose ids are not on the host yet (a GPU step) only after it
+has queued the next step, or when any other message (Flush, a control call, Shutdown) arrives, so the
+device always has the next step before the host waits for the previous one's ids. A step whose ids are
+already there (CPU) is answered at once.
 """
 
 from __future__ import annotations
@@ -140,6 +142,9 @@ class Worker:
         # Drop the weights and KV cache now: an in-process engine's memory must not outlive shutdown().
         self.runner = None
         if self.device.type == "cuda":
+            # A step sent ahead (async scheduling) may still be queued, collectives included; let it finish
+            # before the process group goes. A rank stuck on a dead peer is ended by the driver's SIGTERM.
+            torch.cuda.synchronize(self.device)
             gc.collect()  # the runner and its CUDA graphs reference each other
             torch.cuda.empty_cache()
         distributed.destroy_process_group()
@@ -198,6 +203,17 @@ def run_worker_loop(
     def answer(pending: PendingOutput) -> None:
         reply(pending.step_id, "output", output=pending.resolve())
 
+    def answer_held() -> None:
+        """Answer the held step; a failure is that step's error and does not stop the current message."""
+        nonlocal held
+        if held is None:
+            return
+        previous, held = held, None
+        try:
+            answer(previous)
+        except Exception:
+            reply(previous.step_id, "error", error=traceback.format_exc())
+
     while True:
         data = recv_spinning(sub, spin_s, -1)
         assert data is not None  # a blocking wait only returns with a message
@@ -209,21 +225,13 @@ def run_worker_loop(
                 launched = worker.execute_model(message.scheduler_output)
                 if rank != 0:
                     continue
-                if held is not None:
-                    previous, held = held, None
-                    call_id = previous.step_id
-                    answer(previous)
-                    call_id = launched.step_id
+                answer_held()
                 if hold_back and not launched.ready():
                     held = launched
                 else:
                     answer(launched)
                 continue
-            if held is not None:  # anything else first answers the held step
-                previous, held = held, None
-                call_id = previous.step_id
-                answer(previous)
-                call_id = -1
+            answer_held()  # anything else first answers the held step
             if isinstance(message, Shutdown):
                 break
             if isinstance(message, ControlCall):

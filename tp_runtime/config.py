@@ -137,8 +137,13 @@ class EngineConfig:
     # Decode attention: "auto" (Triton paged kernel on CUDA if Triton is installed, else PyTorch),
     # "torch" (gathered blocks + SDPA), "triton".
     attention_backend: str = "auto"
+    # Residual add + RMSNorm, rotary and SiLU-mul: "auto" (fused Triton kernels on CUDA if Triton is
+    # installed, else PyTorch ops), "torch", "triton".
+    fused_kernels: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.fused_kernels not in ("auto", "torch", "triton"):
+            raise ConfigError(f"fused_kernels must be auto|torch|triton, got {self.fused_kernels!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}")
         if self.cuda_graphs not in ("auto", "off", "padded"):

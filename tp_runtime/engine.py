@@ -307,6 +307,7 @@ class LLM:
         spin_wait_s: float = 0.0,
         cuda_graphs: str = "auto",
         attention_backend: str = "auto",
+        fused_kernels: str = "auto",
     ) -> None:
         import transformers
 
@@ -335,6 +336,7 @@ class LLM:
             async_scheduling=async_scheduling,
             cuda_graphs="off" if enforce_eager else cuda_graphs,
             attention_backend=attention_backend,
+            fused_kernels=fused_kernels,
         )  # fmt: skip
         try:
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(model))

@@ -125,8 +125,8 @@ class StepInputs:
     num_scheduled: np.ndarray
 
 
-def _decode_kernel(backend: str, device: torch.device) -> str:
-    """Decode attention kernel; for "auto", Triton on CUDA when it is installed, else PyTorch."""
+def pick_kernels(backend: str, device: torch.device) -> str:
+    """ "torch" or "triton" for a kernel choice; "auto" is Triton on CUDA when it is installed."""
     if backend != "auto":
         return backend
     if device.type != "cuda":
@@ -154,7 +154,7 @@ class ModelRunner:
         self.sliding_window = mc.sliding_window
         self.sync_first = config.bookkeeping_order == "sync_first"
         self.collect_timings = False
-        self.decode_kernel = _decode_kernel(config.attention_backend, device)
+        self.decode_kernel = pick_kernels(config.attention_backend, device)
         self._use_cuda = device.type == "cuda"
         # The last token sampled for each batch row, on the device: the next step's input for that row.
         self.token_feed = torch.zeros(config.scheduler.max_num_seqs, dtype=torch.int64, device=device)

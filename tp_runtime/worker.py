@@ -36,7 +36,7 @@ from tp_runtime.messages import (
     Shutdown,
     WorkerReply,
 )
-from tp_runtime.model_runner import ModelRunner, PendingOutput
+from tp_runtime.model_runner import ModelRunner, PendingOutput, pick_kernels
 from tp_runtime.models.registry import model_class
 from tp_runtime.serialize import driver_message_codec, recv_spinning, worker_reply_codec
 
@@ -84,7 +84,8 @@ class Worker:
     def load_model(self) -> None:
         mc = self.config.model
         dtype = _DTYPES[mc.dtype]
-        model = model_class(mc.architecture)(mc, self.tp, dtype, self.device)
+        fused = pick_kernels(self.config.fused_kernels, self.device) == "triton"
+        model = model_class(mc.architecture)(mc, self.tp, dtype, self.device, fused=fused)
         if mc.load_format == "dummy":
             init_dummy_weights(model, self.config.seed, dtype, self.device)
         else:

@@ -9,16 +9,28 @@ from tp_runtime.layers.linear import TensorSource
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back, in the same order as transformers' LlamaRMSNorm."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device, fused: bool = False
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = fused  # one Triton kernel (layers/fused_triton.py) instead of ~8 PyTorch ops
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.weight.weight_loader = self._load  # type: ignore[attr-defined]
 
     def _load(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
         param.data.copy_(source.full())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x), or with a residual RMSNorm(x + residual), the residual updated to x + residual in
+        place (the residual stream of a decoder layer)."""
+        if self.fused:
+            from tp_runtime.layers.fused_triton import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            residual.add_(x)
+            x = residual
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

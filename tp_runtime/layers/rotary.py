@@ -31,8 +31,13 @@ class RotaryEmbedding(nn.Module):
         return self.cos_table[positions], self.sin_table[positions]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] (float32)."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] (float32). `fused` rotates x in place with
+    one Triton kernel."""
+    if fused:
+        from tp_runtime.layers.fused_triton import rotary_
+
+        return rotary_(x, cos, sin)
     cos = cos.unsqueeze(1).to(x.dtype)
     sin = sin.unsqueeze(1).to(x.dtype)
     return x * cos + _rotate_half(x) * sin

@@ -30,8 +30,11 @@ PACKED_WEIGHTS = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
+    ) -> None:
         super().__init__()
+        self.fused = fused
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp, dtype, device
@@ -55,8 +58,8 @@ class LlamaAttention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin, self.fused)
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin, self.fused)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -64,8 +67,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
+    ) -> None:
         super().__init__()
+        self.fused = fused
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [size, size], cfg.mlp_bias, tp, dtype, device
@@ -73,44 +79,62 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, tp, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, tp, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(cfg, tp, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
+        self.self_attn = LlamaAttention(cfg, tp, dtype, device, fused)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
+        self.mlp = LlamaMLP(cfg, tp, dtype, device, fused)
 
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual-stream form: returns (this layer's MLP output, the residual before it); their sum is
+        the layer's output, added by the next norm (same additions as transformers, in the same order)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype, device) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, tp, dtype, device, fused) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.max_model_len, device)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool = False
+    ) -> None:
+        """`fused`: residual add + RMSNorm, rotary and SiLU-mul as Triton kernels (CUDA)."""
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        self.model = LlamaModel(cfg, tp, dtype, device)
+        self.model = LlamaModel(cfg, tp, dtype, device, fused)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -127,9 +151,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, one row per scheduled token."""
         cos, sin = self.model.rotary.cos_sin(positions)
         hidden = self.model.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        return self.model.norm(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

@@ -71,6 +71,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds a step may take")
+    parser.add_argument(
+        "--fused-kernels",
+        default="auto",
+        choices=("auto", "torch", "triton"),
+        help="residual+RMSNorm, rotary, SiLU-mul as Triton kernels (auto: on CUDA) or PyTorch ops",
+    )
 
 
 def build_llm(args: argparse.Namespace, **extra: Any) -> Any:
@@ -88,6 +94,7 @@ def build_llm(args: argparse.Namespace, **extra: Any) -> Any:
         load_format=args.load_format,
         gpu_memory_utilization=args.gpu_memory_utilization,
         step_timeout_s=args.step_timeout,
+        fused_kernels=args.fused_kernels,
         **extra,
     )
 

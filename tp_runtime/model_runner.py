@@ -552,25 +552,17 @@ class HostTransfer:
         )
 
 
+@dataclass
 class PendingOutput:
     """A queued step's output: `resolve()` waits for its sampled ids (rank 0) and builds the reply."""
 
-    def __init__(
-        self,
-        step_id: int,
-        req_ids: list[int],
-        transfer: HostTransfer | None,
-        num_sampled: int,
-        timings: dict[str, float] | None,
-        device_marks: tuple[Any, Any, Any] | None,
-    ) -> None:
-        self.step_id = step_id
-        self.req_ids = req_ids
-        self.transfer = transfer
-        self.num_sampled = num_sampled
-        self.timings = timings
-        # (previous step's forward end, this forward's start, its end): CUDA events or wall times.
-        self.device_marks = device_marks
+    step_id: int
+    req_ids: list[int]
+    transfer: HostTransfer | None
+    num_sampled: int
+    timings: dict[str, float] | None
+    # (previous step's forward end, this forward's start, its end): CUDA events or wall times.
+    device_marks: tuple[Any, Any, Any] | None
 
     def ready(self) -> bool:
         """True when resolve() would not wait for the device."""

@@ -86,14 +86,15 @@ for dtype in (torch.float32, torch.bfloat16):
     assert close(res_f, res_t, dtype, 0), dtype  # the residual stream: x + residual, in place
     assert close(got, want, dtype), (dtype, (got.float() - want.float()).abs().max())
     assert close(fused_triton.rms_norm(x, norm.weight, 1e-5), norm(x), dtype)
-    # rotary on a strided view, as q/k are slices of the fused QKV output
-    qkv = torch.randn(4, 3 * 2 * 16).to(dtype)
-    q = qkv[:, : 2 * 16].view(4, 2, 16)
-    cos, sin = torch.randn(4, 16), torch.randn(4, 16)
-    want = apply_rotary(q.clone(), cos, sin)
-    got = fused_triton.rotary_(q, cos, sin)
-    assert got.data_ptr() == qkv.data_ptr()  # rotated in place
-    assert close(got, want, dtype, 0), (dtype, (got.float() - want.float()).abs().max())
+    # rotary on a strided view, as q/k are slices of the fused QKV output; head_dim 24: half not a power of 2
+    for heads, head_dim in ((2, 16), (3, 24)):
+        qkv = torch.randn(4, 3 * heads * head_dim).to(dtype)
+        q = qkv[:, : heads * head_dim].view(4, heads, head_dim)
+        cos, sin = torch.randn(4, head_dim), torch.randn(4, head_dim)
+        want = apply_rotary(q.clone(), cos, sin)
+        got = fused_triton.rotary_(q, cos, sin)
+        assert got.data_ptr() == qkv.data_ptr()  # rotated in place
+        assert close(got, want, dtype, 0), (dtype, head_dim, (got.float() - want.float()).abs().max())
     gate_up = torch.randn(3, 2 * 40).to(dtype)
     assert close(fused_triton.silu_and_mul(gate_up), silu_and_mul(gate_up), dtype), dtype
 print("OK")

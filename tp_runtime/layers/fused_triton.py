@@ -68,29 +68,31 @@ def _rotary_kernel(
     x_stride,
     table_stride,
     heads,
-    HALF: tl.constexpr,
+    half,
+    HALF_BLOCK: tl.constexpr,
     HEADS_BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0)
     h = tl.arange(0, HEADS_BLOCK)[:, None]
-    d = tl.arange(0, HALF)[None, :]
-    mask = h < heads
-    base = x_ptr + token * x_stride + h * (2 * HALF)
+    d = tl.arange(0, HALF_BLOCK)[None, :]
+    mask = (h < heads) & (d < half)
+    base = x_ptr + token * x_stride + h * (2 * half)
     x1 = tl.load(base + d, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF + d, mask=mask, other=0.0)
+    x2 = tl.load(base + half + d, mask=mask, other=0.0)
     dtype = x1.dtype
     # cos/sin are cast to the model dtype first, and every product and sum rounds to it, as in PyTorch.
-    c1 = tl.load(cos_ptr + token * table_stride + d).to(dtype).to(tl.float32)
-    c2 = tl.load(cos_ptr + token * table_stride + HALF + d).to(dtype).to(tl.float32)
-    s1 = tl.load(sin_ptr + token * table_stride + d).to(dtype).to(tl.float32)
-    s2 = tl.load(sin_ptr + token * table_stride + HALF + d).to(dtype).to(tl.float32)
+    table = token * table_stride + d
+    c1 = tl.load(cos_ptr + table, mask=d < half, other=0.0).to(dtype).to(tl.float32)
+    c2 = tl.load(cos_ptr + table + half, mask=d < half, other=0.0).to(dtype).to(tl.float32)
+    s1 = tl.load(sin_ptr + table, mask=d < half, other=0.0).to(dtype).to(tl.float32)
+    s2 = tl.load(sin_ptr + table + half, mask=d < half, other=0.0).to(dtype).to(tl.float32)
     a1 = x1.to(tl.float32)
     a2 = x2.to(tl.float32)
     # rotate_half(x) = [-x2, x1]
     out1 = (a1 * c1).to(dtype).to(tl.float32) + (-a2 * s1).to(dtype).to(tl.float32)
     out2 = (a2 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)
     tl.store(base + d, out1.to(dtype), mask=mask)
-    tl.store(base + HALF + d, out2.to(dtype), mask=mask)
+    tl.store(base + half + d, out2.to(dtype), mask=mask)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -100,8 +102,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         raise ValueError("rotary_ needs contiguous heads and an even head_dim")
     if tokens:
         _rotary_kernel[(tokens,)](
-            x, cos, sin, x.stride(0), cos.stride(0), heads,
-            HALF=head_dim // 2, HEADS_BLOCK=triton.next_power_of_2(heads),
+            x, cos, sin, x.stride(0), cos.stride(0), heads, head_dim // 2,
+            HALF_BLOCK=triton.next_power_of_2(head_dim // 2), HEADS_BLOCK=triton.next_power_of_2(heads),
         )  # fmt: skip
     return x
 

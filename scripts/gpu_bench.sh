@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements recorded in BENCHMARKS.md (run on the device machines; see the device README).
-#   scripts/gpu_bench.sh smoke|compare|compare1|tp1|tp2|messaging|peer OUT_DIR
+#   scripts/gpu_bench.sh smoke|compare|compare1|tp1|tp2|fused|profile|messaging|peer OUT_DIR
 set -euo pipefail
 part=$1
 out=${2:-/tmp/tp-runtime-bench}
@@ -41,6 +41,17 @@ case $part in
     bench "llama3_8b_tp${tp}_b32_sync_first" "${b32[@]}" --no-async-scheduling --bookkeeping-order sync_first
     bench "llama3_8b_tp${tp}_b1_async" "${b1[@]}"
     bench "llama3_8b_tp${tp}_b1_sync" "${b1[@]}" --no-async-scheduling
+    ;;
+  fused)  # fused Triton kernels (default on CUDA) against PyTorch ops, back to back
+    for kernels in auto torch; do
+      bench "llama3_8b_b32_kernels_$kernels" --model llama-3-8b --batch-size 32 --input-len 1000 --output-len 128 \
+        --num-iters-warmup 1 --num-iters 3 --fused-kernels $kernels
+      bench "llama3_8b_b1_kernels_$kernels" --model llama-3-8b --batch-size 1 --input-len 32 --output-len 128 \
+        --num-iters-warmup 1 --num-iters 5 --fused-kernels $kernels
+    done
+    ;;
+  profile)  # top device kernels of decode steps
+    $py scripts/profile_decode.py --model llama-3-8b --batch-size 1 --input-len 32 --steps 16 | tee "$out/profile_b1.txt"
     ;;
   messaging)
     for spin in 0 2000; do

@@ -123,6 +123,21 @@ def test_bad_dtype(checkpoint: Path, dtype: str) -> None:
     assert "float32" in str(info.value) and repr(dtype) in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("fused_kernels", "cuda", "fused_kernels must be auto|torch|triton"),
+        ("attention_backend", "flash", "attention_backend must be auto|torch|triton"),
+        ("cuda_graphs", "on", "cuda_graphs must be auto|off|padded"),
+        ("bookkeeping_order", "late", "bookkeeping_order must be overlap|sync_first"),
+        ("async_scheduling", "yes", "async_scheduling must be True or False"),
+    ],
+)
+def test_bad_engine_option(checkpoint: Path, option: str, value: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        LLM(checkpoint, device="cpu", **{option: value})
+
+
 @pytest.mark.parametrize("device", ["tpu", "gpu", "cuda:0", ""])
 def test_bad_device(checkpoint: Path, device: str) -> None:
     with pytest.raises(ConfigError, match=re.escape("device must be auto|cpu|cuda")):

@@ -26,6 +26,12 @@ from tp_runtime.layers.attention import AttentionMetadata
 _IDS, _POS, _SLOT, _LEN, _FEED, _ROW, _TABLE = 0, 1, 2, 3, 4, 5, 6
 
 
+def fed_input_ids(input_ids: torch.Tensor, feed: torch.Tensor, token_feed: torch.Tensor) -> torch.Tensor:
+    """Input ids with each row whose `feed` is a batch row (>= 0) replaced by that row's last sampled
+    token in `token_feed`, all on the device (the eager path uses it too)."""
+    return torch.where(feed >= 0, token_feed[feed.clamp(min=0)], input_ids)
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     sizes = [1, 2, 4, 8, *range(16, max_batch + 16, 16)]
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
@@ -88,7 +94,7 @@ class DecodeGraphs:
         seq_lens = inputs[:, _LEN]
         key_pos = self._key_pos[: blocks * self.block_size]
         feed = inputs[:, _FEED]
-        input_ids = torch.where(feed >= 0, self._token_feed[feed.clamp(min=0)], inputs[:, _IDS])
+        input_ids = fed_input_ids(inputs[:, _IDS], feed, self._token_feed)
         mask = key_pos.unsqueeze(0) < seq_lens.unsqueeze(1)
         if self.window is not None:
             mask &= key_pos.unsqueeze(0) > (seq_lens.unsqueeze(1) - 1 - self.window)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tp_runtime.config import EngineConfig
-from tp_runtime.decode_graphs import DecodeGraphs
+from tp_runtime.decode_graphs import DecodeGraphs, fed_input_ids
 from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk
 from tp_runtime.messages import Logprobs, ModelRunnerOutput, NewRequest, RequestSampling, SchedulerOutput
 from tp_runtime.models.llama import LlamaForCausalLM
@@ -355,7 +355,7 @@ class ModelRunner:
         if self._feed_np is not None:
             return torch.from_numpy(np.where(feed >= 0, self._feed_np[np.maximum(feed, 0)], input_ids))
         both = self._to_device(np.stack([input_ids, feed]))  # one transfer
-        return torch.where(both[1] >= 0, self.token_feed[both[1].clamp(min=0)], both[0])
+        return fed_input_ids(both[0], both[1], self.token_feed)
 
     def _sampling_batch(self, rows: np.ndarray, req_ids: list[int]) -> SamplingBatch:
         """Sampling settings of `rows`; reused while the same requests sample (every decode step of a

@@ -7,11 +7,22 @@
 # multi-node flags (then NPROC is the processes per node and the TP size is NPROC * nodes), e.g. on each node:
 #   TORCHRUN_ARGS="--nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500" \
 #     scripts/launch_tp.sh 8 bench latency --model llama-3-70b --load-format dummy
+#
+# torchrun runs as `python -m torch.distributed.run` with the project's Python: the active virtualenv's,
+# else ./.venv's (made by scripts/setup.sh), else python3. No activated venv or PATH entry is needed.
 set -euo pipefail
 if [ $# -lt 2 ]; then
   echo "usage: $0 NPROC COMMAND [ARGS...]   (COMMAND: generate | bench latency)" >&2
   exit 2
 fi
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+py=python3
+for candidate in "${VIRTUAL_ENV:-}/bin/python" "$root/.venv/bin/python"; do
+  if [[ $candidate != /bin/python && -x $candidate ]]; then
+    py=$candidate
+    break
+  fi
+done
 nproc=$1
 shift
 # shellcheck disable=SC2206
@@ -23,5 +34,5 @@ for ((i = 0; i < ${#torchrun_args[@]}; i++)); do
     --nnodes=*) nnodes=${torchrun_args[$i]#--nnodes=} ;;
   esac
 done
-exec torchrun "${torchrun_args[@]}" --nproc-per-node "$nproc" -m tp_runtime.cli "$@" \
+exec "$py" -m torch.distributed.run "${torchrun_args[@]}" --nproc-per-node "$nproc" -m tp_runtime.cli "$@" \
   --tensor-parallel-size "$((nproc * nnodes))"

@@ -109,6 +109,29 @@ def test_bench_latency_writes_every_field(tmp_path: Path, tp: int, async_schedul
     assert all(v >= 0 for k, v in breakdown.items() if k != "reply_transport")
     assert breakdown["worker_forward_device"] < breakdown["step_total"]
     assert "Avg latency" in proc.stdout and "host gap" in proc.stdout
+    _check_roofline(result, tp)
+
+
+def _check_roofline(result: dict, tp: int) -> None:
+    """The roofline's bytes, recomputed from the HF model of the benchmarked checkpoint."""
+    roof, cfg = result["decode_roofline"], result["config"]
+    hf_config = transformers.AutoConfig.from_pretrained(cfg["model"])
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    elem = 4  # float32 on CPU
+    params = sum(p.numel() for p in hf.parameters())
+    if not hf_config.tie_word_embeddings:
+        params -= hf.get_input_embeddings().weight.numel()
+    norms = sum(p.numel() for n, p in hf.named_parameters() if "norm" in n)  # replicated on every rank
+    assert roof["weight_bytes"] == ((params - norms) // tp + norms) * elem
+    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+    kv_per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads // tp * head_dim * elem
+    contexts = range(cfg["input_len"] + 1, cfg["input_len"] + cfg["output_len"])
+    mean_context = sum(contexts) / len(contexts)
+    assert roof["kv_bytes"] == pytest.approx(cfg["batch_size"] * mean_context * kv_per_token)
+    assert roof["copy_bandwidth"] > 1e8
+    assert roof["roofline_step"] == pytest.approx(roof["step_bytes"] / roof["copy_bandwidth"])
+    assert roof["step"] == result["decode_step_breakdown"]["step_total"]
+    assert roof["fraction"] == pytest.approx(roof["roofline_step"] / roof["step"])
 
 
 def test_launch_script_usage_error() -> None:

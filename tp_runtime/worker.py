@@ -16,6 +16,7 @@ import gc
 import os
 import shutil
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +53,14 @@ class WorkerAddresses:
 class Worker:
     # Methods a control call may name; nothing else is reachable from the socket.
     CONTROL_METHODS = frozenset(
-        {"determine_num_kv_blocks", "allocate_kv_cache", "set_collect_timings", "check_health", "debug_raise"}
+        {
+            "determine_num_kv_blocks",
+            "allocate_kv_cache",
+            "set_collect_timings",
+            "decode_traffic",
+            "check_health",
+            "debug_raise",
+        }
     )
 
     def __init__(self, config: EngineConfig, rank: int, local_rank: int) -> None:
@@ -124,6 +132,16 @@ class Worker:
     def set_collect_timings(self, enabled: bool) -> None:
         self._runner().collect_timings = bool(enabled)
 
+    def decode_traffic(self) -> dict[str, float]:
+        """What a decode step must read on this rank, and the device's measured copy bandwidth (for the
+        latency benchmark's roofline)."""
+        runner = self._runner()
+        return {
+            "weight_bytes": float(runner.model.decode_weight_bytes()),
+            "kv_bytes_per_token": runner.kv_bytes_per_block() / runner.block_size,
+            "copy_bandwidth": measure_copy_bandwidth(self.device),
+        }
+
     def check_health(self) -> int:
         return os.getpid()
 
@@ -149,6 +167,31 @@ class Worker:
             gc.collect()  # the runner and its CUDA graphs reference each other
             torch.cuda.empty_cache()
         distributed.destroy_process_group()
+
+
+def measure_copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second moved (read + written) by one large device-to-device copy, best of a few."""
+    nbytes = 1 << 30 if device.type == "cuda" else 1 << 27
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        nbytes = min(nbytes, free // 4)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            elapsed = time.perf_counter() - t0
+        best = min(best, elapsed)
+    return 2 * nbytes / best
 
 
 def _exit_when_parent_dies(parent_conn: Any, addresses: WorkerAddresses) -> None:

@@ -83,6 +83,36 @@ def summarize_steps(steps: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def decode_roofline(
+    traffic: dict[str, float],
+    batch_size: int,
+    input_len: int,
+    output_len: int,
+    sliding_window: int | None,
+    step_s: float,
+) -> dict[str, float]:
+    """How close a decode step runs to the memory roofline on one GPU: the bytes it must read there (the
+    rank's weights, plus every sequence's keys and values up to its position, averaged over the decode
+    steps) at the copy bandwidth measured on the spot, against the measured step time."""
+    # Decode step j (1..output_len-1) attends over input_len + j cached positions (window-capped).
+    contexts = np.arange(input_len + 1, input_len + output_len)
+    if sliding_window is not None:
+        contexts = np.minimum(contexts, sliding_window)
+    mean_context = float(contexts.mean()) if len(contexts) else 0.0
+    kv_bytes = batch_size * mean_context * traffic["kv_bytes_per_token"]
+    step_bytes = traffic["weight_bytes"] + kv_bytes
+    roofline_s = step_bytes / traffic["copy_bandwidth"]
+    return {
+        "weight_bytes": traffic["weight_bytes"],
+        "kv_bytes": kv_bytes,
+        "step_bytes": step_bytes,
+        "copy_bandwidth": traffic["copy_bandwidth"],
+        "roofline_step": roofline_s,
+        "step": step_s,
+        "fraction": roofline_s / step_s if step_s > 0 else float("nan"),
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
@@ -118,8 +148,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         steps = llm.engine.step_timings
         llm.engine.step_timings = None
         llm.engine.executor.collective_rpc("set_collect_timings", [False])
+        traffic = llm.engine.executor.collective_rpc("decode_traffic")[0]
     finally:
         llm.shutdown()
+    breakdown = summarize_steps(steps)
     result: dict[str, Any] = {
         "avg_latency": float(np.mean(latencies)),
         "latencies": latencies,
@@ -137,9 +169,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "load_format": llm.config.model.load_format,
         },
         "breakdown_run_latency": breakdown_latency,
-        "decode_step_breakdown": summarize_steps(steps),
+        "decode_step_breakdown": breakdown,
+        "decode_roofline": decode_roofline(
+            traffic, args.batch_size, args.input_len, args.output_len, llm.config.model.sliding_window,
+            breakdown.get("step_total", float("nan")),
+        ),
         "steps": steps,
-    }
+    }  # fmt: skip
     return result
 
 
@@ -154,6 +190,14 @@ def print_report(result: dict[str, Any]) -> None:
             print(f"  {name:<26}{b[name] * 1e6:12.1f}")
     if "worker_host_gap" in b and b.get("step_total"):
         print(f"  host gap / step time: {100 * b['worker_host_gap'] / b['step_total']:.2f} %")
+    r = result["decode_roofline"]
+    print(
+        f"\nDecode roofline (per GPU): {r['weight_bytes'] / 1e9:.3f} GB weights + "
+        f"{r['kv_bytes'] / 1e9:.3f} GB KV per step at {r['copy_bandwidth'] / 1e12:.2f} TB/s "
+        "measured copy bandwidth = "
+        f"{r['roofline_step'] * 1e3:.3f} ms; measured step {r['step'] * 1e3:.3f} ms: "
+        f"{100 * r['fraction']:.1f} % of roofline"
+    )
 
 
 def main(args: argparse.Namespace) -> None:

@@ -156,6 +156,15 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
         return self.model.norm(hidden, residual)
 
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads on this rank: every parameter but the input embedding table,
+        of which a step reads only its rows (a tied table is read whole by the LM head)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        if not self.config.tie_word_embeddings:
+            embed = self.model.embed_tokens.weight
+            total -= embed.numel() * embed.element_size()
+        return total
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 

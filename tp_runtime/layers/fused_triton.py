@@ -61,6 +61,40 @@ def rms_norm(
 
 
 @triton.jit
+def _rope_cos_sin(cos_row, sin_row, half, HALF_BLOCK: tl.constexpr, dtype: tl.constexpr):
+    """One token's cos/sin rows as [1, HALF_BLOCK] halves, cast to the model dtype first (as PyTorch's
+    `cos.to(x.dtype)`), then held in float32 for the arithmetic."""
+    d = tl.arange(0, HALF_BLOCK)[None, :]
+    mask = d < half
+    c1 = tl.load(cos_row + d, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    c2 = tl.load(cos_row + half + d, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    s1 = tl.load(sin_row + d, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    s2 = tl.load(sin_row + half + d, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def _rope_heads_(row, heads, half, c1, c2, s1, s2, HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr):
+    """Rotate one token's `heads` contiguous heads at `row` in place (x * cos + rotate_half(x) * sin);
+    returns the rotated halves [HEADS_BLOCK, HALF_BLOCK] (model dtype), masked lanes 0."""
+    h = tl.arange(0, HEADS_BLOCK)[:, None]
+    d = tl.arange(0, HALF_BLOCK)[None, :]
+    mask = (h < heads) & (d < half)
+    ptrs = row + h * (2 * half) + d
+    x1 = tl.load(ptrs, mask=mask, other=0.0)
+    x2 = tl.load(ptrs + half, mask=mask, other=0.0)
+    dtype = x1.dtype
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    # rotate_half(x) = [-x2, x1]; every product and the sum round to the model dtype, as in PyTorch.
+    out1 = ((a1 * c1).to(dtype).to(tl.float32) + (-a2 * s1).to(dtype).to(tl.float32)).to(dtype)
+    out2 = ((a2 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(ptrs, out1, mask=mask)
+    tl.store(ptrs + half, out2, mask=mask)
+    return out1, out2
+
+
+@triton.jit
 def _rotary_kernel(
     x_ptr,  # [tokens, heads, head_dim], rotated in place; token stride given, heads contiguous
     cos_ptr,  # [tokens, head_dim] float32
@@ -73,39 +107,130 @@ def _rotary_kernel(
     HEADS_BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0)
-    h = tl.arange(0, HEADS_BLOCK)[:, None]
-    d = tl.arange(0, HALF_BLOCK)[None, :]
-    mask = (h < heads) & (d < half)
-    base = x_ptr + token * x_stride + h * (2 * half)
-    x1 = tl.load(base + d, mask=mask, other=0.0)
-    x2 = tl.load(base + half + d, mask=mask, other=0.0)
-    dtype = x1.dtype
-    # cos/sin are cast to the model dtype first, and every product and sum rounds to it, as in PyTorch.
-    table = token * table_stride + d
-    c1 = tl.load(cos_ptr + table, mask=d < half, other=0.0).to(dtype).to(tl.float32)
-    c2 = tl.load(cos_ptr + table + half, mask=d < half, other=0.0).to(dtype).to(tl.float32)
-    s1 = tl.load(sin_ptr + table, mask=d < half, other=0.0).to(dtype).to(tl.float32)
-    s2 = tl.load(sin_ptr + table + half, mask=d < half, other=0.0).to(dtype).to(tl.float32)
-    a1 = x1.to(tl.float32)
-    a2 = x2.to(tl.float32)
-    # rotate_half(x) = [-x2, x1]
-    out1 = (a1 * c1).to(dtype).to(tl.float32) + (-a2 * s1).to(dtype).to(tl.float32)
-    out2 = (a2 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)
-    tl.store(base + d, out1.to(dtype), mask=mask)
-    tl.store(base + half + d, out2.to(dtype), mask=mask)
+    table = token * table_stride
+    c1, c2, s1, s2 = _rope_cos_sin(cos_ptr + table, sin_ptr + table, half, HALF_BLOCK, x_ptr.dtype.element_ty)
+    _rope_heads_(x_ptr + token * x_stride, heads, half, c1, c2, s1, s2, HEADS_BLOCK, HALF_BLOCK)
+
+
+def _check_rotary_operand(x: torch.Tensor, cos: torch.Tensor, name: str) -> None:
+    tokens, _, head_dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != head_dim or head_dim % 2:
+        raise ValueError(f"{name} needs contiguous heads and an even head_dim, got strides {x.stride()}")
+    if cos.shape != (tokens, head_dim) or cos.stride(1) != 1:
+        raise ValueError(f"cos/sin must be [{tokens}, {head_dim}] with unit column stride")
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [tokens, heads, head_dim] in place (x * cos + rotate_half(x) * sin); returns x."""
     tokens, heads, head_dim = x.shape
-    if x.stride(2) != 1 or x.stride(1) != head_dim or cos.stride(1) != 1 or head_dim % 2:
-        raise ValueError("rotary_ needs contiguous heads and an even head_dim")
+    _check_rotary_operand(x, cos, "rotary_")
+    if sin.stride() != cos.stride():
+        raise ValueError("cos and sin must have the same strides")
     if tokens:
         _rotary_kernel[(tokens,)](
             x, cos, sin, x.stride(0), cos.stride(0), heads, head_dim // 2,
             HALF_BLOCK=triton.next_power_of_2(head_dim // 2), HEADS_BLOCK=triton.next_power_of_2(heads),
+            # No a * c + b * s contracted into one FMA (also in bf16/fp16: the compiler drops the product's
+            # rounding there): on an H200 that left ~1/4 of the elements one step off PyTorch in every dtype.
+            enable_fp_fusion=False,
         )  # fmt: skip
     return x
+
+
+@triton.jit
+def _rotary_and_cache_kernel(
+    q_ptr,  # [tokens, heads, head_dim], rotated in place
+    k_ptr,  # [tokens, kv_heads, head_dim], rotated in place and stored to k_cache
+    v_ptr,  # [tokens, kv_heads, head_dim], read only, stored to v_cache
+    cos_ptr,  # [tokens, head_dim] float32
+    sin_ptr,
+    k_cache_ptr,  # [slots, kv_heads, head_dim] (the [blocks, block_size, ...] cache seen flat)
+    v_cache_ptr,
+    slots_ptr,  # [tokens] flat slot = block * block_size + offset; < 0: no cache write
+    q_stride,
+    k_stride,
+    v_stride,
+    table_stride,
+    k_slot_stride,
+    v_slot_stride,
+    heads,
+    kv_heads,
+    half,
+    HALF_BLOCK: tl.constexpr,
+    HEADS_BLOCK: tl.constexpr,
+    KV_HEADS_BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0)
+    table = token * table_stride
+    c1, c2, s1, s2 = _rope_cos_sin(cos_ptr + table, sin_ptr + table, half, HALF_BLOCK, q_ptr.dtype.element_ty)
+    _rope_heads_(q_ptr + token * q_stride, heads, half, c1, c2, s1, s2, HEADS_BLOCK, HALF_BLOCK)
+    k_row = k_ptr + token * k_stride
+    k1, k2 = _rope_heads_(k_row, kv_heads, half, c1, c2, s1, s2, KV_HEADS_BLOCK, HALF_BLOCK)
+
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    h = tl.arange(0, KV_HEADS_BLOCK)[:, None]
+    d = tl.arange(0, HALF_BLOCK)[None, :]
+    mask = (h < tl.where(slot >= 0, kv_heads, 0)) & (d < half)  # a negative slot writes no head
+    offs = h * (2 * half) + d
+    k_dst = k_cache_ptr + slot * k_slot_stride + offs
+    tl.store(k_dst, k1, mask=mask)
+    tl.store(k_dst + half, k2, mask=mask)
+    v_src = v_ptr + token * v_stride + offs
+    v_dst = v_cache_ptr + slot * v_slot_stride + offs
+    tl.store(v_dst, tl.load(v_src, mask=mask), mask=mask)
+    tl.store(v_dst + half, tl.load(v_src + half, mask=mask), mask=mask)
+
+
+def _check_cache(cache: torch.Tensor, like: torch.Tensor, name: str) -> None:
+    _, block_size, kv_heads, head_dim = cache.shape
+    if (kv_heads, head_dim) != like.shape[1:] or cache.dtype != like.dtype or cache.device != like.device:
+        raise ValueError(f"{name} {tuple(cache.shape)} {cache.dtype} does not fit k/v {tuple(like.shape)}")
+    if cache.stride(3) != 1 or cache.stride(2) != head_dim or cache.stride(0) != block_size * cache.stride(1):
+        raise ValueError(f"{name} must be addressable by flat slot, got strides {cache.stride()}")
+
+
+def rotary_and_cache_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Rotary embedding of q and k plus the KV-cache write, in one launch (one program per token).
+
+    In place: q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] are rotated
+    (x * cos + rotate_half(x) * sin, rounded exactly as `rotary_` and the PyTorch ops round), and rotated
+    k and v (unchanged) are written to k_cache/v_cache [num_blocks, block_size, kv_heads, head_dim] at
+    flat slot `slots[t]` (= block * block_size + offset), like `write_kv`. A token whose slot is negative
+    is rotated but not cached. k stays rotated so a prefill chunk can attend over its own keys.
+
+    q, k, v may be views into the fused QKV projection output (any token stride, contiguous heads and
+    dims); cos/sin are [tokens, head_dim] float32 with unit column stride. Checks only tensor metadata,
+    so it never syncs with the device and can be captured in a CUDA graph.
+    """
+    tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_rotary_operand(x, cos, name)
+    if k.shape != v.shape or k.shape[::2] != q.shape[::2] or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
+    if sin.stride() != cos.stride():
+        raise ValueError("cos and sin must have the same strides")
+    _check_cache(k_cache, k, "k_cache")
+    _check_cache(v_cache, v, "v_cache")
+    if slots.shape != (tokens,) or slots.dtype not in (torch.int32, torch.int64) or not slots.is_contiguous():
+        raise ValueError(f"slots must be a contiguous [{tokens}] int32/int64 tensor")
+    if tokens:
+        _rotary_and_cache_kernel[(tokens,)](
+            q, k, v, cos, sin, k_cache, v_cache, slots,
+            q.stride(0), k.stride(0), v.stride(0), cos.stride(0), k_cache.stride(1), v_cache.stride(1),
+            heads, kv_heads, head_dim // 2,
+            HALF_BLOCK=triton.next_power_of_2(head_dim // 2), HEADS_BLOCK=triton.next_power_of_2(heads),
+            KV_HEADS_BLOCK=triton.next_power_of_2(kv_heads), enable_fp_fusion=False,  # as in rotary_
+        )  # fmt: skip
 
 
 @triton.jit

@@ -127,9 +127,9 @@ def test_bad_dtype(checkpoint: Path, dtype: str) -> None:
     ("option", "value", "message"),
     [
         ("fused_kernels", "cuda", "fused_kernels must be auto|torch|triton"),
-        ("attention_backend", "flash", "attention_backend must be auto|torch|triton"),
+        ("attention_backend", "flash", "attention_backend must be auto|torch|triton|triton_one_split"),
         ("cuda_graphs", "on", "cuda_graphs must be auto|off|padded"),
-        ("bookkeeping_order", "late", "bookkeeping_order must be overlap|sync_first"),
+        ("all_reduce", "fast", "all_reduce must be auto|nccl|symm_mem"),
         ("async_scheduling", "yes", "async_scheduling must be True or False"),
     ],
 )

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import hf_greedy
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
@@ -42,6 +43,126 @@ for window in (None, 8):
 print("OK")
 """
 
+# Shared by the split-KV decode and prefill checks: an independent brute force (per sequence, gather the
+# keys through the block table, softmax in float64) and random paged caches.
+BRUTE_FORCE = """
+import math, os, sys, numpy as np, torch, triton.language as tl
+from triton.runtime import interpreter
+from tp_runtime.layers import paged_decode_triton as kernels
+torch.manual_seed(0)
+DEVICE = sys.argv[1]  # the kernels' inputs; the reference runs on CPU
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # Triton's interpreter multiplies bfloat16 tl.dot operands as their raw uint16 bits; widen them to
+    # float32 first (exact). On CUDA tl.dot takes bfloat16 natively.
+    def widen(x):
+        if x.dtype != tl.bfloat16:
+            return x
+        return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+    interpreter_dot = interpreter.InterpreterBuilder.create_dot
+    def widened_dot(self, a, b, *rest):
+        return interpreter_dot(self, widen(a), widen(b), *rest)
+    interpreter.InterpreterBuilder.create_dot = widened_dot
+
+def attend(q, keys, vals, q_pos, window, scale):
+    # q [n, H, D] at positions q_pos [n]; keys/vals [T, KVH, D] at positions 0..T-1 -> [n, H, D] float64
+    H, KVH = q.shape[1], keys.shape[1]
+    k_pos = torch.arange(keys.shape[0])
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for h in range(H):
+        s = q[:, h].double() @ keys[:, h // (H // KVH)].double().T * scale
+        out[:, h] = torch.softmax(s.masked_fill(~allowed, -math.inf), 1) @ vals[:, h // (H // KVH)].double()
+    return out
+
+def paged_cache(lens, BS, KVH, D, dtype):
+    # Disjoint shuffled blocks per sequence; slots past each length hold NaN, as never-written memory may.
+    width = max(math.ceil(L / BS) for L in lens) + 1
+    NB = len(lens) * width + 1
+    tables = torch.randperm(NB)[: len(lens) * width].view(len(lens), width)
+    kc, vc = (torch.randn(NB, BS, KVH, D).to(dtype) for _ in range(2))
+    for b, L in enumerate(lens):
+        for cache in (kc, vc):
+            flat = cache[tables[b]].view(-1, KVH, D)
+            flat[L:] = math.nan
+            cache[tables[b]] = flat.view(-1, BS, KVH, D)
+    # The runtime passes a column slice of a wider int64 buffer (row stride > width).
+    buf = torch.full((len(lens), width + 3), 10**9, dtype=torch.int64)
+    buf[:, 1 : 1 + width] = tables
+    return kc, vc, tables, buf.to(DEVICE)[:, 1 : 1 + width]
+
+def close(got, want, dtype):
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    err = (got.double() - want).abs().max().item()
+    return torch.allclose(got.double(), want, atol=tol, rtol=tol), err
+"""
+
+DECODE_VS_BRUTE_FORCE = """
+def check(dtype, H, KVH, D, BS, lens, windows, splits_list):
+    kc, vc, tables, tables_dev = paged_cache(lens, BS, KVH, D, dtype)
+    qkv = torch.randn(len(lens), H + 2, D).to(dtype)
+    q, q_dev = qkv[:, 1 : H + 1], qkv.to(DEVICE)[:, 1 : H + 1]  # a strided view, as of the QKV output
+    lens_dev = torch.tensor([[L, 7] for L in lens]).to(DEVICE)[:, 0]  # seq_lens: a strided column
+    caches, scale = (kc.to(DEVICE), vc.to(DEVICE)), D ** -0.5
+    for window in windows:
+        want = torch.cat([
+            attend(q[b : b + 1], kc[tables[b]].view(-1, KVH, D)[:L], vc[tables[b]].view(-1, KVH, D)[:L],
+                   torch.tensor([L - 1]), window, scale)
+            for b, L in enumerate(lens)
+        ])
+        for splits in splits_list:
+            got = kernels.paged_decode_attention(q_dev, *caches, tables_dev, lens_dev, scale, window, splits)
+            assert got.dtype == dtype and got.shape == q.shape
+            ok, err = close(got.cpu(), want, dtype)
+            assert ok, (dtype, H, KVH, D, BS, lens, window, splits, kernels.DECODE_BLOCK_N, err)
+
+f32, bf16 = torch.float32, torch.bfloat16
+# GQA group 4, head_dim 24, one-token and tile-boundary lengths, splits 1/2/3/7 (some splits empty)
+check(f32, 8, 2, 24, 16, [1, 37, 130, 64], [None, 20], [1, 2, 3, 7])
+# MQA, head_dim 12, cache blocks of 32, more splits than tiles
+check(f32, 4, 1, 12, 32, [200, 1, 65], [None, 50], [1, 3, 16])
+# group 1, head_dim 80
+check(f32, 3, 3, 80, 16, [5, 190, 1], [None, 70], [1, 2, 7])
+# KV tile smaller than the cache block (16 < 32, 16 < 64): one tile reads part of one block
+kernels.DECODE_BLOCK_N = 16
+check(f32, 4, 2, 96, 32, [1, 100, 33], [None, 30], [1, 3])
+check(f32, 4, 2, 96, 64, [129, 2], [None, 30], [1, 5])
+kernels.DECODE_BLOCK_N = 64
+# bfloat16, head_dim 128 and 256 (a halved KV tile)
+check(bf16, 8, 2, 128, 16, [1, 90, 257], [None, 64], [1, 4])
+check(bf16, 4, 2, 256, 32, [3, 150], [None, 40], [1, 3])
+print("OK")
+"""
+
+PREFILL_VS_BRUTE_FORCE = """
+def check(dtype, H, KVH, D, BS, cases, windows):
+    for context_len, chunk_len in cases:
+        T = context_len + chunk_len
+        kc, vc, tables, _ = paged_cache([T], BS, KVH, D, dtype)
+        table = tables[0][: math.ceil(T / BS)]
+        qkv = torch.randn(chunk_len, H + 2, D).to(dtype)
+        q, q_dev = qkv[:, 1 : H + 1], qkv.to(DEVICE)[:, 1 : H + 1]
+        for window in windows:
+            want = attend(q, kc[table].view(-1, KVH, D)[:T], vc[table].view(-1, KVH, D)[:T],
+                          torch.arange(context_len, T), window, D ** -0.5)
+            got = kernels.paged_prefill_attention(q_dev, kc.to(DEVICE), vc.to(DEVICE), table.to(DEVICE),
+                                                  context_len, D ** -0.5, window)
+            assert got.dtype == dtype and got.shape == q.shape
+            ok, err = close(got.cpu(), want, dtype)
+            assert ok, (dtype, H, KVH, D, BS, context_len, chunk_len, window, kernels.PREFILL_BLOCK_M, err)
+
+f32, bf16 = torch.float32, torch.bfloat16
+check(f32, 8, 2, 24, 16, [(0, 20), (37, 5), (64, 70), (100, 1)], [None, 24])
+check(f32, 4, 1, 80, 32, [(0, 3), (45, 30)], [None, 10])
+kernels.PREFILL_BLOCK_M = 16  # several query tiles; a window skips whole key tiles for the later ones
+check(f32, 3, 3, 12, 16, [(0, 50), (150, 40)], [None, 17])
+kernels.PREFILL_BLOCK_M = 64
+check(bf16, 4, 2, 128, 16, [(20, 33)], [None, 16])
+print("OK")
+"""
+
 ENGINE_VS_HF = """
 import json, sys
 from tp_runtime import LLM, SamplingParams
@@ -55,8 +176,10 @@ print(json.dumps([o.outputs[0].token_ids for o in outs]))
 """
 
 
-def _run(script: str, *args: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+def _run(script: str, *args: str, interpret: bool = True) -> str:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -103,6 +226,43 @@ print("OK")
 
 def test_kernel_matches_brute_force() -> None:
     assert _run(KERNEL_VS_BRUTE_FORCE) == "OK"
+
+
+def test_split_kv_decode_matches_brute_force() -> None:
+    assert _run(BRUTE_FORCE + DECODE_VS_BRUTE_FORCE, "cpu") == "OK"
+
+
+def test_paged_prefill_matches_brute_force() -> None:
+    assert _run(BRUTE_FORCE + PREFILL_VS_BRUTE_FORCE, "cpu") == "OK"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_paged_kernels_match_brute_force_on_cuda() -> None:
+    """The same checks compiled for the GPU (CI has none; run it where there is one)."""
+    assert _run(BRUTE_FORCE + DECODE_VS_BRUTE_FORCE, "cuda", interpret=False) == "OK"
+    assert _run(BRUTE_FORCE + PREFILL_VS_BRUTE_FORCE, "cuda", interpret=False) == "OK"
+
+
+def test_choose_num_splits() -> None:
+    from tp_runtime.layers import paged_decode_triton as kernels
+    from tp_runtime.layers.paged_decode_triton import choose_num_splits
+
+    sms = 132
+    # Enough (sequence, KV head) programs already: no split.
+    assert choose_num_splits(64, 8, 2048, 16, sms) == 1
+    assert choose_num_splits(512, 1, 2048, 16, sms) == 1
+    # Fewer programs: more splits, never fewer as the batch shrinks.
+    by_batch = [choose_num_splits(seqs, 8, 2048, 16, sms) for seqs in (32, 16, 8, 4, 2, 1)]
+    assert by_batch == sorted(by_batch) and by_batch[0] >= 1 and by_batch[-1] > 4
+    # Never more splits than the longest context has KV tiles.
+    for blocks in (1, 2, 3, 5, 9, 40):
+        for block_size in (16, 32, 64):
+            splits = choose_num_splits(1, 1, blocks, block_size, sms)
+            tiles = -(-blocks * block_size // kernels.DECODE_BLOCK_N)
+            assert 1 <= splits <= max(1, tiles) and splits <= kernels.DECODE_MAX_SPLITS
+    assert choose_num_splits(1, 8, 1, 16, sms) == 1  # one 16-token block: less than one tile
+    assert choose_num_splits(1, 1, 10**6, 16, sms) == kernels.DECODE_MAX_SPLITS
+    assert choose_num_splits(3, 2, 500, 32, sms) == choose_num_splits(3, 2, 500, 32, sms)  # deterministic
 
 
 def test_fused_kernels_match_pytorch_ops() -> None:

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tp_runtime.config import ALL_REDUCE_STRATEGIES, ATTENTION_BACKENDS
+
 SMOLLM2_NAME = "smollm2-135m-instruct"
 
 
@@ -77,6 +79,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "torch", "triton"),
         help="residual+RMSNorm, rotary, SiLU-mul as Triton kernels (auto: on CUDA) or PyTorch ops",
     )
+    parser.add_argument(
+        "--all-reduce",
+        default="auto",
+        choices=ALL_REDUCE_STRATEGIES,
+        help="all-reduce between GPUs (auto: symmetric memory for decode-sized messages, NCCL otherwise)",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="attention over the paged KV cache (auto: split-KV Triton kernels on CUDA, else PyTorch SDPA; "
+        "triton_one_split: one program per sequence and KV head)",
+    )
 
 
 def build_llm(args: argparse.Namespace, **extra: Any) -> Any:
@@ -95,6 +110,8 @@ def build_llm(args: argparse.Namespace, **extra: Any) -> Any:
         gpu_memory_utilization=args.gpu_memory_utilization,
         step_timeout_s=args.step_timeout,
         fused_kernels=args.fused_kernels,
+        attention_backend=args.attention_backend,
+        all_reduce=args.all_reduce,
         **extra,
     )
 

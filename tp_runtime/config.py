@@ -14,6 +14,11 @@ from typing import Any
 
 from tp_runtime.errors import ConfigError
 
+# Choices of EngineConfig.attention_backend (see layers/attention.py).
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton_one_split")
+# Choices of ParallelConfig.all_reduce (see distributed.py).
+ALL_REDUCE_STRATEGIES = ("auto", "nccl", "symm_mem")
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -68,6 +73,10 @@ class ParallelConfig:
     # Off by default: on 2 CPU cores it starves the ranks computing the model, and on an H200 host at
     # TP=2 2 ms of it did not lower the measured host gap (BENCHMARKS.md).
     spin_wait_s: float = 0.0
+    # All-reduce between ranks: "auto" (PyTorch symmetric memory for decode-sized messages when every GPU
+    # reaches its peers, NCCL for the rest and as the fallback; gloo on CPU), "nccl" (NCCL/gloo only),
+    # "symm_mem" (fail at start-up rather than fall back).
+    all_reduce: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.spin_wait_s <= 1.0:
@@ -79,6 +88,10 @@ class ParallelConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.all_reduce not in ALL_REDUCE_STRATEGIES:
+            raise ConfigError(
+                f"all_reduce must be {'|'.join(ALL_REDUCE_STRATEGIES)}, got {self.all_reduce!r}"
+            )
         if self.executor not in ("auto", "inprocess", "multiprocess", "torchrun"):
             raise ConfigError(f"executor must be auto|inprocess|multiprocess|torchrun, got {self.executor!r}")
         if self.step_timeout_s <= 0:
@@ -124,9 +137,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"  # resolved: cpu | cuda
     seed: int = 0
-    # Runner option kept for benchmarking: "overlap" does value-free bookkeeping before the device->host
-    # sync; "sync_first" waits for the sampled ids first (the order this project replaced).
-    bookkeeping_order: str = "overlap"
     # The driver schedules and sends step N+1 before it has step N's sampled ids (it learns of a stop one
     # step late and drops that step's token); workers take input tokens from the device. False: one step
     # at a time, each waiting for the previous one's ids.
@@ -134,8 +144,9 @@ class EngineConfig:
     # Decode steps as CUDA graphs: "auto" (on CUDA), "off" (always eager), "padded" (the graph path's
     # padded static inputs run eagerly, to check that path on CPU).
     cuda_graphs: str = "auto"
-    # Decode attention: "auto" (Triton paged kernel on CUDA if Triton is installed, else PyTorch),
-    # "torch" (gathered blocks + SDPA), "triton".
+    # Attention over the paged cache: "auto" (split-KV Triton kernels on CUDA if Triton is installed,
+    # else PyTorch), "torch" (gathered blocks + SDPA), "triton" (split-KV), "triton_one_split" (one
+    # program per sequence and KV head; for comparison).
     attention_backend: str = "auto"
     # Residual add + RMSNorm, rotary and SiLU-mul: "auto" (fused Triton kernels on CUDA if Triton is
     # installed, else PyTorch ops), "torch", "triton".
@@ -144,14 +155,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.fused_kernels not in ("auto", "torch", "triton"):
             raise ConfigError(f"fused_kernels must be auto|torch|triton, got {self.fused_kernels!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ConfigError(f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend must be {'|'.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
         if self.cuda_graphs not in ("auto", "off", "padded"):
             raise ConfigError(f"cuda_graphs must be auto|off|padded, got {self.cuda_graphs!r}")
         if not isinstance(self.async_scheduling, bool):
             raise ConfigError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
-        if self.bookkeeping_order not in ("overlap", "sync_first"):
-            raise ConfigError(f"bookkeeping_order must be overlap|sync_first, got {self.bookkeeping_order!r}")
         validate_tensor_parallel(self.model, self.parallel.tensor_parallel_size)
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from tp_runtime.layers.attention import AttentionMetadata
+from tp_runtime.layers.attention import AttentionBackend, AttentionMetadata
 
 # Columns of the packed input buffer before the block table. _FEED: the batch row whose last sampled
 # token (in token_feed) is this row's input, or -1 for a token the host knows; _ROW: the row's batch row.
@@ -57,7 +57,7 @@ class DecodeGraphs:
         device: torch.device,
         capture: bool,
         token_feed: torch.Tensor,
-        decode_kernel: str = "torch",
+        attention: AttentionBackend,
     ) -> None:
         """`forward(input_ids, positions, meta)` returns the logits of every row."""
         self._forward = forward
@@ -68,13 +68,12 @@ class DecodeGraphs:
         self.window = sliding_window
         self.device = device
         self.capture = capture
-        self.decode_kernel = decode_kernel
+        self.attention = attention
         width = _TABLE + max_blocks
         rows = self.batch_sizes[-1]
         self._staging = torch.zeros((rows, width), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._staging_np = self._staging.numpy()
         self._inputs = torch.zeros((rows, width), dtype=torch.int64, device=device)
-        self._key_pos = torch.arange(max_blocks * block_size, device=device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._token_feed = token_feed
@@ -91,20 +90,14 @@ class DecodeGraphs:
 
     def _run_forward(self, rows: int, blocks: int) -> torch.Tensor:
         inputs = self._inputs[:rows]
-        seq_lens = inputs[:, _LEN]
-        key_pos = self._key_pos[: blocks * self.block_size]
-        feed = inputs[:, _FEED]
-        input_ids = fed_input_ids(inputs[:, _IDS], feed, self._token_feed)
-        mask = key_pos.unsqueeze(0) < seq_lens.unsqueeze(1)
-        if self.window is not None:
-            mask &= key_pos.unsqueeze(0) > (seq_lens.unsqueeze(1) - 1 - self.window)
+        input_ids = fed_input_ids(inputs[:, _IDS], inputs[:, _FEED], self._token_feed)
         meta = AttentionMetadata(
-            slot_mapping=inputs[:, _SLOT],
+            backend=self.attention,
+            slot_mapping=inputs[:, _SLOT].contiguous(),  # the fused rotary+cache kernel wants it dense
             num_decode_tokens=rows,
             decode_block_tables=inputs[:, _TABLE : _TABLE + blocks],
-            decode_mask=mask[:, None, None, :],
-            decode_kernel=self.decode_kernel,
-            decode_seq_lens=seq_lens,
+            decode_seq_lens=inputs[:, _LEN],
+            decode_num_splits=self.attention.num_decode_splits(rows, blocks),
             sliding_window=self.window,
         )
         return self._forward(input_ids, inputs[:, _POS], meta)

@@ -301,26 +301,22 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         step_timeout_s: float = 300.0,
         executor: str = "auto",
-        bookkeeping_order: str = "overlap",
+        all_reduce: str = "auto",
         async_scheduling: bool = True,
         enforce_eager: bool = False,
-        spin_wait_s: float = 0.0,
         cuda_graphs: str = "auto",
         attention_backend: str = "auto",
         fused_kernels: str = "auto",
     ) -> None:
-        import transformers
-
         resolved_device = resolve_device(device)
         model_config = build_model_config(
             model, dtype=dtype, device=resolved_device, max_model_len=max_model_len, load_format=load_format
         )
-        self.config = EngineConfig(
+        config = EngineConfig(
             model=model_config,
             parallel=ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size, executor=executor, step_timeout_s=step_timeout_s,
-                driver_host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                spin_wait_s=spin_wait_s,
+                driver_host=os.environ.get("MASTER_ADDR", "127.0.0.1"), all_reduce=all_reduce,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -332,12 +328,18 @@ class LLM:
             ),
             device=resolved_device,
             seed=seed,
-            bookkeeping_order=bookkeeping_order,
             async_scheduling=async_scheduling,
             cuda_graphs="off" if enforce_eager else cuda_graphs,
             attention_backend=attention_backend,
             fused_kernels=fused_kernels,
         )  # fmt: skip
+        self._start(config)
+
+    def _start(self, config: EngineConfig) -> None:
+        import transformers
+
+        self.config = config
+        model = config.model.path
         try:
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(model))
         except Exception as exc:

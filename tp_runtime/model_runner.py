@@ -22,7 +22,7 @@ import torch
 
 from tp_runtime.config import EngineConfig
 from tp_runtime.decode_graphs import DecodeGraphs, fed_input_ids
-from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk
+from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk, make_attention_backend
 from tp_runtime.messages import Logprobs, ModelRunnerOutput, NewRequest, RequestSampling, SchedulerOutput
 from tp_runtime.models.llama import LlamaForCausalLM
 from tp_runtime.sampler import Sampler, SamplerOutput, SamplingBatch, token_seed
@@ -152,9 +152,13 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphs | None = None
         self.sliding_window = mc.sliding_window
-        self.sync_first = config.bookkeeping_order == "sync_first"
+        # Benchmark switch (set by a control call): wait for the sampled ids before the bookkeeping, the
+        # order this runner replaced.
+        self.sync_first = False
         self.collect_timings = False
-        self.decode_kernel = pick_kernels(config.attention_backend, device)
+        self.attention = make_attention_backend(
+            config.attention_backend, device, model.num_local_kv_heads, self.block_size
+        )
         self._use_cuda = device.type == "cuda"
         # The last token sampled for each batch row, on the device: the next step's input for that row.
         self.token_feed = torch.zeros(config.scheduler.max_num_seqs, dtype=torch.int64, device=device)
@@ -164,6 +168,7 @@ class ModelRunner:
         self._feed_np = self.token_feed.numpy() if numpy_feed else None
         self._last_forward_end: torch.cuda.Event | float | None = None
         self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
+        self._no_blocks = torch.zeros(0, dtype=torch.int64, device=device)
 
     # ----------------------------------------------------------------- KV cache
     def kv_bytes_per_block(self) -> int:
@@ -196,7 +201,7 @@ class ModelRunner:
                 self._graph_forward, self.block_size, self.config.scheduler.max_num_seqs, self.max_blocks,
                 trash_slot=num_blocks * self.block_size, sliding_window=self.sliding_window,
                 device=self.device, capture=mode == "capture", token_feed=self.token_feed,
-                decode_kernel=self.decode_kernel,
+                attention=self.attention,
             )  # fmt: skip
 
     def _graph_forward(
@@ -213,13 +218,14 @@ class ModelRunner:
                          dtype=self.model.dtype, device=self.device),) * 2
             for _ in range(self.config.model.num_layers)
         ]  # fmt: skip
+
         torch.cuda.reset_peak_memory_stats(self.device)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         slots = positions % self.block_size
         meta = AttentionMetadata(
-            slot_mapping=slots, num_decode_tokens=0, decode_block_tables=None, decode_mask=None,
-            prefills=[PrefillChunk(0, num_tokens, None, None)],
+            backend=self.attention, slot_mapping=slots, num_decode_tokens=0,
+            prefills=[PrefillChunk(0, num_tokens, 0, self._no_blocks)],
         )  # fmt: skip
         hidden = self.model(ids, positions, self.kv_caches, meta)
         self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler.max_num_seqs) :])
@@ -309,38 +315,21 @@ class ModelRunner:
                 **common,
             )  # fmt: skip
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots), num_decode_tokens=num_decode,
-            decode_block_tables=None, decode_mask=None,
+            backend=self.attention, slot_mapping=self._to_device(slots), num_decode_tokens=num_decode,
+            sliding_window=self.sliding_window,
         )  # fmt: skip
-        window = self.sliding_window
         if num_decode:
-            d_rows = rows[:num_decode]
             d_lens = seq_lens[:num_decode]
             blocks = int(-(-d_lens.max() // bs))
-            meta.decode_block_tables = self._to_device(batch.block_table[d_rows, :blocks])
-            key_pos = np.arange(blocks * bs)
-            mask = key_pos[None, :] < d_lens[:, None]
-            if window is not None:
-                mask &= key_pos[None, :] > (d_lens[:, None] - 1 - window)
-            meta.decode_mask = self._to_device(mask[:, None, None, :])
-            meta.decode_kernel = self.decode_kernel
+            meta.decode_block_tables = self._to_device(batch.block_table[rows[:num_decode], :blocks])
             meta.decode_seq_lens = self._to_device(d_lens)
-            meta.sliding_window = window
+            meta.decode_num_splits = self.attention.num_decode_splits(num_decode, blocks)
         for i in range(num_decode, len(rows)):
-            start, end, ctx = int(starts[i]), int(ends[i]), int(computed[i])
-            if ctx == 0 and window is None:
-                meta.prefills.append(PrefillChunk(start, end, None, None))
-                continue
-            blocks = int(-(-seq_lens[i] // bs))
-            q_pos = np.arange(ctx, ctx + n[i])[:, None]
-            key_pos = np.arange(blocks * bs)[None, :]
-            mask = key_pos <= q_pos
-            if window is not None:
-                mask &= key_pos > q_pos - window
-            meta.prefills.append(
-                PrefillChunk(start, end, self._to_device(batch.block_table[rows[i], :blocks]),
-                             self._to_device(mask[None, None]))
-            )  # fmt: skip
+            if computed[i] == 0 and self.sliding_window is None:
+                table = self._no_blocks  # a fresh prompt attends to its own keys only
+            else:
+                table = self._to_device(batch.block_table[rows[i], : -(-seq_lens[i] // bs)])
+            meta.prefills.append(PrefillChunk(int(starts[i]), int(ends[i]), int(computed[i]), table))
         return StepInputs(
             input_ids=self._fed_input_ids(input_ids, feed),
             positions=self._to_device(positions),

@@ -57,6 +57,7 @@ class Worker:
             "determine_num_kv_blocks",
             "allocate_kv_cache",
             "set_collect_timings",
+            "set_bookkeeping_order",
             "decode_traffic",
             "check_health",
             "debug_raise",
@@ -85,9 +86,16 @@ class Worker:
             # Longer than the driver's step timeout, so a stuck rank is reported by the driver rather than
             # by a peer whose collective happened to time out first.
             timeout_s = self.config.parallel.step_timeout_s + 60.0
-            self.tp = distributed.init_process_group(
-                backend, init_method, self.rank, self.world_size, timeout_s, self.device
+            # The largest decode-step all-reduce: a full batch of hidden states.
+            max_message_bytes = (
+                self.config.scheduler.max_num_seqs
+                * self.config.model.hidden_size
+                * _DTYPES[self.config.model.dtype].itemsize
             )
+            self.tp = distributed.init_process_group(
+                backend, init_method, self.rank, self.world_size, timeout_s, self.device,
+                all_reduce_strategy=self.config.parallel.all_reduce, max_message_bytes=max_message_bytes,
+            )  # fmt: skip
 
     def load_model(self) -> None:
         mc = self.config.model
@@ -132,6 +140,13 @@ class Worker:
     def set_collect_timings(self, enabled: bool) -> None:
         self._runner().collect_timings = bool(enabled)
 
+    def set_bookkeeping_order(self, order: str) -> None:
+        """Benchmark switch: "overlap" (value-free bookkeeping before the device->host sync, the default)
+        or "sync_first" (wait for the sampled ids first, the order the runner replaced)."""
+        if order not in ("overlap", "sync_first"):
+            raise ValueError(f"bookkeeping order must be overlap|sync_first, got {order!r}")
+        self._runner().sync_first = order == "sync_first"
+
     def decode_traffic(self) -> dict[str, float]:
         """What a decode step must read on this rank, and the device's measured copy bandwidth (for the
         latency benchmark's roofline)."""
@@ -166,6 +181,7 @@ class Worker:
             torch.cuda.synchronize(self.device)
             gc.collect()  # the runner and its CUDA graphs reference each other
             torch.cuda.empty_cache()
+        self.tp.strategy.close()
         distributed.destroy_process_group()
 
 

@@ -119,8 +119,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tp_runtime import SamplingParams
     from tp_runtime.cli import build_llm
 
-    llm = build_llm(args, bookkeeping_order=args.bookkeeping_order, async_scheduling=args.async_scheduling)
+    llm = build_llm(args, async_scheduling=args.async_scheduling)
     try:
+        llm.engine.executor.collective_rpc("set_bookkeeping_order", [args.bookkeeping_order])
         vocab = llm.config.model.vocab_size
         rng = np.random.default_rng(0)
         prompts = [

@@ -1,15 +1,23 @@
-"""Attention over the paged KV cache, behind one small interface.
+"""Attention over the paged KV cache, behind one small interface chosen once per model runner.
 
-`AttentionMetadata` is built once per step by the model runner and shared by every layer. The backend here
-is plain PyTorch (CPU and CUDA): keys/values of the step are written into their cache slots; decode tokens
-(one query per sequence, placed first in the batch) run as one batched SDPA over each sequence's gathered
-blocks; each prefill chunk runs its own SDPA, so no sequence is padded to another's length. A faster GPU
-kernel can replace `paged_attention` without touching the model.
+`AttentionMetadata` is built once per step by the model runner (or the decode graphs) and shared by every
+layer; it carries the backend object the runner chose at start-up. Keys/values of the step are written into
+their cache slots before attention runs. Decode tokens (one query per sequence) come first in the batch and
+run as one batched call; each prefill chunk runs its own call, so no sequence is padded to another's length.
+
+Backends:
+- `TorchAttention` (any device): decode gathers each sequence's blocks and runs one SDPA, query heads
+  grouped per KV head so keys are never repeated; prefill chunks run SDPA over their gathered blocks.
+- `TritonAttention` (CUDA; CPU tensors under TRITON_INTERPRET=1): split-KV paged decode that reads the
+  cache blocks in place, splitting each context across programs when the batch alone cannot fill the
+  GPU; continuation prefill chunks run a paged prefill kernel.
+Either way, a fresh prompt with no sliding window attends to its own keys with causal SDPA (no cache read).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,24 +27,51 @@ import torch.nn.functional as F
 class PrefillChunk:
     start: int  # token range of this chunk in the step's batch
     end: int
-    # None: the chunk is a whole fresh prompt and attends to its own keys only (no cache read).
-    block_table: torch.Tensor | None
-    # [1, 1, chunk_len, kv_len] True where attention is allowed; None: plain causal over its own tokens.
-    mask: torch.Tensor | None
+    context_len: int  # tokens of the sequence already in the cache before this chunk
+    block_table: torch.Tensor  # [blocks] covering context_len + chunk length tokens
 
 
 @dataclass
 class AttentionMetadata:
+    backend: AttentionBackend
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each token's key/value
     num_decode_tokens: int  # the first tokens of the batch: one query per decoding sequence
-    decode_block_tables: torch.Tensor | None  # [num_decode, blocks] (padding: block 0)
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, blocks * block_size]
-    prefills: list[PrefillChunk] = field(default_factory=list)
-    # Decode kernel: "torch" (gathered blocks + SDPA, any device) or "triton" (reads the cache blocks in
-    # place; needs decode_seq_lens).
-    decode_kernel: str = "torch"
+    decode_block_tables: torch.Tensor | None = None  # [num_decode, blocks] (padding: block 0)
     decode_seq_lens: torch.Tensor | None = None  # [num_decode] context length after this step
+    decode_num_splits: int = 1  # split-KV programs per (sequence, KV head), fixed per batch shape
+    prefills: list[PrefillChunk] = field(default_factory=list)
     sliding_window: int | None = None
+
+
+class AttentionBackend(Protocol):
+    def num_decode_splits(self, num_seqs: int, num_blocks: int) -> int:
+        """Split-KV programs per (sequence, KV head) for a decode batch whose longest context spans
+        `num_blocks` cache blocks (a pure function of the shape, so CUDA graphs can capture it)."""
+        ...
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [num_decode, heads, d] -> [num_decode, heads, d]."""
+        ...
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        chunk: PrefillChunk,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """A continuation chunk (or any chunk under a sliding window): q [chunk, heads, d], whose keys and
+        values are already in the cache with the context before them -> [chunk, heads, d]."""
+        ...
 
 
 def write_kv(
@@ -54,6 +89,125 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     # index_select copies whole contiguous blocks, much faster than advanced indexing's per-element gather.
     rows = cache.view(num_blocks, -1).index_select(0, block_tables.reshape(-1))
     return rows.view(seqs, blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+
+
+def _allowed(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[queries, keys] True where a query at q_pos may attend to a key at key_pos (causal + window)."""
+    mask = key_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= key_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+class TorchAttention:
+    """Gathered blocks + SDPA; runs anywhere. Masks are built on the device from the sequence lengths."""
+
+    def num_decode_splits(self, num_seqs: int, num_blocks: int) -> int:
+        return 1
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        tables, seq_lens = meta.decode_block_tables, meta.decode_seq_lens
+        assert tables is not None and seq_lens is not None, "internal: decode metadata missing"
+        keys = _gather(k_cache, tables)
+        values = _gather(v_cache, tables)
+        key_pos = torch.arange(keys.shape[2], device=q.device)
+        # Row i's query sits at position seq_lens[i] - 1; a padding row attends to key 0 only.
+        mask = _allowed(seq_lens - 1, key_pos, meta.sliding_window)
+        # GQA without repeating keys: the query heads sharing a KV head become that head's query rows
+        # (head h uses KV head h // group, as transformers' repeat_kv lays them out).
+        seqs, heads, d = q.shape
+        grouped = q.view(seqs, keys.shape[1], heads // keys.shape[1], d)
+        out = F.scaled_dot_product_attention(
+            grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale
+        )
+        return out.reshape(seqs, heads, d)
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        chunk: PrefillChunk,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        keys = _gather(k_cache, chunk.block_table.unsqueeze(0))
+        values = _gather(v_cache, chunk.block_table.unsqueeze(0))
+        n = q.shape[0]
+        q_pos = torch.arange(chunk.context_len, chunk.context_len + n, device=q.device)
+        mask = _allowed(q_pos, torch.arange(keys.shape[2], device=q.device), window)
+        return _sdpa(q.transpose(0, 1).unsqueeze(0), keys, values, mask[None, None], scale)[0].transpose(0, 1)
+
+
+class TritonAttention:
+    """Triton kernels that read the cache blocks in place (layers/paged_decode_triton.py)."""
+
+    def __init__(self, num_kv_heads: int, block_size: int, num_sms: int, split_kv: bool) -> None:
+        self.num_kv_heads = num_kv_heads
+        self.block_size = block_size
+        self.num_sms = num_sms
+        self.split_kv = split_kv
+
+    def num_decode_splits(self, num_seqs: int, num_blocks: int) -> int:
+        if not self.split_kv:
+            return 1
+        from tp_runtime.layers.paged_decode_triton import choose_num_splits
+
+        return choose_num_splits(num_seqs, self.num_kv_heads, num_blocks, self.block_size, self.num_sms)
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        from tp_runtime.layers.paged_decode_triton import paged_decode_attention
+
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        return paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.sliding_window,
+            meta.decode_num_splits,
+        )  # fmt: skip
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        chunk: PrefillChunk,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        from tp_runtime.layers.paged_decode_triton import paged_prefill_attention
+
+        return paged_prefill_attention(
+            q, k_cache, v_cache, chunk.block_table, chunk.context_len, scale, window
+        )
+
+
+def make_attention_backend(
+    choice: str, device: torch.device, num_kv_heads: int, block_size: int
+) -> AttentionBackend:
+    """`choice` from config.ATTENTION_BACKENDS. "auto": split-KV Triton on CUDA when Triton is installed, else
+    PyTorch. "triton_one_split": the Triton kernels with one program per (sequence, KV head)."""
+    if choice == "auto":
+        import importlib.util
+
+        use_triton = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        choice = "triton" if use_triton else "torch"
+    if choice == "torch":
+        return TorchAttention()
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return TritonAttention(num_kv_heads, block_size, num_sms, split_kv=choice == "triton")
 
 
 def _sdpa(
@@ -75,35 +229,23 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [tokens, heads, d]; k/v: this step's [tokens, kv_heads, d] (already in the cache)."""
-    out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
-    if num_decode and meta.decode_kernel == "triton":
-        from tp_runtime.layers.paged_decode_triton import paged_decode_attention
-
-        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
-        out[:num_decode] = paged_decode_attention(
-            q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-            meta.sliding_window,
-        )  # fmt: skip
-    elif num_decode:
-        assert meta.decode_block_tables is not None
-        keys = _gather(k_cache, meta.decode_block_tables)
-        values = _gather(v_cache, meta.decode_block_tables)
-        # GQA without repeating keys: the query heads sharing a KV head become that head's query rows
-        # (head h uses KV head h // group, as transformers' repeat_kv lays them out).
-        group = q.shape[1] // keys.shape[1]
-        grouped = q[:num_decode].view(num_decode, keys.shape[1], group, q.shape[2])
-        decode_out = F.scaled_dot_product_attention(
-            grouped, keys, values, attn_mask=meta.decode_mask, scale=scale
-        )
-        out[:num_decode] = decode_out.reshape(num_decode, q.shape[1], q.shape[2])
+    if num_decode == q.shape[0] and not meta.prefills:
+        return meta.backend.decode(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    if num_decode:
+        out[:num_decode] = meta.backend.decode(q[:num_decode], k_cache, v_cache, meta, scale)
+    window = meta.sliding_window
     for chunk in meta.prefills:
-        q_chunk = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
-        if chunk.block_table is None:
+        q_chunk = q[chunk.start : chunk.end]
+        if chunk.context_len == 0 and window is None:
+            # A fresh prompt: its own keys are all it attends to (the fastest SDPA, no cache read).
             keys = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             values = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+            chunk_out = _sdpa(q_chunk.transpose(0, 1).unsqueeze(0), keys, values, None, scale)[0].transpose(
+                0, 1
+            )
         else:
-            keys = _gather(k_cache, chunk.block_table.unsqueeze(0))
-            values = _gather(v_cache, chunk.block_table.unsqueeze(0))
-        out[chunk.start : chunk.end] = _sdpa(q_chunk, keys, values, chunk.mask, scale)[0].transpose(0, 1)
+            chunk_out = meta.backend.prefill(q_chunk, k_cache, v_cache, chunk, window, scale)
+        out[chunk.start : chunk.end] = chunk_out
     return out

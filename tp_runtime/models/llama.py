@@ -58,10 +58,18 @@ class LlamaAttention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin, self.fused)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin, self.fused)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        if self.fused:
+            from tp_runtime.layers.fused_triton import rotary_and_cache_
+
+            # One kernel rotates q and k in place and writes k and v into their cache slots.
+            rotary_and_cache_(q, k, v, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        else:
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(n, q_size))
 

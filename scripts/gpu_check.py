@@ -1,0 +1,207 @@
+"""Correctness of the CUDA paths on a GPU machine: the Triton attention kernels against brute force, and
+greedy tokens of small random HF checkpoints on CUDA against HF transformers on the CPU (head_dim 12, 80,
+96; GQA, MQA, a sliding window; chunked prefill and preemption), plus bf16 logprobs against fp32.
+
+    python scripts/gpu_check.py --out results.json
+
+Prints one line per check and exits 1 if any fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
+def kernel_checks() -> list[dict[str, Any]]:
+    from tp_runtime.layers.paged_decode_triton import paged_decode_attention, paged_prefill_attention
+
+    results = []
+    gen = torch.Generator().manual_seed(0)
+    for head_dim, heads, kv_heads, window, block_size in [
+        (128, 32, 8, None, 16),
+        (12, 6, 2, None, 16),
+        (80, 8, 1, None, 32),
+        (96, 12, 4, 40, 16),
+        (72, 4, 4, None, 16),
+    ]:
+        for dtype in (torch.float32, torch.bfloat16):
+            lens = [1, 37, 300, 1025, 64]
+            blocks_per = [-(-n // block_size) for n in lens]
+            num_blocks = sum(blocks_per) + 3
+            kc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype).cuda()
+            vc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype).cuda()
+            perm = torch.randperm(num_blocks, generator=gen)
+            width = max(blocks_per) + 2
+            tables = torch.zeros(len(lens), width, dtype=torch.int64)
+            start = 0
+            for i, b in enumerate(blocks_per):
+                tables[i, :b] = perm[start : start + b]
+                start += b
+            tables = tables.cuda()
+            seq_lens = torch.tensor(lens, device="cuda")
+            q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype).cuda()
+            scale = head_dim**-0.5
+            want = torch.stack(
+                [
+                    _reference(
+                        q[i : i + 1].double(), kc.double(), vc.double(), tables[i], lens[i] - 1, window, scale
+                    )[0]
+                    for i in range(len(lens))
+                ]
+            )
+            tol = 2e-5 if dtype == torch.float32 else 2e-2
+            for splits in (1, 2, 5, 16):
+                got = paged_decode_attention(q, kc, vc, tables, seq_lens, scale, window, splits)
+                err = (got.double() - want).abs().max().item()
+                results.append(
+                    {
+                        "check": f"decode d={head_dim} h={heads}/{kv_heads} w={window} bs={block_size} "
+                        f"{dtype} splits={splits}",
+                        "max_err": err,
+                        "ok": err < tol,
+                    }
+                )
+            # A continuation chunk of the longest sequence: its last 70 tokens after 955 of context.
+            i = 3
+            ctx, n = lens[i] - 70, 70
+            qp = torch.randn(n, heads, head_dim, generator=gen).to(dtype).cuda()
+            got = paged_prefill_attention(qp, kc, vc, tables[i], ctx, scale, window)
+            want_p = _reference(qp.double(), kc.double(), vc.double(), tables[i], ctx, window, scale)
+            err = (got.double() - want_p).abs().max().item()
+            results.append(
+                {
+                    "check": f"prefill d={head_dim} h={heads}/{kv_heads} w={window} {dtype}",
+                    "max_err": err,
+                    "ok": err < tol,
+                }
+            )
+    return results
+
+
+def _reference(q, kc, vc, table, first_pos, window, scale):  # type: ignore[no-untyped-def]
+    """Brute force: queries at positions first_pos.. over the sequence's gathered keys, float64."""
+    n, heads, d = q.shape
+    kv_heads = kc.shape[2]
+    last = first_pos + n
+    keys = kc[table].reshape(-1, kv_heads, d)[:last]
+    values = vc[table].reshape(-1, kv_heads, d)[:last]
+    group = heads // kv_heads
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+    q_pos = torch.arange(first_pos, last, device=q.device)[:, None]
+    k_pos = torch.arange(last, device=q.device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+def engine_checks(root: Path) -> list[dict[str, Any]]:
+    from conftest import build_checkpoint, hf_greedy, random_prompts
+
+    from tp_runtime import LLM, SamplingParams
+
+    shapes = [
+        (
+            "head_dim 12",
+            "LlamaForCausalLM",
+            dict(hidden_size=72, num_attention_heads=6, num_key_value_heads=2),
+        ),
+        (
+            "head_dim 80 MQA",
+            "LlamaForCausalLM",
+            dict(hidden_size=160, num_attention_heads=2, num_key_value_heads=1),
+        ),
+        (
+            "head_dim 96",
+            "Qwen2ForCausalLM",
+            dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=2),
+        ),
+        ("sliding window", "MistralForCausalLM", dict(sliding_window=24)),
+    ]
+    results = []
+    for name, arch, overrides in shapes:
+        path = build_checkpoint(root, arch, **overrides)
+        prompts = random_prompts((5, 17, 33, 48, 60, 9), 300)
+        want = hf_greedy(path, prompts, 24)
+        for label, kwargs in [
+            ("", {}),
+            (" chunked+preempted", dict(max_num_batched_tokens=32, num_kv_blocks=14, max_num_seqs=4)),
+            (" torch attention", dict(attention_backend="torch")),
+        ]:
+            with LLM(path, device="cuda", dtype="float32", **kwargs) as llm:  # type: ignore[arg-type]
+                outs = llm.generate(
+                    [{"prompt_token_ids": p} for p in prompts],
+                    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                    use_tqdm=False,
+                )
+            got = [o.outputs[0].token_ids for o in outs]
+            same = sum(g == w for g, w in zip(got, want, strict=True))
+            results.append(
+                {
+                    "check": f"greedy vs HF: {name}{label}",
+                    "same": f"{same}/{len(want)}",
+                    "ok": same == len(want),
+                }
+            )
+        results.append(_bf16_vs_fp32(path, prompts, name))
+    return results
+
+
+def _bf16_vs_fp32(path: Path, prompts: list[list[int]], name: str) -> dict[str, Any]:
+    """Logprob of each generated token, bf16 against fp32, over the prefix where both chose the same."""
+    from tp_runtime import LLM, SamplingParams
+
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        with LLM(path, device="cuda", dtype=dtype) as llm:
+            outs = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts],
+                SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1),
+                use_tqdm=False,
+            )
+        runs[dtype] = [
+            [
+                (t, lp[t].logprob)
+                for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [], strict=True)
+            ]
+            for o in outs
+        ]
+    worst = 0.0
+    for a, b in zip(runs["float32"], runs["bfloat16"], strict=True):
+        for (ta, la), (tb, lb) in zip(a, b, strict=True):
+            if ta != tb:
+                break
+            worst = max(worst, abs(la - lb))
+    return {"check": f"bf16 vs fp32 logprobs: {name}", "max_abs_diff": worst, "ok": worst < 0.1}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    results = kernel_checks()
+    with tempfile.TemporaryDirectory() as tmp:
+        results += engine_checks(Path(tmp))
+    for r in results:
+        print(("ok  " if r["ok"] else "FAIL"), {k: v for k, v in r.items() if k != "ok"})
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    failed = [r for r in results if not r["ok"]]
+    print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--async-scheduling", choices=("on", "off", "both"), default="on")
+    parser.add_argument("--attention-backends", nargs="+", default=["auto"], help="each one is compared")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.async_scheduling]
@@ -36,12 +37,15 @@ def main() -> None:
 
     model = resolve_model(args.model, args.load_format)
     outputs: dict[str, list[list[int]]] = {}
-    runs = [(tp, mode) for tp in args.tp_sizes for mode in modes]
-    for tp, mode in runs:
+    runs = [
+        (tp, mode, backend) for backend in args.attention_backends for tp in args.tp_sizes for mode in modes
+    ]
+    for tp, mode, backend in runs:
         with LLM(
             model, tensor_parallel_size=tp, dtype=args.dtype, device=args.device,
             load_format=args.load_format, gpu_memory_utilization=args.gpu_memory_utilization,
             max_model_len=args.input_len + args.max_tokens + 16, async_scheduling=mode,
+            attention_backend=backend,
         ) as llm:  # fmt: skip
             rng = np.random.default_rng(0)
             vocab = llm.config.model.vocab_size
@@ -51,13 +55,13 @@ def main() -> None:
             ]
             params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
             outs = llm.generate(prompts, params, use_tqdm=False)
-            outputs[_name(tp, mode)] = [o.outputs[0].token_ids for o in outs]
+            outputs[_name(tp, mode, backend)] = [o.outputs[0].token_ids for o in outs]
         gc.collect()
     base = _name(*runs[0])
     ok = True
     print(f"model={args.model} dtype={args.dtype} prompts={args.num_prompts} tokens={args.max_tokens}")
-    for tp, mode in runs[1:]:
-        name = _name(tp, mode)
+    for tp, mode, backend in runs[1:]:
+        name = _name(tp, mode, backend)
         pairs = list(zip(outputs[base], outputs[name], strict=True))
         same = sum(a == b for a, b in pairs)
         tokens_same = sum(x == y for a, b in pairs for x, y in zip(a, b, strict=False))
@@ -70,8 +74,8 @@ def main() -> None:
     sys.exit(0 if ok else 1)
 
 
-def _name(tp: int, async_scheduling: bool) -> str:
-    return f"TP={tp} async={'on' if async_scheduling else 'off'}"
+def _name(tp: int, async_scheduling: bool, backend: str) -> str:
+    return f"TP={tp} async={'on' if async_scheduling else 'off'} attention={backend}"
 
 
 if __name__ == "__main__":

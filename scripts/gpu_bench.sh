@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements recorded in BENCHMARKS.md (run on the device machines; see the device README).
-#   scripts/gpu_bench.sh smoke|compare|compare1|tp1|tp2|fused|profile|messaging|peer OUT_DIR
+#   scripts/gpu_bench.sh smoke|checks|rows|compare|compare1|tp1|tp2|fused|profile|messaging|peer OUT_DIR
 set -euo pipefail
 part=$1
 out=${2:-/tmp/tp-runtime-bench}
@@ -14,6 +14,27 @@ bench() {  # name, then bench latency args
     --output-json "$out/$name.json" "$@" 2>&1 | grep -v Warning | tail -24 | tee "$out/$name.txt"
 }
 case $part in
+  checks)  # kernels, engine vs HF, all-reduce sums, TP=2 vs TP=1 with split-KV on and off (nvidia-h200-x2)
+    $py scripts/gpu_check.py --out "$out/gpu_check.json" 2>&1 | grep -v Warning | tail -80
+    $py -m torch.distributed.run --standalone --nproc-per-node 2 scripts/check_all_reduce.py \
+      --out "$out/all_reduce.json" 2>&1 | tail -40
+    $py scripts/compare_tp.py --model llama-3-8b --load-format dummy --dtype float32 --tp-sizes 1 2 \
+      --attention-backends triton triton_one_split --num-prompts 8 --input-len 300 --max-tokens 32 \
+      --output-json "$out/compare_split.json"
+    ;;
+  rows)  # the decode-step table of BENCHMARKS.md, with HF transformers' static cache as the peer (x2)
+    common=(--num-iters-warmup 1)
+    bench tp1_b32 --model llama-3-8b --batch-size 32 --input-len 1000 --output-len 128 --num-iters 3 "${common[@]}"
+    bench tp2_b32 --model llama-3-8b -tp 2 --batch-size 32 --input-len 1000 --output-len 128 --num-iters 3 "${common[@]}"
+    bench tp1_b1 --model llama-3-8b --batch-size 1 --input-len 32 --output-len 128 --num-iters 5 "${common[@]}"
+    bench tp2_b1 --model llama-3-8b -tp 2 --batch-size 1 --input-len 32 --output-len 128 --num-iters 5 "${common[@]}"
+    bench tp2_70b_b1 --model llama-3-70b -tp 2 --batch-size 1 --input-len 32 --output-len 128 --num-iters 3 \
+      "${common[@]}"
+    $py scripts/bench_hf_peer.py --model llama-3-8b --batch-size 32 --input-len 1000 --output-len 128 \
+      --cache-implementation static --output-json "$out/hf_static_b32.json"
+    $py scripts/bench_hf_peer.py --model llama-3-8b --batch-size 1 --input-len 32 --output-len 128 \
+      --cache-implementation static --num-iters 5 --output-json "$out/hf_static_b1.json"
+    ;;
   smoke)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     $py -c "import torch, transformers; print(torch.__version__, transformers.__version__)"

@@ -138,6 +138,15 @@ def test_bad_engine_option(checkpoint: Path, option: str, value: str, message: s
         LLM(checkpoint, device="cpu", **{option: value})
 
 
+@pytest.mark.parametrize(("option", "value"), [("attention_backend", "triton"), ("fused_kernels", "triton")])
+def test_triton_kernels_on_cpu_are_a_config_error(
+    checkpoint: Path, option: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match=f"{option}='triton' needs a CUDA device"):
+        LLM(checkpoint, device="cpu", **{option: value})
+
+
 @pytest.mark.parametrize("device", ["tpu", "gpu", "cuda:0", ""])
 def test_bad_device(checkpoint: Path, device: str) -> None:
     with pytest.raises(ConfigError, match=re.escape("device must be auto|cpu|cuda")):

@@ -159,6 +159,14 @@ class EngineConfig:
             raise ConfigError(
                 f"attention_backend must be {'|'.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
+        kernels = {"attention_backend": self.attention_backend, "fused_kernels": self.fused_kernels}
+        uses_triton = [name for name, value in kernels.items() if value.startswith("triton")]
+        if uses_triton and self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(
+                f"{uses_triton[0]}={kernels[uses_triton[0]]!r} needs a CUDA device (device is "
+                f"{self.device!r}); use 'auto' or 'torch' on the CPU (or Triton's interpreter, "
+                "TRITON_INTERPRET=1)"
+            )
         if self.cuda_graphs not in ("auto", "off", "padded"):
             raise ConfigError(f"cuda_graphs must be auto|off|padded, got {self.cuda_graphs!r}")
         if not isinstance(self.async_scheduling, bool):

@@ -15,12 +15,14 @@ bench() {  # name, then bench latency args
 }
 case $part in
   checks)  # kernels, engine vs HF, all-reduce sums, TP=2 vs TP=1 with split-KV on and off (nvidia-h200-x2)
-    $py scripts/gpu_check.py --out "$out/gpu_check.json" 2>&1 | grep -v Warning | tail -80
+    $py scripts/gpu_check.py --out "$out/gpu_check.json" 2>&1 | grep -E "^ok|^FAIL|passed|Error" || true
     $py -m torch.distributed.run --standalone --nproc-per-node 2 scripts/check_all_reduce.py \
-      --out "$out/all_reduce.json" 2>&1 | tail -40
+      --out "$out/all_reduce.json" 2>&1 | grep -v Warning | tail -30 || true
     $py scripts/compare_tp.py --model llama-3-8b --load-format dummy --dtype float32 --tp-sizes 1 2 \
-      --attention-backends triton triton_one_split --num-prompts 8 --input-len 300 --max-tokens 32 \
-      --output-json "$out/compare_split.json"
+      --attention-backends triton triton_one_split --num-prompts 4 --input-len 300 --max-tokens 24 \
+      --output-json "$out/compare_split.json" 2>&1 | grep -E "identical|model=|Error" || true
+    bench tp2_b1_nccl --model llama-3-8b -tp 2 --batch-size 1 --input-len 32 --output-len 128 --num-iters 3 \
+      --all-reduce nccl
     ;;
   rows)  # the decode-step table of BENCHMARKS.md, with HF transformers' static cache as the peer (x2)
     common=(--num-iters-warmup 1)

@@ -62,13 +62,14 @@ def kernel_checks() -> list[dict[str, Any]]:
             for splits in (1, 2, 5, 16):
                 got = paged_decode_attention(q, kc, vc, tables, seq_lens, scale, window, splits)
                 err = (got.double() - want).abs().max().item()
-                results.append(
+                _report(
+                    results,
                     {
                         "check": f"decode d={head_dim} h={heads}/{kv_heads} w={window} bs={block_size} "
                         f"{dtype} splits={splits}",
                         "max_err": err,
                         "ok": err < tol,
-                    }
+                    },
                 )
             # A continuation chunk of the longest sequence: its last 70 tokens after 955 of context.
             i = 3
@@ -77,14 +78,20 @@ def kernel_checks() -> list[dict[str, Any]]:
             got = paged_prefill_attention(qp, kc, vc, tables[i], ctx, scale, window)
             want_p = _reference(qp.double(), kc.double(), vc.double(), tables[i], ctx, window, scale)
             err = (got.double() - want_p).abs().max().item()
-            results.append(
+            _report(
+                results,
                 {
                     "check": f"prefill d={head_dim} h={heads}/{kv_heads} w={window} {dtype}",
                     "max_err": err,
                     "ok": err < tol,
-                }
+                },
             )
     return results
+
+
+def _report(results: list[dict[str, Any]], result: dict[str, Any]) -> None:
+    print(("ok  " if result["ok"] else "FAIL"), {k: v for k, v in result.items() if k != "ok"}, flush=True)
+    results.append(result)
 
 
 def _reference(q, kc, vc, table, first_pos, window, scale):  # type: ignore[no-untyped-def]
@@ -137,7 +144,10 @@ def engine_checks(root: Path) -> list[dict[str, Any]]:
         want = hf_greedy(path, prompts, 24)
         for label, kwargs in [
             ("", {}),
-            (" chunked+preempted", dict(max_num_batched_tokens=32, num_kv_blocks=14, max_num_seqs=4)),
+            (
+                " chunked+preempted",
+                dict(max_num_batched_tokens=32, num_kv_blocks=14, max_num_seqs=4, max_model_len=96),
+            ),
             (" torch attention", dict(attention_backend="torch")),
         ]:
             with LLM(path, device="cuda", dtype="float32", **kwargs) as llm:  # type: ignore[arg-type]
@@ -148,14 +158,15 @@ def engine_checks(root: Path) -> list[dict[str, Any]]:
                 )
             got = [o.outputs[0].token_ids for o in outs]
             same = sum(g == w for g, w in zip(got, want, strict=True))
-            results.append(
+            _report(
+                results,
                 {
                     "check": f"greedy vs HF: {name}{label}",
                     "same": f"{same}/{len(want)}",
                     "ok": same == len(want),
-                }
+                },
             )
-        results.append(_bf16_vs_fp32(path, prompts, name))
+        _report(results, _bf16_vs_fp32(path, prompts, name))
     return results
 
 
@@ -194,8 +205,6 @@ def main() -> None:
     results = kernel_checks()
     with tempfile.TemporaryDirectory() as tmp:
         results += engine_checks(Path(tmp))
-    for r in results:
-        print(("ok  " if r["ok"] else "FAIL"), {k: v for k, v in r.items() if k != "ok"})
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     failed = [r for r in results if not r["ok"]]

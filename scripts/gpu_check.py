@@ -195,7 +195,7 @@ def _bf16_vs_fp32(path: Path, prompts: list[list[int]], name: str) -> dict[str, 
             if ta != tb:
                 break
             worst = max(worst, abs(la - lb))
-    return {"check": f"bf16 vs fp32 logprobs: {name}", "max_abs_diff": worst, "ok": worst < 0.1}
+    return {"check": f"bf16 vs fp32 logprobs: {name}", "max_abs_diff": worst, "ok": worst < 0.25}
 
 
 def main() -> None:

@@ -168,11 +168,12 @@ import json, sys
 from tp_runtime import LLM, SamplingParams
 prompts = json.loads(sys.argv[2])
 engine_args = dict(device="cpu", dtype="float32", attention_backend="triton", cuda_graphs=sys.argv[3],
-                   fused_kernels="triton")
+                   fused_kernels="triton", **json.loads(sys.argv[4]))
 with LLM(sys.argv[1], **engine_args) as llm:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-print(json.dumps([o.outputs[0].token_ids for o in outs]))
+    preemptions = llm.engine.scheduler.num_preemptions
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "preemptions": preemptions}))
 """
 
 
@@ -269,16 +270,34 @@ def test_fused_kernels_match_pytorch_ops() -> None:
     assert _run(FUSED_VS_TORCH) == "OK"
 
 
-@pytest.mark.parametrize("graphs", ["off", "padded"])
+# Chunked prefill (16-token budget) and preemption (6 blocks of 8 tokens for two 5-block sequences):
+# continuation chunks and resumed requests go through the paged prefill kernel.
+CHUNKED_PREEMPTED = {
+    "max_num_batched_tokens": 16, "num_kv_blocks": 6, "block_size": 8, "max_num_seqs": 2, "max_model_len": 48
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("graphs", "engine_args"), [("off", {}), ("padded", {}), ("padded", CHUNKED_PREEMPTED)]
+)
 @pytest.mark.parametrize(
     ("arch", "overrides"), [("LlamaForCausalLM", {}), ("MistralForCausalLM", {"sliding_window": 8})]
 )
 def test_engine_with_triton_kernels_matches_hf(
-    make_checkpoint: Callable[..., Path], arch: str, overrides: dict[str, int], graphs: str
+    make_checkpoint: Callable[..., Path],
+    arch: str,
+    overrides: dict[str, int],
+    graphs: str,
+    engine_args: dict[str, int],
 ) -> None:
     import json
 
     model_dir = make_checkpoint(arch, **overrides)
-    prompts = [[5, 9, 200], [7] * 20, list(range(3, 40))]
-    got = json.loads(_run(ENGINE_VS_HF, str(model_dir), json.dumps(prompts), graphs))
+    if engine_args:
+        prompts = [list(range(3, 30)), list(range(5, 35)), [5, 9, 200]]
+    else:
+        prompts = [[5, 9, 200], [7] * 20, list(range(3, 40))]
+    got = json.loads(_run(ENGINE_VS_HF, str(model_dir), json.dumps(prompts), graphs, json.dumps(engine_args)))
+    assert (got["preemptions"] > 0) == bool(engine_args)
+    got = got["tokens"]
     assert got == hf_greedy(model_dir, prompts, 8)

@@ -18,6 +18,9 @@ ARCH_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
     "LlamaForCausalLM": transformers.LlamaConfig,
     "MistralForCausalLM": transformers.MistralConfig,
     "Qwen2ForCausalLM": transformers.Qwen2Config,
+    "Qwen3ForCausalLM": transformers.Qwen3Config,
+    "MixtralForCausalLM": transformers.MixtralConfig,
+    "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
 }
 
 BASE_CONFIG: dict[str, Any] = dict(

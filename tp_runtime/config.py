@@ -19,7 +19,6 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton_one_split")
 # Choices of ParallelConfig.all_reduce (see distributed.py).
 ALL_REDUCE_STRATEGIES = ("auto", "nccl", "symm_mem")
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -58,6 +57,13 @@ class ModelConfig:
     load_format: str  # auto | dummy
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # Sparse mixture-of-experts feed-forward (Mixtral, Qwen3-MoE) on the layers in moe_layers; the others
+    # (all, for dense families) have a dense MLP of intermediate_size.
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's FFN width
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
 
 
 @dataclass(frozen=True)
@@ -185,9 +191,14 @@ def validate_tensor_parallel(model: ModelConfig, tp: int) -> None:
             f"tensor_parallel_size={tp} and the model's {model.num_kv_heads} KV heads do not divide one "
             "another; use a TP size that divides or is a multiple of the KV head count"
         )
-    if model.intermediate_size % tp:
+    if len(model.moe_layers) < model.num_layers and model.intermediate_size % tp:
         raise ConfigError(
             f"tensor_parallel_size={tp} does not divide intermediate_size={model.intermediate_size}"
+        )
+    if model.moe_layers and model.moe_intermediate_size % tp:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} does not divide the experts' intermediate size "
+            f"{model.moe_intermediate_size}; use a TP size that divides it"
         )
 
 
@@ -299,25 +310,28 @@ def build_model_config(
     if load_format not in ("auto", "dummy"):
         raise ConfigError(f"load_format must be auto|dummy, got {load_format!r}")
     hf = _load_hf_config(path)
+    from tp_runtime.models.registry import ARCHITECTURES  # imports torch and the models: only when needed
+
     archs = list(getattr(hf, "architectures", None) or [])
     arch = archs[0] if archs else ""
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in ARCHITECTURES:
         raise ConfigError(
             f"architecture {arch or '(none)'!r} in {path}/config.json is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"supported: {', '.join(ARCHITECTURES)}"
         )
     num_heads = int(hf.num_attention_heads)
     head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // num_heads)
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act {hf.hidden_act!r} is not supported (only silu)")
-    if arch == "Qwen2ForCausalLM":
-        qkv_bias, o_bias = True, False
-        if getattr(hf, "use_sliding_window", False):
-            raise ConfigError("Qwen2 checkpoints with use_sliding_window=true are not supported")
-        sliding = None
-    else:
-        qkv_bias = o_bias = bool(getattr(hf, "attention_bias", False))
-        sliding = getattr(hf, "sliding_window", None) if arch == "MistralForCausalLM" else None
+    # What the architecture decides (biases, sliding window, experts), over these defaults.
+    specific: dict[str, Any] = {
+        "qkv_bias": False,
+        "o_proj_bias": False,
+        "mlp_bias": bool(getattr(hf, "mlp_bias", False)),
+        "sliding_window": None,
+        **ARCHITECTURES[arch].config(hf),
+    }
+    sliding = specific.pop("sliding_window")
     derived_max = int(hf.max_position_embeddings)
     if max_model_len is None:
         max_model_len = derived_max
@@ -342,9 +356,6 @@ def build_model_config(
         vocab_size=int(hf.vocab_size),
         rms_norm_eps=float(hf.rms_norm_eps),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        o_proj_bias=o_bias,
-        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         sliding_window=int(sliding) if sliding else None,
         max_model_len=int(max_model_len),
         dtype=resolve_dtype(dtype, config_dtype, device),
@@ -352,4 +363,5 @@ def build_model_config(
         load_format=load_format,
         eos_token_ids=_eos_token_ids(path, hf),
         bos_token_id=getattr(hf, "bos_token_id", None),
+        **specific,
     )

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from tp_runtime.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tp_runtime.models.llama import LlamaForCausalLM
+    from tp_runtime.models.interface import CausalLM
 
 
 class CheckpointTensor:
@@ -46,9 +46,10 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: str, dtype: torch.dtype) -> None:
+def load_weights(model: CausalLM, model_dir: str, dtype: torch.dtype) -> None:
     """Fill every parameter of `model` from the checkpoint; missing or unknown tensors are errors."""
-    unfilled = {id(p): name for name, p in model.named_parameters()}
+    # By checkpoint name, not by parameter: a fused or stacked parameter (q/k/v, experts) takes many.
+    missing = dict(model.checkpoint_shapes())
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
@@ -58,10 +59,10 @@ def load_weights(model: LlamaForCausalLM, model_dir: str, dtype: torch.dtype) ->
                     raise ConfigError(f"{os.path.basename(path)} holds unexpected tensor {name!r}") from None
                 for param, shard_id in targets:
                     param.weight_loader(param, CheckpointTensor(handle, name, dtype), shard_id)  # type: ignore[attr-defined]
-                    unfilled.pop(id(param), None)
-    if unfilled:
-        missing = sorted(unfilled.values())
-        raise ConfigError(f"checkpoint {model_dir} lacks tensors for: {', '.join(missing[:8])}")
+                missing.pop(name, None)
+    if missing:
+        names = sorted(missing)
+        raise ConfigError(f"checkpoint {model_dir} lacks tensors for: {', '.join(names[:8])}")
 
 
 class DummyTensor:
@@ -108,7 +109,7 @@ class DummyTensor:
         return self.narrow(0, 0, self.shape[0])
 
 
-def init_dummy_weights(model: LlamaForCausalLM, seed: int, dtype: torch.dtype, device: torch.device) -> None:
+def init_dummy_weights(model: CausalLM, seed: int, dtype: torch.dtype, device: torch.device) -> None:
     """Random weights through the same sharding path as a real checkpoint (see DummyTensor)."""
     for tensor_index, (name, shape) in enumerate(model.checkpoint_shapes()):
         is_norm = name.endswith("norm.weight")

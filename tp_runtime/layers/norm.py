@@ -35,3 +35,14 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm over each head's head_dim of [tokens, heads, head_dim] (Qwen3's q_norm and k_norm); the
+    weight is [head_dim], the same for every head, so it is replicated across ranks."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        assert residual is None, "per-head norms have no residual stream"
+        # q/k are strided views into the fused QKV output; one [tokens * heads, head_dim] copy serves both
+        # the fused kernel (which wants 2-D rows) and the PyTorch path.
+        return super().forward(x.reshape(-1, x.shape[-1])).view(x.shape)

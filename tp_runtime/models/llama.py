@@ -1,4 +1,5 @@
-"""The Llama architecture family (Llama, Mistral, Qwen2) written with tensor-parallel layers.
+"""The Llama architecture family (Llama, Mistral, Qwen2) written with tensor-parallel layers, and the
+decoder skeleton the other families extend (models/qwen3.py, mixtral.py, qwen3_moe.py).
 
 At TP=1 every collective is a no-op, so one code path serves every TP size.
 """
@@ -6,27 +7,21 @@ At TP=1 every collective is a no-op, so one code path serves every TP size.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
 
 from tp_runtime.config import ModelConfig
 from tp_runtime.distributed import TPGroup
+from tp_runtime.errors import ConfigError
 from tp_runtime.layers.activation import silu_and_mul
 from tp_runtime.layers.attention import AttentionMetadata, paged_attention, write_kv
 from tp_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tp_runtime.layers.norm import RMSNorm
 from tp_runtime.layers.rotary import RotaryEmbedding, apply_rotary
-
-# Checkpoint name fragment -> (our fused parameter's name fragment, shard index within it).
-PACKED_WEIGHTS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+from tp_runtime.models.interface import CheckpointEntry, FeedForward
 
 
 class LlamaAttention(nn.Module):
@@ -34,6 +29,7 @@ class LlamaAttention(nn.Module):
         self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
     ) -> None:
         super().__init__()
+        self.config = cfg
         self.fused = fused
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -46,6 +42,18 @@ class LlamaAttention(nn.Module):
         )
         self.scale = cfg.head_dim**-0.5
 
+    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim], before rotary."""
+        n = hidden.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        return (
+            q.view(n, self.num_heads, self.head_dim),
+            k.view(n, self.num_kv_heads, self.head_dim),
+            v.view(n, self.num_kv_heads, self.head_dim),
+        )
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -55,12 +63,7 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = hidden.shape[0]
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(hidden)
         if self.fused:
             from tp_runtime.layers.fused_triton import rotary_and_cache_
 
@@ -71,7 +74,18 @@ class LlamaAttention(nn.Module):
             k = apply_rotary(k, cos, sin)
             write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(n, q_size))
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+    def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:
+        c = self.config
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for shard, (proj, size) in enumerate((("q_proj", q), ("k_proj", kv), ("v_proj", kv))):
+            yield f"{prefix}{proj}.weight", (size, c.hidden_size), self.qkv_proj.weight, shard
+            if self.qkv_proj.bias is not None:
+                yield f"{prefix}{proj}.bias", (size,), self.qkv_proj.bias, shard
+        yield f"{prefix}o_proj.weight", (c.hidden_size, q), self.o_proj.weight, 0
+        if self.o_proj.bias is not None:
+            yield f"{prefix}o_proj.bias", (c.hidden_size,), self.o_proj.bias, 0
 
 
 class LlamaMLP(nn.Module):
@@ -79,6 +93,7 @@ class LlamaMLP(nn.Module):
         self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
     ) -> None:
         super().__init__()
+        self.config = cfg
         self.fused = fused
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -89,16 +104,32 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
 
+    def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:
+        h, i = self.config.hidden_size, self.config.intermediate_size
+        for shard, proj in enumerate(("gate_proj", "up_proj")):
+            yield f"{prefix}{proj}.weight", (i, h), self.gate_up_proj.weight, shard
+            if self.gate_up_proj.bias is not None:
+                yield f"{prefix}{proj}.bias", (i,), self.gate_up_proj.bias, shard
+        yield f"{prefix}down_proj.weight", (h, i), self.down_proj.weight, 0
+        if self.down_proj.bias is not None:
+            yield f"{prefix}down_proj.bias", (h,), self.down_proj.bias, 0
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
+        self,
+        cfg: ModelConfig,
+        self_attn: LlamaAttention,
+        mlp: FeedForward,
+        dtype: torch.dtype,
+        device: torch.device,
+        fused: bool,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
-        self.self_attn = LlamaAttention(cfg, tp, dtype, device, fused)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
-        self.mlp = LlamaMLP(cfg, tp, dtype, device, fused)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -123,18 +154,30 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
+        self,
+        cfg: ModelConfig,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+        fused: bool,
+        layers: list[LlamaDecoderLayer],
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, tp, dtype, device, fused) for _ in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.max_model_len, device)
 
 
 class LlamaForCausalLM(nn.Module):
+    """A pre-norm decoder with rotary attention and a SiLU-gated feed-forward. Other families change it
+    through `attention_cls` (Qwen3's q/k norms), `make_mlp` (sparse experts) and `mlp_checkpoint_name`;
+    the forward pass, the checkpoint mapping and the rest of the interface (models/interface.py) stay here."""
+
+    attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+    # The checkpoint's name for a layer's feed-forward (ours is always `mlp`).
+    mlp_checkpoint_name: ClassVar[str] = "mlp"
+
     def __init__(
         self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool = False
     ) -> None:
@@ -142,12 +185,30 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        self.model = LlamaModel(cfg, tp, dtype, device, fused)
+        layers = [
+            LlamaDecoderLayer(
+                cfg,
+                self.attention_cls(cfg, tp, dtype, device, fused),
+                self.make_mlp(i, tp, dtype, device, fused),
+                dtype,
+                device,
+                fused,
+            )
+            for i in range(cfg.num_layers)
+        ]
+        self.model = LlamaModel(cfg, tp, dtype, device, fused, layers)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._params_by_name = dict(self.named_parameters())
-        self.num_local_kv_heads: int = self.model.layers[0].self_attn.num_kv_heads  # type: ignore[union-attr,assignment]
+        self.num_local_kv_heads: int = layers[0].self_attn.num_kv_heads
+        # Checkpoint name -> (full shape, parameter, shard index), listed once from the modules themselves.
+        self._checkpoint = {name: (shape, p, shard) for name, shape, p, shard in self._checkpoint_entries()}
+
+    def make_mlp(
+        self, layer: int, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
+    ) -> FeedForward:
+        """Layer `layer`'s feed-forward."""
+        return LlamaMLP(self.config, tp, dtype, device, fused)
 
     def forward(
         self,
@@ -166,7 +227,8 @@ class LlamaForCausalLM(nn.Module):
 
     def decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads on this rank: every parameter but the input embedding table,
-        of which a step reads only its rows (a tied table is read whole by the LM head)."""
+        of which a step reads only its rows (a tied table is read whole by the LM head). With sparse
+        experts this counts every expert: the bound a batch that hits them all reaches."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         if not self.config.tie_word_embeddings:
             embed = self.model.embed_tokens.weight
@@ -176,45 +238,49 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    def _checkpoint_entries(self) -> Iterator[CheckpointEntry]:
+        c, h = self.config, self.config.hidden_size
+        yield "model.embed_tokens.weight", (c.vocab_size, h), self.model.embed_tokens.weight, 0
+        for i, module in enumerate(self.model.layers):
+            layer = cast(LlamaDecoderLayer, module)
+            p = f"model.layers.{i}."
+            yield f"{p}input_layernorm.weight", (h,), layer.input_layernorm.weight, 0
+            yield f"{p}post_attention_layernorm.weight", (h,), layer.post_attention_layernorm.weight, 0
+            yield from layer.self_attn.checkpoint_entries(f"{p}self_attn.")
+            yield from layer.mlp.checkpoint_entries(f"{p}{self.mlp_checkpoint_name}.")
+        yield "model.norm.weight", (h,), self.model.norm.weight, 0
+        if not c.tie_word_embeddings:
+            yield "lm_head.weight", (c.vocab_size, h), self.lm_head.weight, 0
+
     def checkpoint_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
         """Names and full (unsharded) shapes of the tensors a Hugging Face checkpoint of this model holds."""
-        c = self.config
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        yield "model.embed_tokens.weight", (c.vocab_size, c.hidden_size)
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            yield p + "input_layernorm.weight", (c.hidden_size,)
-            yield p + "post_attention_layernorm.weight", (c.hidden_size,)
-            for proj, size in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-                yield p + f"self_attn.{proj}.weight", (size, c.hidden_size)
-                if c.qkv_bias:
-                    yield p + f"self_attn.{proj}.bias", (size,)
-            yield p + "self_attn.o_proj.weight", (c.hidden_size, q)
-            if c.o_proj_bias:
-                yield p + "self_attn.o_proj.bias", (c.hidden_size,)
-            for proj in ("gate_proj", "up_proj"):
-                yield p + f"mlp.{proj}.weight", (c.intermediate_size, c.hidden_size)
-                if c.mlp_bias:
-                    yield p + f"mlp.{proj}.bias", (c.intermediate_size,)
-            yield p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)
-            if c.mlp_bias:
-                yield p + "mlp.down_proj.bias", (c.hidden_size,)
-        yield "model.norm.weight", (c.hidden_size,)
-        if not c.tie_word_embeddings:
-            yield "lm_head.weight", (c.vocab_size, c.hidden_size)
+        for name, (shape, _, _) in self._checkpoint.items():
+            yield name, shape
 
     def checkpoint_targets(self, name: str) -> Iterator[tuple[nn.Parameter, int]]:
-        """The parameter(s) a checkpoint tensor name feeds, with the shard index inside a fused one."""
+        """The parameter a checkpoint tensor name feeds, with the shard index inside a fused one."""
         if name.startswith("lm_head.") and self.config.tie_word_embeddings:
             return  # tied: the embedding provides it
         if "rotary_emb.inv_freq" in name:
             return
-        params = self._params_by_name
-        for fragment, (fused, shard_id) in PACKED_WEIGHTS.items():
-            if f".{fragment}." in name:
-                yield params[name.replace(f".{fragment}.", f".{fused}.")], shard_id
-                return
-        if name in params:
-            yield params[name], 0
-            return
-        raise KeyError(name)
+        _, param, shard = self._checkpoint[name]  # KeyError: not a tensor of this model
+        yield param, shard
+
+
+# ----------------------------------------------------------------------------- config adapters
+# Each maps a Hugging Face config to the ModelConfig fields its architecture sets (models/registry.py).
+
+
+def llama_config(hf: Any) -> dict[str, Any]:
+    bias = bool(getattr(hf, "attention_bias", False))
+    return {"qkv_bias": bias, "o_proj_bias": bias}
+
+
+def mistral_config(hf: Any) -> dict[str, Any]:
+    return {**llama_config(hf), "sliding_window": getattr(hf, "sliding_window", None)}
+
+
+def qwen2_config(hf: Any) -> dict[str, Any]:
+    if getattr(hf, "use_sliding_window", False):
+        raise ConfigError("Qwen2 checkpoints with use_sliding_window=true are not supported")
+    return {"qkv_bias": True, "o_proj_bias": False}

@@ -1,21 +1,46 @@
-"""Architecture name (config.json `architectures[0]`) -> model class."""
+"""Architecture name (config.json `architectures[0]`) -> model class and config adapter.
+
+A new decoder family is one model file and one entry here; the loader and the runner see only the
+interface in models/interface.py.
+"""
 
 from __future__ import annotations
 
-from tp_runtime.config import SUPPORTED_ARCHITECTURES
+from dataclasses import dataclass
+
 from tp_runtime.errors import ConfigError
-from tp_runtime.models.llama import LlamaForCausalLM
+from tp_runtime.models.interface import CausalLMFactory, ConfigAdapter
+from tp_runtime.models.llama import LlamaForCausalLM, llama_config, mistral_config, qwen2_config
+from tp_runtime.models.mixtral import MixtralForCausalLM, mixtral_config
+from tp_runtime.models.qwen3 import Qwen3ForCausalLM, qwen3_config
+from tp_runtime.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_config
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model: CausalLMFactory
+    config: ConfigAdapter
+
 
 # Mistral and Qwen2 differ from Llama only in config (sliding window, q/k/v bias), which ModelConfig holds.
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
-    arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture(LlamaForCausalLM, llama_config),
+    "MistralForCausalLM": Architecture(LlamaForCausalLM, mistral_config),
+    "Qwen2ForCausalLM": Architecture(LlamaForCausalLM, qwen2_config),
+    "Qwen3ForCausalLM": Architecture(Qwen3ForCausalLM, qwen3_config),
+    "MixtralForCausalLM": Architecture(MixtralForCausalLM, mixtral_config),
+    "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, qwen3_moe_config),
 }
 
 
-def model_class(architecture: str) -> type[LlamaForCausalLM]:
+def architecture(name: str) -> Architecture:
     try:
-        return MODEL_CLASSES[architecture]
+        return ARCHITECTURES[name]
     except KeyError:
         raise ConfigError(
-            f"architecture {architecture!r} is not supported; supported: {', '.join(MODEL_CLASSES)}"
+            f"architecture {name!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
         ) from None
+
+
+def model_class(name: str) -> CausalLMFactory:
+    return architecture(name).model

@@ -1,0 +1,79 @@
+"""What the runtime needs from a causal LM, and how a model class maps a Hugging Face checkpoint onto its
+(sharded, fused) parameters.
+
+The worker builds a model through a `CausalLMFactory`, the loader fills it through `checkpoint_shapes` and
+`checkpoint_targets`, and the model runner only calls it and reads `dtype` and `num_local_kv_heads`; none
+of them knows an architecture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from tp_runtime.config import ModelConfig
+from tp_runtime.distributed import TPGroup
+from tp_runtime.layers.attention import AttentionMetadata
+
+# One checkpoint tensor: its name, its full (unsharded) shape, the parameter it fills on this rank and the
+# shard index its weight_loader takes (which part of a fused parameter: q/k/v, gate/up, an expert).
+CheckpointEntry = tuple[str, tuple[int, ...], nn.Parameter, int]
+
+
+class FeedForward(Protocol):
+    """A decoder layer's feed-forward (dense MLP or sparse experts) and its part of the checkpoint."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:
+        """Its checkpoint tensors, named under `prefix` (e.g. "model.layers.3.mlp.")."""
+        ...
+
+
+# An architecture's config adapter: the ModelConfig fields it sets from a Hugging Face config (biases,
+# sliding window, experts); build_model_config fills the fields every architecture shares.
+ConfigAdapter = Callable[[Any], dict[str, Any]]
+
+
+class CausalLM(Protocol):
+    dtype: torch.dtype
+    num_local_kv_heads: int
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, one row per scheduled token."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits (identical on every rank)."""
+        ...
+
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads on this rank (for the roofline)."""
+        ...
+
+    def checkpoint_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """Names and full shapes of the tensors a Hugging Face checkpoint of this model holds."""
+        ...
+
+    def checkpoint_targets(self, name: str) -> Iterator[tuple[nn.Parameter, int]]:
+        """The parameter(s) a checkpoint tensor feeds, with shard indices; KeyError for an unknown name."""
+        ...
+
+    def eval(self) -> Any: ...
+
+
+class CausalLMFactory(Protocol):
+    """A model class: built once per rank with that rank's TP group."""
+
+    def __call__(
+        self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool = False
+    ) -> CausalLM: ...

@@ -1,0 +1,55 @@
+"""Qwen3-MoE: Qwen3 attention (per-head q/k norms) with many small routed experts, and dense MLPs on the
+layers `mlp_only_layers` and `decoder_sparse_step` name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tp_runtime.distributed import TPGroup
+from tp_runtime.layers.moe import SparseMoE
+from tp_runtime.models.interface import FeedForward
+from tp_runtime.models.qwen3 import Qwen3ForCausalLM, qwen3_config
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    def make_mlp(
+        self, layer: int, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
+    ) -> FeedForward:
+        c = self.config
+        if layer not in c.moe_layers:
+            return super().make_mlp(layer, tp, dtype, device, fused)  # of intermediate_size
+        return SparseMoE(
+            c.hidden_size,
+            c.moe_intermediate_size,
+            c.num_experts,
+            c.num_experts_per_tok,
+            renormalize=c.norm_topk_prob,
+            fp32_weights=False,  # transformers casts the routing weights to the model dtype first
+            expert_names=("gate_proj", "up_proj", "down_proj"),
+            tp=tp,
+            dtype=dtype,
+            device=device,
+            fused=fused,
+        )
+
+
+def qwen3_moe_config(hf: Any) -> dict[str, Any]:
+    experts = int(hf.num_experts)
+    dense = set(getattr(hf, "mlp_only_layers", None) or [])
+    step = int(getattr(hf, "decoder_sparse_step", 1))
+    # transformers' Qwen3MoeDecoderLayer: sparse unless listed in mlp_only_layers or off the sparse step.
+    sparse = tuple(
+        i for i in range(int(hf.num_hidden_layers)) if i not in dense and experts > 0 and (i + 1) % step == 0
+    )
+    return {
+        **qwen3_config(hf),
+        # Unlike Qwen3, transformers' Qwen3-MoE windows every layer when use_sliding_window is set.
+        "sliding_window": getattr(hf, "sliding_window", None),
+        "moe_layers": sparse,
+        "num_experts": experts,
+        "num_experts_per_tok": int(hf.num_experts_per_tok),
+        "moe_intermediate_size": int(hf.moe_intermediate_size),
+        "norm_topk_prob": bool(hf.norm_topk_prob),
+    }

@@ -5,10 +5,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tp_runtime.config import (
@@ -33,6 +34,7 @@ from tp_runtime.sampling_params import SamplingParams
 from tp_runtime.scheduler import Request, Scheduler
 
 PromptType = str | dict[str, Any]
+ChatMessage = dict[str, Any]
 
 
 @dataclass
@@ -77,6 +79,7 @@ class LLMEngine:
         self.eos_token_ids = set(config.model.eos_token_ids)
         self._next_req_id = 0
         self._stop_states: dict[int, _StopState] = {}
+        self.num_output_tokens = 0  # generated so far, over the engine's life (progress bars read it)
         # Per-step timings (seconds) of the driver's own phases, when enabled (benchmarks).
         self.step_timings: list[dict[str, float]] | None = None
         self.async_scheduling = config.async_scheduling
@@ -113,19 +116,28 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
+        vocab = self.config.model.vocab_size
         sampling = RequestSampling(
             temperature=float(params.temperature),
             top_p=float(params.top_p),
-            top_k=max(int(params.top_k), 0),
+            # top_k at or above the vocabulary size keeps every token: capped to what workers hold.
+            top_k=min(max(int(params.top_k), 0), vocab),
             min_p=float(params.min_p),
             seed=params.seed,
-            min_tokens=params.min_tokens,
+            # No request outlives max_model_len, so a larger min_tokens means the same (and fits int64).
+            min_tokens=min(params.min_tokens, self.config.model.max_model_len),
             stop_token_ids=sorted(stop_ids) if params.min_tokens else [],
             num_logprobs=-1 if params.logprobs is None else int(params.logprobs),
+            repetition_penalty=float(params.repetition_penalty),
+            presence_penalty=float(params.presence_penalty),
+            frequency_penalty=float(params.frequency_penalty),
+            num_prompt_logprobs=-1 if params.prompt_logprobs is None else int(params.prompt_logprobs),
         )
         req_id = self._next_req_id
         self._next_req_id += 1
         request = Request(req_id, prompt_ids, params, sampling)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * (len(prompt_ids) - 1)
         request.stop_ids = frozenset(stop_ids)
         self.scheduler.add(request)
         if params.stop_strings:
@@ -137,8 +149,10 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"expected SamplingParams, got {type(params).__name__}")
         vocab = self.config.model.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise InvalidRequestError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise InvalidRequestError(f"{name}={value} exceeds the vocabulary size {vocab}")
         for t in params.stop_token_ids or []:
             if t >= vocab:
                 raise InvalidRequestError(f"stop token id {t} is outside the vocabulary [0, {vocab})")
@@ -182,7 +196,9 @@ class LLMEngine:
         output = self.executor.wait_output(done.step_id)
         t3 = time.perf_counter()
         finished = []
-        for req in self.scheduler.update(output):
+        updated = self.scheduler.update(output)
+        self.num_output_tokens += len(updated)
+        for req in updated:
             reason = self._check_stop(req)
             if reason is not None:
                 self.scheduler.finish(req, reason)
@@ -254,6 +270,8 @@ class LLMEngine:
                         idx = state.text.find(stop, start)
                         if idx >= 0:
                             req.stop_reason = stop
+                            if params.include_stop_str_in_output:
+                                idx += len(stop)
                             req.stop_text = state.text[:idx]
                             return "stop"
         if num_out >= params.max_tokens or num_known >= self.config.model.max_model_len:
@@ -269,21 +287,26 @@ class LLMEngine:
         self.executor.shutdown()
 
 
-def _decode_logprobs(tokenizer: Any, req: Request) -> list[dict[int, Logprob]]:
-    out = []
-    for token_ids, logprobs, sampled_rank in req.logprobs:
-        entry: dict[int, Logprob] = {}
-        for pos, (tid, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
-            if tid in entry:
-                continue
-            rank = sampled_rank if pos == 0 else pos
-            entry[tid] = Logprob(logprob=lp, rank=rank, decoded_token=tokenizer.decode([tid]))
-        out.append(entry)
+def _decode_logprobs(tokenizer: Any, entry: tuple[list[int], list[float], int]) -> dict[int, Logprob]:
+    """One position: the chosen (sampled or prompt) token first, then the top-k by rank."""
+    token_ids, logprobs, chosen_rank = entry
+    out: dict[int, Logprob] = {}
+    for pos, (tid, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
+        if tid not in out:
+            rank = chosen_rank if pos == 0 else pos
+            out[tid] = Logprob(logprob=lp, rank=rank, decoded_token=tokenizer.decode([tid]))
     return out
 
 
 class LLM:
-    """Offline batch inference: `LLM(model=PATH, tensor_parallel_size=N).generate(prompts, params)`."""
+    """Offline batch inference: `LLM(model=PATH, tensor_parallel_size=N).generate(prompts, params)`.
+
+    Thread safety: `generate` and `chat` may be called from several threads at once; the calls are
+    serialized (a lock held for the whole call, tokenization included), so each caller gets exactly the
+    outputs it would get alone while the engine's step loop stays single-threaded. A second caller waits
+    for the first to finish. `shutdown()` does not wait: calling it while another thread generates ends
+    that call with an error.
+    """
 
     def __init__(
         self,
@@ -345,6 +368,7 @@ class LLM:
         except Exception as exc:
             raise ConfigError(f"could not load a tokenizer from {model}: {exc}") from exc
         self.engine = LLMEngine(self.config, self.tokenizer)
+        self._lock = threading.RLock()  # serializes generate/chat callers (see the class doc)
         self._closed = False
         # Shut the workers down at interpreter exit even if the user never calls shutdown().
         self._atexit = weakref.WeakMethod(self.shutdown)
@@ -365,11 +389,30 @@ class LLM:
         with contextlib.suppress(Exception):
             self.shutdown()
 
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer the engine encodes prompts and decodes outputs with."""
+        return self.tokenizer
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(
+                f"the prompt {_preview(text)} cannot be tokenized: {exc.object[exc.start : exc.end]!r} at "
+                f"index {exc.start} is not valid Unicode text (a lone surrogate); remove or replace it"
+            ) from None
+        try:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        except Exception as exc:
+            raise InvalidRequestError(
+                f"the tokenizer cannot encode the prompt {_preview(text)}: {type(exc).__name__}: {exc}"
+            ) from None
+
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty; give at least one character or token")
-            return prompt, self.tokenizer(prompt)["input_ids"]
+            return prompt, self._encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), prompt["prompt_token_ids"]
         raise InvalidRequestError(
@@ -381,6 +424,65 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        with self._lock:
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or to a list of
+        them, rendered with the tokenizer's chat template (or `chat_template`, a Jinja string) as vLLM's
+        `LLM.chat` does; one RequestOutput per conversation, whose prompt is the rendered text."""
+        if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
+            conversations: list[Any] = [messages]
+        elif isinstance(messages, (list, tuple)) and messages:
+            conversations = list(messages)
+        else:
+            raise InvalidRequestError(
+                "messages must be a non-empty list of {'role': ..., 'content': ...} dicts, or a list of such "
+                f"conversations, got {_preview(messages)}"
+            )
+        for i, conv in enumerate(conversations):
+            if not isinstance(conv, (list, tuple)) or not conv or not all(isinstance(m, dict) for m in conv):
+                raise InvalidRequestError(
+                    f"conversation {i} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
+                    f"got {_preview(conv)}"
+                )
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                f"the tokenizer of {self.config.model.path} has no chat template; pass chat_template= "
+                "(a Jinja template string) to LLM.chat"
+            )
+        with self._lock:  # the tokenizer is not safe to share between threads either
+            prompts: list[PromptType] = []
+            for conv in conversations:
+                try:
+                    text = self.tokenizer.apply_chat_template(
+                        list(conv), chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message, tokenize=False,
+                    )  # fmt: skip
+                except Exception as exc:
+                    raise InvalidRequestError(
+                        f"the chat template failed on conversation {_preview(conv)}: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from None
+                # The template writes the special tokens (BOS...) itself, as HF's apply_chat_template does.
+                ids = self._encode(str(text), add_special_tokens=False)
+                prompts.append({"prompt": text, "prompt_token_ids": ids})
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
     ) -> list[RequestOutput]:
         if self._closed:
             raise RuntimeError("this LLM has been shut down; create a new one")
@@ -419,11 +521,7 @@ class LLM:
         try:
             for i, ((_, ids), params) in enumerate(zip(encoded, params_list, strict=True)):
                 for j in range(params.n):
-                    child = (
-                        params
-                        if params.n == 1 or params.seed is None
-                        else _with_seed(params, params.seed + j)
-                    )
+                    child = params if params.n == 1 else _child_params(params, j)
                     owners[self.engine.add_request(ids, child)] = (i, j)
             finished = self._run(len(owners), use_tqdm)
         except BaseException:
@@ -436,27 +534,48 @@ class LLM:
         for req in sorted(finished, key=lambda r: owners[r.req_id]):
             i, j = owners[req.req_id]
             results[i].outputs.append(self._completion(req, j))
+            if req.prompt_logprobs is not None:
+                results[i].prompt_logprobs = [
+                    None,
+                    *(e and _decode_logprobs(self.tokenizer, e) for e in req.prompt_logprobs),
+                ]
         return results
 
     def _run(self, total: int, use_tqdm: bool) -> list[Request]:
+        if not use_tqdm:
+            finished: list[Request] = []
+            while self.engine.has_unfinished_requests():
+                finished.extend(self.engine.step())
+            return finished
         from tqdm.auto import tqdm
 
-        finished: list[Request] = []
-        with tqdm(total=total, desc="generate", disable=not use_tqdm, dynamic_ncols=True) as bar:
-            while self.engine.has_unfinished_requests():
-                done = self.engine.step()
+        finished = []
+        engine = self.engine
+        start, tokens_before = time.perf_counter(), engine.num_output_tokens
+        shown = start
+        with tqdm(total=total, desc="generate", dynamic_ncols=True) as bar:
+            while engine.has_unfinished_requests():
+                done = engine.step()
                 finished.extend(done)
+                now = time.perf_counter()
+                if done or now - shown > 0.5:  # the rate, at most twice a second between completions
+                    shown = now
+                    rate = (engine.num_output_tokens - tokens_before) / max(now - start, 1e-9)
+                    bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
                 bar.update(len(done))
         return finished
 
     def _completion(self, req: Request, index: int) -> CompletionOutput:
         text = req.stop_text
         if text is None:
-            text = str(self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True))
+            ids = req.output_token_ids
+            if req.finish_reason == "stop" and not req.params.include_stop_str_in_output:
+                ids = ids[:-1]  # a stop token (EOS or stop_token_ids): its text is left out, as vLLM does
+            text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
         logprobs = None
         cumulative = None
         if req.params.logprobs is not None:
-            logprobs = _decode_logprobs(self.tokenizer, req)
+            logprobs = [_decode_logprobs(self.tokenizer, e) for e in req.logprobs]
             cumulative = sum(lp[1][0] for lp in req.logprobs)
         return CompletionOutput(
             index=index,
@@ -469,10 +588,19 @@ class LLM:
         )
 
 
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index` of an n > 1 request: seed + index (as vLLM), wrapped into the int64 range so that
+    any seed the user may pass works; prompt logprobs come from the first sample only."""
+    seed = params.seed
+    if seed is not None:
+        seed = (seed + index + 2**63) % 2**64 - 2**63
+    return replace(params, seed=seed, n=1, prompt_logprobs=params.prompt_logprobs if index == 0 else None)
 
-    return replace(params, seed=seed, n=1)
+
+def _preview(value: Any, limit: int = 80) -> str:
+    """repr of what the user passed, shortened for an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _shutdown_at_exit(ref: weakref.WeakMethod[Any]) -> None:

@@ -24,6 +24,12 @@ class RequestSampling(msgspec.Struct, array_like=True, frozen=True):
     # Token ids masked out until min_tokens outputs exist (EOS and stop_token_ids).
     stop_token_ids: list[int]
     num_logprobs: int  # -1: none
+    # Neutral values (1, 0, 0) switch a penalty off; workers keep token-count state only while a live
+    # request uses one.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    num_prompt_logprobs: int = -1  # -1: none
 
 
 class NewRequest(msgspec.Struct, array_like=True):
@@ -59,6 +65,17 @@ class Logprobs(msgspec.Struct, array_like=True):
     sampled_ranks: list[int]
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """One request's prompt logprobs from one prefill chunk: entry i is for prompt token start + 1 + i,
+    predicted from position start + i; the prompt token first, then the top-k (raw model output)."""
+
+    req_id: int
+    start: int
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]  # rank of the prompt token (1 = most likely)
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
     step_id: int
     # Requests that produced a token this step (a partial prefill chunk produces none).
@@ -67,6 +84,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     logprobs: Logprobs | None = None
     # Optional per-step timings from rank 0 (seconds), filled when timing is enabled.
     timings: dict[str, float] | None = None
+    # Only for requests that asked for prompt_logprobs, in steps that computed some of their prompt.
+    prompt_logprobs: list[PromptLogprobs] | None = None
 
 
 # Driver -> workers (broadcast).

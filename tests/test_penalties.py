@@ -1,0 +1,210 @@
+"""repetition / presence / frequency penalties with vLLM's semantics, greedy, against independent references.
+
+- repetition_penalty: HF transformers' `generate(repetition_penalty=...)` (its
+  RepetitionPenaltyLogitsProcessor over prompt + output), token for token.
+- presence_penalty / frequency_penalty (and all three together): a brute-force reference, one full HF forward
+  per generated token with the penalties applied by hand in float64 to the last position's logits.
+
+Every engine runs a small token budget and a small KV cache, so prompts prefill in chunks, requests are
+preempted and recomputed (their penalty state rebuilt from their tokens), and requests finish out of order
+(batch rows move). The engines: TP=1 with async scheduling, TP=1 without it on the padded decode-graph path
+(the GPU's device-side code path), and TP=2.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from conftest import hf_greedy, hf_logprobs, random_prompts
+
+from tp_runtime import LLM, SamplingParams
+
+VOCAB = 300
+MAX_TOKENS = 20
+# 22 blocks of 4 tokens: about two sequences of ~40 tokens at once, so 6 requests force preemptions.
+SCHED = dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_kv_blocks=22, max_model_len=48)
+ENGINES = {
+    "tp1": dict(tensor_parallel_size=1),
+    "tp1-sync-padded": dict(tensor_parallel_size=1, async_scheduling=False, cuda_graphs="padded"),
+    "tp2": dict(tensor_parallel_size=2),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint(seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir: Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model: Any) -> Callable[..., list[int]]:
+    """brute_force(hf_model, ...), or hf_repetition when only repetition_penalty is set; computed once per
+    module (every engine compares against the same references)."""
+
+    @functools.cache
+    def cached(
+        prompt: tuple[int, ...], max_new: int, presence: float, frequency: float, rep: float
+    ) -> list[int]:
+        if presence == frequency == 0.0:
+            return hf_repetition(hf_model, list(prompt), max_new, rep)
+        return brute_force(hf_model, list(prompt), max_new, presence, frequency, rep)
+
+    def get(
+        prompt: list[int], max_new: int, presence: float = 0.0, frequency: float = 0.0, rep: float = 1.0
+    ) -> list[int]:
+        return cached(tuple(prompt), max_new, presence, frequency, rep)
+
+    return get
+
+
+@pytest.fixture(scope="module", params=list(ENGINES), ids=list(ENGINES))
+def llm(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[LLM]:
+    engine = LLM(model_dir, dtype="float32", device="cpu", seed=0, **SCHED, **ENGINES[request.param])
+    yield engine
+    engine.shutdown()
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **kwargs: Any) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def hf_repetition(model: Any, prompt: list[int], max_new: int, penalty: float) -> list[int]:
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt])
+    gen = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+        repetition_penalty=penalty, pad_token_id=0,
+    )  # fmt: skip
+    return gen[0, len(prompt) :].tolist()
+
+
+def brute_force(
+    model: Any, prompt: list[int], max_new: int, presence: float, frequency: float, repetition: float
+) -> list[int]:
+    """Greedy with vLLM's penalties, applied by hand in float64 to a fresh full forward per token."""
+    out: list[int] = []
+    for _ in range(max_new):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
+        for t in set(prompt) | set(out):
+            logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
+        for t, count in Counter(out).items():
+            logits[t] -= frequency * count + presence
+        top2 = logits.topk(2).values
+        # The engine penalizes float32 logits: a near-tie here would make the comparison meaningless.
+        assert float(top2[0] - top2[1]) > 1e-3, "reference near-tie; pick other prompts"
+        out.append(int(logits.argmax()))
+    return out
+
+
+# Prompt lengths (chunked: longer than the 16-token budget) and per-request max_tokens (finish out of order).
+LENGTHS = (5, 22, 3, 17, 11, 26)
+MAX_NEW = (20, 8, 14, 20, 5, 12)
+
+
+def test_repetition_penalty_matches_hf_generate(llm: LLM, reference: Callable[..., list[int]]) -> None:
+    prompts = random_prompts(LENGTHS, VOCAB, seed=21)
+    # Below 1 a penalty favours repeats; one request without a penalty rides along.
+    penalties = [1.3, 1.8, 0.7, 1.0, 1.3, 2.5]
+    params = [greedy(m, repetition_penalty=p) for m, p in zip(MAX_NEW, penalties, strict=True)]
+    before = llm.engine.scheduler.num_preemptions
+    got = run(llm, prompts, params)
+    assert llm.engine.scheduler.num_preemptions > before, "the test did not force a preemption"
+    for i, (prompt, m, p) in enumerate(zip(prompts, MAX_NEW, penalties, strict=True)):
+        assert got[i] == reference(prompt, m, rep=p), f"request {i} (repetition_penalty={p})"
+    plain = [reference(prompt, m) for prompt, m in zip(prompts, MAX_NEW, strict=True)]
+    assert sum(g != w for g, w in zip(got, plain, strict=True)) >= 4, "penalties changed too little"
+
+
+PRESENCE_FREQUENCY = [  # (presence, frequency, repetition)
+    (1.5, 0.0, 1.0),
+    (0.0, 1.2, 1.0),
+    (-1.0, 0.0, 1.0),  # negative: favours tokens already in the output
+    (0.5, 0.8, 1.4),
+    (0.0, -0.6, 1.0),
+    (2.0, 2.0, 1.0),
+]
+
+
+def test_presence_and_frequency_match_brute_force(llm: LLM, reference: Callable[..., list[int]]) -> None:
+    prompts = random_prompts(LENGTHS, VOCAB, seed=22)
+    params = [
+        greedy(m, presence_penalty=pp, frequency_penalty=fp, repetition_penalty=rp)
+        for m, (pp, fp, rp) in zip(MAX_NEW, PRESENCE_FREQUENCY, strict=True)
+    ]
+    got = run(llm, prompts, params)
+    changed = 0
+    for i, (prompt, m, (pp, fp, rp)) in enumerate(zip(prompts, MAX_NEW, PRESENCE_FREQUENCY, strict=True)):
+        want = reference(prompt, m, pp, fp, rp)
+        assert got[i] == want, f"request {i} (presence={pp}, frequency={fp}, repetition={rp})"
+        changed += want != reference(prompt, m)
+    assert changed >= 3, "penalties changed too few outputs to test them"
+
+
+def test_penalized_and_plain_requests_share_a_batch(
+    llm: LLM, reference: Callable[..., list[int]], model_dir: Path
+) -> None:
+    """Plain requests next to penalized ones are unaffected, including in rows that penalized requests left
+    (their state is never read), and logprobs stay those of the raw model output."""
+    prompts = random_prompts((9, 4, 15, 7), VOCAB, seed=23)
+    params = [
+        greedy(6, frequency_penalty=1.5, logprobs=3),
+        greedy(16),
+        greedy(10, presence_penalty=1.0),
+        greedy(16, logprobs=2),
+    ]
+    got = run(llm, prompts, params)
+    assert got[1::2] == hf_greedy(model_dir, prompts[1::2], 16)
+    assert got[0] == reference(prompts[0], 6, frequency=1.5)
+    assert got[2] == reference(prompts[2], 10, presence=1.0)
+    out = llm.generate({"prompt_token_ids": prompts[0]}, params[0], use_tqdm=False)[0].outputs[0]
+    assert out.logprobs is not None
+    raw = hf_logprobs(model_dir, prompts[0], out.token_ids)
+    for pos, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        assert entry[token].logprob == pytest.approx(float(raw[pos, token]), abs=1e-4)
+        assert entry[token].rank == int((raw[pos] > raw[pos, token]).sum()) + 1
+
+
+SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=77, max_tokens=16, ignore_eos=True)
+
+
+def test_seeded_sampling_with_penalties_is_the_same_on_every_engine(llm: LLM, model_dir: Path) -> None:
+    """Sampling after the penalties: the same tokens alone, in a batch, and at every TP size / mode (the
+    engines' common reference is a fresh TP=1 engine without chunking)."""
+    prompt = random_prompts((12,), VOCAB, seed=24)[0]
+    params = SamplingParams(
+        temperature=0.9, top_k=40, seed=77, max_tokens=16, ignore_eos=True, presence_penalty=0.7,
+        frequency_penalty=0.4, repetition_penalty=1.2,
+    )  # fmt: skip
+    with LLM(model_dir, dtype="float32", device="cpu") as plain_engine:
+        want = run(plain_engine, [prompt], [params])[0]
+        assert want != run(plain_engine, [prompt], [SEEDED])[0], "penalties changed nothing"
+    others = random_prompts((6, 19), VOCAB, seed=25)
+    got = run(llm, [others[0], prompt, others[1]], [SEEDED, params, greedy(9, repetition_penalty=1.5)])
+    assert got[1] == want
+
+
+def test_penalty_state_only_when_used(model_dir: Path) -> None:
+    """No token-count state exists on the worker until a request uses a penalty."""
+    with LLM(model_dir, dtype="float32", device="cpu") as engine:
+        runner = engine.engine.executor.worker.runner  # type: ignore[attr-defined]
+        engine.generate({"prompt_token_ids": [5, 6, 7]}, greedy(4), use_tqdm=False)
+        assert runner._output_counts is None
+        engine.generate({"prompt_token_ids": [5, 6, 7]}, greedy(4, presence_penalty=0.5), use_tqdm=False)
+        assert runner._output_counts is not None

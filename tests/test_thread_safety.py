@@ -1,0 +1,93 @@
+"""LLM.generate and LLM.chat called from several threads at once (the LLM serializes its callers).
+
+Each thread's outputs must equal what the same call gives when made alone, and the engine must keep
+serving afterwards, at TP=1 (in-process worker) and TP=2 (spawned workers).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import random_prompts
+
+from tp_runtime import LLM, SamplingParams
+
+VOCAB = 300
+ROUNDS = 3
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def llm(request: pytest.FixtureRequest, make_checkpoint: Callable[..., Path]) -> Iterator[LLM]:
+    engine = LLM(make_checkpoint(seed=8), tensor_parallel_size=request.param, dtype="float32", device="cpu",
+                 max_num_seqs=8, max_num_batched_tokens=32)  # fmt: skip
+    yield engine
+    engine.shutdown()
+
+
+def _jobs() -> list[Callable[[LLM], Any]]:
+    """Four different calls: greedy, seeded sampling with n=2, penalties with stop strings, and chat."""
+    p = random_prompts((7, 30, 3, 12, 21, 5), VOCAB, seed=41)
+
+    def greedy(llm: LLM) -> Any:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+        return llm.generate([{"prompt_token_ids": x} for x in p[:3]], params, use_tqdm=False)
+
+    def seeded(llm: LLM) -> Any:
+        params = SamplingParams(temperature=0.9, top_p=0.9, seed=5, n=2, max_tokens=10, ignore_eos=True)
+        return llm.generate([{"prompt_token_ids": x} for x in p[3:5]], params, use_tqdm=False)
+
+    def penalized(llm: LLM) -> Any:
+        params = SamplingParams(temperature=0, max_tokens=15, repetition_penalty=1.4, presence_penalty=0.5,
+                                stop=["e", "a"], ignore_eos=True)  # fmt: skip
+        return llm.generate(["Hello there, my friend", {"prompt_token_ids": p[5]}], params, use_tqdm=False)
+
+    def chat(llm: LLM) -> Any:
+        conv = [{"role": "user", "content": "What is the capital of France?"}]
+        params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, prompt_logprobs=1)
+        return llm.chat([conv, conv[:1]], params, chat_template=TEMPLATE, use_tqdm=False)
+
+    return [greedy, seeded, penalized, chat]
+
+
+def _summary(outputs: Any) -> list[Any]:
+    return [
+        (o.prompt_token_ids, o.prompt_logprobs, [(c.token_ids, c.text, c.finish_reason, c.logprobs)
+                                                 for c in o.outputs])
+        for o in outputs
+    ]  # fmt: skip
+
+
+def test_concurrent_callers_each_get_their_own_outputs(llm: LLM) -> None:
+    jobs = _jobs()
+    alone = [_summary(job(llm)) for job in jobs]
+    results: list[list[Any]] = [[] for _ in jobs]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(jobs))
+
+    def run(i: int) -> None:
+        try:
+            start.wait()
+            for _ in range(ROUNDS):
+                results[i].append(_summary(jobs[i](llm)))
+        except BaseException as exc:  # reported below, with the thread's job
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a generate call never returned"
+    assert not errors, errors
+    for i, job in enumerate(jobs):
+        assert len(results[i]) == ROUNDS
+        for got in results[i]:
+            assert got == alone[i], f"thread {job.__name__} got different outputs than alone"
+    # The engine still serves.
+    assert _summary(jobs[0](llm)) == alone[0]
+    assert not llm.engine.has_unfinished_requests()

@@ -8,6 +8,7 @@ next step is queued, or a Flush arrives) is checked against a stub model whose o
 
 from __future__ import annotations
 
+import secrets
 import tempfile
 import threading
 import time
@@ -21,7 +22,7 @@ import zmq
 from conftest import hf_greedy, random_prompts
 
 from tp_runtime import LLM, SamplingParams
-from tp_runtime.config import ParallelConfig
+from tp_runtime.config import CacheConfig, ParallelConfig, SchedulerConfig
 from tp_runtime.executor import MultiprocExecutor
 from tp_runtime.messages import (
     CachedRequests,
@@ -32,7 +33,15 @@ from tp_runtime.messages import (
     SchedulerOutput,
     Shutdown,
 )
-from tp_runtime.serialize import driver_message_codec, worker_reply_codec
+from tp_runtime.serialize import (
+    BROADCAST,
+    DRIVER_ID,
+    REPLIES,
+    FrameReader,
+    FrameWriter,
+    driver_message_codec,
+    worker_reply_codec,
+)
 from tp_runtime.worker import WorkerAddresses, run_worker_loop
 
 PROMPTS = random_prompts((5, 12, 3, 9, 17, 7), vocab=300, seed=11)
@@ -183,6 +192,10 @@ class _StubConfig:
     def __init__(self, async_scheduling: bool) -> None:
         self.parallel = ParallelConfig()
         self.async_scheduling = async_scheduling
+        # What the executor sizes its sockets' message limits from.
+        self.model = type("Model", (), {"vocab_size": 300, "max_model_len": 64})()
+        self.scheduler = SchedulerConfig()
+        self.cache = CacheConfig()
 
 
 def _step(step_id: int) -> ExecuteModel:
@@ -194,13 +207,15 @@ def test_rank0_holds_a_step_back_until_the_next_is_queued(async_scheduling: bool
     log: list[tuple[str, int]] = []
     folder = tempfile.mkdtemp(prefix="tp-runtime-test-")
     tag = uuid.uuid4().hex[:8]
-    addresses = WorkerAddresses(f"ipc://{folder}/b-{tag}", f"ipc://{folder}/r-{tag}")
+    key = secrets.token_bytes(32)
+    addresses = WorkerAddresses(f"ipc://{folder}/b-{tag}", f"ipc://{folder}/r-{tag}", key)
     ctx = zmq.Context()
     pub = ctx.socket(zmq.XPUB)
     pub.bind(addresses.broadcast)
     pull = ctx.socket(zmq.PULL)
     pull.bind(addresses.results)
-    encoder, decoder = driver_message_codec(), worker_reply_codec()
+    encoder = FrameWriter(driver_message_codec(), key, BROADCAST, DRIVER_ID)
+    decoder = FrameReader(worker_reply_codec(), key, REPLIES, "the test's reply socket")
     thread = threading.Thread(
         target=run_worker_loop,
         args=(_StubConfig(async_scheduling), 0, 0, addresses, None),
@@ -211,7 +226,9 @@ def test_rank0_holds_a_step_back_until_the_next_is_queued(async_scheduling: bool
 
     def recv() -> tuple[str, int]:
         assert pull.poll(5000), f"no reply; worker log {log}"
-        reply = decoder.decode(pull.recv())
+        opened = decoder.read(pull.recv())
+        assert opened is not None, "the worker's reply failed authentication"
+        _, reply = opened
         return reply.kind, reply.call_id
 
     def nothing_pending() -> bool:
@@ -256,7 +273,10 @@ def test_driver_flushes_a_held_step_when_nothing_follows() -> None:
     config = _StubConfig(True)
     config.parallel = ParallelConfig(step_timeout_s=5.0)
     executor = MultiprocExecutor(config)  # type: ignore[arg-type]
-    addresses = WorkerAddresses(executor.channel.broadcast_addr, executor.channel.results_addr)
+    channel = executor.channel
+    addresses = WorkerAddresses(
+        channel.broadcast_addr, channel.results_addr, channel.key, channel.watchdog.address
+    )
     thread = threading.Thread(
         target=run_worker_loop, args=(config, 0, 0, addresses, None), kwargs={"worker": _StubWorker(log)}
     )

@@ -27,7 +27,6 @@ import zmq
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.errors import (
-    ProtocolError,
     StepTimeoutError,
     TPRuntimeError,
     WorkerDiedError,
@@ -306,37 +305,28 @@ def test_killing_the_driver_leaves_no_worker(checkpoint: Path, tmp_path: Path) -
 
 
 # ----------------------------------------------------------------------------- (d) garbage on the sockets
-def test_garbage_on_result_socket_during_generate(start_llm: Callable[..., LLM]) -> None:
+def test_garbage_on_result_socket_is_dropped(start_llm: Callable[..., LLM]) -> None:
+    """Frames without the engine's MAC are dropped (and logged); the engine carries on. The many kinds of
+    forged frames are in test_transport_security.py."""
     llm = start_llm()
-    pids = pids_of(llm)
-    generate_ok(llm)
+    want = generate_ok(llm)
+    channel = llm.engine.executor.channel  # type: ignore[attr-defined]
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
-    push.connect(llm.engine.executor.channel.results_addr)  # type: ignore[attr-defined]
-    sent_at: list[float] = []
-
-    def send() -> None:
-        sent_at.append(time.monotonic())
-        push.send(b"\x00garbage")
-
-    timer = threading.Timer(1.0, send)
-    timer.start()
+    push.connect(channel.results_addr)
     try:
-        with pytest.raises(TPRuntimeError) as info:
-            llm.generate(LONG_PROMPTS, LONG, use_tqdm=False)
-        raised_at = time.monotonic()
+        push.send(b"\x00garbage")
+        # The driver reads it while it waits for the next step's output.
+        deadline = time.monotonic() + 30
+        while channel.reader.drops.total == 0 and time.monotonic() < deadline:
+            assert generate_ok(llm) == want
     finally:
-        timer.cancel()
-        timer.join()
         push.close(0)
         ctx.term()
-    assert sent_at, "generate failed before the garbage was sent"
-    assert isinstance(info.value, ProtocolError), describe(info.value)
-    assert "not a valid worker reply" in str(info.value)
-    assert raised_at - sent_at[0] < 10
-    assert wait_gone(pids, 5.0) == []
-    assert_engine_closed(llm)
+    assert channel.reader.drops.total == 1
+    assert "shorter than a frame header" in channel.reader.drops.last_reason
+    assert generate_ok(llm) == want
 
 
 class _RunsShellOnUnpickle:
@@ -347,24 +337,19 @@ class _RunsShellOnUnpickle:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_garbage_on_broadcast_socket(start_llm: Callable[..., LLM], tmp_path: Path) -> None:
+def test_garbage_on_broadcast_socket_is_dropped_by_the_workers(
+    start_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
     llm = start_llm(step_timeout_s=5.0)
     pids = pids_of(llm)
-    generate_ok(llm)
+    want = generate_ok(llm)
     marker = tmp_path / "pwned"
     channel = llm.engine.executor.channel  # type: ignore[attr-defined]
     channel.pub.send(b"junk")
     channel.pub.send(pickle.dumps(_RunsShellOnUnpickle(marker)))
-    t0 = time.monotonic()
-    with pytest.raises(TPRuntimeError) as info:
-        llm.generate(PROMPT, SHORT, use_tqdm=False)
-    elapsed = time.monotonic() - t0
-    assert isinstance(info.value, (WorkerError, ProtocolError)), describe(info.value)
-    assert "not a valid driver message" in str(info.value), describe(info.value)
-    assert elapsed < 10, f"took {elapsed:.1f} s"
-    assert wait_gone(pids, 5.0) == []
+    assert generate_ok(llm) == want
+    assert all(alive(p) for p in pids)
     assert not marker.exists(), "a worker unpickled bytes from the socket"
-    assert_engine_closed(llm)
 
 
 # ----------------------------------------------------------------------------- (e) step timeout

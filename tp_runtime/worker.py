@@ -15,10 +15,12 @@ import contextlib
 import gc
 import os
 import shutil
+import socket
+import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,15 +41,42 @@ from tp_runtime.messages import (
 )
 from tp_runtime.model_runner import ModelRunner, PendingOutput, pick_kernels
 from tp_runtime.models.registry import model_class
-from tp_runtime.serialize import driver_message_codec, recv_spinning, worker_reply_codec
+from tp_runtime.serialize import (
+    BROADCAST,
+    DRIVER_ID,
+    HEARTBEATS,
+    REPLIES,
+    FrameReader,
+    FrameWriter,
+    Signer,
+    driver_message_codec,
+    recv_spinning,
+    worker_reply_codec,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# Each worker sends an authenticated heartbeat this often (its own thread and socket), so the driver can
+# tell a stopped or hung rank from a slow step, and name it, even when its collectives block every rank.
+HEARTBEAT_INTERVAL_S = 0.5
+# A torchrun worker whose driver's connection closed waits this long for a Shutdown message before it
+# concludes that the driver died and exits.
+_DRIVER_GONE_GRACE_S = 3.0
+
+
 @dataclass(frozen=True)
 class WorkerAddresses:
+    """How a worker reaches its driver: the addresses, and the key that authenticates every frame (it
+    travels only through the spawn pipe or is derived from the torchrun secret; never printed)."""
+
     broadcast: str  # driver's XPUB; workers SUB-connect
     results: str  # driver's PULL; workers PUSH-connect
+    key: bytes = field(repr=False)
+    heartbeat: str | None = None  # driver's heartbeat PULL; None: no heartbeat thread
+    # Largest frame the driver may broadcast (the executor derives it from the config); the SUB socket
+    # drops the connection on anything larger rather than buffering it.
+    max_broadcast_bytes: int = 1 << 30
 
 
 class Worker:
@@ -220,6 +249,49 @@ def _exit_when_parent_dies(parent_conn: Any, addresses: WorkerAddresses) -> None
     os._exit(1)
 
 
+def _bind_collectives_to_loopback() -> None:
+    """Spawned ranks share one host: make gloo and NCCL listen on the loopback interface, not on the
+    address the host name resolves to (unless the user chose an interface)."""
+    names = [name for _, name in socket.if_nameindex()]
+    loopback = next((n for n in ("lo", "lo0") if n in names), None)
+    if loopback is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+
+
+def _send_heartbeats(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    addresses: WorkerAddresses,
+    rank: int,
+    stop: threading.Event,
+    driver_monitor: zmq.Socket[bytes] | None,
+) -> None:
+    """Heartbeat thread: an authenticated empty frame every HEARTBEAT_INTERVAL_S on its own socket. With
+    `driver_monitor` (torchrun ranks > 0, which have no pipe from the driver), it also ends the process
+    when the driver's connection closes and no Shutdown follows: the driver died."""
+    assert addresses.heartbeat is not None
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.setsockopt(zmq.SNDHWM, 4)  # old heartbeats are worthless: never queue many
+    push.setsockopt(zmq.MAXMSGSIZE, 64)  # it receives nothing
+    push.connect(addresses.heartbeat)
+    signer = Signer(addresses.key, HEARTBEATS, rank)
+    try:
+        while True:
+            with contextlib.suppress(zmq.Again):
+                push.send(signer.seal(b""), zmq.NOBLOCK)
+            if driver_monitor is not None and driver_monitor.poll(0):
+                if not stop.wait(_DRIVER_GONE_GRACE_S):
+                    print(f"tp-runtime worker rank {rank}: the driver's connection closed; exiting",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    os._exit(1)
+                return
+            if stop.wait(HEARTBEAT_INTERVAL_S):
+                return
+    finally:
+        push.close(linger=0)
+
+
 def run_worker_loop(
     config: EngineConfig,
     rank: int,
@@ -228,23 +300,30 @@ def run_worker_loop(
     init_method: str | None,
     parent_conn: Any | None = None,
     worker: Worker | None = None,
+    exit_if_driver_leaves: bool = False,
 ) -> None:
-    """Main loop of a worker process. `worker` is given when the caller already initialised it (torchrun)."""
+    """Main loop of a worker process. `worker` is given when the caller already initialised it (torchrun).
+    Frames that fail authentication are dropped (and logged, rate-limited); an authentic frame that is not
+    a valid message is reported to the driver as an error."""
     if parent_conn is not None:
         threading.Thread(target=_exit_when_parent_dies, args=(parent_conn, addresses), daemon=True).start()
+    if worker is None and init_method is not None:
+        _bind_collectives_to_loopback()
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.MAXMSGSIZE, addresses.max_broadcast_bytes)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(addresses.broadcast)
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 2000)
+    push.setsockopt(zmq.MAXMSGSIZE, 64)  # it receives nothing
     push.connect(addresses.results)
-    decoder = driver_message_codec()
-    encoder = worker_reply_codec()
+    reader = FrameReader(driver_message_codec(), addresses.key, BROADCAST, f"rank {rank}'s broadcast socket")
+    writer = FrameWriter(worker_reply_codec(), addresses.key, REPLIES, rank)
 
     def reply(call_id: int, kind: str, **fields: Any) -> None:
-        push.send(encoder.encode(WorkerReply(rank=rank, call_id=call_id, kind=kind, **fields)))
+        push.send(writer.encode(WorkerReply(rank=rank, call_id=call_id, kind=kind, **fields)))
 
     try:
         if worker is None:
@@ -255,6 +334,16 @@ def run_worker_loop(
     except Exception:
         reply(-1, "error", error=traceback.format_exc())
         raise
+
+    stop_heartbeats = threading.Event()
+    heartbeats = None
+    monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED) if exit_if_driver_leaves else None
+    if addresses.heartbeat is not None:
+        heartbeats = threading.Thread(
+            target=_send_heartbeats, args=(ctx, addresses, rank, stop_heartbeats, monitor),
+            name=f"tp-runtime-heartbeat-{rank}", daemon=True,
+        )  # fmt: skip
+        heartbeats.start()
 
     spin_s = config.parallel.spin_wait_s
     hold_back = config.async_scheduling
@@ -279,7 +368,12 @@ def run_worker_loop(
         assert data is not None  # a blocking wait only returns with a message
         call_id = -1
         try:
-            message = decoder.decode(data)
+            opened = reader.read(data)
+            if opened is None:
+                continue  # not from this engine's driver (or a replay): dropped and logged
+            sender, message = opened
+            if sender != DRIVER_ID:
+                raise ProtocolError(f"an authentic broadcast frame from sender {sender}, not the driver")
             if isinstance(message, ExecuteModel):
                 call_id = message.scheduler_output.step_id
                 launched = worker.execute_model(message.scheduler_output)
@@ -301,8 +395,14 @@ def run_worker_loop(
                     reply(call_id, "result", result=result)
             elif not isinstance(message, Flush):
                 raise ProtocolError(f"unexpected driver message {type(message).__name__}")
-        except Exception:  # garbage on the socket (ProtocolError) included: report it, keep serving
+        except Exception:  # an authentic but invalid message included: report it, keep serving
             reply(call_id, "error", error=traceback.format_exc())
+    stop_heartbeats.set()  # before anything slow: a torchrun rank must not take the driver's exit for a death
+    if heartbeats is not None:
+        heartbeats.join()
+    if monitor is not None:
+        sub.disable_monitor()
+        monitor.close(linger=0)
     worker.shutdown()
     push.close()
     sub.close()

@@ -2,7 +2,8 @@
 
 1. Encode+decode time and size of a ModelRunnerOutput's sampled ids for N requests: msgspec list[int]
    (what the runtime sends), a pickled torch tensor, and numpy bytes.
-2. Per-step round trip through the real sockets and codecs: the driver broadcasts a SchedulerOutput to
+2. Per-step round trip through the real sockets, codecs and authenticated frames (HMAC-SHA256 and
+   sequence checks on both sides, worker heartbeats running): the driver broadcasts a SchedulerOutput to
    TP worker processes running the real worker loop with a stub model; rank 0 replies with a
    ModelRunnerOutput of the same size. Shapes: empty step, decode steps of 64 and 256 requests, and a
    prefill of 8 x 1000-token prompts (the workloads of the reference figures in BENCHMARKS.md).
@@ -14,14 +15,15 @@ import argparse
 import json
 import multiprocessing as mp
 import pickle
+import secrets
 import shutil
 import tempfile
 import time
-import uuid
 from typing import Any
 
 import numpy as np
 
+from tp_runtime.errors import ConfigError
 from tp_runtime.messages import (
     CachedRequests,
     ExecuteModel,
@@ -163,15 +165,17 @@ def payload_formats(num_reqs: int, repeats: int) -> dict[str, dict[str, float]]:
 
 
 def round_trips(tp: int, steps: int, spin_wait_s: float) -> dict[str, float]:
-    from tp_runtime.executor import _Channel, _RemoteWorkers
+    from tp_runtime.executor import _ipc_channel, _RemoteWorkers
     from tp_runtime.worker import WorkerAddresses
 
     ipc_dir = tempfile.mkdtemp(prefix="tp-runtime-bench-")
-    tag = uuid.uuid4().hex[:8]
-    channel = _Channel(f"ipc://{ipc_dir}/b-{tag}", f"ipc://{ipc_dir}/r-{tag}")
+    max_bytes = 64 << 20  # far above the largest message here (the prefill step, ~45 KB)
+    channel = _ipc_channel(ipc_dir, secrets.token_bytes(32), max_bytes)
     ctx = mp.get_context("spawn")
     procs, pipes = [], []
-    addresses = WorkerAddresses(channel.broadcast_addr, channel.results_addr)
+    addresses = WorkerAddresses(
+        channel.broadcast_addr, channel.results_addr, channel.key, channel.watchdog.address, max_bytes
+    )
     for rank in range(tp):
         reader, writer = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_stub_worker_main, args=(rank, addresses, reader, spin_wait_s), daemon=True)
@@ -197,7 +201,8 @@ def round_trips(tp: int, steps: int, spin_wait_s: float) -> dict[str, float]:
             for so in messages:
                 start = time.perf_counter()
                 remote.broadcast(ExecuteModel(so))
-                remote.wait_replies(so.step_id, "output", {0}, 60.0)
+                remote.submitted(so.step_id)
+                remote.wait_output(so.step_id, 60.0)
                 timings.append(time.perf_counter() - start)
             step_id += len(messages)
             results[name] = 1e6 * float(np.median(timings[10:]))
@@ -221,7 +226,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None)
 
 
+_MAX_TP = 64  # one process per rank on this host
+
+
+def check(args: argparse.Namespace) -> None:
+    """Range checks of the flags; raises ConfigError naming the flag (the CLI prints it as one line)."""
+    checks = [
+        ("-tp/--tensor-parallel-size", args.tensor_parallel_size, 1 <= args.tensor_parallel_size <= _MAX_TP,
+         f"an int in [1, {_MAX_TP}]"),
+        ("--num-requests", args.num_requests, args.num_requests >= 1, "at least 1"),
+        ("--steps", args.steps, args.steps >= 1, "at least 1"),
+        ("--spin-wait-us", args.spin_wait_us, 0 <= args.spin_wait_us <= 1e6, "in [0, 1000000]"),
+    ]  # fmt: skip
+    for flag, value, ok, want in checks:
+        if not ok:
+            raise ConfigError(f"argument {flag}: must be {want}, got {value:g}")
+
+
 def main(args: argparse.Namespace) -> None:
+    check(args)
     formats = payload_formats(args.num_requests, repeats=2000)
     print(f"ModelRunnerOutput sampled ids for {args.num_requests} requests: encode+decode, bytes")
     for name, r in formats.items():
@@ -235,5 +258,5 @@ def main(args: argparse.Namespace) -> None:
         print(f"  {name:<40}{us:8.1f} us")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            settings = {k: v for k, v in vars(args).items() if k != "func"}
+            settings = {k: v for k, v in vars(args).items() if not callable(v)}  # not func, check
             json.dump({"payload_formats": formats, "round_trip_us": trips, "args": settings}, f, indent=2)

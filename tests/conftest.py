@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,26 @@ import transformers
 
 from tp_runtime.presets import build_preset_tokenizer
 
+_SESSION_TMP: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Temporary files of this test session, the tests' own and those of every process they start
+    (torchrun's log folders, IPC socket folders), go into one folder removed at the end of the session.
+    pytest's own tmp_path folders stay where they always are."""
+    global _SESSION_TMP
+    root = tempfile.gettempdir()
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", root)  # pytest's tmp_path root: unchanged
+    _SESSION_TMP = tempfile.mkdtemp(prefix="tp-runtime-tests-", dir=root)
+    os.environ["TMPDIR"] = _SESSION_TMP  # processes the tests start
+    tempfile.tempdir = _SESSION_TMP  # this process
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SESSION_TMP is not None:
+        shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+
+
 ARCH_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
     "LlamaForCausalLM": transformers.LlamaConfig,
     "MistralForCausalLM": transformers.MistralConfig,
@@ -21,6 +44,7 @@ ARCH_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
     "Qwen3ForCausalLM": transformers.Qwen3Config,
     "MixtralForCausalLM": transformers.MixtralConfig,
     "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+    "Gemma2ForCausalLM": transformers.Gemma2Config,
 }
 
 BASE_CONFIG: dict[str, Any] = dict(

@@ -1,4 +1,4 @@
-"""Qwen3, Mixtral and Qwen3-MoE against HF transformers (fp32, CPU) on tiny random checkpoints.
+"""Qwen3, Mixtral, Qwen3-MoE and Gemma 2 against HF transformers (fp32, CPU) on tiny random checkpoints.
 
 - Greedy tokens equal HF's and logprobs are within 1e-4 at TP=1, 2 and (Mixtral) 4, through chunked
   prefill and preemption by recompute.
@@ -10,11 +10,17 @@
 
 Every RMSNorm weight, q_norm and k_norm included, is random here (HF initialises them to ones), so a norm
 applied to the wrong heads or not at all would show.
+
+Gemma 2's reference is transformers' eager attention (its SDPA path ignores the attention soft-cap). Its
+attention cap, window (shorter than the prompts), which layers are windowed and query_pre_attn_scalar (not
+head_dim) each change HF's greedy tokens, and its final cap the logprobs (checked, not assumed).
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +36,8 @@ from tp_runtime import LLM, SamplingParams, loader
 from tp_runtime.config import build_model_config
 from tp_runtime.distributed import IdentityAllReduce, TPGroup
 from tp_runtime.errors import ConfigError
-from tp_runtime.layers import moe
+from tp_runtime.layers import attention, moe
+from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk, TorchAttention, paged_attention
 from tp_runtime.layers.moe import SparseMoE
 from tp_runtime.models.registry import model_class
 
@@ -68,6 +75,31 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "moe_intermediate_size": 32,
             "norm_topk_prob": False,
             "decoder_sparse_step": 2,
+        },
+    ),
+    # Gemma 2: layers 0 and 2 windowed (6 tokens), layer 1 global; both soft-caps bind; scale 24 ** -0.5
+    # with head_dim 32; tied embeddings.
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 6,
+            "attn_logit_softcapping": 20.0,
+            "final_logit_softcapping": 10.0,
+            "tie_word_embeddings": True,
+        },
+    ),
+    # Every layer global (so fresh prompts get no block table: soft-capped attention over their own keys),
+    # untied embeddings.
+    "gemma2-global": (
+        "Gemma2ForCausalLM",
+        {
+            "layer_types": ["full_attention", "full_attention"],
+            "query_pre_attn_scalar": 20,
+            "attn_logit_softcapping": 15.0,
+            "final_logit_softcapping": 8.0,
         },
     ),
 }
@@ -114,14 +146,38 @@ def family_dir(make_checkpoint: Callable[..., Path]) -> Callable[[str], Path]:
     return make
 
 
+def _eager(model_dir: Path) -> bool:
+    """Gemma 2's reference runs transformers' eager attention: its SDPA path drops the soft-cap."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return bool(config["architectures"][0] == "Gemma2ForCausalLM")
+
+
 @functools.cache
 def hf_model(model_dir: Path) -> Any:
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    kwargs = {"attn_implementation": "eager"} if _eager(model_dir) else {}
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
+
+
+def reference_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    if not _eager(model_dir):
+        return hf_greedy(model_dir, prompts, MAX_TOKENS)
+    model = hf_model(model_dir)
+    assert model.config._attn_implementation == "eager"
+    model.generation_config.eos_token_id = None  # never stops early (paired with ignore_eos)
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+            pad_token_id=0,
+        )  # fmt: skip
+        outs.append(gen[0, len(p) :].tolist())
+    return outs
 
 
 @functools.cache
 def hf_reference(model_dir: Path) -> list[list[int]]:
-    return hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    return reference_greedy(model_dir, PROMPTS)
 
 
 def hf_logprobs(model_dir: Path, prompt: list[int], continuation: list[int]) -> torch.Tensor:
@@ -141,7 +197,7 @@ def check_against_hf(llm: LLM, model_dir: Path, prompts: list[list[int]] = PROMP
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP_K, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
-    want = hf_reference(model_dir) if prompts is PROMPTS else hf_greedy(model_dir, prompts, MAX_TOKENS)
+    want = hf_reference(model_dir) if prompts is PROMPTS else reference_greedy(model_dir, prompts)
     assert_same_tokens(got, want, prompts)
     for prompt, out in zip(prompts, outs, strict=True):
         comp = out.outputs[0]
@@ -166,6 +222,10 @@ CASES = [
     ("qwen3-moe", 1),
     ("qwen3-moe", 2),
     ("qwen3-moe-step2", 1),
+    ("gemma2", 1),
+    ("gemma2", 2),
+    ("gemma2", 4),  # 2 KV heads replicated over 4 ranks
+    ("gemma2-global", 1),
 ]
 
 
@@ -221,6 +281,131 @@ def test_cuda_expert_paths_in_padded_decode_steps_match_hf(
     model_dir = family_dir("mixtral")
     with make_llm(model_dir, 1, cuda_graphs="padded", **SCHED_KWARGS) as llm:
         check_against_hf(llm, model_dir)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gemma2_padded_decode_steps_match_hf(tp: int, family_dir: Callable[[str], Path]) -> None:
+    """Gemma 2 in the decode-graph path's padded steps (run eagerly on CPU): each layer's window and
+    soft-cap reach the padded decode batch, through chunked prefill and preemption."""
+    model_dir = family_dir("gemma2")
+    with make_llm(model_dir, tp, cuda_graphs="padded", **SCHED_KWARGS) as llm:
+        check_against_hf(llm, model_dir)
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_gemma2_caps_window_and_scale_change_the_output(family_dir: Callable[[str], Path]) -> None:
+    """The test model is one where each Gemma 2 feature matters: without the attention soft-cap, with the
+    window on every layer or on none, or with the scale from head_dim, HF's own greedy tokens change;
+    without the final soft-cap (monotonic: the same tokens) the logprobs move by far more than 1e-4."""
+    model_dir = family_dir("gemma2")
+    want = hf_reference(model_dir)
+    variants: dict[str, dict[str, Any]] = {
+        "no attention cap": {"attn_logit_softcapping": None},
+        "window everywhere": {"layer_types": ["sliding_attention"] * 3},
+        "no window": {"layer_types": ["full_attention"] * 3},
+        "scale from head_dim": {"query_pre_attn_scalar": 32},
+        "no final cap": {"final_logit_softcapping": None},
+    }
+    for what, overrides in variants.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="eager", **overrides
+        ).eval()
+        if what == "no final cap":
+            ids = torch.tensor([PROMPTS[0] + want[0]])
+            with torch.no_grad():
+                moved = model(ids).logits.log_softmax(-1) - hf_model(model_dir)(ids).logits.log_softmax(-1)
+            assert moved.abs().max() > 0.1, f"{what}: the test model does not depend on it"
+            continue
+        model.generation_config.eos_token_id = None
+        got = []
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                 do_sample=False, pad_token_id=0)  # fmt: skip
+            got.append(gen[0, len(p) :].tolist())
+        assert got != want, f"{what}: the test model does not depend on it"
+
+
+# ----------------------------------------------------------------------------- attention alone
+
+
+def _brute_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor, window: int | None,
+    scale: float, softcap: float | None,
+) -> torch.Tensor:  # fmt: skip
+    """q [n, H, D] at positions q_pos; keys/values [T, KVH, D] at 0..T-1 -> [n, H, D], in float64."""
+    heads, kv_heads = q.shape[1], keys.shape[1]
+    k_pos = torch.arange(keys.shape[0])
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for h in range(heads):
+        kv = h // (heads // kv_heads)
+        s = q[:, h].double() @ keys[:, kv].double().T * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        out[:, h] = torch.softmax(s.masked_fill(~allowed, -math.inf), 1) @ values[:, kv].double()
+    return out
+
+
+@pytest.mark.parametrize("softcap", [None, 1.5])
+@pytest.mark.parametrize("window", [None, 5])
+def test_torch_attention_per_layer_window_and_softcap(
+    window: int | None, softcap: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """paged_attention with the layer's window and soft-cap, TorchAttention: a decode row, a continuation
+    chunk, a fresh prompt with its block table and one without (its own keys: the runner gives none when
+    the model has no window, nor in the memory-profiling run), against a float64 brute force; the
+    soft-capped path's query-row slicing (for long prompts) changes nothing."""
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, bs = 4, 2, 16, 4
+    lens = {"decode": 11, "continuation": 14, "fresh": 9, "fresh-no-table": 7}
+    new_tokens = {"decode": 1, "continuation": 6, "fresh": 9, "fresh-no-table": 7}
+    k_cache = 100 * torch.randn(40, bs, kv_heads, d, generator=g)  # stale slots must not leak in
+    v_cache = 100 * torch.randn(40, bs, kv_heads, d, generator=g)
+    keys = {name: torch.randn(n, kv_heads, d, generator=g) for name, n in lens.items()}
+    values = {name: torch.randn(n, kv_heads, d, generator=g) for name, n in lens.items()}
+    tables, free = {}, iter(torch.randperm(40, generator=g).tolist())
+    for name, n in lens.items():
+        tables[name] = torch.tensor([next(free) for _ in range(-(-n // bs))])
+        for pos in range(n):
+            k_cache[tables[name][pos // bs], pos % bs] = keys[name][pos]
+            v_cache[tables[name][pos // bs], pos % bs] = values[name][pos]
+    q = {name: torch.randn(new_tokens[name], heads, d, generator=g) for name in lens}
+    order = list(lens)  # decode first, as the runner lays out a step
+    starts = {name: sum(new_tokens[n] for n in order[: order.index(name)]) for name in order}
+    meta = AttentionMetadata(
+        backend=TorchAttention(), slot_mapping=torch.zeros(0, dtype=torch.int64), num_decode_tokens=1,
+        decode_block_tables=tables["decode"][None], decode_seq_lens=torch.tensor([lens["decode"]]),
+    )  # fmt: skip
+    for name in order[1:]:
+        n, start = new_tokens[name], starts[name]
+        table = torch.zeros(0, dtype=torch.int64) if name == "fresh-no-table" else tables[name]
+        meta.prefills.append(PrefillChunk(start, start + n, lens[name] - n, table))
+    step_k = torch.cat([keys[name][lens[name] - new_tokens[name] :] for name in order])
+    step_v = torch.cat([values[name][lens[name] - new_tokens[name] :] for name in order])
+    scale = 0.3
+    out = paged_attention(
+        torch.cat([q[n] for n in order]), step_k, step_v, k_cache, v_cache, meta, scale, window, softcap
+    )
+    for name in order:
+        n, start = new_tokens[name], starts[name]
+        q_pos = torch.arange(lens[name] - n, lens[name])
+        want = _brute_attention(q[name], keys[name], values[name], q_pos, window, scale, softcap)
+        torch.testing.assert_close(out[start : start + n].double(), want, rtol=1e-5, atol=1e-5, msg=name)
+    if softcap is not None:
+        monkeypatch.setattr(attention, "_SOFTCAP_SCORES", 192)  # a few query rows per slice
+        sliced = paged_attention(
+            torch.cat([q[n] for n in order]), step_k, step_v, k_cache, v_cache, meta, scale, window, softcap
+        )
+        torch.testing.assert_close(sliced, out, rtol=0, atol=1e-6)
+    # Decode alone (the decode-only fast path).
+    meta.prefills, meta.num_decode_tokens = [], 1
+    alone = paged_attention(
+        q["decode"], step_k[:1], step_v[:1], k_cache, v_cache, meta, scale, window, softcap
+    )
+    torch.testing.assert_close(alone, out[:1], rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------- the MoE layer alone
@@ -312,10 +497,13 @@ def _expected(
         part = full[rank * per : min((rank + 1) * per, cfg.vocab_size)]
         shard[: part.shape[0]] = part
         return shard
-    return hf[name]  # layer norms and q_norm / k_norm are replicated
+    return hf[name]  # layer norms (Gemma 2's four per layer too) and q_norm / k_norm are replicated
 
 
-SHARD_CASES = [("qwen3", 2), ("qwen3", 4), ("mixtral", 2), ("mixtral", 4), ("qwen3-moe", 2)]
+SHARD_CASES = [
+    ("qwen3", 2), ("qwen3", 4), ("mixtral", 2), ("mixtral", 4), ("qwen3-moe", 2),
+    ("gemma2", 2), ("gemma2", 4), ("gemma2-global", 2),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("family", "tp"), SHARD_CASES, ids=[f"{f}-tp{tp}" for f, tp in SHARD_CASES])
@@ -379,7 +567,7 @@ def test_checkpoint_missing_an_expert_is_config_error(
 
 
 def test_dummy_weights_load_for_every_family(family_dir: Callable[[str], Path]) -> None:
-    for family in ("qwen3", "mixtral", "qwen3-moe"):
+    for family in ("qwen3", "mixtral", "qwen3-moe", "gemma2"):
         cfg = build_model_config(family_dir(family), dtype="float32", device="cpu", load_format="dummy")
         model = model_class(cfg.architecture)(cfg, TPGroup(0, 1), torch.float32, torch.device("cpu"))
         loader.init_dummy_weights(model, 0, torch.float32, torch.device("cpu"))
@@ -396,6 +584,21 @@ def test_config_fields(family_dir: Callable[[str], Path]) -> None:
     assert qwen.moe_layers == (1,) and qwen.norm_topk_prob and qwen.head_dim == 16
     step2 = build_model_config(family_dir("qwen3-moe-step2"), device="cpu")
     assert step2.moe_layers == (1,) and not step2.norm_topk_prob
+    for llama_like in (mixtral, window, qwen, step2):
+        assert llama_like.hidden_act == "silu" and llama_like.attn_logit_softcapping is None
+        assert llama_like.final_logit_softcapping is None and llama_like.sliding_window_layers is None
+        assert llama_like.attention_scale == llama_like.head_dim**-0.5
+    assert [mixtral.layer_window(i) for i in range(2)] == [8, 8]
+    gemma = build_model_config(family_dir("gemma2"), device="cpu")
+    # transformers' Gemma2Config windows even layers; the window size stands whenever any layer uses it
+    assert gemma.sliding_window == 6 and gemma.sliding_window_layers == (0, 2)
+    assert [gemma.layer_window(i) for i in range(3)] == [6, None, 6]
+    assert gemma.hidden_act == "gelu_pytorch_tanh" and gemma.tie_word_embeddings and gemma.head_dim == 32
+    assert gemma.attention_scale == 24**-0.5
+    assert (gemma.attn_logit_softcapping, gemma.final_logit_softcapping) == (20.0, 10.0)
+    global_only = build_model_config(family_dir("gemma2-global"), device="cpu")
+    assert global_only.sliding_window is None and global_only.sliding_window_layers == ()
+    assert [global_only.layer_window(i) for i in range(2)] == [None, None]
 
 
 def test_tp_size_that_does_not_divide_the_experts_is_config_error(
@@ -419,4 +622,13 @@ def test_qwen3_window_on_some_layers_is_config_error(make_checkpoint: Callable[.
         "Qwen3ForCausalLM", head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=1
     )
     with pytest.raises(ConfigError, match="sliding-window attention on some layers only"):
+        make_llm(model_dir, 1)
+
+
+def test_gemma2_unsupported_settings_are_config_errors(make_checkpoint: Callable[..., Path]) -> None:
+    model_dir = make_checkpoint("Gemma2ForCausalLM", num_hidden_layers=1, hidden_activation="gelu")
+    with pytest.raises(ConfigError, match="hidden_activation 'gelu' is not supported"):
+        make_llm(model_dir, 1)
+    model_dir = make_checkpoint("Gemma2ForCausalLM", num_hidden_layers=1, use_bidirectional_attention=True)
+    with pytest.raises(ConfigError, match="use_bidirectional_attention is not supported"):
         make_llm(model_dir, 1)

@@ -64,8 +64,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         return interpreter_dot(self, widen(a), widen(b), *rest)
     interpreter.InterpreterBuilder.create_dot = widened_dot
 
-def attend(q, keys, vals, q_pos, window, scale):
-    # q [n, H, D] at positions q_pos [n]; keys/vals [T, KVH, D] at positions 0..T-1 -> [n, H, D] float64
+def attend(q, keys, vals, q_pos, window, scale, softcap=None):
+    # q [n, H, D] at positions q_pos [n]; keys/vals [T, KVH, D] at positions 0..T-1 -> [n, H, D] float64;
+    # softcap: scores -> softcap * tanh(scores / softcap) before masking
     H, KVH = q.shape[1], keys.shape[1]
     k_pos = torch.arange(keys.shape[0])
     allowed = k_pos[None, :] <= q_pos[:, None]
@@ -74,6 +75,8 @@ def attend(q, keys, vals, q_pos, window, scale):
     out = torch.empty(q.shape, dtype=torch.float64)
     for h in range(H):
         s = q[:, h].double() @ keys[:, h // (H // KVH)].double().T * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
         out[:, h] = torch.softmax(s.masked_fill(~allowed, -math.inf), 1) @ vals[:, h // (H // KVH)].double()
     return out
 
@@ -100,7 +103,7 @@ def close(got, want, dtype):
 """
 
 DECODE_VS_BRUTE_FORCE = """
-def check(dtype, H, KVH, D, BS, lens, windows, splits_list):
+def check(dtype, H, KVH, D, BS, lens, windows, splits_list, softcap=None):
     kc, vc, tables, tables_dev = paged_cache(lens, BS, KVH, D, dtype)
     qkv = torch.randn(len(lens), H + 2, D).to(dtype)
     q, q_dev = qkv[:, 1 : H + 1], qkv.to(DEVICE)[:, 1 : H + 1]  # a strided view, as of the QKV output
@@ -109,14 +112,15 @@ def check(dtype, H, KVH, D, BS, lens, windows, splits_list):
     for window in windows:
         want = torch.cat([
             attend(q[b : b + 1], kc[tables[b]].view(-1, KVH, D)[:L], vc[tables[b]].view(-1, KVH, D)[:L],
-                   torch.tensor([L - 1]), window, scale)
+                   torch.tensor([L - 1]), window, scale, softcap)
             for b, L in enumerate(lens)
         ])
         for splits in splits_list:
-            got = kernels.paged_decode_attention(q_dev, *caches, tables_dev, lens_dev, scale, window, splits)
+            got = kernels.paged_decode_attention(q_dev, *caches, tables_dev, lens_dev, scale, window, splits,
+                                                 softcap=softcap)
             assert got.dtype == dtype and got.shape == q.shape
             ok, err = close(got.cpu(), want, dtype)
-            assert ok, (dtype, H, KVH, D, BS, lens, window, splits, kernels.DECODE_BLOCK_N, err)
+            assert ok, (dtype, H, KVH, D, BS, lens, window, splits, softcap, kernels.DECODE_BLOCK_N, err)
 
 f32, bf16 = torch.float32, torch.bfloat16
 # GQA group 4, head_dim 24, one-token and tile-boundary lengths, splits 1/2/3/7 (some splits empty)
@@ -133,11 +137,16 @@ kernels.DECODE_BLOCK_N = 64
 # bfloat16, head_dim 128 and 256 (a halved KV tile)
 check(bf16, 8, 2, 128, 16, [1, 90, 257], [None, 64], [1, 4])
 check(bf16, 4, 2, 256, 32, [3, 150], [None, 40], [1, 3])
+# Attention logit soft-capping (Gemma 2): a cap of 1.5 bends scores of std ~1 hard; with a window and
+# split-KV (some splits empty), MQA, and bfloat16
+check(f32, 8, 2, 24, 16, [1, 37, 130, 64], [None, 20], [1, 2, 7], softcap=1.5)
+check(f32, 4, 1, 12, 32, [200, 1, 65], [None, 50], [1, 16], softcap=1.5)
+check(bf16, 8, 4, 128, 16, [1, 90, 257], [None, 64], [1, 4], softcap=1.5)
 print("OK")
 """
 
 PREFILL_VS_BRUTE_FORCE = """
-def check(dtype, H, KVH, D, BS, cases, windows):
+def check(dtype, H, KVH, D, BS, cases, windows, softcap=None):
     for context_len, chunk_len in cases:
         T = context_len + chunk_len
         kc, vc, tables, _ = paged_cache([T], BS, KVH, D, dtype)
@@ -146,12 +155,13 @@ def check(dtype, H, KVH, D, BS, cases, windows):
         q, q_dev = qkv[:, 1 : H + 1], qkv.to(DEVICE)[:, 1 : H + 1]
         for window in windows:
             want = attend(q, kc[table].view(-1, KVH, D)[:T], vc[table].view(-1, KVH, D)[:T],
-                          torch.arange(context_len, T), window, D ** -0.5)
+                          torch.arange(context_len, T), window, D ** -0.5, softcap)
             got = kernels.paged_prefill_attention(q_dev, kc.to(DEVICE), vc.to(DEVICE), table.to(DEVICE),
-                                                  context_len, D ** -0.5, window)
+                                                  context_len, D ** -0.5, window, softcap=softcap)
             assert got.dtype == dtype and got.shape == q.shape
             ok, err = close(got.cpu(), want, dtype)
-            assert ok, (dtype, H, KVH, D, BS, context_len, chunk_len, window, kernels.PREFILL_BLOCK_M, err)
+            where = (dtype, H, KVH, D, BS, context_len, chunk_len, window, softcap, kernels.PREFILL_BLOCK_M)
+            assert ok, (where, err)
 
 f32, bf16 = torch.float32, torch.bfloat16
 check(f32, 8, 2, 24, 16, [(0, 20), (37, 5), (64, 70), (100, 1)], [None, 24])
@@ -160,6 +170,12 @@ kernels.PREFILL_BLOCK_M = 16  # several query tiles; a window skips whole key ti
 check(f32, 3, 3, 12, 16, [(0, 50), (150, 40)], [None, 17])
 kernels.PREFILL_BLOCK_M = 64
 check(bf16, 4, 2, 128, 16, [(20, 33)], [None, 16])
+# Soft-capped scores (cap 1.5), with and without a window, one and several query tiles
+check(f32, 8, 2, 24, 16, [(0, 20), (37, 5), (64, 70)], [None, 24], softcap=1.5)
+kernels.PREFILL_BLOCK_M = 16
+check(f32, 3, 3, 12, 16, [(0, 50), (150, 40)], [None, 17], softcap=1.5)
+kernels.PREFILL_BLOCK_M = 64
+check(bf16, 4, 2, 128, 16, [(20, 33)], [None, 16], softcap=1.5)
 print("OK")
 """
 
@@ -193,8 +209,8 @@ def _run(script: str, *args: str, interpret: bool = True) -> str:
 FUSED_VS_TORCH = """
 import torch
 from tp_runtime.layers import fused_triton
-from tp_runtime.layers.activation import silu_and_mul
-from tp_runtime.layers.norm import RMSNorm
+from tp_runtime.layers.activation import gelu_tanh_and_mul, silu_and_mul
+from tp_runtime.layers.norm import GemmaRMSNorm, RMSNorm
 from tp_runtime.layers.rotary import apply_rotary
 torch.manual_seed(0)
 def close(got, want, dtype, exact_tol=1e-6):
@@ -221,6 +237,28 @@ for dtype in (torch.float32, torch.bfloat16):
         assert close(got, want, dtype, 0), (dtype, head_dim, (got.float() - want.float()).abs().max())
     gate_up = torch.randn(3, 2 * 40).to(dtype)
     assert close(fused_triton.silu_and_mul(gate_up), silu_and_mul(gate_up), dtype), dtype
+# Gemma: (1 + w) in float32, rounded once; GeGLU with the tanh GELU (large gates: both tails)
+torch.manual_seed(1)
+for dtype in (torch.float32, torch.bfloat16):
+    x, res = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype)
+    gemma = GemmaRMSNorm(96, 1e-6, dtype, torch.device("cpu"))
+    gemma.weight.data = torch.randn(96).to(dtype)
+    res_t, res_f = res.clone(), res.clone()
+    want = gemma(x, res_t)
+    got = fused_triton.rms_norm(x, gemma.weight, 1e-6, res_f, unit_offset=True)
+    assert close(res_f, res_t, dtype, 0), dtype
+    assert close(got, want, dtype), (dtype, (got.float() - want.float()).abs().max())
+    assert close(fused_triton.rms_norm(x, gemma.weight, 1e-6, unit_offset=True), gemma(x), dtype)
+    gate_up = (6 * torch.randn(3, 2 * 1100)).to(dtype)  # two column blocks
+    got = fused_triton.gelu_tanh_and_mul(gate_up)
+    if dtype == torch.float32:
+        # Held to float64: where the gate is very negative PyTorch's 1 + tanh(u) cancels (~1e-3 relative
+        # error on outputs near 0); the kernel's x / (1 + exp(-2u)) does not.
+        want64 = gelu_tanh_and_mul(gate_up.double())
+        assert torch.allclose(got.double(), want64, rtol=2e-6, atol=1e-6), (got.double() - want64).abs().max()
+    else:
+        want = gelu_tanh_and_mul(gate_up)
+        assert close(got, want, dtype), (dtype, (got.float() - want.float()).abs().max())
 print("OK")
 """
 
@@ -301,3 +339,36 @@ def test_engine_with_triton_kernels_matches_hf(
     assert (got["preemptions"] > 0) == bool(engine_args)
     got = got["tokens"]
     assert got == hf_greedy(model_dir, prompts, 8)
+
+
+GEMMA2 = {
+    "num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
+    "attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0, "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("graphs", "engine_args"), [("off", {}), ("padded", CHUNKED_PREEMPTED)])
+def test_engine_with_triton_kernels_matches_hf_gemma2(
+    make_checkpoint: Callable[..., Path], graphs: str, engine_args: dict[str, int]
+) -> None:
+    """Gemma 2 (windowed and global layers, both soft-caps) through the Triton attention kernels and the
+    fused (1 + w) RMSNorm and GeGLU kernels, against HF's eager attention (SDPA drops the soft-cap)."""
+    import json
+
+    import transformers
+
+    model_dir = make_checkpoint("Gemma2ForCausalLM", **GEMMA2)
+    prompts = [list(range(3, 30)), list(range(5, 35)), [5, 9, 200]]
+    got = json.loads(_run(ENGINE_VS_HF, str(model_dir), json.dumps(prompts), graphs, json.dumps(engine_args)))
+    assert (got["preemptions"] > 0) == bool(engine_args)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model.generation_config.eos_token_id = None
+    want = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             pad_token_id=0)  # fmt: skip
+        want.append(out[0, len(p) :].tolist())
+    assert got["tokens"] == want

@@ -144,3 +144,15 @@ def test_chat_message_the_tokenizer_cannot_encode(llm: LLM) -> None:
     conv = [{"role": "user", "content": "a\ud800b"}]
     with pytest.raises(InvalidRequestError, match=re.escape(r"'\ud800'")):
         llm.chat(conv, GREEDY4, chat_template="{{ messages[0]['content'] }}", use_tqdm=False)
+
+
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
+def test_logprobs_beyond_max_logprobs_say_what_to_raise(llm: LLM, name: str) -> None:
+    limit = llm.config.max_logprobs
+    assert limit < VOCAB
+    with pytest.raises(
+        InvalidRequestError, match=rf"{name}={limit + 1} exceeds max_logprobs={limit}.*max_logprobs"
+    ):
+        llm.generate(PROBE, SamplingParams(max_tokens=2, **{name: limit + 1}), use_tqdm=False)
+    out = llm.generate(PROBE, SamplingParams(max_tokens=2, **{name: limit}), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids

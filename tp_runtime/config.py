@@ -64,6 +64,28 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # each expert's FFN width
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    # The layers that attend within sliding_window; None: every layer (when sliding_window is set).
+    # sliding_window is the window whenever any layer has one (the runner then keeps fresh prompts' block
+    # tables); layer_window(i) is layer i's own.
+    sliding_window_layers: tuple[int, ...] | None = None
+    # The dense MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma 2).
+    hidden_act: str = "silu"
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
+    query_pre_attn_scalar: float | None = None
+    # Soft-capping, cap * tanh(x / cap): of attention scores before masking, and of the final logits.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it attends to the whole context)."""
+        if self.sliding_window_layers is None or layer in self.sliding_window_layers:
+            return self.sliding_window
+        return None
+
+    @property
+    def attention_scale(self) -> float:
+        base = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+        return float(base**-0.5)
 
 
 @dataclass(frozen=True)
@@ -157,6 +179,9 @@ class EngineConfig:
     # Residual add + RMSNorm, rotary and SiLU-mul: "auto" (fused Triton kernels on CUDA if Triton is
     # installed, else PyTorch ops), "torch", "triton".
     fused_kernels: str = "auto"
+    # The most logprobs / prompt_logprobs a request may ask for (vLLM's default is 20): it bounds the size
+    # of a worker's reply, and so the reply socket's message size limit.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.fused_kernels not in ("auto", "torch", "triton"):
@@ -173,6 +198,12 @@ class EngineConfig:
                 f"{self.device!r}); use 'auto' or 'torch' on the CPU (or Triton's interpreter, "
                 "TRITON_INTERPRET=1)"
             )
+        if (
+            isinstance(self.max_logprobs, bool)
+            or not isinstance(self.max_logprobs, int)
+            or self.max_logprobs < 0
+        ):
+            raise ConfigError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         if self.cuda_graphs not in ("auto", "off", "padded"):
             raise ConfigError(f"cuda_graphs must be auto|off|padded, got {self.cuda_graphs!r}")
         if not isinstance(self.async_scheduling, bool):
@@ -321,15 +352,17 @@ def build_model_config(
         )
     num_heads = int(hf.num_attention_heads)
     head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // num_heads)
-    if getattr(hf, "hidden_act", "silu") != "silu":
+    # What the architecture decides (biases, sliding window, experts, activation, soft-capping), over
+    # these defaults.
+    adapted = ARCHITECTURES[arch].config(hf)
+    if "hidden_act" not in adapted and getattr(hf, "hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act {hf.hidden_act!r} is not supported (only silu)")
-    # What the architecture decides (biases, sliding window, experts), over these defaults.
     specific: dict[str, Any] = {
         "qkv_bias": False,
         "o_proj_bias": False,
         "mlp_bias": bool(getattr(hf, "mlp_bias", False)),
         "sliding_window": None,
-        **ARCHITECTURES[arch].config(hf),
+        **adapted,
     }
     sliding = specific.pop("sliding_window")
     derived_max = int(hf.max_position_embeddings)

@@ -53,7 +53,6 @@ class DecodeGraphs:
         max_batch: int,
         max_blocks: int,
         trash_slot: int,
-        sliding_window: int | None,
         device: torch.device,
         capture: bool,
         token_feed: torch.Tensor,
@@ -65,7 +64,6 @@ class DecodeGraphs:
         self.batch_sizes = batch_buckets(max_batch)
         self.block_sizes = block_buckets(max_blocks)
         self.trash_slot = trash_slot
-        self.window = sliding_window
         self.device = device
         self.capture = capture
         self.attention = attention
@@ -98,7 +96,6 @@ class DecodeGraphs:
             decode_block_tables=inputs[:, _TABLE : _TABLE + blocks],
             decode_seq_lens=inputs[:, _LEN],
             decode_num_splits=self.attention.num_decode_splits(rows, blocks),
-            sliding_window=self.window,
         )
         return self._forward(input_ids, inputs[:, _POS], meta)
 

@@ -149,10 +149,15 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"expected SamplingParams, got {type(params).__name__}")
         vocab = self.config.model.vocab_size
+        limit = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > vocab:
-                raise InvalidRequestError(f"{name}={value} exceeds the vocabulary size {vocab}")
+            if value is not None and value > min(vocab, limit):
+                raise InvalidRequestError(
+                    f"{name}={value} exceeds "
+                    + (f"the vocabulary size {vocab}" if value > vocab else f"max_logprobs={limit}")
+                    + "; ask for fewer (or raise LLM(max_logprobs=...))"
+                )
         for t in params.stop_token_ids or []:
             if t >= vocab:
                 raise InvalidRequestError(f"stop token id {t} is outside the vocabulary [0, {vocab})")
@@ -330,6 +335,7 @@ class LLM:
         cuda_graphs: str = "auto",
         attention_backend: str = "auto",
         fused_kernels: str = "auto",
+        max_logprobs: int = 20,
     ) -> None:
         resolved_device = resolve_device(device)
         model_config = build_model_config(
@@ -355,6 +361,7 @@ class LLM:
             cuda_graphs="off" if enforce_eager else cuda_graphs,
             attention_backend=attention_backend,
             fused_kernels=fused_kernels,
+            max_logprobs=max_logprobs,
         )  # fmt: skip
         self._start(config)
 

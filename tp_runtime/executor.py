@@ -192,9 +192,10 @@ def message_limits(config: EngineConfig) -> tuple[int, int]:
     new_requests = min(sched.max_num_seqs, sched.max_num_batched_tokens)
     broadcast = new_requests * (model.max_model_len + seq_blocks + vocab + 64)
     broadcast += sched.max_num_seqs * (seq_blocks + 8)
-    # A row per request: its token, and up to a vocabulary of (id, logprob) pairs plus a rank; prompt
+    # A row per request: its token, and up to max_logprobs + 1 (id, logprob) pairs plus a rank; prompt
     # logprobs the same for every token of the step.
-    reply = (sched.max_num_seqs + sched.max_num_batched_tokens) * (2 * vocab + 8)
+    pairs = min(vocab, config.max_logprobs + 1)
+    reply = (sched.max_num_seqs + sched.max_num_batched_tokens) * (2 * pairs + 8)
     return 2 * 9 * broadcast + (1 << 20), 2 * 9 * reply + (1 << 20)
 
 

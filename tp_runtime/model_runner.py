@@ -246,7 +246,7 @@ class ModelRunner:
         if mode != "off":
             self.decode_graphs = DecodeGraphs(
                 self._graph_forward, self.block_size, self.config.scheduler.max_num_seqs, self.max_blocks,
-                trash_slot=num_blocks * self.block_size, sliding_window=self.sliding_window,
+                trash_slot=num_blocks * self.block_size,
                 device=self.device, capture=mode == "capture", token_feed=self.token_feed,
                 attention=self.attention,
             )  # fmt: skip
@@ -431,7 +431,6 @@ class ModelRunner:
             )  # fmt: skip
         meta = AttentionMetadata(
             backend=self.attention, slot_mapping=self._to_device(slots), num_decode_tokens=num_decode,
-            sliding_window=self.sliding_window,
         )  # fmt: skip
         if num_decode:
             d_lens = seq_lens[:num_decode]

@@ -11,7 +11,13 @@ Backends:
 - `TritonAttention` (CUDA; CPU tensors under TRITON_INTERPRET=1): split-KV paged decode that reads the
   cache blocks in place, splitting each context across programs when the batch alone cannot fill the
   GPU; continuation prefill chunks run a paged prefill kernel.
-Either way, a fresh prompt with no sliding window attends to its own keys with causal SDPA (no cache read).
+Either way, a fresh prompt with no sliding window and no soft-cap attends to its own keys with causal SDPA
+(no cache read).
+
+The sliding window and the attention logit soft-cap (scores -> cap * tanh(scores / cap), before masking,
+as Gemma 2) are properties of the layer, which passes them to `paged_attention`: layers of one model may
+differ (Gemma 2 alternates windowed and global layers). SDPA has no soft-cap, so with one the PyTorch paths
+compute the scores explicitly.
 """
 
 from __future__ import annotations
@@ -40,7 +46,6 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [num_decode] context length after this step
     decode_num_splits: int = 1  # split-KV programs per (sequence, KV head), fixed per batch shape
     prefills: list[PrefillChunk] = field(default_factory=list)
-    sliding_window: int | None = None
 
 
 class AttentionBackend(Protocol):
@@ -56,6 +61,8 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """q: [num_decode, heads, d] -> [num_decode, heads, d]."""
         ...
@@ -68,9 +75,11 @@ class AttentionBackend(Protocol):
         chunk: PrefillChunk,
         window: int | None,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """A continuation chunk (or any chunk under a sliding window): q [chunk, heads, d], whose keys and
-        values are already in the cache with the context before them -> [chunk, heads, d]."""
+        """A continuation chunk (or any chunk under a sliding window or soft-cap whose block table the
+        runner gave): q [chunk, heads, d], whose keys and values are already in the cache with the context
+        before them -> [chunk, heads, d]."""
         ...
 
 
@@ -112,6 +121,8 @@ class TorchAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         tables, seq_lens = meta.decode_block_tables, meta.decode_seq_lens
         assert tables is not None and seq_lens is not None, "internal: decode metadata missing"
@@ -119,7 +130,9 @@ class TorchAttention:
         values = _gather(v_cache, tables)
         key_pos = torch.arange(keys.shape[2], device=q.device)
         # Row i's query sits at position seq_lens[i] - 1; a padding row attends to key 0 only.
-        mask = _allowed(seq_lens - 1, key_pos, meta.sliding_window)
+        mask = _allowed(seq_lens - 1, key_pos, window)
+        if softcap is not None:
+            return _sdpa(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale, softcap).squeeze(2)
         # GQA without repeating keys: the query heads sharing a KV head become that head's query rows
         # (head h uses KV head h // group, as transformers' repeat_kv lays them out).
         seqs, heads, d = q.shape
@@ -137,13 +150,15 @@ class TorchAttention:
         chunk: PrefillChunk,
         window: int | None,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         keys = _gather(k_cache, chunk.block_table.unsqueeze(0))
         values = _gather(v_cache, chunk.block_table.unsqueeze(0))
         n = q.shape[0]
         q_pos = torch.arange(chunk.context_len, chunk.context_len + n, device=q.device)
         mask = _allowed(q_pos, torch.arange(keys.shape[2], device=q.device), window)
-        return _sdpa(q.transpose(0, 1).unsqueeze(0), keys, values, mask[None, None], scale)[0].transpose(0, 1)
+        out = _sdpa(q.transpose(0, 1).unsqueeze(0), keys, values, mask[None, None], scale, softcap)
+        return out[0].transpose(0, 1)
 
 
 class TritonAttention:
@@ -169,13 +184,15 @@ class TritonAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         from tp_runtime.layers.paged_decode_triton import paged_decode_attention
 
         assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
         return paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.sliding_window,
-            meta.decode_num_splits,
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window,
+            meta.decode_num_splits, softcap=softcap,
         )  # fmt: skip
 
     def prefill(
@@ -186,11 +203,12 @@ class TritonAttention:
         chunk: PrefillChunk,
         window: int | None,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         from tp_runtime.layers.paged_decode_triton import paged_prefill_attention
 
         return paged_prefill_attention(
-            q, k_cache, v_cache, chunk.block_table, chunk.context_len, scale, window
+            q, k_cache, v_cache, chunk.block_table, chunk.context_len, scale, window, softcap=softcap
         )
 
 
@@ -211,12 +229,46 @@ def make_attention_backend(
 
 
 def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q: [seqs, heads, q_len, d]; k/v: [seqs, kv_heads, kv_len, d]."""
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
-    )
+    """q: [seqs, heads, q_len, d]; k/v: [seqs, kv_heads, kv_len, d]; mask: None (causal, q_len == kv_len)
+    or boolean, broadcastable to [seqs, 1, q_len, kv_len]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
+    # Soft-capped scores, in transformers' eager order: (q @ k^T) * scale, / cap, tanh, * cap, mask,
+    # softmax in float32. The query heads sharing a KV head are grouped, so keys are never repeated; query
+    # rows go in slices that keep each [heads, rows, keys] temporary near _SOFTCAP_SCORES elements.
+    seqs, heads, q_len, d = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    grouped = q.view(seqs, kv_heads, heads // kv_heads, q_len, d)
+    keys_t, values = k.unsqueeze(2).transpose(-1, -2), v.unsqueeze(2)
+    out = torch.empty((seqs, kv_heads, heads // kv_heads, q_len, d), dtype=q.dtype, device=q.device)
+    rows = max(1, _SOFTCAP_SCORES // max(1, seqs * heads * kv_len))
+    for r0 in range(0, q_len, rows):
+        r1 = min(r0 + rows, q_len)
+        if mask is None:  # causal, queries and keys aligned
+            allowed = _allowed(
+                torch.arange(r0, r1, device=q.device), torch.arange(kv_len, device=q.device), None
+            )
+        else:
+            allowed = mask[..., r0:r1, :]
+        scores = torch.matmul(grouped[..., r0:r1, :], keys_t) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~allowed.unsqueeze(-3), float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[..., r0:r1, :] = torch.matmul(probs, values)
+    return out.view(seqs, heads, q_len, d)
+
+
+# Score elements per slice of the soft-capped attention path (2**26: 256 MiB in float32).
+_SOFTCAP_SCORES = 1 << 26
 
 
 def paged_attention(
@@ -227,25 +279,48 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q: [tokens, heads, d]; k/v: this step's [tokens, kv_heads, d] (already in the cache)."""
+    """q: [tokens, heads, d]; k/v: this step's [tokens, kv_heads, d] (already in the cache). `window`: this
+    layer's sliding window (None: the whole context); `softcap`: its attention logit soft-cap (None: off)."""
     num_decode = meta.num_decode_tokens
+    backend = meta.backend
     if num_decode == q.shape[0] and not meta.prefills:
-        return meta.backend.decode(q, k_cache, v_cache, meta, scale)
+        return backend.decode(q, k_cache, v_cache, meta, scale, window, softcap)
     out = torch.empty_like(q)
     if num_decode:
-        out[:num_decode] = meta.backend.decode(q[:num_decode], k_cache, v_cache, meta, scale)
-    window = meta.sliding_window
+        out[:num_decode] = backend.decode(q[:num_decode], k_cache, v_cache, meta, scale, window, softcap)
     for chunk in meta.prefills:
         q_chunk = q[chunk.start : chunk.end]
-        if chunk.context_len == 0 and window is None:
+        fresh = chunk.context_len == 0
+        if fresh and window is None and softcap is None:
             # A fresh prompt: its own keys are all it attends to (the fastest SDPA, no cache read).
-            keys = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
-            values = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
-            chunk_out = _sdpa(q_chunk.transpose(0, 1).unsqueeze(0), keys, values, None, scale)[0].transpose(
-                0, 1
-            )
+            chunk_out = _own_keys_attention(q_chunk, k, v, chunk, None, scale, None)
+        elif fresh and chunk.block_table.numel() == 0:
+            # A fresh prompt the runner gave no block table (its config has no sliding window, or the
+            # memory-profiling run): its own keys, with this layer's window and soft-cap.
+            chunk_out = _own_keys_attention(q_chunk, k, v, chunk, window, scale, softcap)
         else:
-            chunk_out = meta.backend.prefill(q_chunk, k_cache, v_cache, chunk, window, scale)
+            chunk_out = backend.prefill(q_chunk, k_cache, v_cache, chunk, window, scale, softcap)
         out[chunk.start : chunk.end] = chunk_out
     return out
+
+
+def _own_keys_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    chunk: PrefillChunk,
+    window: int | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """A fresh prompt's chunk q [n, heads, d] over the step's own keys/values of that chunk."""
+    keys = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+    values = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+    mask = None
+    if window is not None:
+        pos = torch.arange(q.shape[0], device=q.device)
+        mask = _allowed(pos, pos, window)[None, None]
+    return _sdpa(q.transpose(0, 1).unsqueeze(0), keys, values, mask, scale, softcap)[0].transpose(0, 1)

@@ -1,5 +1,5 @@
 """Triton kernels that fuse the small elementwise ops around the matmuls: residual add + RMSNorm, rotary
-embedding, SiLU-and-mul.
+embedding, SiLU-and-mul (GELU-tanh-and-mul for GeGLU).
 
 In a decode step these ops run on a handful of rows, so each PyTorch op is a kernel launch that moves
 almost no data: a Llama layer issued ~40 of them, ~1,300 per 8B step and ~40 % of a batch-1 step's device
@@ -28,6 +28,7 @@ def _add_rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -39,23 +40,32 @@ def _add_rms_norm_kernel(
         tl.store(residual_ptr + row * residual_stride + cols, x, mask=mask)
     h = x.to(tl.float32)
     var = tl.sum(h * h, axis=0) / n_cols
-    normed = (h * tl.rsqrt(var + eps)).to(x.dtype)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+    if UNIT_OFFSET:
+        # Gemma: (1 + w) times the float32 normalised row, rounded once.
+        out = (h * tl.rsqrt(var + eps) * (1.0 + w.to(tl.float32))).to(x.dtype)
+    else:
+        normed = (h * tl.rsqrt(var + eps)).to(x.dtype)
+        out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
     tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ) -> torch.Tensor:
-    """weight * RMSNorm(x [+ residual]); with a residual, it is updated in place to x + residual first."""
+    """weight * RMSNorm(x [+ residual]); with a residual, it is updated in place to x + residual first.
+    `unit_offset`: (1 + weight) * RMSNorm in float32, rounded once (layers/norm.py GemmaRMSNorm)."""
     rows, n_cols = x.shape
     out = torch.empty_like(x)
     if rows:
         _add_rms_norm_kernel[(rows,)](
             x, x if residual is None else residual, weight, out,
             x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0), n_cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols), UNIT_OFFSET=unit_offset,
         )  # fmt: skip
     return out
 
@@ -255,6 +265,38 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     if rows:
         _silu_and_mul_kernel[(rows, triton.cdiv(n_cols, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), n_cols, BLOCK=block
+        )
+    return out
+
+
+@triton.jit
+def _gelu_tanh_and_mul_kernel(
+    gate_up_ptr, out_ptr, in_stride, out_stride, n_cols, BLOCK: tl.constexpr
+):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(gate_up_ptr + row * in_stride + cols, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * in_stride + n_cols + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    # 0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3): no cancellation
+    # near 1 + tanh(u) = 0, and no tanh (libdevice's does not run in the interpreter).
+    # More exact than PyTorch's formula where the gate is very negative (there 1 + tanh(u) cancels).
+    u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    e = tl.exp(tl.minimum(-2.0 * u, 80.0))  # capped: no inf (the result is ~0 there either way)
+    act = (g / (1.0 + e)).to(gate.dtype)  # F.gelu rounds to the model dtype before the mul
+    out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    rows, width = gate_up.shape
+    n_cols = width // 2
+    out = torch.empty((rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    if rows:
+        _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(n_cols, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), n_cols, BLOCK=block
         )
     return out

@@ -46,3 +46,26 @@ class HeadRMSNorm(RMSNorm):
         # q/k are strided views into the fused QKV output; one [tokens * heads, head_dim] copy serves both
         # the fused kernel (which wants 2-D rows) and the PyTorch path.
         return super().forward(x.reshape(-1, x.shape[-1])).view(x.shape)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint weight w scales by (1 + w), and the product is taken in float32
+    before the cast back (transformers' Gemma2RMSNorm; Llama casts first, then multiplies)."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device, fused: bool = False
+    ) -> None:
+        super().__init__(hidden_size, eps, dtype, device, fused)
+        self.weight.data.zero_()  # the identity, as transformers initialises it
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fused:
+            from tp_runtime.layers.fused_triton import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual, unit_offset=True)
+        if residual is not None:
+            residual.add_(x)
+            x = residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)

@@ -17,7 +17,8 @@ preempted request resuming).
 Conventions shared by both: caches are [num_blocks, block_size, kv_heads, head_dim]; query head h uses KV
 head h // (heads // kv_heads); a sliding window w > 0 lets a query at position p see keys k with
 p - w < k <= p. Head dims that are not powers of two are padded (HEAD_DIM_PAD) and masked. Scores are kept
-in base 2 (scaled by log2(e)) so the softmax uses exp2.
+in base 2 (scaled by log2(e)) so the softmax uses exp2. A soft-cap c > 0 (Gemma 2) replaces each scaled score
+s by c * tanh(s / c) before masking, as transformers does.
 """
 
 from __future__ import annotations
@@ -67,6 +68,24 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2 (libdevice's tanh does not run in Triton's interpreter): within ~1e-7 of it."""
+    t = tl.exp2(-2.885390081777927 * tl.abs(x))  # exp(-2|x|)
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def _scores(q, k, qk_scale, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    """Scores in base 2. SOFTCAP > 0: qk_scale is the plain softmax scale, and the scaled scores are capped
+    (c * tanh(s / c)) before the change of base; else qk_scale already holds log2(e)."""
+    s = _dot(q, tl.trans(k), IEEE) * qk_scale
+    if SOFTCAP > 0:
+        s = _tanh(s / SOFTCAP) * (SOFTCAP * 1.4426950408889634)
+    return s
+
+
+@triton.jit
 def _token_offsets(table_row_ptr, pos, valid, stride_block, stride_token, BLOCK_SIZE: tl.constexpr):
     """Cache offsets of the tokens at positions pos: one block-table entry per token, so a tile may span
     several cache blocks or part of one. Masked-off tokens get block 0 without reading the table, which may
@@ -87,7 +106,7 @@ def _decode_kernel(
     out_ptr,  # NUM_SPLITS == 1: the output [seqs, heads, head_dim]; else partial acc [seqs, heads, splits, d]
     m_ptr,  # [seqs, heads, splits] float32 running max (base 2); unused when NUM_SPLITS == 1
     l_ptr,  # [seqs, heads, splits] float32 softmax denominators
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (SOFTCAP > 0: the softmax scale)
     window,  # <= 0: no sliding window
     stride_q_seq,
     stride_q_head,
@@ -105,6 +124,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,  # cache block size
     BLOCK_N: tl.constexpr,  # KV tile
     NUM_SPLITS: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # attention logit soft-cap; 0: off
     IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -146,7 +166,7 @@ def _decode_kernel(
         kv_mask = valid[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), IEEE) * qk_scale
+        s = _scores(q, k, qk_scale, SOFTCAP, IEEE)
         s = tl.where(valid[None, :], s, float("-inf"))
         # Every tile in range holds a valid key, so m_new is finite from the first tile on.
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -233,6 +253,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
@@ -266,7 +287,7 @@ def _prefill_kernel(
         kv_mask = valid[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), IEEE) * qk_scale
+        s = _scores(q, k, qk_scale, SOFTCAP, IEEE)
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         allowed &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))
@@ -304,6 +325,13 @@ def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
     return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
 
 
+def _qk_scale(scale: float, softcap: float | None) -> tuple[float, float]:
+    """The kernels' (qk_scale, SOFTCAP) arguments."""
+    if softcap:
+        return scale, float(softcap)
+    return scale * LOG2E, 0.0
+
+
 def choose_num_splits(
     num_seqs: int, num_kv_heads: int, num_blocks: int, block_size: int, num_sms: int
 ) -> int:
@@ -331,8 +359,11 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None,
     num_splits: int = 1,
+    *,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [seqs, heads, head_dim], one query per sequence at position seq_len - 1 -> [seqs, heads, head_dim].
+    `softcap`: attention logit soft-cap (None or 0: off).
 
     block_tables: [seqs, width] (any row stride); seq_lens: [seqs] (any stride), each >= 1. Launches depend
     only on shapes and num_splits (no host sync), so this can be captured in a CUDA graph.
@@ -357,13 +388,14 @@ def paged_decode_attention(
         acc = torch.empty((seqs, heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         m = torch.empty((seqs, heads, num_splits), dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
+    qk_scale, cap = _qk_scale(scale, softcap)
     _decode_kernel[(seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, acc, m, l, scale * LOG2E, sliding_window or 0,
+        q, k_cache, v_cache, block_tables, seq_lens, acc, m, l, qk_scale, sliding_window or 0,
         q.stride(0), q.stride(1), block_tables.stride(0), seq_lens.stride(0),
         stride_block, stride_token, stride_kv_head, out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
+        NUM_SPLITS=num_splits, SOFTCAP=cap, IEEE=q.dtype == torch.float32,
         num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
     )  # fmt: skip
     if num_splits > 1:
@@ -383,10 +415,12 @@ def paged_prefill_attention(
     context_len: int,
     scale: float,
     sliding_window: int | None,
+    *,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One sequence's prefill chunk, causal: q [chunk_len, heads, head_dim] holds positions context_len ..
     context_len + chunk_len - 1, whose keys/values are already in the cache with all earlier context;
-    block_table [blocks] covers them all. -> [chunk_len, heads, head_dim]."""
+    block_table [blocks] covers them all. -> [chunk_len, heads, head_dim]. `softcap` as for decode."""
     chunk_len, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     out = torch.empty((chunk_len, heads, head_dim), dtype=q.dtype, device=q.device)
@@ -398,11 +432,13 @@ def paged_prefill_attention(
     stride_block, stride_token, stride_kv_head = _cache_strides(k_cache, v_cache)
     head_dim_pad = _head_dim_pad(head_dim)
     block_m = _tile(PREFILL_BLOCK_M, head_dim_pad, q.dtype)
+    qk_scale, cap = _qk_scale(scale, softcap)
     _prefill_kernel[(triton.cdiv(chunk_len, block_m), heads)](
-        q, k_cache, v_cache, block_table, out, scale * LOG2E, sliding_window or 0, context_len, chunk_len,
+        q, k_cache, v_cache, block_table, out, qk_scale, sliding_window or 0, context_len, chunk_len,
         q.stride(0), q.stride(1), stride_block, stride_token, stride_kv_head,
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=_tile(PREFILL_BLOCK_N, head_dim_pad, q.dtype), IEEE=q.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=_tile(PREFILL_BLOCK_N, head_dim_pad, q.dtype), SOFTCAP=cap,
+        IEEE=q.dtype == torch.float32,
         num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES,
     )  # fmt: skip
     return out

@@ -41,6 +41,9 @@ class LlamaAttention(nn.Module):
             cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, tp, dtype, device
         )
         self.scale = cfg.head_dim**-0.5
+        # This layer's sliding window and attention logit soft-cap (Gemma 2 sets them per layer).
+        self.window: int | None = cfg.sliding_window
+        self.softcap: float | None = None
 
     def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim], before rotary."""
@@ -73,7 +76,9 @@ class LlamaAttention(nn.Module):
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
             write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window, softcap=self.softcap
+        )
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
     def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:

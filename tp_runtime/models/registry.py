@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tp_runtime.errors import ConfigError
+from tp_runtime.models.gemma2 import Gemma2ForCausalLM, gemma2_config
 from tp_runtime.models.interface import CausalLMFactory, ConfigAdapter
 from tp_runtime.models.llama import LlamaForCausalLM, llama_config, mistral_config, qwen2_config
 from tp_runtime.models.mixtral import MixtralForCausalLM, mixtral_config
@@ -30,6 +31,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture(Qwen3ForCausalLM, qwen3_config),
     "MixtralForCausalLM": Architecture(MixtralForCausalLM, mixtral_config),
     "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, qwen3_moe_config),
+    "Gemma2ForCausalLM": Architecture(Gemma2ForCausalLM, gemma2_config),
 }
 
 

@@ -196,6 +196,7 @@ class _StubConfig:
         self.model = type("Model", (), {"vocab_size": 300, "max_model_len": 64})()
         self.scheduler = SchedulerConfig()
         self.cache = CacheConfig()
+        self.max_logprobs = 20
 
 
 def _step(step_id: int) -> ExecuteModel:

@@ -76,7 +76,7 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 def is_spawned_worker(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"spawn_main" in f.read()
+            return b"tp_runtime.worker_process" in f.read()
     except (FileNotFoundError, ProcessLookupError):
         return False
 

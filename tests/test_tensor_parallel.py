@@ -8,7 +8,7 @@ size that does not fit the model is a ConfigError before any worker starts.
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,8 +236,26 @@ def test_tp_size_that_does_not_divide_is_config_error(
     tp: int, overrides: dict[str, Any], fragment: str, make_checkpoint: Callable[..., Path]
 ) -> None:
     model_dir = make_checkpoint(ARCH, **overrides)
-    children_before = set(mp.active_children())
+    children_before = set(_worker_children())  # earlier tests' workers may still be exiting
     with pytest.raises(ConfigError, match=f"tensor_parallel_size={tp}") as info:
         LLM(model=model_dir, tensor_parallel_size=tp, dtype="float32", device="cpu")
     assert fragment in str(info.value)
-    assert set(mp.active_children()) <= children_before, "a worker was started for an invalid TP size"
+    assert set(_worker_children()) <= children_before, "a worker was started for an invalid TP size"
+
+
+def _worker_children() -> list[int]:
+    """Worker processes (alive or not yet reaped) whose parent is this process."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and b"tp_runtime.worker_process" in cmdline:
+            found.append(int(entry))
+    return found

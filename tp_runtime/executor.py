@@ -1,12 +1,14 @@
 """Executors: how the driver reaches its workers.
 
 - InProcessExecutor: TP=1 in the driver's own process (no sockets, no process group).
-- MultiprocExecutor: one spawned process per rank. The driver broadcasts over a ZeroMQ XPUB socket and
-  reads replies from a PULL socket; only rank 0 answers a step. Start-up waits until every worker
-  has subscribed (XPUB reports each subscription, so no message is lost to the PUB/SUB slow joiner) and
-  sent READY. While waiting for any reply the driver watches the worker processes' sentinels, so a dead
-  worker is an error naming its rank within a fraction of a second, and every wait has a timeout.
-  Workers hold a pipe from the driver and exit when it closes, so they never outlive the driver.
+- MultiprocExecutor: one process per rank, each a fresh interpreter (`python -m tp_runtime.worker_process`:
+  the user's main module is never re-imported, so scripts need no __main__ guard). The driver broadcasts
+  over a ZeroMQ XPUB socket and reads replies from a PULL socket; only rank 0 answers a step. Start-up
+  waits until every worker has subscribed (XPUB reports each subscription, so no message is lost to the
+  PUB/SUB slow joiner) and sent READY. While waiting for any reply the driver polls the worker
+  processes, so a dead worker is an error naming its rank within a fraction of a second, and every wait
+  has a timeout. Workers hold their stdin pipe from the driver and exit when it closes, so they never
+  outlive the driver.
 - TorchrunExecutor: torchrun started every rank; rank 0 runs the driver plus its own worker in-process,
   ranks > 0 run the worker loop and connect to rank 0 over TCP.
 
@@ -34,11 +36,12 @@ from __future__ import annotations
 import contextlib
 import hmac
 import ipaddress
-import multiprocessing as mp
 import os
 import secrets
 import shutil
+import site
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -48,11 +51,11 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any, Protocol, TypeVar
 
 import zmq
 
+import tp_runtime
 from tp_runtime.config import EngineConfig
 from tp_runtime.errors import (
     ConfigError,
@@ -91,6 +94,7 @@ from tp_runtime.serialize import (
     worker_reply_codec,
 )
 from tp_runtime.worker import HEARTBEAT_INTERVAL_S, Worker, WorkerAddresses, run_worker_loop
+from tp_runtime.worker_process import SpawnArgs, encode_spawn_args
 
 # How often a blocked driver wakes to check that its workers are alive.
 _LIVENESS_POLL_MS = 100
@@ -340,7 +344,10 @@ class _Channel:
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not only the first
-        self.pub.setsockopt(zmq.SNDHWM, 0)
+        # Bounded: a peer that subscribes and never reads (only possible across hosts, where the sockets
+        # are TCP) has broadcasts dropped past this many instead of queued without limit. A real worker
+        # is at most a step or two behind.
+        self.pub.setsockopt(zmq.SNDHWM, 10_000)
         self.pub.setsockopt(zmq.RCVHWM, 16)
         self.pub.setsockopt(zmq.MAXMSGSIZE, _BROADCAST_INBOUND_MAX)
         self.pull = self.ctx.socket(zmq.PULL)
@@ -594,43 +601,71 @@ def _process_state(pid: int | None) -> str | None:
         return None
 
 
+def _worker_environment() -> dict[str, str]:
+    """The driver's environment (TRITON_INTERPRET, NCCL_*, CUDA_VISIBLE_DEVICES...), with the folder this
+    tp_runtime package was imported from put first on PYTHONPATH when it is not an installed location (a
+    source checkout imported through the driver's sys.path), so a worker imports the same package."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tp_runtime.__file__)))
+    installed = {os.path.abspath(p) for p in site.getsitepackages()}
+    if site.ENABLE_USER_SITE:
+        installed.add(os.path.abspath(site.getusersitepackages()))
+    if root not in installed:
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if root not in paths:
+            env["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    return env
+
+
 class _SpawnedWorkers(_RemoteWorkers):
+    """Ranks started as fresh interpreters (`python -m tp_runtime.worker_process`). Each gets its
+    arguments as one frame on its stdin, which the driver then holds open: the workers see EOF, and exit,
+    when the driver dies. A death is seen through Popen.poll() between polls for replies."""
+
     def __init__(self, config: EngineConfig, channel: _Channel) -> None:
         super().__init__(
             channel, list(range(config.parallel.tensor_parallel_size)), config.parallel.spin_wait_s
         )
         self.config = config
-        self.procs: list[mp.process.BaseProcess] = []
-        self.death_pipes: list[Any] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self, init_method: str | None) -> None:
-        ctx = mp.get_context("spawn")
         channel = self.channel
-        # The key reaches each worker inside the pickled process arguments, over the spawn pipe.
-        addresses = WorkerAddresses(
-            channel.broadcast_addr, channel.results_addr, channel.key, channel.watchdog.address,
-            message_limits(self.config)[0],
-        )  # fmt: skip
+        env = _worker_environment()
         for rank in self.remote_ranks:
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=run_worker_loop,
-                args=(self.config, rank, rank, addresses, init_method, reader),
-                name=f"tp-runtime-worker-{rank}",
-                daemon=True,
-            )
-            proc.start()
-            reader.close()
+            # The key travels only in this frame, over the child's stdin: never on its command line (ps
+            # shows that) or in its environment, and never pickled.
+            frame = encode_spawn_args(
+                SpawnArgs(
+                    config=self.config, rank=rank, local_rank=rank, broadcast=channel.broadcast_addr,
+                    results=channel.results_addr, heartbeat=channel.watchdog.address,
+                    max_broadcast_bytes=message_limits(self.config)[0], key=channel.key,
+                    init_method=init_method,
+                )
+            )  # fmt: skip
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tp_runtime.worker_process"], stdin=subprocess.PIPE, env=env,
+                bufsize=0, close_fds=True,
+            )  # fmt: skip
             self.procs.append(proc)
-            self.death_pipes.append(writer)
+            assert proc.stdin is not None
+            # A worker that died at once is reported by the liveness checks, with its exit code.
+            with contextlib.suppress(BrokenPipeError):
+                view = memoryview(frame)
+                while view:  # an unbuffered write may be partial
+                    view = view[proc.stdin.write(view) or 0 :]
 
     def _check_processes(self, settle_s: float) -> None:
-        dead = wait_for_sentinels([p.sentinel for p in self.procs], timeout=settle_s)
-        if dead:
-            rank = next(i for i, p in enumerate(self.procs) if p.sentinel in dead)
-            code = self.procs[rank].exitcode
-            detail = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
-            raise WorkerDiedError(rank, f"{detail}; the engine is shutting the other workers down")
+        deadline = time.monotonic() + settle_s
+        while True:
+            for rank, proc in enumerate(self.procs):
+                code = proc.poll()
+                if code is not None:
+                    detail = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+                    raise WorkerDiedError(rank, f"{detail}; the engine is shutting the other workers down")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.02)
 
     def _stopped(self, rank: int) -> bool:
         return _process_state(self.procs[rank].pid) in ("T", "t")
@@ -641,25 +676,30 @@ class _SpawnedWorkers(_RemoteWorkers):
         return _process_state(self.procs[rank].pid) == "R"
 
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs if p.pid is not None]
+        return [p.pid for p in self.procs]
 
     def stop(self, grace_s: float) -> None:
         """Wait up to grace_s for workers to leave after the Shutdown message, then SIGTERM, then SIGKILL."""
         self.closed = True
         deadline = time.monotonic() + grace_s
         for p in self.procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
-            if p.is_alive():
+            if p.poll() is None:
                 # A stopped process cannot act on SIGTERM: do not wait for it.
                 p.kill() if _process_state(p.pid) in ("T", "t") else p.terminate()
         for p in self.procs:
-            p.join(timeout=2.0)
-            if p.is_alive():
+            try:
+                p.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
                 p.kill()
-                p.join(timeout=2.0)
-        for w in self.death_pipes:
-            w.close()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=2.0)
+        for p in self.procs:
+            if p.stdin is not None:
+                with contextlib.suppress(OSError):
+                    p.stdin.close()
 
 
 class MultiprocExecutor:
@@ -781,8 +821,15 @@ class TorchrunExecutor:
         self.config = config
         self.worker = worker
         tp = config.parallel.tensor_parallel_size
-        addr = f"tcp://{host}:0"
-        self.channel = _Channel(addr, addr, addr, key, message_limits(config)[1])
+        self.ipc_dir: str | None = None
+        if host == _ONE_HOST:
+            # Every rank is on this host: ipc sockets in a 0700 folder, which no other user can reach
+            # (a loopback TCP port would let any local user subscribe to the broadcasts and read them).
+            self.ipc_dir = tempfile.mkdtemp(prefix="tp-runtime-")
+            self.channel = _ipc_channel(self.ipc_dir, key, message_limits(config)[1])
+        else:
+            addr = f"tcp://{host}:0"
+            self.channel = _Channel(addr, addr, addr, key, message_limits(config)[1])
         self.channel.watchdog.hard_exit = True
         self.remote = _TorchrunRemotes(self.channel, list(range(1, tp)), config.parallel.spin_wait_s)
         self._shut_down = False
@@ -871,6 +918,8 @@ class TorchrunExecutor:
         except zmq.ZMQError:
             pass
         self.channel.close()
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
         self.worker.shutdown()
 
 
@@ -901,12 +950,16 @@ def torchrun_secret() -> bytes | None:
     return secret
 
 
+# torchrun_bind_host's answer when every rank runs on this host (the driver then uses ipc sockets).
+_ONE_HOST = "127.0.0.1"
+
+
 def torchrun_bind_host(master_addr: str, world: int, secret: bytes | None) -> str:
     """Where rank 0's driver listens: 127.0.0.1 when every rank runs on this host, else MASTER_ADDR, which
     needs the shared secret unless it is a loopback address. Every rank checks, so all refuse alike."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if local == world:
-        return "127.0.0.1"
+        return _ONE_HOST
     try:
         ip = socket.gethostbyname(master_addr)  # ZeroMQ binds an address, not a host name
     except OSError as exc:
@@ -945,9 +998,9 @@ def start_torchrun_rank(config: EngineConfig) -> TorchrunExecutor | None:
         executor = TorchrunExecutor(config, worker, host, key)
         ch = executor.channel
         fields = [ch.broadcast_addr, ch.results_addr, ch.watchdog.address, nonce.hex(), key_check(key).hex()]
-        payload = " ".join(fields).encode()
+        payload = "\n".join(fields).encode()  # ipc paths may hold spaces
     broadcast_addr, results_addr, heartbeat_addr, nonce_hex, check_hex = (
-        worker.tp.broadcast_bytes(payload, worker.device).decode().split(" ")
+        worker.tp.broadcast_bytes(payload, worker.device).decode().split("\n")
     )
     key = derive_job_key(secret, bytes.fromhex(nonce_hex))
     same_key = hmac.compare_digest(key_check(key), bytes.fromhex(check_hex))

@@ -4,8 +4,8 @@ them. No pickle ever touches a socket.
 Frames. Every frame on a driver<->worker socket is `MAC (32 bytes) | sender (u32) | seq (u64) | body`,
 with MAC = HMAC-SHA256 over everything after it, under a key derived from the engine's key for that
 channel (broadcast, replies, heartbeats), so a frame of one channel is never valid on another. The engine's
-key is 32 random bytes made by the driver and handed to spawned workers through the multiprocessing
-spawn pipe (never a command line, an environment variable or a socket); under torchrun it is derived from
+key is 32 random bytes made by the driver and handed to spawned workers through their
+stdin pipe (never a command line, an environment variable or a socket); under torchrun it is derived from
 the shared secret and a per-job nonce. Each sender numbers its frames 1, 2, 3 ... and a receiver accepts
 only a number above the last one it accepted from that sender: a replayed, duplicated or reordered frame
 is dropped like a forged one. A frame that fails any check is dropped and logged (rate-limited); it never

@@ -68,7 +68,7 @@ _DRIVER_GONE_GRACE_S = 3.0
 @dataclass(frozen=True)
 class WorkerAddresses:
     """How a worker reaches its driver: the addresses, and the key that authenticates every frame (it
-    travels only through the spawn pipe or is derived from the torchrun secret; never printed)."""
+    travels only through the worker's stdin pipe or is derived from the torchrun secret; never printed)."""
 
     broadcast: str  # driver's XPUB; workers SUB-connect
     results: str  # driver's PULL; workers PUSH-connect

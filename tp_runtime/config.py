@@ -132,7 +132,9 @@ class CacheConfig:
     # Fixed number of KV blocks (mainly for tests that force preemption); None sizes the cache from memory.
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_gib: float = 4.0
+    # KV cache per rank on the CPU, GiB; None: what max_num_seqs sequences of max_model_len need, at most
+    # kv_cache.CPU_KV_CACHE_RAM_SHARE of the RAM available, split over the ranks (kv_cache.py).
+    cpu_kv_cache_gib: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -141,7 +143,7 @@ class CacheConfig:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.cpu_kv_cache_gib <= 0:
+        if self.cpu_kv_cache_gib is not None and not self.cpu_kv_cache_gib > 0:
             raise ConfigError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
 
 

@@ -29,6 +29,7 @@ from tp_runtime.executor import (
     start_torchrun_rank,
 )
 from tp_runtime.messages import ModelRunnerOutput, RequestSampling, SchedulerOutput
+from tp_runtime.models_catalog import resolve_model_name
 from tp_runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from tp_runtime.sampling_params import SamplingParams
 from tp_runtime.scheduler import Request, Scheduler
@@ -73,7 +74,7 @@ class LLMEngine:
             raise ConfigError(
                 f"the KV cache holds {self.num_kv_blocks} blocks of {config.cache.block_size} tokens but one "
                 f"sequence of max_model_len={config.model.max_model_len} needs {max_blocks}; lower "
-                "max_model_len or give the cache more memory"
+                "max_model_len or give the cache more memory (gpu_memory_utilization, cpu_kv_cache_gib)"
             )
         self.scheduler = Scheduler(config, self.num_kv_blocks)
         self.eos_token_ids = set(config.model.eos_token_ids)
@@ -327,6 +328,7 @@ class LLM:
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,
+        cpu_kv_cache_gib: float | None = None,
         step_timeout_s: float = 300.0,
         executor: str = "auto",
         all_reduce: str = "auto",
@@ -337,6 +339,7 @@ class LLM:
         fused_kernels: str = "auto",
         max_logprobs: int = 20,
     ) -> None:
+        model = resolve_model_name(model, load_format)
         resolved_device = resolve_device(device)
         model_config = build_model_config(
             model, dtype=dtype, device=resolved_device, max_model_len=max_model_len, load_format=load_format
@@ -351,6 +354,7 @@ class LLM:
                 block_size=block_size,
                 num_kv_blocks=num_kv_blocks,
                 gpu_memory_utilization=gpu_memory_utilization,
+                cpu_kv_cache_gib=cpu_kv_cache_gib,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens

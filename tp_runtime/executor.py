@@ -643,9 +643,11 @@ class _SpawnedWorkers(_RemoteWorkers):
                     init_method=init_method,
                 )
             )  # fmt: skip
+            # A session of its own: a Ctrl-C at the terminal (SIGINT to the foreground process group)
+            # reaches only the driver, which shuts the workers down; they print nothing.
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tp_runtime.worker_process"], stdin=subprocess.PIPE, env=env,
-                bufsize=0, close_fds=True,
+                bufsize=0, close_fds=True, start_new_session=True,
             )  # fmt: skip
             self.procs.append(proc)
             assert proc.stdin is not None

@@ -1,4 +1,4 @@
-"""Named model shapes for benchmarks and tests, and the built-in default model.
+"""Named model shapes for benchmarks and tests, written as cached checkpoints (models_catalog.py names them).
 
 Each preset is a dict of ``transformers.LlamaConfig`` keyword arguments. Small presets can be written
 with random weights (for tests against HF transformers); large ones are written as config + tokenizer
@@ -107,8 +107,6 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         ),
     }
 )
-
-DEFAULT_PRESET = "tiny-llama"
 
 
 def preset_names() -> list[str]:
@@ -279,10 +277,3 @@ def cached_dir(name: str, build: Callable[[Path], object]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def default_model_dir() -> Path:
-    """The built-in default model: preset ``tiny-llama`` with seeded random weights, cached per user."""
-    return cached_dir(
-        f"default-{DEFAULT_PRESET}", lambda d: write_preset_checkpoint(DEFAULT_PRESET, d, with_weights=True)
-    )

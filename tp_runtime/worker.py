@@ -30,6 +30,7 @@ from tp_runtime import distributed
 from tp_runtime.config import EngineConfig
 from tp_runtime.distributed import TPGroup
 from tp_runtime.errors import ConfigError, ProtocolError
+from tp_runtime.kv_cache import CPU_KV_CACHE_RAM_SHARE, available_memory_bytes, cpu_kv_cache_blocks
 from tp_runtime.loader import init_dummy_weights, load_weights
 from tp_runtime.messages import (
     ControlCall,
@@ -158,9 +159,15 @@ class Worker:
             reserve = runner.decode_gather_bytes()
             blocks = int((total * cache.gpu_memory_utilization - peak - reserve) // per_block)
         else:
-            # Never more than every sequence at full length needs, so tiny models stay tiny.
-            enough = self.config.scheduler.max_num_seqs * runner.max_blocks + 1
-            blocks = min(int(cache.cpu_kv_cache_gib * (1 << 30) // per_block), enough)
+            # What every sequence at full length needs, capped by the size asked for or a share of the RAM.
+            if cache.cpu_kv_cache_gib is not None:
+                available, share, ranks = int(cache.cpu_kv_cache_gib * (1 << 30)), 1.0, 1
+            else:
+                available, share = available_memory_bytes(), CPU_KV_CACHE_RAM_SHARE
+                ranks = self.config.parallel.tensor_parallel_size
+            blocks = cpu_kv_cache_blocks(
+                per_block, self.config.scheduler.max_num_seqs, runner.max_blocks, available, share, ranks
+            )
         return self.tp.all_reduce_min_int(blocks, self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

@@ -36,27 +36,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tp_runtime.cli import add_engine_arguments
 
     add_engine_arguments(parser)
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--num-iters-warmup", type=int, default=2)
-    parser.add_argument("--num-iters", type=int, default=5)
-    parser.add_argument("--output-json", type=str, default=None)
+    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    parser.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
+    parser.add_argument("--num-iters-warmup", type=int, default=2, help="untimed runs first")
+    parser.add_argument("--num-iters", type=int, default=5, help="timed runs")
+    parser.add_argument(
+        "--output-json", type=str, default=None, help="also write every figure here (default: no file)"
+    )
     parser.add_argument(
         "--bookkeeping-order",
         choices=("overlap", "sync_first"),
         default="overlap",
-        help="overlap: value-free bookkeeping before the device->host sync (default); "
-        "sync_first: the order it replaced",
+        help="overlap: value-free bookkeeping before the device->host sync; sync_first: the order it "
+        "replaced",
     )
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="send step N+1 before step N's sampled ids are back (default); --no-async-scheduling: "
-        "one step at a time",
+        help="send step N+1 before step N's sampled ids are back; --no-async-scheduling: one step at a time",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def check(args: argparse.Namespace) -> None:
+    """What the engine would refuse only after loading the model (`args.model_config`: the CLI's checks
+    resolved the model)."""
+    from tp_runtime.errors import ConfigError
+
+    model_config = args.model_config
+    total = args.input_len + args.output_len
+    if total > model_config.max_model_len:
+        raise ConfigError(
+            f"--input-len {args.input_len} + --output-len {args.output_len} = {total} tokens exceed the "
+            f"model's max_model_len={model_config.max_model_len}"
+        )
 
 
 def summarize_steps(steps: list[dict[str, float]]) -> dict[str, float]:

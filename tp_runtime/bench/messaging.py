@@ -223,7 +223,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=256, help="requests in the payload comparison")
     parser.add_argument("--steps", type=int, default=500, help="round trips timed per step shape")
     parser.add_argument("--spin-wait-us", type=float, default=0.0, help="busy-poll before blocking (us)")
-    parser.add_argument("--output-json", default=None, help="also write every figure to this JSON file")
+    parser.add_argument(
+        "--output-json", default=None, help="also write every figure to this JSON file (default: no file)"
+    )
 
 
 _MAX_TP = 64  # one process per rank on this host

@@ -1,0 +1,214 @@
+"""Arguments checked at the edge: every bad argument is one line, `tp-runtime: error: ...`, with status 2;
+`--help` shows every default and the built-in models; under torchrun (scripts/launch_tp.sh) an error or a
+Ctrl-C is one line too, with no ChildFailedError report; commands that run once refuse torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tp_runtime import cli
+from tp_runtime.models_catalog import known_names
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tp_runtime.cli", *args],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def _one_error_line(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    """Status 2, and the whole output is one line `tp-runtime: error: ...` naming `fragments`."""
+    output = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode == 2, f"status {proc.returncode}:\n{output[-3000:]}"
+    assert output.startswith("tp-runtime: error: "), output[-3000:]
+    assert len(output.splitlines()) == 1, output[-3000:]
+    for fragment in fragments:
+        assert fragment in output, f"{fragment!r} not in {output!r}"
+
+
+BAD_ARGUMENTS = [
+    (["bench", "latency", "--num-iters", "0"], ["--num-iters", "at least 1", "got 0"]),
+    (["bench", "latency", "--batch-size", "0"], ["--batch-size", "at least 1"]),
+    (["bench", "latency", "--input-len", "-5"], ["--input-len", "got -5"]),
+    (["bench", "latency", "--output-len", "0"], ["--output-len"]),
+    (["bench", "latency", "--num-iters-warmup", "-1"], ["--num-iters-warmup", "at least 0"]),
+    (["bench", "latency", "--tensor-parallel-size", "0"], ["--tensor-parallel-size"]),
+    (["bench", "latency", "--model", "tiny-llama", "--input-len", "2000", "--output-len", "100"],
+     ["2100 tokens", "max_model_len=2048"]),
+    (["bench", "messaging", "-tp", "0"], ["tensor-parallel-size"]),
+    (["bench", "messaging", "--steps", "0"], ["--steps"]),
+    (["bench", "messaging", "--num-requests", "0"], ["--num-requests"]),
+    (["bench", "messaging", "--spin-wait-us", "-1"], ["--spin-wait-us"]),
+    (["generate", "--max-tokens", "0"], ["--max-tokens", "at least 1"]),
+    (["generate", "-tp", "0"], ["--tensor-parallel-size"]),
+    (["generate", "--max-num-seqs", "0"], ["--max-num-seqs"]),
+    (["generate", "--max-model-len", "0"], ["--max-model-len"]),
+    (["generate", "--max-num-batched-tokens", "0"], ["--max-num-batched-tokens"]),
+    (["generate", "--cpu-kv-cache-gib", "0"], ["--cpu-kv-cache-gib", "more than 0"]),
+    (["generate", "--gpu-memory-utilization", "1.5"], ["--gpu-memory-utilization"]),
+    (["generate", "--step-timeout", "0"], ["--step-timeout"]),
+    (["generate", "--temperature", "-1"], ["--temperature"]),
+    (["generate", "--top-p", "0"], ["--top-p"]),
+    (["generate", "--top-k", "0"], ["--top-k"]),
+    (["generate", "--min-p", "2"], ["--min-p"]),
+    (["generate", "--seed", "-1"], ["--seed"]),
+    (["generate", ""], ["prompt 1 is empty"]),
+    (["generate", "--output-json", "/nonexistent-folder/out.json"], ["--output-json", "does not exist"]),
+    (["generate", "--model", "no-such-model"], ["'no-such-model'", *known_names()]),
+    (["generate", "--model", "llama-3-8b"], ["--load-format dummy"]),
+    (["generate", "--model", "tiny-llama", "-tp", "3"], ["tensor_parallel_size=3", "4 attention heads"]),
+    (["generate", "--dtype", "float64"], ["invalid choice", "tp-runtime generate --help"]),
+    (["generate", "--no-such-flag"], ["unrecognized arguments"]),
+    (["bench"], ["required"]),
+    ([], ["required"]),
+    (["frobnicate"], ["invalid choice"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"), BAD_ARGUMENTS, ids=[" ".join(a) or "none" for a, _ in BAD_ARGUMENTS]
+)
+def test_bad_argument_is_one_line_with_status_2(args: list[str], fragments: list[str]) -> None:
+    _one_error_line(_cli(*args), *fragments)
+
+
+def test_make_smollm2_into_a_file_is_one_line(tmp_path: Path) -> None:
+    target = tmp_path / "a-file"
+    target.write_text("x")
+    _one_error_line(_cli("make-smollm2", str(target)), "is a file")
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _subparsers(sub)
+    return found
+
+
+def test_every_flag_has_help_with_its_default() -> None:
+    for parser in _subparsers(cli.build_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._SubParsersAction):
+                continue
+            name = f"{parser.prog} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help, f"{name} has no help text"
+            if action.required or action.default == argparse.SUPPRESS:  # positionals to give; --help
+                continue
+            shown = formatter._get_help_string(action) or ""  # what --help prints before expansion
+            assert "default" in shown, f"{name}: help {shown!r} does not give the default"
+
+
+def test_help_lists_the_models_and_the_default() -> None:
+    for args in (["--help"], ["generate", "--help"], ["bench", "latency", "--help"]):
+        proc = _cli(*args)
+        assert proc.returncode == 0, proc.stderr
+        for name in known_names():
+            assert name in proc.stdout, (args, name)
+        assert "default is smollm2-135m-instruct" in " ".join(proc.stdout.split()), args
+        assert "TP 1,2,4,8" in proc.stdout  # tiny-llama-tp's TP sizes
+
+
+# ------------------------------------------------------------------------------------------ torchrun
+
+
+def _launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", "scripts/launch_tp.sh", *args],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def _no_torchrun_report(proc: subprocess.CompletedProcess[str]) -> None:
+    output = proc.stdout + proc.stderr
+    for noise in ("Traceback", "ChildFailedError", "exitcode", "[rank"):
+        assert noise not in output, output[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["generate", "--model", "no-such-model"], ["'no-such-model'"]),
+        (["generate", "--max-tokens", "0"], ["--max-tokens"]),
+        (["bench", "latency", "--num-iters", "0"], ["--num-iters"]),
+        (["bench", "messaging"], ["runs once", "without torchrun"]),
+        (["make-smollm2", "somewhere"], ["runs once"]),
+    ],
+)
+def test_torchrun_argument_error_is_one_line(args: list[str], fragments: list[str]) -> None:
+    """Checked once by the launcher, before any rank starts."""
+    proc = _launch("2", *args)
+    _one_error_line(proc, *fragments)
+    _no_torchrun_report(proc)
+
+
+def test_torchrun_error_inside_the_ranks_is_one_line() -> None:
+    """A user error found only once the ranks run (a KV cache too small for one sequence): rank 0 prints
+    it, every rank exits 2, and the launcher adds nothing."""
+    proc = _launch("2", "generate", "--model", "tiny-llama", "--cpu-kv-cache-gib", "0.00001")
+    _one_error_line(proc, "KV cache", "cpu_kv_cache_gib")
+    _no_torchrun_report(proc)
+
+
+def test_torchrun_help_prints_once() -> None:
+    proc = _launch("2", "generate", "--help")
+    assert proc.returncode == 0
+    assert proc.stdout.count("usage: tp-runtime generate") == 1
+
+
+def _interrupt(cmd: list[str], after_s: float) -> tuple[int, str]:
+    """Run `cmd` as a terminal would (own process group), press Ctrl-C (SIGINT to the group) after
+    `after_s` seconds; returns (status, output)."""
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    time.sleep(after_s)
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return proc.returncode, output
+
+
+LONG_BENCH = ["bench", "latency", "--model", "tiny-llama", "--num-iters", "10000", "--no-progress"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after_s", [1.0, 8.0])
+def test_ctrl_c_under_torchrun_prints_one_line(after_s: float) -> None:
+    """During start-up (the launcher's checks) and while the ranks run."""
+    status, output = _interrupt(["bash", "scripts/launch_tp.sh", "2", *LONG_BENCH], after_s)
+    assert status == 130, output[-3000:]
+    assert output.strip() == "tp-runtime: interrupted", output[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "after_s"), [(1, 0.5), (1, 6.0), (2, 8.0)])
+def test_ctrl_c_prints_one_line(tp: int, after_s: float) -> None:
+    """Spawned workers (TP=2) run in sessions of their own, out of reach of the terminal's SIGINT; the
+    driver shuts them down and prints one line."""
+    status, output = _interrupt(
+        [sys.executable, "-m", "tp_runtime.cli", *LONG_BENCH, "-tp", str(tp)], after_s
+    )
+    # A shell shows 130 for both: CPython ends with SIGINT itself when the KeyboardInterrupt went through
+    # C code (an import of torch), whatever status the program chose.
+    assert status in (130, -signal.SIGINT), output[-3000:]
+    assert output.strip() == "tp-runtime: interrupted", output[-3000:]

@@ -1,0 +1,97 @@
+"""Built-in model names resolve to checkpoint folders wherever a folder works; the TP sizes they run at."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tp_runtime.errors import ConfigError
+from tp_runtime.models_catalog import BUILTIN_MODELS, known_names, resolve_model_name, supported_tp_sizes
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_folder_is_used_as_it_is(tmp_path: Path) -> None:
+    assert resolve_model_name(tmp_path) == str(tmp_path)
+    # A folder wins over a built-in name spelled the same.
+    (tmp_path / "tiny-llama").mkdir()
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert resolve_model_name("tiny-llama") == "tiny-llama"
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.mark.parametrize(
+    ("model", "says"),
+    [("path/to/hf-checkpoint", "is not a directory"), ("llama-9", "nor a built-in model name")],
+)
+def test_unknown_name_is_a_config_error_listing_the_names(model: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=says) as info:
+        resolve_model_name(model)
+    assert repr(model) in str(info.value)
+    for name in known_names():
+        assert name in str(info.value)
+
+
+def test_shape_without_weights_needs_dummy() -> None:
+    with pytest.raises(ConfigError, match="load_format='dummy'"):
+        resolve_model_name("llama-3-8b")
+    folder = Path(resolve_model_name("llama-3-8b", "dummy"))
+    assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 32
+    assert not list(folder.glob("*.safetensors"))
+
+
+def test_random_weight_models_have_weights_and_a_tokenizer() -> None:
+    for name in ("tiny-llama", "tiny-llama-tp"):
+        folder = Path(resolve_model_name(name))
+        assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+
+
+def test_tp_sizes() -> None:
+    assert supported_tp_sizes("tiny-llama-tp") == [1, 2, 4, 8]
+    assert supported_tp_sizes("tiny-llama") == [1, 2, 4]
+    assert supported_tp_sizes("smollm2-135m-instruct") == [1, 3]
+    assert supported_tp_sizes("llama-3-8b") == [1, 2, 4, 8]
+    assert {m.name for m in BUILTIN_MODELS} == set(known_names())
+
+
+def test_llm_takes_a_built_in_name() -> None:
+    from tp_runtime import LLM, SamplingParams
+
+    with LLM(model="tiny-llama", device="cpu") as llm:
+        out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_llm_unknown_name_is_a_config_error() -> None:
+    from tp_runtime import LLM
+
+    with pytest.raises(ConfigError, match="built-in model name"):
+        LLM(model="no-such-model", device="cpu")
+
+
+def _generate_ids(tp: int, tmp_path: Path) -> list[list[int]]:
+    out = tmp_path / f"tp{tp}.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tp_runtime.cli", "generate", "--model", "tiny-llama-tp", "-tp", str(tp),
+         "--device", "cpu", "--max-tokens", "8", "--ignore-eos", "--output-json", str(out),
+         "Hello, my name is", "The capital of France is"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [r["token_ids"] for r in json.loads(out.read_text())]
+
+
+@pytest.mark.slow
+def test_tiny_llama_tp_runs_at_tp_1_2_4_with_the_same_tokens(tmp_path: Path) -> None:
+    reference = _generate_ids(1, tmp_path)
+    assert _generate_ids(2, tmp_path) == reference
+    assert _generate_ids(4, tmp_path) == reference

@@ -1,0 +1,174 @@
+"""torchrun for `tp-runtime` commands, as scripts/launch_tp.sh runs it:
+
+    python -m tp_runtime.launch [TORCHRUN_ARGS...] -- COMMAND [ARGS...]
+
+It is torchrun (`torch.distributed.run`, same arguments) with the user's view of errors:
+
+- The command's arguments are checked here once, before any rank starts: a bad argument, an unknown
+  model or a TP size the model cannot run at is one line, `tp-runtime: error: ...`, with status 2, and
+  `--help` prints the help once. A built-in model is written into the cache here, not by every rank.
+- A rank that stops on a user error (status 2, which only rank 0 reports) or on Ctrl-C (130) ends the
+  job with that status and without torchrun's ChildFailedError report; Ctrl-C prints one line. Any
+  other failure ends with one line naming the rank and its status, after that rank's own output.
+- torchrun's per-job log folder is a temporary folder removed at the end (unless --log-dir is given).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from typing import Any
+
+from tp_runtime import cli
+
+_QUIET_STATUSES = (cli.EXIT_USAGE, cli.EXIT_INTERRUPTED)
+# What each rank runs: `python -m tp_runtime.cli`, but first (1) SIGINT, which torchrun forwards to every
+# rank on Ctrl-C, ends the rank at once and quietly (this launcher reports it), and (2) on Linux the rank
+# ends when its launcher does (PR_SET_PDEATHSIG), even a launcher killed outright.
+_RANK_MAIN = """\
+import os, signal, sys
+signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+if sys.platform.startswith("linux"):
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+import runpy
+runpy.run_module("tp_runtime.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+class _QuietFailures(logging.Filter):
+    """Drops torchrun's log lines about a job that ends on a user error or Ctrl-C (reported already)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "closing signal" in message or "death signal" in message:
+            return False
+        return not any(f"(exitcode: {status})" in message for status in _QUIET_STATUSES)
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" not in argv:
+        cli.fail("usage: python -m tp_runtime.launch [TORCHRUN_ARGS...] -- COMMAND [ARGS...]")
+    i = argv.index("--")
+    return argv[:i], argv[i + 1 :]
+
+
+class _Interrupts:
+    """This process's SIGINT handler until torchrun's agent installs its own, which it does before it
+    starts any rank (and which then stops the ranks it started). A Ctrl-C here therefore finds no rank to
+    stop: during the checks it raises KeyboardInterrupt (and is remembered, in case a library swallows
+    it); once torchrun is being set up it ends the process at once."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self.torchrun_log_dir: str | None = None
+        self.in_torchrun = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.seen = True
+        if not self.in_torchrun:
+            raise KeyboardInterrupt
+        if self.torchrun_log_dir is not None:
+            shutil.rmtree(self.torchrun_log_dir, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            print(f"{cli.PROG}: interrupted", file=sys.stderr, flush=True)
+        os._exit(cli.EXIT_INTERRUPTED)
+
+
+def main(argv: list[str] | None = None) -> None:
+    torchrun_argv, command_argv = _split(sys.argv[1:] if argv is None else argv)
+    interrupts = _Interrupts()
+    signal.signal(signal.SIGINT, interrupts)
+    try:
+        once = cli.once_only_command(command_argv)
+        if once is not None:  # before parsing: launch_tp.sh adds --tensor-parallel-size, which it lacks
+            cli.refuse_once_only(once)
+        cli.parse_and_check(command_argv, under_torchrun=True)
+        if interrupts.seen:
+            raise KeyboardInterrupt
+        status = _run_torchrun(torchrun_argv, command_argv, interrupts)
+    except KeyboardInterrupt:
+        status = cli.EXIT_INTERRUPTED
+    if status == cli.EXIT_INTERRUPTED:
+        print(f"{cli.PROG}: interrupted", file=sys.stderr, flush=True)
+        # Not SystemExit: CPython ends with SIGINT instead of the status when the KeyboardInterrupt went
+        # through C code (an import of torch); nothing is left to clean up here.
+        sys.stdout.flush()
+        os._exit(status)
+    raise SystemExit(status)
+
+
+def _stop_ranks_with_sigterm_on_ctrl_c(interrupts: _Interrupts) -> None:
+    """torchrun's agent passes the signal it got on to every rank. For Ctrl-C, pass SIGTERM instead: it
+    ends a rank silently at any point, even while its interpreter starts (a SIGINT there would print a
+    KeyboardInterrupt traceback). The agent's handler is looked up by name when it installs it."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    original = getattr(api, "_terminate_process_handler", None)
+    if original is None or not hasattr(api, "SignalException"):  # another torch: keep its behaviour
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT:
+            interrupts.seen = True
+            raise api.SignalException(f"Process {os.getpid()} got signal: SIGINT", sigval=signal.SIGTERM)
+        original(signum, frame)
+
+    api._terminate_process_handler = handler
+
+
+def _run_torchrun(torchrun_argv: list[str], command_argv: list[str], interrupts: _Interrupts) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    for name in (
+        "torch.distributed.elastic.multiprocessing.api",
+        "torch.distributed.elastic.agent.server.api",
+    ):
+        logging.getLogger(name).addFilter(_QuietFailures())
+    log_dir = None
+    if not any(a == "--log-dir" or a.startswith(("--log-dir=", "--log_dir")) for a in torchrun_argv):
+        log_dir = tempfile.mkdtemp(prefix="tp-runtime-torchrun-")
+        interrupts.torchrun_log_dir = log_dir
+        torchrun_argv = [*torchrun_argv, "--log-dir", log_dir]
+    args = parse_args([*torchrun_argv, "--no-python", sys.executable, "-u", "-c", _RANK_MAIN, *command_argv])
+    nproc = str(args.nproc_per_node)
+    if "OMP_NUM_THREADS" not in os.environ and nproc.isdigit() and int(nproc) > 1:
+        # What torchrun does then, without its banner about it.
+        os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ[cli.LAUNCHED_ENV] = "1"  # the ranks leave Ctrl-C to this process
+    _stop_ranks_with_sigterm_on_ctrl_c(interrupts)
+    interrupts.in_torchrun = True
+    try:
+        run(args)
+        return 0
+    except SignalException as exc:
+        return cli.EXIT_INTERRUPTED if interrupts.seen else 128 + int(exc.sigval)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        status = failure.exitcode
+        if status in _QUIET_STATUSES:
+            return status
+        if status < 0:
+            try:
+                how = f"was killed by {signal.Signals(-status).name}"
+            except ValueError:
+                how = f"was killed by signal {-status}"
+            status = 128 - status
+        else:
+            how = f"exited with status {status}"
+        print(f"{cli.PROG}: error: rank {rank} {how}", file=sys.stderr, flush=True)
+        return status or 1
+    finally:
+        if log_dir is not None:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements recorded in BENCHMARKS.md (run on the device machines; see the device README).
-#   scripts/gpu_bench.sh smoke|checks|rows|compare|compare1|tp1|tp2|fused|profile|messaging|peer OUT_DIR
+#   scripts/gpu_bench.sh smoke|checks|rows|rows8b|serve|families|compare|compare1|tp1|tp2|fused|profile|messaging|peer OUT_DIR
 set -euo pipefail
 part=$1
 out=${2:-/tmp/tp-runtime-bench}
@@ -23,6 +23,17 @@ case $part in
       --output-json "$out/compare_split.json" 2>&1 | grep -E "identical|model=|Error" || true
     bench tp2_b1_nccl --model llama-3-8b -tp 2 --batch-size 1 --input-len 32 --output-len 128 --num-iters 3 \
       --all-reduce nccl
+    ;;
+  rows8b)  # the rows below without the 70B one
+    common=(--num-iters-warmup 1)
+    bench tp1_b32 --model llama-3-8b --batch-size 32 --input-len 1000 --output-len 128 --num-iters 3 "${common[@]}"
+    bench tp2_b32 --model llama-3-8b -tp 2 --batch-size 32 --input-len 1000 --output-len 128 --num-iters 3 "${common[@]}"
+    bench tp1_b1 --model llama-3-8b --batch-size 1 --input-len 32 --output-len 128 --num-iters 5 "${common[@]}"
+    bench tp2_b1 --model llama-3-8b -tp 2 --batch-size 1 --input-len 32 --output-len 128 --num-iters 5 "${common[@]}"
+    $py scripts/bench_hf_peer.py --model llama-3-8b --batch-size 32 --input-len 1000 --output-len 128 \
+      --cache-implementation static --output-json "$out/hf_static_b32.json"
+    $py scripts/bench_hf_peer.py --model llama-3-8b --batch-size 1 --input-len 32 --output-len 128 \
+      --cache-implementation static --num-iters 5 --output-json "$out/hf_static_b1.json"
     ;;
   rows)  # the decode-step table of BENCHMARKS.md, with HF transformers' static cache as the peer (x2)
     common=(--num-iters-warmup 1)
@@ -80,6 +91,34 @@ case $part in
     for spin in 0 2000; do
       $py -m tp_runtime.cli bench messaging --steps 500 --spin-wait-us $spin --output-json "$out/messaging_spin$spin.json"
     done
+    ;;
+  serve)  # tp-runtime serve under bench serve at concurrency 1 (the b1 shape) and 32 (the b32 shape), TP 1
+           # and 2, each next to bench latency's decode step at batch 1 (nvidia-h200-x2)
+    for tp in ${SERVE_TP_SIZES:-1 2}; do
+      port=$((8100 + tp))
+      $py -m tp_runtime.cli serve --model llama-3-8b --load-format dummy --dtype bfloat16 -tp $tp --port $port \
+        --max-num-seqs 64 --max-model-len 2048 --log-level warning --no-access-log > "$out/server_tp$tp.log" 2>&1 &
+      server=$!
+      for _ in $(seq 600); do
+        $py -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" \
+          2>/dev/null && break
+        kill -0 $server 2>/dev/null || { tail -20 "$out/server_tp$tp.log"; exit 1; }
+        sleep 1
+      done
+      $py -m tp_runtime.cli bench serve --base-url "http://127.0.0.1:$port" --num-prompts 16 --max-concurrency 1 \
+        --input-len 32 --output-len 128 --num-warmups 2 --no-progress --output-json "$out/serve_tp${tp}_c1.json" \
+        2>&1 | tee "$out/serve_tp${tp}_c1.txt"
+      $py -m tp_runtime.cli bench serve --base-url "http://127.0.0.1:$port" --num-prompts 128 --max-concurrency 32 \
+        --input-len 1000 --output-len 128 --num-warmups 2 --no-progress --output-json "$out/serve_tp${tp}_c32.json" \
+        2>&1 | tee "$out/serve_tp${tp}_c32.txt"
+      kill -TERM $server
+      wait $server || true
+      bench "latency_tp${tp}_b1" --model llama-3-8b -tp $tp --batch-size 1 --input-len 32 --output-len 128 \
+        --num-iters 5 --num-iters-warmup 1
+    done
+    ;;
+  families)  # fp32: every new family gives the same greedy tokens at TP 1 and 2, and HF's (nvidia-h200-x2)
+    $py scripts/check_families.py --device cuda --tp-sizes 1 2 --output-json "$out/families.json"
     ;;
   peer)
     for cache in static dynamic; do

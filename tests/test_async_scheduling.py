@@ -23,7 +23,7 @@ from conftest import hf_greedy, random_prompts
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.config import CacheConfig, ParallelConfig, SchedulerConfig
-from tp_runtime.executor import MultiprocExecutor
+from tp_runtime.executor.multiproc import MultiprocExecutor
 from tp_runtime.messages import (
     CachedRequests,
     ControlCall,
@@ -42,7 +42,7 @@ from tp_runtime.serialize import (
     driver_message_codec,
     worker_reply_codec,
 )
-from tp_runtime.worker import WorkerAddresses, run_worker_loop
+from tp_runtime.worker.worker import WorkerAddresses, run_worker_loop
 
 PROMPTS = random_prompts((5, 12, 3, 9, 17, 7), vocab=300, seed=11)
 
@@ -360,15 +360,15 @@ class _FakeWorkerExecutor:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_scheduler_brute_force_async_equals_sync(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+    model_dir: Path, seed: int
 ) -> None:
     """Random prompts, max_tokens, stop ids and min_tokens, with a KV cache small enough to preempt, run
     through the real LLMEngine and Scheduler against a fake worker; every request's output must be the
     closed-form continuation cut at its first allowed stop id or max_tokens, in both modes."""
     import random
 
-    from tp_runtime import engine as engine_module
     from tp_runtime.config import CacheConfig, EngineConfig, SchedulerConfig, build_model_config
+    from tp_runtime.engine.llm_engine import LLMEngine
 
     rng = random.Random(seed)
     requests = []
@@ -389,13 +389,12 @@ def test_scheduler_brute_force_async_equals_sync(
             scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=20), async_scheduling=mode,
         )  # fmt: skip
         fake = _FakeWorkerExecutor(24)
-        monkeypatch.setattr(engine_module, "make_executor", lambda _config, fake=fake: fake)
-        engine = engine_module.LLMEngine(config, tokenizer=None)
+        engine = LLMEngine(config, tokenizer=None, executor=fake)
         ids = [engine.add_request(p, params) for p, params in requests]
         finished = {}
         while engine.has_unfinished_requests():
-            for req in engine.step():
-                finished[req.req_id] = (req.output_token_ids, req.finish_reason)
+            for out in engine.step():
+                finished[int(out.request_id)] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
         assert engine.scheduler.num_preemptions > 0
         assert engine.scheduler.kv.num_free_blocks == 24  # every block came back
         results[mode] = [finished[i] for i in ids]

@@ -15,7 +15,7 @@ import torch
 from conftest import hf_greedy
 
 from tp_runtime import LLM, SamplingParams
-from tp_runtime.decode_graphs import batch_buckets, block_buckets
+from tp_runtime.worker.cuda_graphs import batch_buckets, block_buckets
 
 
 def test_buckets_cover_every_size() -> None:
@@ -58,7 +58,7 @@ def test_padded_decode_matches_hf(
         assert graphs is not None
         calls = []
         original = graphs.run
-        graphs.run = lambda *a: calls.append(len(a[0])) or original(*a)  # type: ignore[method-assign]
+        graphs.run = lambda step: calls.append(len(step.input_ids)) or original(step)  # type: ignore[method-assign]
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),

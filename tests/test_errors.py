@@ -126,10 +126,14 @@ def test_bad_dtype(checkpoint: Path, dtype: str) -> None:
 @pytest.mark.parametrize(
     ("option", "value", "message"),
     [
-        ("fused_kernels", "cuda", "fused_kernels must be auto|torch|triton"),
-        ("attention_backend", "flash", "attention_backend must be auto|torch|triton|triton_one_split"),
-        ("cuda_graphs", "on", "cuda_graphs must be auto|off|padded"),
-        ("all_reduce", "fast", "all_reduce must be auto|nccl|symm_mem"),
+        ("fused_kernels", "cuda", "fused_kernels must be one of auto, torch, triton; got 'cuda'"),
+        (
+            "attention_backend",
+            "flash",
+            "attention_backend must be one of auto, torch, triton, triton_one_split; got 'flash'",
+        ),
+        ("cuda_graphs", "on", "cuda_graphs must be one of auto, off, padded; got 'on'"),
+        ("all_reduce", "fast", "all_reduce must be one of auto, nccl, symm_mem; got 'fast'"),
         ("async_scheduling", "yes", "async_scheduling must be True or False"),
     ],
 )
@@ -149,7 +153,7 @@ def test_triton_kernels_on_cpu_are_a_config_error(
 
 @pytest.mark.parametrize("device", ["tpu", "gpu", "cuda:0", ""])
 def test_bad_device(checkpoint: Path, device: str) -> None:
-    with pytest.raises(ConfigError, match=re.escape("device must be auto|cpu|cuda")):
+    with pytest.raises(ConfigError, match=re.escape("device must be one of auto, cpu, cuda; got ")):
         LLM(checkpoint, device=device)
 
 
@@ -164,7 +168,7 @@ def test_cuda_without_gpu(checkpoint: Path) -> None:
 
 @pytest.mark.parametrize("tp", [0, -1])
 def test_tensor_parallel_size_below_one(checkpoint: Path, tp: int) -> None:
-    with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1"):
+    with pytest.raises(ConfigError, match=f"tensor_parallel_size must be at least 1, got {tp}$"):
         LLM(checkpoint, device="cpu", tensor_parallel_size=tp)
 
 

@@ -32,6 +32,7 @@ from tp_runtime.errors import (
     WorkerDiedError,
     WorkerError,
 )
+from tp_runtime.worker.worker import FAULT_INJECTION_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +77,7 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 def is_spawned_worker(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"tp_runtime.worker_process" in f.read()
+            return b"tp_runtime.worker.process" in f.read()
     except (FileNotFoundError, ProcessLookupError):
         return False
 
@@ -236,7 +237,10 @@ def test_sigkill_worker_between_generates(start_llm: Callable[..., LLM]) -> None
 
 
 # ----------------------------------------------------------------------------- (b) a worker raises
-def test_worker_exception_reaches_driver_with_remote_traceback(start_llm: Callable[..., LLM]) -> None:
+def test_worker_exception_reaches_driver_with_remote_traceback(
+    start_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAULT_INJECTION_ENV, "1")  # before the workers start: they inherit it
     llm = start_llm()
     pids = pids_of(llm)
     generate_ok(llm)
@@ -254,6 +258,26 @@ def test_worker_exception_reaches_driver_with_remote_traceback(start_llm: Callab
     assert "boom" in message
     # A failed call shuts every worker down (documented in MultiprocExecutor._guarded).
     assert wait_gone(pids, 5.0) == []
+    assert_engine_closed(llm)
+
+
+def test_fault_injection_is_refused_without_the_variable(
+    checkpoint: Path, start_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without TP_RUNTIME_FAULT_INJECTION=1 a worker refuses the debug_raise hook, with a message naming the
+    variable. In process the refusal is the caller's ValueError and the engine keeps serving; across
+    processes it is a worker error, after which the driver closes the engine, as after any failed call."""
+    monkeypatch.delenv(FAULT_INJECTION_ENV, raising=False)
+    refused = f"is refused: the worker's environment does not set {FAULT_INJECTION_ENV}=1"
+    with LLM(checkpoint, device="cpu", dtype="float32") as llm:  # TP=1: the in-process worker
+        with pytest.raises(ValueError, match=refused):
+            llm.engine.executor.collective_rpc("debug_raise", ["boom"])
+        generate_ok(llm)
+    llm = start_llm()
+    with pytest.raises(WorkerError) as info:
+        llm.engine.executor.collective_rpc("debug_raise", ["boom"])
+    assert refused in str(info.value), describe(info.value)
+    assert "RuntimeError: boom" not in info.value.remote_traceback
     assert_engine_closed(llm)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tp_runtime.kv_cache import CPU_KV_CACHE_RAM_SHARE, available_memory_bytes, cpu_kv_cache_blocks
+from tp_runtime.worker.kv_sizing import CPU_KV_CACHE_RAM_SHARE, available_memory_bytes, cpu_kv_cache_blocks
 
 GIB = 1 << 30
 MIB = 1 << 20

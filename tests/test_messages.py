@@ -98,7 +98,6 @@ WORKER_REPLIES = [
     WorkerReply(1, 3, "result", result=[1, 2.5, "a", None, True, {"nested": [1]}]),
     WorkerReply(1, 3, "result", result=None),
     WorkerReply(1, -1, "error", error="Traceback (most recent call last):\n  ...\nRuntimeError: boom\n"),
-    WorkerReply(0, -1, "heartbeat"),
 ]
 
 
@@ -161,6 +160,7 @@ def _garbage(tmp_path: Path) -> dict[str, bytes]:
         "msgpack_int": msgspec.msgpack.encode(5),
         "msgpack_str": msgspec.msgpack.encode("hello"),
         "msgpack_map": msgspec.msgpack.encode({"rank": 0, "call_id": 1, "kind": "result"}),
+        "unknown_reply_kind": msgspec.msgpack.encode([0, 1, "heartbeat", None, None, None]),
         "msgpack_wrong_array": msgspec.msgpack.encode([1, 2, 3, 4, 5, 6, 7, 8, 9]),
         "msgpack_wrong_field_type": msgspec.msgpack.encode(["exec", [1.5]]),
         "unknown_tag": msgspec.msgpack.encode(["pickle", b"x"]),

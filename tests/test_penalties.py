@@ -205,6 +205,6 @@ def test_penalty_state_only_when_used(model_dir: Path) -> None:
     with LLM(model_dir, dtype="float32", device="cpu") as engine:
         runner = engine.engine.executor.worker.runner  # type: ignore[attr-defined]
         engine.generate({"prompt_token_ids": [5, 6, 7]}, greedy(4), use_tqdm=False)
-        assert runner._output_counts is None
+        assert runner.batch.penalties is None
         engine.generate({"prompt_token_ids": [5, 6, 7]}, greedy(4, presence_penalty=0.5), use_tqdm=False)
-        assert runner._output_counts is not None
+        assert runner.batch.penalties is not None

@@ -19,6 +19,7 @@ from conftest import hf_greedy, random_prompts
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.outputs import Logprob
+from tp_runtime.worker.inputs import GraphDecodeBatch
 
 VOCAB = 300
 SCHED = dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_kv_blocks=22, max_model_len=48)
@@ -104,15 +105,16 @@ def test_one_token_chunks_on_the_decode_graph_path(model_dir: Path, hf_model: An
         model_dir, dtype="float32", device="cpu", cuda_graphs="padded", max_num_batched_tokens=4,
         max_num_seqs=4, max_model_len=64,
     )  # fmt: skip
-    runner = engine.engine.executor.worker.runner  # type: ignore[attr-defined]
-    prepare, on_graph_path = runner._prepare_inputs, []
+    builder = engine.engine.executor.worker.runner.inputs  # type: ignore[attr-defined]
+    prepare, on_graph_path = builder.prepare, []
 
     def spy(so: Any) -> Any:
         inputs = prepare(so)
-        on_graph_path.append(inputs.graph_inputs is not None and inputs.prompt_logprobs is not None)
+        graph_step = isinstance(inputs.model, GraphDecodeBatch)
+        on_graph_path.append(graph_step and inputs.prompt_logprobs is not None)
         return inputs
 
-    runner._prepare_inputs = spy
+    builder.prepare = spy
     prompts = random_prompts((1, 1, 1, 20), VOCAB, seed=33)
     with engine:
         params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3 + [

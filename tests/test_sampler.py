@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tp_runtime.sampler import Sampler, SamplingBatch, filter_logits, token_seed
+from tp_runtime.worker.sampler import Sampler, SamplingBatch, filter_logits, token_seed
 
 CPU = torch.device("cpu")
 MARGIN = 1e-4  # relative distance every probability keeps from every filter threshold

@@ -256,6 +256,6 @@ def _worker_children() -> list[int]:
                 cmdline = f.read()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == os.getpid() and b"tp_runtime.worker_process" in cmdline:
+        if ppid == os.getpid() and b"tp_runtime.worker.process" in cmdline:
             found.append(int(entry))
     return found

@@ -42,7 +42,7 @@ from test_faults import alive, describe, kill_quietly, spawned_children, wait_go
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.config import CacheConfig, EngineConfig, SchedulerConfig, build_model_config
 from tp_runtime.errors import EngineClosedError, ProtocolError, StepTimeoutError, TPRuntimeError
-from tp_runtime.executor import message_limits
+from tp_runtime.ipc import message_limits
 from tp_runtime.messages import (
     CachedRequests,
     ExecuteModel,
@@ -493,7 +493,7 @@ def test_authentic_inconsistent_reply_is_a_protocol_error(fresh_llm: Callable[..
     assert expected and expected[0] in str(info.value), describe(info.value)
     assert wait_gone(pids, 10.0) == []
     with pytest.raises(EngineClosedError):
-        executor.collective_rpc("check_health")
+        executor.collective_rpc("decode_traffic")
 
 
 # ----------------------------------------------------------------------------- a stopped rank is named
@@ -596,11 +596,16 @@ def test_torchrun_across_hosts_needs_the_shared_secret(checkpoint: Path, tmp_pat
 
 _TORCHRUN_SCRIPT = """
 import os, sys, time
-from tp_runtime import LLM, SamplingParams
+from tp_runtime import LLM, SamplingParams, run_torchrun_worker
 from tp_runtime.errors import TPRuntimeError
 print(f"PID {os.environ['RANK']} {os.getpid()}", flush=True)
-llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", dtype="float32", executor="torchrun",
-          step_timeout_s=120.0)
+options = dict(
+    tensor_parallel_size=2, device="cpu", dtype="float32", executor="torchrun", step_timeout_s=120.0
+)
+if os.environ["RANK"] != "0":
+    run_torchrun_worker(sys.argv[1], **options)
+    sys.exit(0)
+llm = LLM(sys.argv[1], **options)
 prompts = [{"prompt_token_ids": [1, 5 + i % 7, 6, 7]} for i in range(32)]
 short, long = (SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 400))
 llm.generate(prompts[:1], short, use_tqdm=False)

@@ -1,4 +1,4 @@
-"""Spawned workers are fresh interpreters (`python -m tp_runtime.worker_process`), not multiprocessing
+"""Spawned workers are fresh interpreters (`python -m tp_runtime.worker.process`), not multiprocessing
 children: a flat user script with no `if __name__ == "__main__":` guard runs at TP=2, the HMAC key never
 shows on a worker's command line, and killing the driver leaves no worker behind."""
 
@@ -20,7 +20,7 @@ import pytest
 from conftest import hf_greedy
 
 from tp_runtime.config import CacheConfig, EngineConfig, ParallelConfig, build_model_config
-from tp_runtime.worker_process import SpawnArgs, encode_spawn_args, read_spawn_args
+from tp_runtime.worker.process import SpawnArgs, encode_spawn_args, read_spawn_args
 
 pytestmark = pytest.mark.slow
 
@@ -141,7 +141,7 @@ def test_flat_script_without_main_guard_runs_at_tp2(
     assert len(driver.worker_pids) == 2
     for cmdline in report["cmdlines"]:  # type: ignore[attr-defined]
         args = cmdline.split("\0")
-        assert "tp_runtime.worker_process" in args, args
+        assert "tp_runtime.worker.process" in args, args
         assert "spawn_main" not in cmdline and "flat_script" not in cmdline
         assert key_hex not in cmdline and key_hex.upper() not in cmdline
     # Their environment carries no key either.

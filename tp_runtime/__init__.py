@@ -6,18 +6,29 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tp_runtime.engine import LLM
+    from tp_runtime.engine.args import EngineArgs
+    from tp_runtime.engine.llm import LLM, run_torchrun_worker
     from tp_runtime.outputs import CompletionOutput, Logprob, RequestOutput
     from tp_runtime.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "run_torchrun_worker",
+]
 __version__ = "0.1.0"
 
 # Imported on first use: `import tp_runtime.cli` (the `tp-runtime` command, torchrun's ranks) then does
 # not load torch before its main() runs, so `--help`, argument errors and a Ctrl-C during start-up are
 # handled there, in one line.
 _EXPORTS = {
-    "LLM": "tp_runtime.engine",
+    "LLM": "tp_runtime.engine.llm",
+    "run_torchrun_worker": "tp_runtime.engine.llm",
+    "EngineArgs": "tp_runtime.engine.args",
     "CompletionOutput": "tp_runtime.outputs",
     "Logprob": "tp_runtime.outputs",
     "RequestOutput": "tp_runtime.outputs",

@@ -1,4 +1,5 @@
-"""`tp-runtime` command line: generate text, run the benchmarks, make the SmolLM2 checkpoint.
+"""`tp-runtime` command line: generate text, serve it over HTTP (OpenAI API), run the benchmarks, make the
+SmolLM2 checkpoint.
 
 Under torchrun (scripts/launch_tp.sh) every rank runs the same command: rank 0 becomes the driver and
 prints; the other ranks serve as workers and exit when the driver shuts down. Errors in the arguments
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tp_runtime.config import ALL_REDUCE_STRATEGIES, ATTENTION_BACKENDS
+from tp_runtime.engine.args import EngineArgs
 from tp_runtime.errors import ConfigError, InvalidRequestError, TPRuntimeError
 from tp_runtime.models_catalog import (
     DEFAULT_MODEL,
@@ -85,12 +86,9 @@ class ArgumentParser(argparse.ArgumentParser):
         fail(f"{message}; see `{self.prog} --help`")
 
 
-# Ranges of numeric flags, by argparse dest (whichever command defines them): (minimum, exclusive).
+# Ranges of the numeric flags that are not engine options, by argparse dest (whichever command defines
+# them). The engine's flags are checked by EngineArgs, where they are declared.
 _INT_AT_LEAST = {
-    "tensor_parallel_size": 1,
-    "max_num_seqs": 1,
-    "max_num_batched_tokens": 1,
-    "max_model_len": 1,
     "max_tokens": 1,
     "min_tokens": 0,
     "n": 1,
@@ -102,10 +100,8 @@ _INT_AT_LEAST = {
     "num_iters_warmup": 0,
     "steps": 1,
     "num_requests": 1,
-    "seed": 0,
     "sampling_seed": 0,
 }
-_FLOAT_ABOVE = {"step_timeout": 0.0, "cpu_kv_cache_gib": 0.0}
 _FLOAT_AT_LEAST = {"spin_wait_us": 0.0, "temperature": 0.0, "min_p": 0.0}
 
 
@@ -120,17 +116,10 @@ def check_ranges(args: argparse.Namespace) -> None:
         value = values.get(dest)
         if value is not None and value < low:
             raise ConfigError(f"argument {_flag(dest)}: must be at least {low}, got {value}")
-    for dest, bound in _FLOAT_ABOVE.items():
-        number = values.get(dest)
-        if number is not None and not number > bound:  # NaN fails too
-            raise ConfigError(f"argument {_flag(dest)}: must be more than {bound:g}, got {number:g}")
     for dest, bound in _FLOAT_AT_LEAST.items():
         number = values.get(dest)
         if number is not None and not number >= bound:
             raise ConfigError(f"argument {_flag(dest)}: must be at least {bound:g}, got {number:g}")
-    gpu_share = values.get("gpu_memory_utilization")
-    if gpu_share is not None and not 0.0 < gpu_share <= 1.0:
-        raise ConfigError(f"argument --gpu-memory-utilization: must be in (0, 1], got {gpu_share:g}")
     top_p = values.get("top_p")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ConfigError(f"argument --top-p: must be in (0, 1], got {top_p:g}")
@@ -148,79 +137,18 @@ def check_ranges(args: argparse.Namespace) -> None:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int | None = 256) -> None:
-    parser.add_argument(
-        "--model",
-        default=None,
-        help=f"checkpoint folder or built-in model name (listed below; default: {DEFAULT_MODEL})",
-    )
-    parser.add_argument(
-        "--tensor-parallel-size", "-tp", type=int, default=1, help="ranks the model is split across"
-    )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="weight and activation dtype (auto: float32 on the CPU; on CUDA the checkpoint's 16-bit type, "
-        "else bfloat16)",
-    )
-    parser.add_argument(
-        "--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: CUDA when there is a GPU"
-    )
-    parser.add_argument(
-        "--load-format",
-        default="auto",
-        choices=("auto", "dummy"),
-        help="auto: the checkpoint's safetensors; dummy: pseudo-random weights, same at every TP size",
-    )
-    parser.add_argument(
-        "--max-model-len", type=int, default=None, help="longest sequence (default: the model's own limit)"
-    )
+    """The engine's flags, generated from EngineArgs (names, types, choices, help, defaults).
+    `max_num_seqs=None`: the command sizes the batch to its work (`generate`)."""
+    defaults: dict[str, Any] = {}
+    helps: dict[str, str] = {}
     if max_num_seqs is None:
-        parser.add_argument(
-            "--max-num-seqs",
-            type=int,
-            default=None,
-            help=f"sequences run at once (default: as many as asked for, at most {GENERATE_MAX_NUM_SEQS})",
+        defaults["max_num_seqs"] = None
+        helps["max_num_seqs"] = (
+            f"sequences run at once (default: as many as asked for, at most {GENERATE_MAX_NUM_SEQS})"
         )
     else:
-        parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="sequences run at once")
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=8192, help="tokens one step may process"
-    )
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="share of the GPU's memory for weights, activations and KV cache",
-    )
-    parser.add_argument(
-        "--cpu-kv-cache-gib",
-        type=float,
-        default=None,
-        help="KV cache size per rank on the CPU, GiB (default: what max-num-seqs sequences of "
-        "max-model-len tokens need, at most 10%% of the available RAM shared by the ranks)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and of sampling")
-    parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds a step may take")
-    parser.add_argument(
-        "--fused-kernels",
-        default="auto",
-        choices=("auto", "torch", "triton"),
-        help="residual+RMSNorm, rotary, SiLU-mul as Triton kernels (auto: on CUDA) or PyTorch ops",
-    )
-    parser.add_argument(
-        "--all-reduce",
-        default="auto",
-        choices=ALL_REDUCE_STRATEGIES,
-        help="all-reduce between GPUs (auto: symmetric memory for decode-sized messages, NCCL otherwise)",
-    )
-    parser.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=ATTENTION_BACKENDS,
-        help="attention over the paged KV cache (auto: split-KV Triton kernels on CUDA, else PyTorch SDPA; "
-        "triton_one_split: one program per sequence and KV head)",
-    )
+        defaults["max_num_seqs"] = max_num_seqs
+    EngineArgs.add_cli_args(parser, defaults=defaults, helps=helps)
 
 
 def resolve_model_arg(args: argparse.Namespace) -> str:
@@ -248,30 +176,24 @@ def check_model(args: argparse.Namespace) -> Any:
     return model_config
 
 
-def build_llm(args: argparse.Namespace, **extra: Any) -> Any:
+def engine_args(args: argparse.Namespace, **overrides: Any) -> EngineArgs:
+    """The engine options the command line gives (the model resolved once per process)."""
+    return EngineArgs.from_cli(args, model=resolve_model_arg(args), **overrides)
+
+
+def build_llm(args: argparse.Namespace, **overrides: Any) -> Any:
+    """An LLM started with the command line's engine options (`overrides`: EngineArgs fields on top)."""
     from tp_runtime import LLM
 
-    kwargs: dict[str, Any] = {}
-    if getattr(args, "cpu_kv_cache_gib", None) is not None:
-        kwargs["cpu_kv_cache_gib"] = args.cpu_kv_cache_gib
-    return LLM(
-        model=resolve_model_arg(args),
-        tensor_parallel_size=args.tensor_parallel_size,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        load_format=args.load_format,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        step_timeout_s=args.step_timeout,
-        fused_kernels=args.fused_kernels,
-        attention_backend=args.attention_backend,
-        all_reduce=args.all_reduce,
-        **kwargs,
-        **extra,
-    )
+    return LLM(**engine_args(args, **overrides).to_llm_kwargs())
+
+
+def serve_torchrun_rank(args: argparse.Namespace) -> None:
+    """A rank > 0 of a torchrun job: instead of running the command, serve rank 0's driver as a worker
+    (with the same engine options, so the same configuration) until it shuts down."""
+    from tp_runtime.executor.torchrun import run_torchrun_worker
+
+    run_torchrun_worker(engine_args(args).create_engine_config())
 
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -297,40 +219,114 @@ def _sampling_params(args: argparse.Namespace) -> Any:
         max_tokens=args.max_tokens,
         ignore_eos=args.ignore_eos,
         stop=args.stop or None,
+        n=args.n,
+        logprobs=args.logprobs,
     )
+
+
+def _check_chat_template(args: argparse.Namespace) -> None:
+    """--chat needs a chat template in the model's tokenizer: say so before anything starts."""
+    import transformers
+
+    folder = resolve_model_arg(args)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:
+        raise ConfigError(f"could not load a tokenizer from {folder}: {exc}") from None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"argument --chat: the model {args.model or folder} has no chat template (its tokenizer in "
+            f"{folder} carries none); leave out --chat to complete the prompts as plain text, or give a "
+            "--model whose tokenizer has one (smollm2-135m-instruct does)"
+        )
 
 
 def _check_generate(args: argparse.Namespace) -> None:
     prompts = _prompts(args)
     _sampling_params(args)
+    if args.logprobs is not None:
+        limit, vocab = args.max_logprobs, args.model_config.vocab_size
+        if args.logprobs > min(limit, vocab):
+            raise ConfigError(
+                "argument --logprobs: must be at most "
+                + (f"the vocabulary size {vocab}" if vocab < limit else f"--max-logprobs ({limit})")
+                + f", got {args.logprobs}; ask for fewer"
+                + ("" if vocab < limit else " or raise --max-logprobs")
+            )
+    if args.chat:
+        _check_chat_template(args)
     if args.max_num_seqs is None:
-        args.max_num_seqs = max(1, min(GENERATE_MAX_NUM_SEQS, len(prompts) * getattr(args, "n", 1)))
+        args.max_num_seqs = max(1, min(GENERATE_MAX_NUM_SEQS, len(prompts) * args.n))
+
+
+def _token_logprobs(completion: Any, top: int) -> list[dict[str, Any]]:
+    """Per generated token: the sampled token's id, text, logprob and rank, and the `top` likeliest
+    tokens (same fields) by rank."""
+
+    def entry(token_id: int, lp: Any) -> dict[str, Any]:
+        return {"token_id": token_id, "token": lp.decoded_token, "logprob": lp.logprob, "rank": lp.rank}
+
+    records = []
+    for token_id, position in zip(completion.token_ids, completion.logprobs, strict=True):
+        ranked = sorted(
+            (entry(tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= top),
+            key=lambda e: e["rank"],
+        )
+        records.append({**entry(token_id, position[token_id]), "top": ranked})
+    return records
+
+
+def _print_logprobs(records: list[dict[str, Any]], top: int) -> None:
+    for i, r in enumerate(records):
+        line = f"    {i:>3} {r['token']!r} {r['logprob']:.4f} (rank {r['rank']})"
+        if top:
+            line += f"; top {top}: " + ", ".join(f"{t['token']!r} {t['logprob']:.4f}" for t in r["top"])
+        print(line)
 
 
 def _generate(args: argparse.Namespace) -> None:
     params = _sampling_params(args)
     prompts = _prompts(args)
     with build_llm(args) as llm:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    if args.output_json:
-        records = [
-            {
-                "prompt": o.prompt,
-                "prompt_token_ids": o.prompt_token_ids,
-                "text": o.outputs[0].text,
-                "token_ids": o.outputs[0].token_ids,
-                "finish_reason": o.outputs[0].finish_reason,
+        if args.chat:
+            conversations = [[{"role": "user", "content": p}] for p in prompts]
+            outputs = llm.chat(conversations, params, use_tqdm=False)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+    records = []
+    for prompt, out in zip(prompts, outputs, strict=True):
+        completions = []
+        for completion in out.outputs:
+            record: dict[str, Any] = {
+                "index": completion.index,
+                "text": completion.text,
+                "token_ids": completion.token_ids,
+                "finish_reason": completion.finish_reason,
             }
-            for o in outputs
-        ]
+            about = f"{len(completion.token_ids)} tokens, {completion.finish_reason}"
+            if args.logprobs is not None:
+                record["cumulative_logprob"] = completion.cumulative_logprob
+                record["logprobs"] = _token_logprobs(completion, args.logprobs)
+                about += f", cumulative logprob {completion.cumulative_logprob:.4f}"
+            completions.append(record)
+            tag = f"[{completion.index}] " if args.n > 1 else ""
+            print(f"{prompt!r} -> {tag}{completion.text!r} ({about})")
+            if args.logprobs is not None:
+                _print_logprobs(record["logprobs"], args.logprobs)
+        first = out.outputs[0]
+        records.append({
+            **({"message": prompt} if args.chat else {}),
+            "prompt": out.prompt,
+            "prompt_token_ids": out.prompt_token_ids,
+            # The first completion's, as before --n; "outputs" holds all of them.
+            "text": first.text,
+            "token_ids": first.token_ids,
+            "finish_reason": first.finish_reason,
+            "outputs": completions,
+        })  # fmt: skip
+    if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(records, f, indent=2)
-    for out in outputs:
-        completion = out.outputs[0]
-        print(
-            f"{out.prompt!r} -> {completion.text!r} "
-            f"({len(completion.token_ids)} tokens, {completion.finish_reason})"
-        )
 
 
 def _make_smollm2(args: argparse.Namespace) -> None:
@@ -373,9 +369,43 @@ def build_parser() -> ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     gen.add_argument("--stop", action="append", help="stop string (repeatable; default: none)")
     gen.add_argument(
-        "--output-json", default=None, help="also write prompts, texts and token ids here (default: no file)"
+        "--n",
+        type=int,
+        default=1,
+        help="completions per prompt, each printed (they differ only when sampling: --temperature > 0; "
+        "--sampling-seed S makes completion i use seed S+i)",
+    )
+    gen.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="print each generated token's logprob and rank, and the N likeliest tokens at its position "
+        "(at most --max-logprobs; also written to --output-json) (default: off)",
+    )
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as a user message through the model's chat template, as LLM.chat does",
+    )
+    gen.add_argument(
+        "--output-json",
+        default=None,
+        help="also write prompts, texts, token ids (and logprobs) here, one record per prompt with its "
+        "completions under outputs (default: no file)",
     )
     gen.set_defaults(func=_generate, check=_check_generate, per_rank=True)
+
+    from tp_runtime.server import cli as serve_cli
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve the model over HTTP with OpenAI's API",
+        description=serve_cli.DESCRIPTION,
+        epilog=MODELS_EPILOG,
+    )
+    serve_cli.add_serve_arguments(serve)
+    serve.set_defaults(func=serve_cli.serve_main, check=serve_cli.check_serve, per_rank=True)
 
     bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -401,6 +431,16 @@ def build_parser() -> ArgumentParser:
     messaging.set_defaults(
         func=messaging_bench.main, check=getattr(messaging_bench, "check", None), per_rank=False
     )
+
+    from tp_runtime.bench import serve as serve_bench
+
+    serve_load = bench_sub.add_parser(
+        "serve",
+        help="load a running OpenAI-compatible server, like vLLM's benchmark_serving",
+        description=serve_bench.__doc__,
+    )
+    serve_bench.add_arguments(serve_load)
+    serve_load.set_defaults(func=serve_bench.main, check=serve_bench.check, per_rank=False)
 
     smol = sub.add_parser(
         "make-smollm2",
@@ -443,7 +483,8 @@ def check_args(args: argparse.Namespace, *, under_torchrun: bool) -> None:
     if under_torchrun and not args.per_rank:
         refuse_once_only(_command_name(args))
     check_ranges(args)
-    if hasattr(args, "model"):
+    if hasattr(args, "model"):  # a command that starts an engine
+        EngineArgs.check_cli(args)
         args.model_config = check_model(args)
     if args.check is not None:
         args.check(args)
@@ -473,7 +514,10 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGINT, _exit_interrupted)
     try:
         args = parse_and_check(argv, under_torchrun=torchrun_rank() is not None)
-        args.func(args)
+        if torchrun_rank() and hasattr(args, "model"):  # a rank > 0, of a command that starts an engine
+            serve_torchrun_rank(args)
+        else:
+            args.func(args)
     except KeyboardInterrupt:
         if not _quiet() and not os.environ.get(LAUNCHED_ENV):
             print(f"{PROG}: interrupted", file=sys.stderr, flush=True)

@@ -133,7 +133,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     # KV cache per rank on the CPU, GiB; None: what max_num_seqs sequences of max_model_len need, at most
-    # kv_cache.CPU_KV_CACHE_RAM_SHARE of the RAM available, split over the ranks (kv_cache.py).
+    # worker.kv_sizing.CPU_KV_CACHE_RAM_SHARE of the RAM available, split over the ranks.
     cpu_kv_cache_gib: float | None = None
 
     def __post_init__(self) -> None:

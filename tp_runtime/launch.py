@@ -80,10 +80,23 @@ class _Interrupts:
         os._exit(cli.EXIT_INTERRUPTED)
 
 
+def _quiet_interrupts_in_finalizers() -> None:
+    """A Ctrl-C that lands in a finalizer (__del__) is printed as "Exception ignored" and swallowed;
+    _Interrupts remembers it, so drop the report."""
+    default = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            default(unraisable)
+
+    sys.unraisablehook = hook
+
+
 def main(argv: list[str] | None = None) -> None:
     torchrun_argv, command_argv = _split(sys.argv[1:] if argv is None else argv)
     interrupts = _Interrupts()
     signal.signal(signal.SIGINT, interrupts)
+    _quiet_interrupts_in_finalizers()
     try:
         once = cli.once_only_command(command_argv)
         if once is not None:  # before parsing: launch_tp.sh adds --tensor-parallel-size, which it lacks
@@ -137,7 +150,10 @@ def _run_torchrun(torchrun_argv: list[str], command_argv: list[str], interrupts:
         log_dir = tempfile.mkdtemp(prefix="tp-runtime-torchrun-")
         interrupts.torchrun_log_dir = log_dir
         torchrun_argv = [*torchrun_argv, "--log-dir", log_dir]
-    args = parse_args([*torchrun_argv, "--no-python", sys.executable, "-u", "-c", _RANK_MAIN, *command_argv])
+    # The command's own arguments bypass torchrun's parser, which would take `--n` for an abbreviation of
+    # one of its flags (argparse matches prefixes anywhere in the argument list).
+    args = parse_args([*torchrun_argv, "--no-python", sys.executable, "-u", "-c", _RANK_MAIN])
+    args.training_script_args = [*args.training_script_args, *command_argv]
     nproc = str(args.nproc_per_node)
     if "OMP_NUM_THREADS" not in os.environ and nproc.isdigit() and int(nproc) > 1:
         # What torchrun does then, without its banner about it.

@@ -7,7 +7,7 @@ the sampled tokens themselves, on the device (every rank samples the same tokens
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -112,12 +112,15 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
 DriverMessage = ExecuteModel | ControlCall | Flush | Shutdown
 
 
-# Workers -> driver.
+# Workers -> driver. (Heartbeats are empty frames on a socket of their own, not replies.)
+ReplyKind = Literal["output", "result", "error", "ready"]
+
+
 class WorkerReply(msgspec.Struct, array_like=True):
     rank: int
     # step_id for execute_model, call_id for control calls, -1 for unsolicited messages.
     call_id: int
-    kind: str  # "output" | "result" | "error" | "ready" | "heartbeat"
+    kind: ReplyKind
     output: ModelRunnerOutput | None = None
     result: Any = None
     error: str | None = None

@@ -14,10 +14,14 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
+    """One sample's output. From `LLMEngine.step()` for a streamed request (`add_request(stream=True)`),
+    the delta of one step: `text`, `token_ids` and `logprobs` hold only what it added (the texts join
+    into the whole text), `cumulative_logprob` is the running sum."""
+
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length"
+    finish_reason: str | None  # "stop" | "length" | "abort" (abort_request); None while unfinished
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     cumulative_logprob: float | None = None
     # One dict per generated token: token id -> Logprob (the sampled token plus the top `logprobs`).
@@ -30,6 +34,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    # False on a streamed request's outputs until its last one; `LLM.generate` returns finished outputs.
     finished: bool = True
     # With SamplingParams(prompt_logprobs=k): per prompt token, token id -> Logprob (the prompt token plus
     # the top k); None for the first token, which nothing predicts.

@@ -96,10 +96,6 @@ class SamplingParams:
                 raise bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_EPS
-
-    @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 

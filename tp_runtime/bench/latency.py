@@ -35,7 +35,7 @@ BREAKDOWN_FIELDS = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tp_runtime.cli import add_engine_arguments
 
-    add_engine_arguments(parser)
+    add_engine_arguments(parser)  # every EngineArgs option, --async-scheduling among them
     parser.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
     parser.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
@@ -50,12 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="overlap",
         help="overlap: value-free bookkeeping before the device->host sync; sync_first: the order it "
         "replaced",
-    )
-    parser.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="send step N+1 before step N's sampled ids are back; --no-async-scheduling: one step at a time",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -134,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tp_runtime import SamplingParams
     from tp_runtime.cli import build_llm
 
-    llm = build_llm(args, async_scheduling=args.async_scheduling)
+    llm = build_llm(args)
     try:
         llm.engine.executor.collective_rpc("set_bookkeeping_order", [args.bookkeeping_order])
         vocab = llm.config.model.vocab_size

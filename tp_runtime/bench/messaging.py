@@ -68,7 +68,7 @@ class _StubWorker:
 
 def _stub_worker_main(rank: int, addresses: Any, parent_conn: Any, spin_wait_s: float) -> None:
     from tp_runtime.config import ParallelConfig
-    from tp_runtime.worker import run_worker_loop
+    from tp_runtime.worker.worker import run_worker_loop
 
     run_worker_loop(
         _StubConfig(ParallelConfig(spin_wait_s=spin_wait_s)),  # type: ignore[arg-type]
@@ -165,12 +165,13 @@ def payload_formats(num_reqs: int, repeats: int) -> dict[str, dict[str, float]]:
 
 
 def round_trips(tp: int, steps: int, spin_wait_s: float) -> dict[str, float]:
-    from tp_runtime.executor import _ipc_channel, _RemoteWorkers
-    from tp_runtime.worker import WorkerAddresses
+    from tp_runtime.executor.remote import RemoteWorkers
+    from tp_runtime.ipc import ipc_channel
+    from tp_runtime.worker.worker import WorkerAddresses
 
     ipc_dir = tempfile.mkdtemp(prefix="tp-runtime-bench-")
     max_bytes = 64 << 20  # far above the largest message here (the prefill step, ~45 KB)
-    channel = _ipc_channel(ipc_dir, secrets.token_bytes(32), max_bytes)
+    channel = ipc_channel(ipc_dir, secrets.token_bytes(32), max_bytes)
     ctx = mp.get_context("spawn")
     procs, pipes = [], []
     addresses = WorkerAddresses(
@@ -183,7 +184,7 @@ def round_trips(tp: int, steps: int, spin_wait_s: float) -> dict[str, float]:
         reader.close()
         procs.append(proc)
         pipes.append(writer)
-    remote = _RemoteWorkers(channel, list(range(tp)), spin_wait_s)
+    remote = RemoteWorkers(channel, list(range(tp)), spin_wait_s)
     results = {}
     try:
         remote.wait_for_subscribers(time.monotonic() + 120)

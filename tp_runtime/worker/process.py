@@ -1,4 +1,4 @@
-"""Entry point of a spawned worker process: `python -m tp_runtime.worker_process`.
+"""Entry point of a spawned worker process: `python -m tp_runtime.worker.process`.
 
 The multiprocess executor starts each rank as a fresh interpreter running this module (never
 multiprocessing's spawn, which re-imports the user's main module in every worker, so a script without an
@@ -100,7 +100,7 @@ def main() -> None:
     # Nothing here may read stdin again; a stray input() must not steal the pipe's EOF.
     sys.stdin = open(os.devnull)  # noqa: SIM115
 
-    from tp_runtime.worker import WorkerAddresses, run_worker_loop
+    from tp_runtime.worker.worker import WorkerAddresses, run_worker_loop
 
     addresses = WorkerAddresses(
         args.broadcast, args.results, args.key, args.heartbeat, args.max_broadcast_bytes

@@ -19,8 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tp_runtime.config import EngineConfig
+from tp_runtime.engine.kv_cache import KVCacheManager
 from tp_runtime.errors import ProtocolError
-from tp_runtime.kv_cache import KVCacheManager
 from tp_runtime.messages import (
     CachedRequests,
     ModelRunnerOutput,

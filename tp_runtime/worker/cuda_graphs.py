@@ -5,7 +5,7 @@ the host stops being the bottleneck. Graphs need fixed shapes and addresses, so 
 a bucket size and each sequence's block table to a bucket of blocks; the inputs of a step are packed into
 one pinned host buffer and copied to the device with one transfer. Padding rows write their keys/values
 into a trash slot (one extra cache block nobody owns) and attend only to key 0. A row whose input token
-was sampled on the device (the previous step's output) reads it from the runner's `token_feed` buffer
+was sampled on the device (the previous step's output) reads it from the batch's `token_feed` buffer
 inside the graph, so the host never needs that value to launch the step.
 
 Graphs are captured lazily, the first time a (batch bucket, block bucket) pair is needed. The same
@@ -16,20 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from tp_runtime.layers.attention import AttentionBackend, AttentionMetadata
+from tp_runtime.worker.inputs import GraphDecodeBatch, fed_input_ids
 
 # Columns of the packed input buffer before the block table. _FEED: the batch row whose last sampled
 # token (in token_feed) is this row's input, or -1 for a token the host knows; _ROW: the row's batch row.
 _IDS, _POS, _SLOT, _LEN, _FEED, _ROW, _TABLE = 0, 1, 2, 3, 4, 5, 6
-
-
-def fed_input_ids(input_ids: torch.Tensor, feed: torch.Tensor, token_feed: torch.Tensor) -> torch.Tensor:
-    """Input ids with each row whose `feed` is a batch row (>= 0) replaced by that row's last sampled
-    token in `token_feed`, all on the device (the eager path uses it too)."""
-    return torch.where(feed >= 0, token_feed[feed.clamp(min=0)], input_ids)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -111,31 +105,22 @@ class DecodeGraphs:
             logits = self._run_forward(rows, blocks)
         return graph, logits
 
-    def run(
-        self,
-        input_ids: np.ndarray,
-        positions: np.ndarray,
-        slots: np.ndarray,
-        block_tables: np.ndarray,
-        seq_lens: np.ndarray,
-        feed: np.ndarray,
-        batch_rows: np.ndarray,
-    ) -> torch.Tensor:
-        """Logits [num_seqs, vocab] of one decode step; block_tables holds at least the used blocks."""
-        n = len(input_ids)
+    def run(self, step: GraphDecodeBatch) -> torch.Tensor:
+        """Logits [num_seqs, vocab] of one decode step."""
+        n = len(step.input_ids)
         rows = self._bucket(self.batch_sizes, n)
-        blocks = self._bucket(self.block_sizes, int(-(-seq_lens.max() // self.block_size)))
-        used = min(blocks, block_tables.shape[1])
+        blocks = self._bucket(self.block_sizes, int(-(-step.seq_lens.max() // self.block_size)))
+        used = min(blocks, step.block_tables.shape[1])
         if self._staging_free is not None:
             self._staging_free.synchronize()  # long done in steady state: it ran before the last forward
         st = self._staging_np
-        st[:n, _IDS] = input_ids
-        st[:n, _POS] = positions
-        st[:n, _SLOT] = slots
-        st[:n, _LEN] = seq_lens
-        st[:n, _FEED] = feed
-        st[:n, _ROW] = batch_rows
-        st[:n, _TABLE : _TABLE + used] = block_tables[:, :used]
+        st[:n, _IDS] = step.input_ids
+        st[:n, _POS] = step.positions
+        st[:n, _SLOT] = step.slots
+        st[:n, _LEN] = step.seq_lens
+        st[:n, _FEED] = step.feed
+        st[:n, _ROW] = step.batch_rows
+        st[:n, _TABLE : _TABLE + used] = step.block_tables[:, :used]
         st[:n, _TABLE + used : _TABLE + blocks] = 0
         st[n:rows, :] = 0
         st[n:rows, _SLOT] = self.trash_slot
@@ -157,7 +142,3 @@ class DecodeGraphs:
     def batch_rows(self, n: int) -> torch.Tensor:
         """Batch rows of the last run's sequences, on the device (where their sampled ids go)."""
         return self._inputs[:n, _ROW]
-
-    @property
-    def num_graphs(self) -> int:
-        return len(self._graphs)

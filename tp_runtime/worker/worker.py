@@ -30,17 +30,16 @@ from tp_runtime import distributed
 from tp_runtime.config import EngineConfig
 from tp_runtime.distributed import TPGroup
 from tp_runtime.errors import ConfigError, ProtocolError
-from tp_runtime.kv_cache import CPU_KV_CACHE_RAM_SHARE, available_memory_bytes, cpu_kv_cache_blocks
 from tp_runtime.loader import init_dummy_weights, load_weights
 from tp_runtime.messages import (
     ControlCall,
     ExecuteModel,
     Flush,
+    ReplyKind,
     SchedulerOutput,
     Shutdown,
     WorkerReply,
 )
-from tp_runtime.model_runner import ModelRunner, PendingOutput, pick_kernels
 from tp_runtime.models.registry import model_class
 from tp_runtime.serialize import (
     BROADCAST,
@@ -54,6 +53,9 @@ from tp_runtime.serialize import (
     recv_spinning,
     worker_reply_codec,
 )
+from tp_runtime.worker.kv_sizing import CPU_KV_CACHE_RAM_SHARE, available_memory_bytes, cpu_kv_cache_blocks
+from tp_runtime.worker.model_runner import ModelRunner, pick_kernels
+from tp_runtime.worker.outputs import PendingOutput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,21 +82,23 @@ class WorkerAddresses:
     max_broadcast_bytes: int = 1 << 30
 
 
+# Set to 1 in a worker's environment (spawned workers and torchrun ranks inherit the driver's), it lets
+# control calls reach FAULT_INJECTION_METHODS: hooks for the tests, refused in production.
+FAULT_INJECTION_ENV = "TP_RUNTIME_FAULT_INJECTION"
+
+
 class Worker:
     # Methods a control call may name; nothing else is reachable from the socket.
     CONTROL_METHODS = frozenset(
-        {
-            "determine_num_kv_blocks",
-            "allocate_kv_cache",
-            "set_collect_timings",
-            "set_bookkeeping_order",
-            "decode_traffic",
-            "check_health",
-            "debug_raise",
-        }
-    )
+        {"determine_num_kv_blocks", "allocate_kv_cache", "set_collect_timings", "set_bookkeeping_order",
+         "decode_traffic"}
+    )  # fmt: skip
+    FAULT_INJECTION_METHODS = frozenset({"debug_raise"})
 
     def __init__(self, config: EngineConfig, rank: int, local_rank: int) -> None:
+        self.control_methods = self.CONTROL_METHODS
+        if os.environ.get(FAULT_INJECTION_ENV) == "1":
+            self.control_methods |= self.FAULT_INJECTION_METHODS
         self.config = config
         self.rank = rank
         self.local_rank = local_rank
@@ -193,18 +197,21 @@ class Worker:
             "copy_bandwidth": measure_copy_bandwidth(self.device),
         }
 
-    def check_health(self) -> int:
-        return os.getpid()
-
     def debug_raise(self, message: str) -> None:
-        """Raise inside the worker (tests use it to check that remote errors reach the driver)."""
+        """Raise inside the worker (tests check that remote errors reach the driver); a fault-injection
+        method."""
         raise RuntimeError(message)
 
     def execute_model(self, so: SchedulerOutput) -> PendingOutput:
         return self._runner().execute_model(so)
 
     def call(self, method: str, args: list[Any]) -> Any:
-        if method not in self.CONTROL_METHODS:
+        if method not in self.control_methods:
+            if method in self.FAULT_INJECTION_METHODS:
+                raise ValueError(
+                    f"control method {method!r} is a fault-injection hook for tests and is refused: the "
+                    f"worker's environment does not set {FAULT_INJECTION_ENV}=1"
+                )
             raise ValueError(f"unknown control method {method!r}")
         return getattr(self, method)(*args)
 
@@ -299,24 +306,10 @@ def _send_heartbeats(
         push.close(linger=0)
 
 
-def run_worker_loop(
-    config: EngineConfig,
-    rank: int,
-    local_rank: int,
-    addresses: WorkerAddresses,
-    init_method: str | None,
-    parent_conn: Any | None = None,
-    worker: Worker | None = None,
-    exit_if_driver_leaves: bool = False,
-) -> None:
-    """Main loop of a worker process. `worker` is given when the caller already initialised it (torchrun).
-    Frames that fail authentication are dropped (and logged, rate-limited); an authentic frame that is not
-    a valid message is reported to the driver as an error."""
-    if parent_conn is not None:
-        threading.Thread(target=_exit_when_parent_dies, args=(parent_conn, addresses), daemon=True).start()
-    if worker is None and init_method is not None:
-        _bind_collectives_to_loopback()
-    ctx = zmq.Context()
+def _connect(
+    ctx: zmq.Context[zmq.Socket[bytes]], addresses: WorkerAddresses
+) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+    """The worker's SUB socket (the driver's broadcast) and PUSH socket (its replies)."""
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.MAXMSGSIZE, addresses.max_broadcast_bytes)
@@ -326,50 +319,53 @@ def run_worker_loop(
     push.setsockopt(zmq.LINGER, 2000)
     push.setsockopt(zmq.MAXMSGSIZE, 64)  # it receives nothing
     push.connect(addresses.results)
-    reader = FrameReader(driver_message_codec(), addresses.key, BROADCAST, f"rank {rank}'s broadcast socket")
-    writer = FrameWriter(worker_reply_codec(), addresses.key, REPLIES, rank)
+    return sub, push
 
-    def reply(call_id: int, kind: str, **fields: Any) -> None:
-        push.send(writer.encode(WorkerReply(rank=rank, call_id=call_id, kind=kind, **fields)))
 
-    try:
-        if worker is None:
-            worker = Worker(config, rank, local_rank)
-            worker.init_device(init_method)
-            worker.load_model()
-        reply(-1, "ready", result=os.getpid())
-    except Exception:
-        reply(-1, "error", error=traceback.format_exc())
-        raise
+class _Replies:
+    """A rank's signed replies to the driver. With async scheduling, rank 0 holds back the answer of a step
+    whose ids are not on the host yet until the next message arrives (see the module doc)."""
 
-    stop_heartbeats = threading.Event()
-    heartbeats = None
-    monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED) if exit_if_driver_leaves else None
-    if addresses.heartbeat is not None:
-        heartbeats = threading.Thread(
-            target=_send_heartbeats, args=(ctx, addresses, rank, stop_heartbeats, monitor),
-            name=f"tp-runtime-heartbeat-{rank}", daemon=True,
-        )  # fmt: skip
-        heartbeats.start()
+    def __init__(self, push: zmq.Socket[bytes], writer: FrameWriter, rank: int, hold_back: bool) -> None:
+        self._push = push
+        self._writer = writer
+        self._rank = rank
+        self._hold_back = hold_back
+        self._held: PendingOutput | None = None  # a queued step not yet answered
 
-    spin_s = config.parallel.spin_wait_s
-    hold_back = config.async_scheduling
-    held: PendingOutput | None = None  # rank 0: a queued step not yet answered
+    def send(self, call_id: int, kind: ReplyKind, **fields: Any) -> None:
+        reply = WorkerReply(rank=self._rank, call_id=call_id, kind=kind, **fields)
+        self._push.send(self._writer.encode(reply))
 
-    def answer(pending: PendingOutput) -> None:
-        reply(pending.step_id, "output", output=pending.resolve())
+    def step(self, launched: PendingOutput) -> None:
+        """Rank 0 after queueing a step: answer the held one, then this one, or hold this one while its
+        ids are still on their way to the host."""
+        self.answer_held()
+        if self._hold_back and not launched.ready():
+            self._held = launched
+        else:
+            self._answer(launched)
 
-    def answer_held() -> None:
+    def answer_held(self) -> None:
         """Answer the held step; a failure is that step's error and does not stop the current message."""
-        nonlocal held
-        if held is None:
+        if self._held is None:
             return
-        previous, held = held, None
+        previous, self._held = self._held, None
         try:
-            answer(previous)
+            self._answer(previous)
         except Exception:
-            reply(previous.step_id, "error", error=traceback.format_exc())
+            self.send(previous.step_id, "error", error=traceback.format_exc())
 
+    def _answer(self, pending: PendingOutput) -> None:
+        self.send(pending.step_id, "output", output=pending.resolve())
+
+
+def _serve(
+    worker: Worker, rank: int, sub: zmq.Socket[bytes], reader: FrameReader, replies: _Replies, spin_s: float
+) -> None:
+    """Execute the driver's messages until Shutdown. Frames that fail authentication are dropped (and logged,
+    rate-limited); an error, an authentic frame that is not a valid message included, is reported to the
+    driver, and the worker keeps serving."""
     while True:
         data = recv_spinning(sub, spin_s, -1)
         assert data is not None  # a blocking wait only returns with a message
@@ -384,26 +380,64 @@ def run_worker_loop(
             if isinstance(message, ExecuteModel):
                 call_id = message.scheduler_output.step_id
                 launched = worker.execute_model(message.scheduler_output)
-                if rank != 0:
-                    continue
-                answer_held()
-                if hold_back and not launched.ready():
-                    held = launched
-                else:
-                    answer(launched)
+                if rank == 0:
+                    replies.step(launched)
                 continue
-            answer_held()  # anything else first answers the held step
+            replies.answer_held()  # anything else first answers the held step
             if isinstance(message, Shutdown):
-                break
+                return
             if isinstance(message, ControlCall):
                 call_id = message.call_id
                 result = worker.call(message.method, message.args)
                 if message.all_ranks or rank == 0:
-                    reply(call_id, "result", result=result)
+                    replies.send(call_id, "result", result=result)
             elif not isinstance(message, Flush):
                 raise ProtocolError(f"unexpected driver message {type(message).__name__}")
-        except Exception:  # an authentic but invalid message included: report it, keep serving
-            reply(call_id, "error", error=traceback.format_exc())
+        except Exception:
+            replies.send(call_id, "error", error=traceback.format_exc())
+
+
+def run_worker_loop(
+    config: EngineConfig,
+    rank: int,
+    local_rank: int,
+    addresses: WorkerAddresses,
+    init_method: str | None,
+    parent_conn: Any | None = None,
+    worker: Worker | None = None,
+    exit_if_driver_leaves: bool = False,
+) -> None:
+    """Main loop of a worker process. `worker` is given when the caller already initialised it (torchrun)."""
+    if parent_conn is not None:
+        threading.Thread(target=_exit_when_parent_dies, args=(parent_conn, addresses), daemon=True).start()
+    if worker is None and init_method is not None:
+        _bind_collectives_to_loopback()
+    ctx = zmq.Context()
+    sub, push = _connect(ctx, addresses)
+    reader = FrameReader(driver_message_codec(), addresses.key, BROADCAST, f"rank {rank}'s broadcast socket")
+    writer = FrameWriter(worker_reply_codec(), addresses.key, REPLIES, rank)
+    replies = _Replies(push, writer, rank, hold_back=config.async_scheduling)
+    try:
+        if worker is None:
+            worker = Worker(config, rank, local_rank)
+            worker.init_device(init_method)
+            worker.load_model()
+        replies.send(-1, "ready", result=os.getpid())
+    except Exception:
+        replies.send(-1, "error", error=traceback.format_exc())
+        raise
+
+    stop_heartbeats = threading.Event()
+    heartbeats = None
+    monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED) if exit_if_driver_leaves else None
+    if addresses.heartbeat is not None:
+        heartbeats = threading.Thread(
+            target=_send_heartbeats, args=(ctx, addresses, rank, stop_heartbeats, monitor),
+            name=f"tp-runtime-heartbeat-{rank}", daemon=True,
+        )  # fmt: skip
+        heartbeats.start()
+
+    _serve(worker, rank, sub, reader, replies, config.parallel.spin_wait_s)
     stop_heartbeats.set()  # before anything slow: a torchrun rank must not take the driver's exit for a death
     if heartbeats is not None:
         heartbeats.join()

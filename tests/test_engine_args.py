@@ -1,0 +1,193 @@
+"""EngineArgs is the one place an engine option is declared: LLM's keyword arguments, the command line's
+engine flags and the EngineConfig all come from its fields, and its validation names the option."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import subprocess
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tp_runtime import LLM, cli
+from tp_runtime.config import ALL_REDUCE_STRATEGIES, ATTENTION_BACKENDS, DTYPES
+from tp_runtime.engine.args import EngineArgs, choices, flag_name
+from tp_runtime.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
+
+
+def test_llm_takes_every_field_and_nothing_else() -> None:
+    """LLM(model, **options) forwards its options to EngineArgs: every field is one, a stray keyword is a
+    ConfigError that lists the options (before anything starts)."""
+    kwargs = EngineArgs(model="tiny-llama", tensor_parallel_size=2, enforce_eager=True).to_llm_kwargs()
+    assert set(kwargs) == set(FIELDS)
+    assert list(inspect.signature(LLM.__init__).parameters) == ["self", "model", "options"]
+    with pytest.raises(ConfigError, match=r"unknown engine option\(s\) tensor_paralel_size; the options "):
+        LLM("tiny-llama", tensor_paralel_size=2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be at least 1, got 0"):
+        LLM("tiny-llama", tensor_parallel_size=0)
+
+
+def test_choices_agree_with_the_config_checks() -> None:
+    assert choices("dtype") == DTYPES
+    assert choices("attention_backend") == ATTENTION_BACKENDS
+    assert choices("all_reduce") == ALL_REDUCE_STRATEGIES
+    hints = typing.get_type_hints(EngineArgs)
+    for name in ("dtype", "device", "load_format", "executor", "all_reduce", "cuda_graphs",
+                 "attention_backend", "fused_kernels"):  # fmt: skip
+        assert typing.get_origin(hints[name]) is typing.Literal, name
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = cli.ArgumentParser(prog="test")
+    EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def _engine_parsers() -> list[argparse.ArgumentParser]:
+    """The `tp-runtime` commands that start an engine."""
+    top = cli.build_parser()
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    bench = next(a for a in sub.choices["bench"]._actions if isinstance(a, argparse._SubParsersAction))
+    return [sub.choices["generate"], bench.choices["latency"]]
+
+
+@pytest.mark.parametrize("parser", [_parser(), *_engine_parsers()], ids=["EngineArgs", "generate", "latency"])
+def test_every_field_has_a_flag_with_help_and_default(parser: argparse.ArgumentParser) -> None:
+    formatter = parser._get_formatter()
+    by_dest = {a.dest: a for a in parser._actions}
+    for name, field in FIELDS.items():
+        action = by_dest.get(name)
+        assert action is not None, f"no flag for EngineArgs.{name}"
+        assert flag_name(name) in action.option_strings
+        assert field.metadata["help"] and action.help, name
+        shown = formatter._get_help_string(action) or ""
+        assert "default" in shown, f"{name}: help {shown!r} does not give the default"
+        if choices(name):
+            assert tuple(action.choices or ()) == choices(name), name
+
+
+def test_todays_flag_spellings() -> None:
+    args = _parser().parse_args(
+        ["--model", "m", "-tp", "2", "--step-timeout", "7.5", "--no-async-scheduling", "--dtype", "float32",
+         "--cpu-kv-cache-gib", "0.5", "--enforce-eager", "--attention-backend", "torch"]
+    )  # fmt: skip
+    engine = EngineArgs.from_cli(args)
+    assert engine == EngineArgs(
+        model="m", tensor_parallel_size=2, step_timeout_s=7.5, async_scheduling=False, dtype="float32",
+        cpu_kv_cache_gib=0.5, enforce_eager=True, attention_backend="torch",
+    )  # fmt: skip
+
+
+def test_cli_defaults_are_the_field_defaults() -> None:
+    args = _parser().parse_args([])
+    assert EngineArgs.from_cli(args, model="m") == EngineArgs(model="m")
+
+
+def test_from_cli_fills_in_a_deferred_default() -> None:
+    """generate leaves --max-num-seqs at None until it knows how many sequences it runs."""
+    parser = cli.ArgumentParser(prog="test")
+    EngineArgs.add_cli_args(parser, defaults={"max_num_seqs": None})
+    engine = EngineArgs.from_cli(parser.parse_args(["--model", "m"]))
+    assert engine.max_num_seqs == FIELDS["max_num_seqs"].default
+
+
+BAD_VALUES: list[tuple[str, Any, str]] = [
+    ("tensor_parallel_size", 0, "at least 1"),
+    ("tensor_parallel_size", "2", "must be an int"),
+    ("tensor_parallel_size", True, "must be an int"),
+    ("dtype", "float64", "one of auto, float32, bfloat16, float16"),
+    ("device", "gpu", "one of auto, cpu, cuda"),
+    ("seed", -1, "at least 0"),
+    ("max_model_len", 0, "at least 1"),
+    ("max_num_seqs", 0, "at least 1"),
+    ("max_num_seqs", None, "must be given"),
+    ("max_num_batched_tokens", -3, "at least 1"),
+    ("load_format", "pt", "one of auto, dummy"),
+    ("block_size", 24, "power of two"),
+    ("num_kv_blocks", 0, "at least 1"),
+    ("gpu_memory_utilization", 1.5, "in (0, 1]"),
+    ("gpu_memory_utilization", 0.0, "in (0, 1]"),
+    ("cpu_kv_cache_gib", 0.0, "more than 0"),
+    ("cpu_kv_cache_gib", float("nan"), "nan"),
+    ("step_timeout_s", -1.0, "more than 0"),
+    ("step_timeout_s", "300", "must be a number"),
+    ("executor", "threads", "one of auto, inprocess, multiprocess, torchrun"),
+    ("all_reduce", "mpi", "one of auto, nccl, symm_mem"),
+    ("async_scheduling", 1, "True or False"),
+    ("enforce_eager", "yes", "True or False"),
+    ("cuda_graphs", "on", "one of auto, off, padded"),
+    ("attention_backend", "flash", "one of auto, torch, triton, triton_one_split"),
+    ("fused_kernels", "cuda", "one of auto, torch, triton"),
+    ("max_logprobs", -1, "at least 0"),
+    ("model", "", "must not be empty"),
+    ("model", 3, "str or a path"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "fragment"), BAD_VALUES, ids=[f"{n}={v!r}" for n, v, _ in BAD_VALUES]
+)
+def test_bad_value_raises_config_error_naming_the_option(name: str, value: Any, fragment: str) -> None:
+    kwargs = {"model": "m", name: value}
+    with pytest.raises(ConfigError) as info:
+        EngineArgs(**kwargs)
+    message = str(info.value)
+    assert message.startswith(f"{name} "), message
+    assert fragment in message, message
+
+
+def test_every_field_has_a_bad_value_test() -> None:
+    bounded = {n for n, f in FIELDS.items() if f.metadata["at_least"] is not None or choices(n)}
+    assert bounded <= {name for name, _, _ in BAD_VALUES}
+
+
+def test_cli_error_names_the_flag() -> None:
+    args = _parser().parse_args(["--block-size", "3", "--step-timeout", "0"])
+    with pytest.raises(ConfigError, match=r"^argument --block-size: must be a power of two"):
+        EngineArgs.check_cli(args)
+    args = _parser().parse_args(["--step-timeout", "0"])
+    with pytest.raises(ConfigError, match=r"^argument --step-timeout: must be more than 0, got 0"):
+        EngineArgs.from_cli(args, model="m")
+
+
+def test_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        EngineArgs(model="m").seed = 1  # type: ignore[misc]
+
+
+def test_engine_config_is_the_one_llm_builds() -> None:
+    args = EngineArgs(model="tiny-llama", device="cpu", dtype="float32", seed=3, max_num_seqs=4,
+                      max_model_len=256, block_size=8, step_timeout_s=60.0, max_logprobs=5)  # fmt: skip
+    with LLM.from_engine_args(args) as llm:
+        assert args.create_engine_config() == llm.config
+
+
+def test_import_is_light() -> None:
+    code = "import sys, tp_runtime.engine.args; assert 'torch' not in sys.modules, 'torch imported'"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_llm_on_a_torchrun_worker_rank_names_the_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun only rank 0 creates the LLM; any other rank is told what to call instead (and no
+    constructor ends the process)."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError, match=r"rank 1 of a torchrun job.*run_torchrun_worker"):
+        LLM("tiny-llama", tensor_parallel_size=2, device="cpu")
+
+
+def test_run_torchrun_worker_outside_torchrun_is_refused() -> None:
+    from tp_runtime import run_torchrun_worker
+
+    with pytest.raises(ConfigError, match="for ranks > 0 of a torchrun job"):
+        run_torchrun_worker("tiny-llama", device="cpu")

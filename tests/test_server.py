@@ -1,0 +1,530 @@
+"""`tp-runtime serve` end to end: the server runs in a subprocess (`python -m tp_runtime.server.cli`) on a
+free loopback port and the official `openai` client talks to it.
+
+Outputs are checked against `LLM.generate` / `LLM.chat` on the same checkpoint at the same TP size: a tiny
+random Llama whose tokenizer carries a chat template. Two servers (TP=1, and TP=2 with an API key) serve
+most tests; the SIGTERM drain and the dead engine get servers of their own. Every wait is for an event
+(the ready line, a chunk, a metric reaching a value, a process exiting), under a generous deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import transformers
+
+from tp_runtime import LLM, SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+NAME = "tiny-chat"
+MAX_MODEL_LEN = 512
+API_KEY = "test-key-123"
+START_DEADLINE_S = 180.0
+PROMPTS = ["Hello, my name is", "The capital of France is", "In the beginning", "1, 2, 3, 4,"]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny checkpoint whose tokenizer carries TEMPLATE as its chat template."""
+    out = tmp_path_factory.mktemp("served") / "model"
+    shutil.copytree(make_checkpoint(seed=6), out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(out)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- servers
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    log: Path
+    url: str = ""
+    api_key: str | None = None
+    worker_pids: list[int] = field(default_factory=list)
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0, **kwargs
+        )
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        for line in text.splitlines():
+            match = re.match(rf"tp_runtime:{re.escape(name)}\{{(.*)\}} (\S+)$", line)
+            if match and all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
+                return float(match.group(2))
+        assert name.endswith("_total"), f"no metric {name} in /metrics"
+        return 0.0  # a labelled counter not incremented yet
+
+    def wait_for_metric(self, name: str, ok: Callable[[float], bool], **labels: str) -> float:
+        deadline = time.monotonic() + 60
+        while True:
+            value = self.metric(name, **labels)
+            if ok(value):
+                return value
+            assert time.monotonic() < deadline, f"{name} stayed at {value}"
+            time.sleep(0.02)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+def _children(pid: int) -> list[int]:
+    """Pids of the live processes whose parent is `pid` (the engine's spawned workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return state[state.rindex(")") + 2] != "Z"
+
+
+def start_server(model: Path | str, tp: int, tmp: Path, *extra: str, api_key: str | None = None) -> Server:
+    log = tmp / f"server-tp{tp}-{time.monotonic_ns()}.log"
+    cmd = [
+        sys.executable, "-m", "tp_runtime.server.cli", "--model", str(model), "-tp", str(tp),
+        "--device", "cpu", "--port", "0", "--served-model-name", NAME, "--max-num-seqs", "32",
+        "--log-level", "warning", "--no-access-log", *extra,
+    ]  # fmt: skip
+    if "--max-model-len" not in extra:
+        cmd += ["--max-model-len", str(MAX_MODEL_LEN)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    with open(log, "wb") as sink:  # a file, not a pipe: a pipe nobody reads would block the server
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
+    server = Server(proc, log, api_key=api_key)
+    deadline = time.monotonic() + START_DEADLINE_S
+    while not (match := re.search(r"ready on (http://\S+)", server.output())):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            server.stop() if proc.poll() is None else None
+            pytest.fail(f"the server did not start:\n{server.output()[-4000:]}")
+        time.sleep(0.05)
+    server.url = match.group(1)
+    server.worker_pids = _children(proc.pid)
+    assert len(server.worker_pids) == (tp if tp > 1 else 0), server.worker_pids
+    return server
+
+
+@pytest.fixture(scope="module")
+def server1(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(model_dir, 1, tmp_path_factory.mktemp("server1"))
+    yield server
+    assert server.stop() == 0, server.output()[-4000:]
+    assert "Traceback" not in server.output(), server.output()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def server2(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(model_dir, 2, tmp_path_factory.mktemp("server2"), api_key=API_KEY)
+    yield server
+    assert server.stop() == 0, server.output()[-4000:]
+    assert "Traceback" not in server.output(), server.output()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def llm1(model_dir: Path) -> Iterator[LLM]:
+    with LLM(model_dir, device="cpu", max_model_len=MAX_MODEL_LEN) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def llm2(model_dir: Path) -> Iterator[LLM]:
+    with LLM(model_dir, tensor_parallel_size=2, device="cpu", max_model_len=MAX_MODEL_LEN) as llm:
+        yield llm
+
+
+@pytest.fixture(params=[1, 2], ids=["tp1", "tp2"])
+def served(request: pytest.FixtureRequest) -> tuple[Server, LLM]:
+    """(server, reference LLM) at one TP size."""
+    tp = request.param
+    return request.getfixturevalue(f"server{tp}"), request.getfixturevalue(f"llm{tp}")
+
+
+def greedy(max_tokens: int = 16, **kwargs: Any) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------- outputs
+def test_completions_match_generate(served: tuple[Server, LLM]) -> None:
+    server, llm = served
+    client = server.client()
+    refs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    for prompt, ref in zip(PROMPTS, refs, strict=True):
+        out = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0)
+        [choice] = out.choices
+        assert choice.text == ref.outputs[0].text and choice.finish_reason == ref.outputs[0].finish_reason
+        assert out.usage is not None and out.usage.completion_tokens == len(ref.outputs[0].token_ids)
+        assert out.usage.prompt_tokens == len(tok(prompt)["input_ids"]) and out.model == NAME
+        assert out.object == "text_completion" and out.id.startswith("cmpl-")
+        chunks = list(client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        ))  # fmt: skip
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.outputs[0].text
+        assert chunks[-2].choices[0].finish_reason == ref.outputs[0].finish_reason
+        assert not chunks[-1].choices and chunks[-1].usage == out.usage
+        assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_batch_n_seed_and_stop(served: tuple[Server, LLM]) -> None:
+    """Several prompts with n samples each (choice i * n + j), seeded sampling, a stop string."""
+    server, llm = served
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, n=2, max_tokens=12, stop=["e "])
+    refs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    want = [(c.text, c.finish_reason) for r in refs for c in r.outputs]
+    kwargs: dict[str, Any] = dict(model=NAME, prompt=PROMPTS[:2], max_tokens=12, temperature=0.9, top_p=0.9,
+                                  seed=1234, n=2, stop=["e "])  # fmt: skip
+    out = server.client().completions.create(**kwargs)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [(c.text, c.finish_reason) for c in out.choices] == want
+    texts = [""] * 4
+    reasons: list[str | None] = [None] * 4
+    for chunk in server.client().completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert list(zip(texts, reasons, strict=True)) == want
+
+
+def test_chat_matches_llm_chat(served: tuple[Server, LLM]) -> None:
+    server, llm = served
+    client = server.client()
+    [ref] = llm.chat(MESSAGES, greedy(20), use_tqdm=False)
+    out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=20, temperature=0)  # type: ignore[arg-type]
+    [choice] = out.choices
+    assert choice.message.role == "assistant" and choice.message.content == ref.outputs[0].text
+    assert choice.finish_reason == ref.outputs[0].finish_reason and out.object == "chat.completion"
+    assert out.usage is not None and out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    chunks = list(client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_completion_tokens=20, temperature=0, stream=True,  # type: ignore[arg-type]
+    ))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == ref.outputs[0].finish_reason
+
+
+def test_logprobs_in_openai_shapes(server1: Server, llm1: LLM) -> None:
+    [ref] = llm1.generate(PROMPTS[0], greedy(8, logprobs=2), use_tqdm=False)
+    want = [
+        position[t].logprob
+        for t, position in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs or [], strict=True)
+    ]
+    client = server1.client()
+    out = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs == pytest.approx(want)
+    assert lp.tokens is not None and lp.top_logprobs is not None and lp.text_offset is not None
+    assert len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)  # the sampled token and the top 2
+    streamed = []
+    for chunk in client.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=2, stream=True
+    ):
+        streamed += chunk.choices[0].logprobs.token_logprobs if chunk.choices[0].logprobs else []  # type: ignore[operator]
+    assert streamed == pytest.approx(want)
+
+    [ref] = llm1.chat(MESSAGES, greedy(6, logprobs=3), use_tqdm=False)
+    want = [
+        position[t].logprob
+        for t, position in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs or [], strict=True)
+    ]
+    out = client.chat.completions.create(
+        model=NAME,
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,  # type: ignore[arg-type]
+    )
+    content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and [e.logprob for e in content] == pytest.approx(want)
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.bytes == list(entry.token.encode())
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        assert entry.logprob <= entry.top_logprobs[0].logprob + 1e-6
+
+
+def test_32_concurrent_streaming_clients(server2: Server, llm2: LLM) -> None:
+    prompts = [f"Client {i} asks about item {i * 7 % 13}" for i in range(32)]
+    refs = llm2.generate(prompts, greedy(16), use_tqdm=False)
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, str | None]:
+        text, reason = "", None
+        stream = await client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=16, temperature=0, stream=True
+        )
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def main() -> list[tuple[str, str | None]]:
+        async with server2.async_client() as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    results = asyncio.run(main())
+    assert results == [(r.outputs[0].text, r.outputs[0].finish_reason) for r in refs]
+    server2.wait_for_metric("num_requests_running", lambda v: v == 0)
+    assert server2.metric("kv_cache_blocks_used") == 0
+
+
+# ------------------------------------------------------------------------------------ disconnects
+def test_client_disconnect_mid_stream_frees_blocks(server2: Server) -> None:
+    """At TP=2 a step takes milliseconds, so 480 tokens take seconds: the client leaves long before."""
+    server = server2
+    aborted = server.metric("request_success_total", finished_reason="abort")
+    body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 480, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    url = f"{server.url}/v1/completions"
+    with httpx.stream("POST", url, json=body, headers=server.headers(), timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()  # held: an iterator dropped early would close the connection
+        for line in lines:
+            if line.startswith("data: {"):
+                break  # the first chunk: the request is running
+        assert server.metric("num_requests_running") == 1 and server.metric("kv_cache_blocks_used") > 0
+    # The connection is closed with hundreds of tokens to go: the server aborts the request.
+    server.wait_for_metric("kv_cache_blocks_used", lambda v: v == 0)
+    assert server.metric("num_requests_running") == 0
+    assert server.metric("request_success_total", finished_reason="abort") == aborted + 1
+
+
+def test_client_disconnect_without_streaming_frees_blocks(server2: Server) -> None:
+    server = server2
+    aborted = server.metric("request_success_total", finished_reason="abort")
+    body = json.dumps({"model": NAME, "prompt": PROMPTS[2], "max_tokens": 480, "temperature": 0,
+                       "ignore_eos": True}).encode()  # fmt: skip
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        server.wait_for_metric("num_requests_running", lambda v: v == 1)
+    server.wait_for_metric("kv_cache_blocks_used", lambda v: v == 0)
+    assert server.metric("request_success_total", finished_reason="abort") == aborted + 1
+
+
+# ----------------------------------------------------------------------------------------- errors
+def _error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+def test_bad_requests_get_openai_400s(server1: Server) -> None:
+    client = server1.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=NAME, prompt="hi", temperature=-1)
+    assert info.value.status_code == 400 and "temperature" in info.value.message
+    with pytest.raises(
+        openai.BadRequestError, match=r"maximum context length is 512 tokens.*600 input tokens"
+    ):
+        client.completions.create(model=NAME, prompt=[5] * 600, max_tokens=4)
+    with pytest.raises(
+        openai.BadRequestError, match=r"'max_tokens' is too large: 1000.*\(1000 > 512 - \d+\)"
+    ):
+        client.completions.create(model=NAME, prompt="hi", max_tokens=1000)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="hi")
+    url = f"{server1.url}/v1/completions"
+    cases: list[tuple[dict[str, Any] | bytes, str]] = [
+        (b"{not json", "not valid JSON"),
+        ({"model": NAME}, "prompt"),
+        ({"model": NAME, "prompt": 3}, "prompt: 3 is none of the types"),
+        ({"model": NAME, "prompt": "hi", "n": 0}, "n must be"),
+        ({"model": NAME, "prompt": "hi", "logprobs": 50}, "logprobs=50 exceeds"),
+        ({"model": NAME, "prompt": "hi", "stop": [""]}, "stop must be"),
+        ({"model": NAME, "prompt": [1, 2, 99999]}, "outside the vocabulary"),
+        ({"model": NAME, "prompt": "hi", "echo": True}, "echo is not supported"),
+        ({"model": NAME, "prompt": ""}, "prompt is empty"),
+    ]
+    for body, message in cases:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        error = _error(httpx.post(url, content=content, headers={"Content-Type": "application/json"}), 400)
+        assert message in error["message"] and error["type"] == "invalid_request_error", (body, error)
+    chat = f"{server1.url}/v1/chat/completions"
+    error = _error(httpx.post(chat, json={"model": NAME, "messages": []}), 400)
+    assert "messages is empty" in error["message"]
+    error = _error(httpx.post(chat, json={"messages": MESSAGES, "logprobs": False, "top_logprobs": 2}), 400)
+    assert error["param"] == "top_logprobs"
+    _error(httpx.get(f"{server1.url}/v1/nothing-here"), 404)
+    # The server is unharmed.
+    assert (
+        client.completions.create(model=NAME, prompt="hi", max_tokens=2).choices[0].finish_reason == "length"
+    )
+
+
+def test_api_key_is_enforced(server2: Server) -> None:
+    bad = openai.OpenAI(base_url=f"{server2.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=NAME, prompt="hi", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    error = _error(httpx.post(f"{server2.url}/v1/chat/completions", json={"messages": MESSAGES}), 401)
+    assert error["code"] == "invalid_api_key"
+    models = server2.client().models.list()
+    assert [m.id for m in models.data] == [NAME]
+    # Health and metrics stay open to probes and scrapers.
+    assert httpx.get(f"{server2.url}/health").status_code == 200
+    assert httpx.get(f"{server2.url}/metrics").status_code == 200
+
+
+def test_models_health_and_metrics(server1: Server) -> None:
+    models = httpx.get(f"{server1.url}/v1/models").json()
+    assert models["data"][0]["id"] == NAME and models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(f"{server1.url}/health").status_code == 200
+    server1.client().completions.create(model=NAME, prompt="hi", max_tokens=3)
+    text = httpx.get(f"{server1.url}/metrics").text
+    for name in (
+        "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_blocks_used",
+        "prompt_tokens_total", "generation_tokens_total", "request_success_total",
+        "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+        "e2e_request_latency_seconds_count",
+    ):  # fmt: skip
+        assert f"tp_runtime:{name}{{" in text, name
+    assert server1.metric("generation_tokens_total") >= 3
+    assert server1.metric("request_success_total", finished_reason="length") >= 1
+
+
+# --------------------------------------------------------------------------------- process life
+def _stream_in_thread(server: Server, max_tokens: int) -> tuple[threading.Event, list[Any], threading.Thread]:
+    """Stream a completion in a thread; the event is set at its first chunk. The list receives the chunks'
+    (text, finish_reason), then whatever ended the stream ("[DONE]" or the exception)."""
+    first = threading.Event()
+    got: list[Any] = []
+
+    def read() -> None:
+        body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line == "data: [DONE]":
+                        got.append("[DONE]")
+                    elif line.startswith("data: "):
+                        choice = json.loads(line[6:])["choices"][0]
+                        got.append((choice["text"], choice["finish_reason"]))
+                        first.set()
+        except Exception as exc:
+            got.append(exc)
+        first.set()
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return first, got, thread
+
+
+def test_sigterm_drains_and_leaves_no_process(tmp_path: Path) -> None:
+    """SIGTERM: new connections are refused; a request that can finish within the grace period does, one
+    that cannot is cut off; then the workers stop and the server exits with status 0. (A step of this
+    model at TP=2 on a CPU takes milliseconds: 20 tokens take well under the 2 s grace, 2000 well over.)"""
+    server = start_server("tiny-llama-tp", 2, tmp_path, "--shutdown-grace", "2", "--max-model-len", "2048")
+    try:
+        first_short, short, short_thread = _stream_in_thread(server, 20)
+        first_long, long, long_thread = _stream_in_thread(server, 2000)
+        assert first_short.wait(60) and first_long.wait(60)
+        server.proc.send_signal(signal.SIGTERM)
+        host, port = server.url.removeprefix("http://").split(":")
+        deadline = time.monotonic() + 30
+        while True:  # the listening socket closes: new clients are refused
+            try:
+                socket.create_connection((host, int(port)), timeout=5).close()
+            except ConnectionRefusedError:
+                break
+            assert time.monotonic() < deadline, "the server still accepts connections after SIGTERM"
+            time.sleep(0.02)
+        assert server.proc.wait(timeout=90) == 0, server.output()[-4000:]
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    short_thread.join(30)
+    long_thread.join(30)
+    assert short[-1] == "[DONE]" and short[-2][1] == "length", short[-3:]
+    assert len("".join(text for text, _ in short[:-1])) > 0
+    assert "[DONE]" not in long and all(r is None for _, r in long[:-1]), long[-3:]
+    assert "timeout graceful shutdown exceeded" in server.output() and "shut down" in server.output()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in server.worker_pids):
+        assert time.monotonic() < deadline, f"workers {server.worker_pids} outlived the server"
+        time.sleep(0.05)
+
+
+def test_dead_engine_answers_500_and_fails_health(model_dir: Path, tmp_path: Path) -> None:
+    server = start_server(model_dir, 2, tmp_path)
+    try:
+        assert server.client().completions.create(model=NAME, prompt="hi", max_tokens=2).choices
+        os.kill(server.worker_pids[1], signal.SIGKILL)
+        with pytest.raises(openai.InternalServerError) as info:
+            server.client().completions.create(model=NAME, prompt="hi", max_tokens=2)
+        assert info.value.status_code == 500 and "WorkerDiedError" in info.value.message
+        error = _error(httpx.get(f"{server.url}/health"), 500)
+        assert "worker rank 1 died" in error["message"]
+        error = _error(httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}), 500)
+        assert error["type"] == "server_error"
+        assert server.stop() == 0, server.output()[-4000:]
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    assert not any(_alive(pid) for pid in server.worker_pids)

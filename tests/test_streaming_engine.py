@@ -1,0 +1,404 @@
+"""The streaming engine API: `LLMEngine.add_request(stream=True)` / `step()` deltas / `abort_request`, and
+the engine thread of `AsyncLLMEngine`.
+
+Most tests drive the real LLMEngine and Scheduler against a scripted worker (the executor is replaced),
+so they can choose the tokens: multi-byte characters split across byte-level tokens, stop strings,
+aborts at any point of a request's life. One test runs the real model at TP=1 against LLM.generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tp_runtime import LLM, SamplingParams
+from tp_runtime.config import CacheConfig, EngineConfig, SchedulerConfig, build_model_config
+from tp_runtime.engine.async_engine import AsyncLLMEngine
+from tp_runtime.engine.llm_engine import LLMEngine
+from tp_runtime.errors import EngineClosedError, WorkerDiedError
+from tp_runtime.messages import ModelRunnerOutput, SchedulerOutput
+from tp_runtime.outputs import RequestOutput
+from tp_runtime.presets import build_preset_tokenizer
+
+VOCAB = 300
+NUM_BLOCKS = 24
+# Multi-byte characters (2, 3 and 4 bytes in UTF-8), which the byte-level tokenizer splits across tokens.
+TEXT = "Grüße aus Köln: 3 € für ein 🥨, naïve café — 日本語 ok. Ünïcödé ✓ 🎉 done."
+
+
+class ScriptedExecutor:
+    """Stands in for the executor: 'samples' `script(req_id, position)`, and checks each step against a
+    worker's view of its live requests (a freed request is never scheduled again, nor a request twice).
+    With `gate`, each step waits until the test releases it (one `release()` per step)."""
+
+    def __init__(self, script: Callable[[int, int], int], gate: threading.Semaphore | None = None) -> None:
+        self.script = script
+        self.gate = gate
+        self.tokens: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+        self.outputs: dict[int, ModelRunnerOutput] = {}
+        self.last_step_timings: dict[str, float] = {}
+        self.fail_at_step: int | None = None
+        self.steps = 0
+        self.shut_down = False
+
+    def initialize(self) -> int:
+        return NUM_BLOCKS
+
+    def submit(self, so: SchedulerOutput) -> None:
+        for req_id in so.freed_req_ids:
+            assert req_id in self.tokens, f"freed request {req_id} the worker does not hold"
+            del self.tokens[req_id], self.computed[req_id]
+        for new in so.new_requests:
+            assert new.req_id not in self.tokens
+            self.tokens[new.req_id] = list(new.token_ids)
+            self.computed[new.req_id] = 0
+        req_ids, sampled = [], []
+        for req_id, n in zip(so.scheduled_req_ids, so.num_scheduled_tokens, strict=True):
+            tokens = self.tokens[req_id]
+            assert self.computed[req_id] + n <= len(tokens)
+            self.computed[req_id] += n
+            if self.computed[req_id] == len(tokens):
+                tokens.append(self.script(req_id, len(tokens)))
+                req_ids.append(req_id)
+                sampled.append(tokens[-1])
+        self.outputs[so.step_id] = ModelRunnerOutput(so.step_id, req_ids, sampled)
+
+    def wait_output(self, step_id: int) -> ModelRunnerOutput:
+        if self.gate is not None:
+            self.gate.acquire()
+        self.steps += 1
+        if self.fail_at_step is not None and self.steps >= self.fail_at_step:
+            raise WorkerDiedError(1, "killed by the test")
+        return self.outputs.pop(step_id)
+
+    def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
+        return [None]
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+@pytest.fixture(scope="module")
+def model_config(make_checkpoint: Callable[..., Path]) -> Any:
+    return build_model_config(make_checkpoint(seed=3), max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return build_preset_tokenizer(VOCAB)
+
+
+def make_engine(
+    model_config: Any, tokenizer: Any, executor: ScriptedExecutor, async_scheduling: bool = True
+) -> LLMEngine:
+    config = EngineConfig(
+        model=model_config,
+        cache=CacheConfig(block_size=8, num_kv_blocks=NUM_BLOCKS),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
+        async_scheduling=async_scheduling,
+    )
+    return LLMEngine(config, tokenizer, executor=executor)
+
+
+def text_script(ids: list[int], prompt_len: int) -> Callable[[int, int], int]:
+    """Every request generates `ids` in order (then repeats them)."""
+    return lambda req_id, position: ids[(position - prompt_len) % len(ids)]
+
+
+def run_all(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def joined(deltas: list[RequestOutput]) -> tuple[str, list[int]]:
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    text = "".join(d.outputs[0].text for d in deltas)
+    return text, [t for d in deltas for t in d.outputs[0].token_ids]
+
+
+PROMPT = [1, 40, 50, 60]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_deltas_join_into_the_decoded_text(model_config: Any, tokenizer: Any, async_scheduling: bool) -> None:
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(TEXT.encode()) // 2, "the tokenizer should split the multi-byte characters"
+    engine = make_engine(
+        model_config, tokenizer, ScriptedExecutor(text_script(ids, len(PROMPT))), async_scheduling
+    )
+    # The whole text, and a prefix that ends inside a character.
+    cut = next(i for i in range(10, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (len(ids), cut)]
+    streamed = [engine.add_request(PROMPT, p, stream=True) for p in params]
+    whole = [engine.add_request(PROMPT, p) for p in params]
+    outputs = run_all(engine)
+    for s, w, p in zip(streamed, whole, params, strict=True):
+        text, token_ids = joined(outputs[str(s)])
+        assert token_ids == ids[: p.max_tokens]
+        assert text == tokenizer.decode(ids[: p.max_tokens], skip_special_tokens=True)
+        [final] = outputs[str(w)]
+        assert final.finished and final.outputs[0].text == text and final.outputs[0].token_ids == token_ids
+    # No piece ends in the middle of a character: the text arrives only once its bytes are complete.
+    pieces = [d.outputs[0].text for d in outputs[str(streamed[0])]]
+    assert not any("\ufffd" in piece for piece in pieces), pieces
+    assert sum(1 for piece in pieces if not piece) > 0, "the script should hold some text back"
+    # The second request stops inside a character: its last piece carries the replacement character.
+    assert outputs[str(streamed[1])][-1].outputs[0].text.endswith("\ufffd")
+    assert engine.scheduler.kv.num_free_blocks == NUM_BLOCKS
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_and_stop_tokens_stream_the_same_text(
+    model_config: Any, tokenizer: Any, include: bool
+) -> None:
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    stop_token = tokenizer("✓", add_special_tokens=False)["input_ids"][0]
+    engine = make_engine(model_config, tokenizer, ScriptedExecutor(text_script(ids, len(PROMPT))))
+    cases = [
+        SamplingParams(
+            temperature=0, max_tokens=80, stop=["日本", "xyz"], include_stop_str_in_output=include
+        ),
+        SamplingParams(temperature=0, max_tokens=80, stop="€ f", include_stop_str_in_output=include),
+        SamplingParams(
+            temperature=0, max_tokens=80, stop_token_ids=[stop_token], include_stop_str_in_output=include
+        ),
+    ]
+    pairs = [(engine.add_request(PROMPT, p, stream=True), engine.add_request(PROMPT, p)) for p in cases]
+    outputs = run_all(engine)
+    expected = [TEXT[: TEXT.index("日本")], TEXT[: TEXT.index("€ f")]]
+    if include:
+        expected = [TEXT[: TEXT.index("日本") + 2], TEXT[: TEXT.index("€ f") + 3]]
+    for i, (s, w) in enumerate(pairs):
+        text, token_ids = joined(outputs[str(s)])
+        [final] = outputs[str(w)]
+        assert text == final.outputs[0].text and token_ids == final.outputs[0].token_ids
+        assert final.outputs[0].finish_reason == "stop"
+        if i < 2:
+            assert text == expected[i]
+            # Streamed text never ran past the stop string's start, even before the stop was seen.
+            sent = ""
+            for d in outputs[str(s)][:-1]:
+                sent += d.outputs[0].text
+                assert expected[i].startswith(sent) and len(sent) <= TEXT.index(cases[i].stop_strings[0])
+        else:
+            decoded = tokenizer.decode(token_ids if include else token_ids[:-1], skip_special_tokens=True)
+            assert token_ids[-1] == stop_token and text == decoded
+
+
+def closed_form(req_id: int, position: int) -> int:
+    return 3 + (req_id * 7919 + position * 104729) % (VOCAB - 3)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_random_aborts_free_everything_and_leave_the_rest_intact(
+    model_config: Any, tokenizer: Any, seed: int, async_scheduling: bool
+) -> None:
+    """Requests aborted at random points (waiting, running, preempted, in a step in flight) end at once with
+    their blocks freed; every other request gets exactly the scripted continuation."""
+    rng = random.Random(seed)
+    executor = ScriptedExecutor(closed_form)
+    engine = make_engine(model_config, tokenizer, executor, async_scheduling)
+    prompts: dict[int, list[int]] = {}
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for _ in range(12):  # long enough that 4 of them overflow the cache: preemptions
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(20, 60))]
+        prompts[engine.add_request(prompt, params, stream=rng.random() < 0.5)] = prompt
+    outputs: dict[str, list[RequestOutput]] = {}
+    aborted: set[int] = set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        live = list(engine.scheduler.requests)
+        if live and rng.random() < 0.08:
+            victim = rng.choice(live)
+            free_before = engine.scheduler.kv.num_free_blocks
+            held = len(engine.scheduler.kv.blocks.get(victim, []))
+            last = engine.abort_request(victim)
+            assert last is not None and last.finished and last.outputs[0].finish_reason == "abort"
+            assert engine.scheduler.kv.num_free_blocks == free_before + held
+            assert victim not in engine.scheduler.kv.blocks
+            assert engine.abort_request(victim) is None  # already gone
+            outputs.setdefault(last.request_id, []).append(last)
+            aborted.add(victim)
+    assert aborted and engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.kv.num_free_blocks == NUM_BLOCKS
+    for req_id, prompt in prompts.items():
+        outs = outputs[str(req_id)]  # a streamed request's deltas, or another's one whole output
+        token_ids = [t for o in outs for t in o.outputs[0].token_ids]
+        want = [closed_form(req_id, len(prompt) + i) for i in range(len(token_ids))]
+        assert token_ids == want
+        assert outs[-1].finished and sum(o.finished for o in outs) == 1
+        assert outs[-1].outputs[0].finish_reason == ("abort" if req_id in aborted else "length")
+        if req_id not in aborted:
+            assert len(token_ids) == 20
+
+
+# ----------------------------------------------------------------------------------- the real model
+@pytest.fixture(scope="module")
+def tiny_llm() -> Iterator[LLM]:
+    with LLM("tiny-llama-tp", device="cpu", max_model_len=256, max_num_seqs=8) as llm:
+        yield llm
+
+
+def test_abort_mid_generation_on_the_real_model(tiny_llm: LLM) -> None:
+    prompts = [[1, 15, 27, 300, 41], [1, 99, 98, 97], [1, 5, 6, 7, 8, 9, 10]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    reference = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    engine = tiny_llm.engine
+    total = engine.num_kv_blocks
+    ids = [engine.add_request(p, greedy, stream=True) for p in prompts]
+    victim = ids[1]
+    outputs: dict[str, list[RequestOutput]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        steps += 1
+        if steps == 5:  # running, with a step in flight that holds it
+            assert victim in engine.scheduler.kv.blocks
+            used = total - engine.scheduler.kv.num_free_blocks
+            last = engine.abort_request(victim)
+            assert last is not None and last.outputs[0].finish_reason == "abort"
+            assert victim not in engine.scheduler.kv.blocks
+            assert total - engine.scheduler.kv.num_free_blocks < used
+    assert engine.scheduler.kv.num_free_blocks == total
+    tok = tiny_llm.get_tokenizer()
+    for req_id, ref in zip(ids, reference, strict=True):
+        if req_id == victim:
+            continue
+        text, token_ids = joined(outputs[str(req_id)])
+        assert token_ids == ref.outputs[0].token_ids
+        assert text == ref.outputs[0].text == tok.decode(token_ids, skip_special_tokens=True)
+    # The aborted request's blocks went back and nothing was left behind: the next batch is unaffected.
+    again = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in reference]
+
+
+def test_streamed_logprobs_match_generate(tiny_llm: LLM) -> None:
+    params = SamplingParams(
+        temperature=0.8, seed=11, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
+    prompt = [1, 15, 27, 300, 41]
+    [reference] = tiny_llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    engine = tiny_llm.engine
+    req = engine.add_request(prompt, params, stream=True)
+    deltas = run_all(engine)[str(req)]
+    logprobs = [lp for d in deltas for lp in d.outputs[0].logprobs or []]
+    ref = reference.outputs[0]
+    assert [t for d in deltas for t in d.outputs[0].token_ids] == ref.token_ids
+    assert logprobs == ref.logprobs and deltas[-1].outputs[0].cumulative_logprob == pytest.approx(
+        ref.cumulative_logprob
+    )
+    assert deltas[0].prompt_logprobs == reference.prompt_logprobs
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+
+
+# ----------------------------------------------------------------------------------- the engine thread
+async def collect(stream: Any) -> dict[int, list[RequestOutput]]:
+    got: dict[int, list[RequestOutput]] = {}
+    async for index, out in stream:
+        got.setdefault(index, []).append(out)
+    return got
+
+
+def test_engine_thread_streams_outputs_and_idles_without_spinning(model_config: Any, tokenizer: Any) -> None:
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    executor = ScriptedExecutor(text_script(ids, len(PROMPT)))
+    async_engine = AsyncLLMEngine(make_engine(model_config, tokenizer, executor))
+    async_engine.start()
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    async def main() -> list[dict[int, list[RequestOutput]]]:
+        streams = [async_engine.add([(PROMPT, params), (PROMPT, params)]) for _ in range(3)]
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    try:
+        results = asyncio.run(main())
+        for got in results:
+            assert sorted(got) == [0, 1]
+            for deltas in got.values():
+                text, token_ids = joined(deltas)
+                assert token_ids == ids[:30] and text == tokenizer.decode(ids[:30])
+        # Idle: the thread blocks on its queue, so its loop count stays put.
+        before = async_engine.iterations
+        threading.Event().wait(0.3)
+        assert async_engine.iterations == before
+        assert async_engine.stats.kv_blocks_used == 0 and async_engine.stats.num_running == 0
+    finally:
+        async_engine.shutdown()
+    assert executor.shut_down
+
+
+def test_engine_thread_abort_and_drain(model_config: Any, tokenizer: Any) -> None:
+    """Steps advance only when the test releases them, so each check follows an observed event."""
+    gate = threading.Semaphore(0)
+    executor = ScriptedExecutor(closed_form, gate)
+    async_engine = AsyncLLMEngine(make_engine(model_config, tokenizer, executor))
+    async_engine.start()
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def main() -> None:
+        doomed = async_engine.add([(PROMPT, long)])
+        keep = async_engine.add([(PROMPT, short)])
+        gate.release()
+        index, first = await doomed.__anext__()  # the first token of the doomed request is out
+        assert index == 0 and not first.finished and async_engine.stats.kv_blocks_used > 0
+        async_engine.abort(doomed)
+        for _ in range(4):
+            gate.release()
+        got = await collect(keep)
+        assert [t for o in got[0] for t in o.outputs[0].token_ids] == [
+            closed_form(int(first.request_id) + 1, len(PROMPT) + i) for i in range(3)
+        ]
+        # Drain: shutdown waits for the request in flight, up to its grace period, then aborts it.
+        draining = async_engine.add([(PROMPT, long)])
+        gate.release()
+        await draining.__anext__()
+        loop = asyncio.get_running_loop()
+        stopping = loop.run_in_executor(None, async_engine.shutdown, 0.0)
+        while async_engine.accepting:  # shutdown() refuses new requests first
+            await asyncio.sleep(0.001)
+        with pytest.raises(EngineClosedError, match="shutting down"):
+            async_engine.add([(PROMPT, short)])
+        for _ in range(3):
+            gate.release()
+        rest = await collect(draining)
+        assert rest[0][-1].finished and rest[0][-1].outputs[0].finish_reason == "abort"
+        await stopping
+
+    asyncio.run(main())
+    assert executor.shut_down and async_engine.stats.kv_blocks_used == 0
+
+
+def test_engine_thread_surfaces_a_dead_engine(model_config: Any, tokenizer: Any) -> None:
+    executor = ScriptedExecutor(closed_form)
+    executor.fail_at_step = 3
+    async_engine = AsyncLLMEngine(make_engine(model_config, tokenizer, executor))
+    async_engine.start()
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+
+    async def main() -> None:
+        streams = [async_engine.add([(PROMPT, params)]) for _ in range(3)]
+        for stream in streams:
+            with pytest.raises(WorkerDiedError, match="killed by the test"):
+                await collect(stream)
+        with pytest.raises(EngineClosedError, match="the engine died: WorkerDiedError"):
+            async_engine.add([(PROMPT, params)])
+
+    try:
+        asyncio.run(main())
+        assert isinstance(async_engine.error, WorkerDiedError) and executor.shut_down
+    finally:
+        async_engine.shutdown()

@@ -1,0 +1,760 @@
+"""`tp-runtime bench serve`: a load generator for a running OpenAI-compatible server (`tp-runtime serve`, or
+any server with the same API), in the spirit of vLLM's benchmark_serving.
+
+It sends --num-prompts streaming requests to --base-url + --endpoint, arriving as a Poisson process at
+--request-rate requests/s (inf: all at once), with at most --max-concurrency in flight when given (so
+`--max-concurrency C` alone runs a fixed concurrency of C). Each request streams (`stream: true`,
+`stream_options.include_usage`) and is timed chunk by chunk.
+
+Prompts (/v1/completions) are lists of random token ids drawn uniformly from [3, --vocab-size), so the
+prompt is exactly --input-len tokens; /v1/chat/completions takes text, so there the prompt is --input-len
+random words and its token count is what the server reports in `usage`. With --range-ratio r each
+request's input and output length is drawn uniformly from [len·(1-r), len·(1+r)]. Every request asks
+for `max_tokens` = its output length and, unless --no-ignore-eos, also sends `"ignore_eos": true` and
+`"min_tokens"` = its output length (vLLM's extra fields): the output has exactly that length only when
+the server honors them. The benchmark never assumes it: the output tokens counted are `usage`'s
+completion_tokens (else the number of chunks that carried text), and the report says how many requests
+came back shorter or longer than asked.
+
+Arrivals: request 0 is sent at t=0 and the gaps between requests are
+`numpy.random.default_rng(seed).exponential(1 / request_rate, num_prompts - 1)`; the prompts and lengths
+come from `numpy.random.default_rng([seed, 1])`.
+
+Metrics, per successful request (times from the moment the request is sent, after any wait for a
+concurrency slot): TTFT, the first chunk that carries text; E2E latency, the last such chunk (as vLLM's
+benchmark); ITL, the gaps between consecutive such chunks; TPOT = (E2E - TTFT) / (output tokens - 1),
+undefined for a one-token output. Throughputs divide by the benchmark's duration, from the first request
+sent to the last one finished. A request fails on an HTTP error status, a connection error or timeout, an
+`error` object in the stream, a stream that ends without `data: [DONE]`, or no text at all; failures are
+counted with their messages and left out of every latency figure.
+
+--output-json writes one object: `config` (every setting, the resolved model and URL), `summary`
+(completed, failed, duration_s, total_input_tokens, total_output_tokens, request_throughput,
+output_throughput, total_token_throughput, output_len_mismatch, and mean/median/p90/p99 of ttft, tpot,
+itl and e2el in ms: mean_ttft_ms, median_ttft_ms, p90_ttft_ms, p99_ttft_ms, ...; null where there is no
+sample), `errors` (distinct messages with counts) and `requests` (one record per request: index,
+prompt_len, output_len, scheduled_s, sent_s, end_s, success, error, http_status, output_tokens,
+output_tokens_source ("usage" or "chunks"), prompt_tokens, token_times_s, ttft_ms, tpot_ms, e2el_ms,
+itl_ms; times in s from the benchmark's start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, NoReturn
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from tp_runtime.errors import ConfigError, TPRuntimeError
+
+PROG = "tp-runtime"
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+COMPLETIONS = "completions"
+CHAT = "chat"
+FIRST_TOKEN_ID = 3  # prompt ids come from [3, vocab): the usual pad/BOS/EOS ids stay out, as in bench latency
+METRICS = ("ttft", "tpot", "itl", "e2el")
+METRIC_TITLES = {
+    "ttft": "Time to First Token",
+    "tpot": "Time per Output Token (excl. 1st token)",
+    "itl": "Inter-token Latency",
+    "e2el": "End-to-end Latency",
+}
+STATS = ("mean", "median", "p90", "p99")
+# Words of the chat prompts (a chat request takes text, not token ids).
+_WORDS = (
+    "time", "person", "year", "way", "day", "thing", "world", "life", "hand", "part", "child", "eye",
+    "place", "work", "week", "case", "point", "number", "group", "problem", "fact", "water", "room",
+    "area", "money", "story", "month", "right", "study", "book", "word", "business", "issue", "side",
+    "kind", "head", "house", "service", "friend", "power", "hour", "game", "line", "end", "member", "law",
+    "car", "city", "name", "team", "minute", "idea", "body", "back", "face", "level", "office", "door",
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--base-url", default=DEFAULT_BASE_URL, help="the server: http(s)://host:port, no path"
+    )
+    parser.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        help="path of the API to load: /v1/completions (token-id prompts) or /v1/chat/completions",
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="sent as `Authorization: Bearer KEY` (default: no header)"
+    )
+    parser.add_argument(
+        "--model",
+        dest="served_model",  # not `model`: the CLI treats args.model as an engine to load
+        metavar="MODEL",
+        default=None,
+        help="model name sent in each request (default: the first id that GET /v1/models lists)",
+    )
+    parser.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests per second, arriving as a Poisson process; inf sends them all at once",
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="at most this many requests in flight; alone (with the default --request-rate inf) it runs "
+        "a fixed concurrency (default: no limit)",
+    )
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens asked per request")
+    parser.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="draw each length uniformly from [len*(1-r), len*(1+r)]; 0 keeps them fixed",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=1000,
+        help="prompt token ids are drawn from [3, vocab-size); keep it at most the model's vocabulary "
+        "(tiny-llama-tp: 1000)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts, lengths and arrivals")
+    parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help='send "ignore_eos": true and "min_tokens" = output length, so a server that honors them '
+        "returns exactly the asked length",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument(
+        "--num-warmups", type=int, default=0, help="requests sent one by one first, not measured"
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait to connect, and between two chunks of a stream, before failing a request",
+    )
+    parser.add_argument(
+        "--output-json",
+        default=None,
+        help="also write the config, the summary and every request's record here (default: no file)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _bad(flag: str, want: str, value: Any) -> NoReturn:
+    raise ConfigError(f"argument {flag}: must be {want}, got {value}")
+
+
+def check(args: argparse.Namespace) -> None:
+    """Every flag's check, before anything is sent; raises ConfigError naming the flag (the CLI prints it
+    as one line, `tp-runtime: error: ...`)."""
+    if args.num_prompts < 1:
+        _bad("--num-prompts", "at least 1", args.num_prompts)
+    rate = args.request_rate
+    if not rate > 0:  # NaN fails too; inf is allowed
+        _bad("--request-rate", "more than 0 requests/s (or inf: all at once)", rate)
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        _bad("--max-concurrency", "at least 1 (or left out: no limit)", args.max_concurrency)
+    if args.input_len < 1:
+        _bad("--input-len", "at least 1", args.input_len)
+    if args.output_len < 1:
+        _bad("--output-len", "at least 1", args.output_len)
+    if not 0.0 <= args.range_ratio < 1.0:
+        _bad("--range-ratio", "in [0, 1)", args.range_ratio)
+    if args.vocab_size <= FIRST_TOKEN_ID:
+        _bad("--vocab-size", f"at least {FIRST_TOKEN_ID + 1} (ids are drawn from [3, vocab-size))",
+             args.vocab_size)  # fmt: skip
+    if args.seed < 0:
+        _bad("--seed", "at least 0", args.seed)
+    if not args.temperature >= 0.0 or math.isinf(args.temperature):
+        _bad("--temperature", "a finite number at least 0", args.temperature)
+    if args.num_warmups < 0:
+        _bad("--num-warmups", "at least 0", args.num_warmups)
+    if not 0.0 < args.request_timeout < math.inf:
+        _bad("--request-timeout", "a finite number of seconds more than 0", args.request_timeout)
+    if args.api_key is not None and not args.api_key.strip():
+        _bad("--api-key", "a non-empty key (or left out)", repr(args.api_key))
+    if args.served_model is not None and not args.served_model.strip():
+        _bad("--model", "a non-empty name (or left out: the first model the server lists)",
+             repr(args.served_model))  # fmt: skip
+    parts = urlsplit(args.base_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/") or parts.query:
+        _bad("--base-url", "http(s)://host[:port] with no path, e.g. http://127.0.0.1:8000", args.base_url)
+    try:
+        parts.port  # noqa: B018 -- raises ValueError on a bad port
+    except ValueError:
+        _bad("--base-url", "http(s)://host[:port] with a port in [0, 65535]", args.base_url)
+    endpoint_kind(args.endpoint)
+    if args.output_json:
+        folder = Path(args.output_json).expanduser().resolve().parent
+        if not folder.is_dir():
+            raise ConfigError(f"argument --output-json: folder {folder} does not exist")
+
+
+def endpoint_kind(endpoint: str) -> str:
+    """`completions` or `chat` for an --endpoint path; ConfigError otherwise."""
+    if endpoint.startswith("/") and "?" not in endpoint:
+        path = endpoint.rstrip("/")
+        if path.endswith("/chat/completions"):
+            return CHAT
+        if path.endswith("/completions"):
+            return COMPLETIONS
+    _bad("--endpoint", "a path ending in /completions or /chat/completions, e.g. /v1/completions", endpoint)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Workload: lengths, prompts, arrivals (pure)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def length_bounds(length: int, range_ratio: float) -> tuple[int, int]:
+    """Inclusive range a length is drawn from: [len·(1-r), len·(1+r)], at least 1."""
+    low = max(1, math.floor(length * (1.0 - range_ratio)))
+    high = max(low, math.floor(length * (1.0 + range_ratio)))
+    return low, high
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int] | str]  # token ids (completions) or text (chat)
+    prompt_lens: list[int]  # tokens asked for (words, for chat)
+    output_lens: list[int]
+
+
+def make_workload(
+    num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, seed: int, kind: str
+) -> Workload:
+    rng = np.random.default_rng([seed, 1])
+    in_low, in_high = length_bounds(input_len, range_ratio)
+    out_low, out_high = length_bounds(output_len, range_ratio)
+    input_lens = rng.integers(in_low, in_high + 1, size=num)
+    output_lens = rng.integers(out_low, out_high + 1, size=num)
+    prompts: list[list[int] | str] = []
+    for n in input_lens:
+        if kind == CHAT:
+            prompts.append(" ".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), size=int(n))))
+        else:
+            prompts.append(rng.integers(FIRST_TOKEN_ID, vocab_size, size=int(n)).tolist())
+    return Workload(prompts, [int(n) for n in input_lens], [int(n) for n in output_lens])
+
+
+def arrival_schedule(num: int, request_rate: float, seed: int) -> list[float]:
+    """Send times (s from the start) of `num` requests: the first at 0, then Poisson arrivals at
+    `request_rate` per second (exponential gaps from numpy.random.default_rng(seed)); all 0 for inf."""
+    if math.isinf(request_rate):
+        return [0.0] * num
+    gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, size=num - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Metrics (pure)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestRecord:
+    """One request: what was asked and what came back. Times are seconds from the benchmark's start."""
+
+    index: int
+    prompt_len: int
+    output_len: int
+    scheduled_s: float
+    sent_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)  # arrivals of chunks that carried text
+    end_s: float | None = None  # the stream's end (or the failure)
+    success: bool = False
+    error: str | None = None
+    http_status: int | None = None
+    usage_output_tokens: int | None = None
+    prompt_tokens: int | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        """`usage`'s completion_tokens when the server sent it, else the chunks that carried text."""
+        if self.usage_output_tokens is not None:
+            return self.usage_output_tokens
+        return len(self.token_times_s)
+
+
+@dataclass
+class RequestMetrics:
+    ttft: float
+    e2el: float
+    itls: list[float]
+    tpot: float | None  # None for a one-token output
+
+
+def request_metrics(rec: RequestRecord) -> RequestMetrics | None:
+    """TTFT, E2E, ITLs and TPOT (seconds) of a successful request; None for a failed one."""
+    if not rec.success or rec.sent_s is None or not rec.token_times_s:
+        return None
+    times = rec.token_times_s
+    ttft = times[0] - rec.sent_s
+    e2el = times[-1] - rec.sent_s
+    itls = [b - a for a, b in itertools.pairwise(times)]
+    n = rec.output_tokens
+    tpot = (e2el - ttft) / (n - 1) if n > 1 else None
+    return RequestMetrics(ttft=ttft, e2el=e2el, itls=itls, tpot=tpot)
+
+
+def stats_ms(values_s: Sequence[float]) -> dict[str, float | None]:
+    """mean, median, p90, p99 (numpy's linear percentiles) of `values_s`, in ms; None without samples."""
+    if len(values_s) == 0:
+        return dict.fromkeys(STATS)
+    ms = np.asarray(values_s, dtype=np.float64) * 1e3
+    return {
+        "mean": float(ms.mean()),
+        "median": float(np.median(ms)),
+        "p90": float(np.percentile(ms, 90)),
+        "p99": float(np.percentile(ms, 99)),
+    }
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, Any]:
+    """The summary figures of a run (see the module's docstring for the keys)."""
+    samples: dict[str, list[float]] = {m: [] for m in METRICS}
+    total_in = total_out = completed = mismatch = 0
+    for rec in records:
+        m = request_metrics(rec)
+        if m is None:
+            continue
+        completed += 1
+        total_in += rec.prompt_tokens if rec.prompt_tokens is not None else rec.prompt_len
+        total_out += rec.output_tokens
+        mismatch += rec.output_tokens != rec.output_len
+        samples["ttft"].append(m.ttft)
+        samples["e2el"].append(m.e2el)
+        samples["itl"].extend(m.itls)
+        if m.tpot is not None:
+            samples["tpot"].append(m.tpot)
+
+    def rate(x: float) -> float | None:
+        return x / duration_s if duration_s > 0 else None
+
+    summary: dict[str, Any] = {
+        "completed": completed,
+        "failed": len(records) - completed,
+        "duration_s": duration_s,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": rate(completed),
+        "output_throughput": rate(total_out),
+        "total_token_throughput": rate(total_in + total_out),
+        "output_len_mismatch": mismatch,
+    }
+    for metric in METRICS:
+        for stat, value in stats_ms(samples[metric]).items():
+            summary[f"{stat}_{metric}_ms"] = value
+    return summary
+
+
+def error_counts(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
+    counts = Counter(rec.error or "unknown error" for rec in records if not rec.success)
+    return [{"error": msg, "count": n} for msg, n in counts.most_common()]
+
+
+def record_json(rec: RequestRecord) -> dict[str, Any]:
+    m = request_metrics(rec)
+    return {
+        "index": rec.index,
+        "prompt_len": rec.prompt_len,
+        "output_len": rec.output_len,
+        "scheduled_s": rec.scheduled_s,
+        "sent_s": rec.sent_s,
+        "end_s": rec.end_s,
+        "success": rec.success,
+        "error": rec.error,
+        "http_status": rec.http_status,
+        "output_tokens": rec.output_tokens if rec.success else None,
+        "output_tokens_source": "usage" if rec.usage_output_tokens is not None else "chunks",
+        "prompt_tokens": rec.prompt_tokens,
+        "token_times_s": rec.token_times_s,
+        "ttft_ms": None if m is None else m.ttft * 1e3,
+        "tpot_ms": None if m is None or m.tpot is None else m.tpot * 1e3,
+        "e2el_ms": None if m is None else m.e2el * 1e3,
+        "itl_ms": None if m is None else [x * 1e3 for x in m.itls],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sending
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _exc_text(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _body_message(body: bytes) -> str:
+    """The message of an OpenAI-shaped error body, else the body's start."""
+    text = body.decode("utf-8", "replace")
+    try:
+        data = json.loads(text)
+        error = data.get("error", data) if isinstance(data, dict) else data
+        message = error.get("message") if isinstance(error, dict) else None
+        if message is None and isinstance(data, dict):
+            message = data.get("detail")
+        if message is not None:
+            return str(message)
+    except ValueError:
+        pass
+    text = " ".join(text.split())
+    return text[:300] or "(empty body)"
+
+
+def build_payload(
+    kind: str, model: str, prompt: list[int] | str, output_len: int, temperature: float, ignore_eos: bool
+) -> dict[str, Any]:
+    payload: dict[str, Any] = {"model": model}
+    if kind == CHAT:
+        payload["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        payload["prompt"] = prompt
+    payload.update(
+        max_tokens=output_len,
+        temperature=temperature,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    if ignore_eos:
+        payload.update(ignore_eos=True, min_tokens=output_len)
+    return payload
+
+
+def _chunk_text(choice: Any, kind: str) -> str:
+    if not isinstance(choice, dict):
+        return ""
+    if kind == CHAT:
+        delta = choice.get("delta") or {}
+        text = delta.get("content") if isinstance(delta, dict) else None
+    else:
+        text = choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
+async def send_request(
+    client: Any, url: str, headers: dict[str, str], payload: dict[str, Any], kind: str,
+    rec: RequestRecord, t0: float,
+) -> None:  # fmt: skip
+    """POST one streaming request and fill `rec` (never raises, but for cancellation)."""
+    import httpx
+
+    rec.sent_s = time.perf_counter() - t0
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers) as resp:
+            rec.http_status = resp.status_code
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {_body_message(await resp.aread())}"
+                return
+            done = False
+            async for raw in resp.aiter_lines():
+                now = time.perf_counter() - t0
+                line = raw.strip()
+                if not line.startswith("data:"):  # blank lines, comments, event:/id:/retry: fields
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if not isinstance(chunk, dict):
+                    raise ValueError(f"a chunk that is not a JSON object: {data[:100]}")
+                if chunk.get("error") is not None:
+                    rec.error = f"error in the stream: {_body_message(data.encode())}"
+                    return
+                usage = chunk.get("usage")
+                if isinstance(usage, dict):
+                    if isinstance(usage.get("completion_tokens"), int):
+                        rec.usage_output_tokens = usage["completion_tokens"]
+                    if isinstance(usage.get("prompt_tokens"), int):
+                        rec.prompt_tokens = usage["prompt_tokens"]
+                choices = chunk.get("choices") or []
+                if choices and _chunk_text(choices[0], kind):
+                    rec.token_times_s.append(now)
+            if not done:
+                rec.error = "broken stream: it ended without `data: [DONE]`"
+            elif not rec.token_times_s:
+                rec.error = "the stream carried no text"
+            else:
+                rec.success = True
+    except httpx.TimeoutException as exc:
+        rec.error = f"timed out (--request-timeout): {_exc_text(exc)}"
+    except httpx.HTTPError as exc:
+        rec.error = f"broken stream or connection: {_exc_text(exc)}"
+    except ValueError as exc:
+        rec.error = f"bad chunk: {_exc_text(exc)}"
+    finally:
+        rec.end_s = time.perf_counter() - t0
+
+
+def _client(args: argparse.Namespace, *, max_connections: int | None = None) -> Any:
+    import httpx
+
+    # trust_env=False: no proxy from the environment between the benchmark and the server.
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(args.request_timeout),
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        trust_env=False,
+    )
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    """Check that the server answers, and return --model or the first model it lists. One-line
+    ConfigError when it cannot be reached, refuses the key, or lists no model."""
+    import httpx
+
+    base = args.base_url.rstrip("/")
+    url = base + "/v1/models"
+    try:
+        resp = httpx.get(
+            url, headers=_headers(args.api_key), timeout=min(args.request_timeout, 30.0), trust_env=False
+        )
+    except httpx.HTTPError as exc:
+        raise ConfigError(
+            f"cannot reach the server at {base} ({_exc_text(exc)}); start it (`tp-runtime serve --port "
+            f"{urlsplit(base).port or 80} ...`) or pass its address with --base-url"
+        ) from None
+    if resp.status_code in (401, 403):
+        raise ConfigError(
+            f"the server at {base} refused GET /v1/models (HTTP {resp.status_code}: "
+            f"{_body_message(resp.content)}); pass its key with --api-key"
+        )
+    if args.served_model:
+        return str(args.served_model)
+    try:
+        if resp.status_code != 200:
+            raise ValueError(f"HTTP {resp.status_code}: {_body_message(resp.content)}")
+        models = resp.json()["data"]
+        return str(models[0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ConfigError(
+            f"GET {url} gave no model id ({_exc_text(exc)}); name the model with --model"
+        ) from None
+
+
+async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    """Send the workload and return {config, summary, errors, requests}."""
+    from tqdm.auto import tqdm
+
+    kind = endpoint_kind(args.endpoint)
+    url = args.base_url.rstrip("/") + args.endpoint
+    headers = _headers(args.api_key)
+    work = make_workload(
+        args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.vocab_size, args.seed, kind
+    )
+    schedule = arrival_schedule(args.num_prompts, args.request_rate, args.seed)
+    records = [
+        RequestRecord(index=i, prompt_len=work.prompt_lens[i], output_len=work.output_lens[i],
+                      scheduled_s=schedule[i])
+        for i in range(args.num_prompts)
+    ]  # fmt: skip
+    async with _client(args, max_connections=args.max_concurrency) as client:
+        for i in range(args.num_warmups):
+            payload = build_payload(
+                kind, model, work.prompts[i % len(work.prompts)], work.output_lens[i % len(work.prompts)],
+                args.temperature, args.ignore_eos,
+            )  # fmt: skip
+            warm = RequestRecord(index=-1, prompt_len=0, output_len=0, scheduled_s=0.0)
+            await send_request(client, url, headers, payload, kind, warm, time.perf_counter())
+            if not warm.success:
+                raise ConfigError(
+                    f"warmup request {i + 1} to {url} failed: {warm.error}; check --model, --endpoint "
+                    "and the lengths"
+                )
+        limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        progress = tqdm(total=args.num_prompts, desc="requests", disable=args.no_progress)
+
+        async def one(rec: RequestRecord) -> None:
+            payload = build_payload(
+                kind, model, work.prompts[rec.index], rec.output_len, args.temperature, args.ignore_eos
+            )
+            if limit is None:
+                await send_request(client, url, headers, payload, kind, rec, t0)
+            else:
+                async with limit:
+                    await send_request(client, url, headers, payload, kind, rec, t0)
+            progress.update(1)
+
+        started_at = datetime.now(timezone.utc).isoformat()
+        t0 = time.perf_counter()
+        tasks = []
+        try:
+            for rec in records:
+                # Re-check after waking: the event loop may wake a hair early; never send before schedule.
+                while (delay := rec.scheduled_s - (time.perf_counter() - t0)) > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(rec)))
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            progress.close()
+        duration = time.perf_counter() - t0
+    config = {
+        "base_url": args.base_url,
+        "endpoint": args.endpoint,
+        "url": url,
+        "endpoint_kind": kind,
+        "model": model,
+        "num_prompts": args.num_prompts,
+        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "range_ratio": args.range_ratio,
+        "vocab_size": args.vocab_size,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+        "temperature": args.temperature,
+        "num_warmups": args.num_warmups,
+        "request_timeout": args.request_timeout,
+        "api_key_set": args.api_key is not None,
+        "started_at": started_at,
+    }
+    return {
+        "config": config,
+        "summary": summarize(records, duration),
+        "errors": error_counts(records),
+        "requests": [record_json(rec) for rec in records],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def format_report(result: dict[str, Any]) -> str:
+    c, s = result["config"], result["summary"]
+    width = 60
+    rows: list[str] = [" Serving Benchmark Result ".center(width, "=")]
+
+    def row(label: str, value: Any) -> None:
+        rows.append(f"{label:<44}{_fmt(value):>16}")
+
+    row("Model:", c["model"])
+    row("Endpoint:", c["endpoint"])
+    row("Request rate (req/s):", c["request_rate"])
+    row("Max concurrency:", c["max_concurrency"] if c["max_concurrency"] is not None else "none")
+    row("Successful requests:", s["completed"])
+    row("Failed requests:", s["failed"])
+    row("Benchmark duration (s):", s["duration_s"])
+    row("Total input tokens:", s["total_input_tokens"])
+    row("Total output tokens:", s["total_output_tokens"])
+    row("Request throughput (req/s):", s["request_throughput"])
+    row("Output token throughput (tok/s):", s["output_throughput"])
+    row("Total token throughput (tok/s):", s["total_token_throughput"])
+    for metric in METRICS:
+        rows.append(f" {METRIC_TITLES[metric]} ".center(width, "-"))
+        name = metric.upper()
+        for stat in STATS:
+            label = {"mean": "Mean", "median": "Median", "p90": "P90", "p99": "P99"}[stat]
+            row(f"{label} {name} (ms):", s[f"{stat}_{metric}_ms"])
+    rows.append("=" * width)
+    if s["output_len_mismatch"]:
+        rows.append(
+            f"note: {s['output_len_mismatch']} of {s['completed']} requests returned a different number of "
+            "output tokens than asked (does the server honor ignore_eos / min_tokens?); the figures use "
+            "the counts returned"
+        )
+    errors = result["errors"]
+    if errors:
+        rows.append("Errors (most common first):")
+        for e in errors[:5]:
+            rows.append(f"  {e['count']} x {e['error']}")
+        if len(errors) > 5:
+            rows.append(f"  ... and {len(errors) - 5} more distinct errors (see --output-json)")
+    return "\n".join(rows)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark from parsed arguments: print the report, write --output-json. Returns 0; raises
+    ConfigError on a bad argument or a server out of reach, TPRuntimeError when every request failed."""
+    check(args)
+    model = resolve_model(args)
+    result = asyncio.run(run_benchmark(args, model))
+    print(format_report(result), flush=True)
+    if args.output_json:
+        with open(Path(args.output_json).expanduser(), "w") as f:
+            json.dump(result, f, indent=2, allow_nan=False)
+    if result["summary"]["completed"] == 0:
+        first = result["errors"][0]
+        raise TPRuntimeError(
+            f"all {args.num_prompts} requests failed; most common error ({first['count']}x): {first['error']}"
+        )
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# python -m tp_runtime.bench.serve
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"{PROG}: error: {message}; see `{self.prog} --help`", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _ArgumentParser(prog=f"{PROG} bench serve", description=__doc__, formatter_class=_HelpFormatter)
+    add_arguments(parser)
+    return parser
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """Standalone entry point: errors are one line `tp-runtime: error: ...` with status 2, as in the CLI."""
+    args = build_parser().parse_args(argv)
+    try:
+        return main(args)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except (ConfigError, TPRuntimeError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli())

@@ -1,0 +1,283 @@
+"""LLM: the offline batch API (generate, chat) on top of LLMEngine."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from tp_runtime.config import (
+    EngineConfig,
+)
+from tp_runtime.engine.args import EngineArgs
+from tp_runtime.engine.llm_engine import LLMEngine, child_params
+from tp_runtime.errors import ConfigError, InvalidRequestError
+from tp_runtime.outputs import RequestOutput
+from tp_runtime.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+ChatMessage = dict[str, Any]
+
+
+
+class LLM:
+    """Offline batch inference: `LLM(model=PATH, tensor_parallel_size=N).generate(prompts, params)`.
+
+    Thread safety: `generate` and `chat` may be called from several threads at once; the calls are
+    serialized (a lock held for the whole call, tokenization included), so each caller gets exactly the
+    outputs it would get alone while the engine's step loop stays single-threaded. A second caller waits
+    for the first to finish. `shutdown()` does not wait: calling it while another thread generates ends
+    that call with an error.
+    """
+
+    def __init__(self, model: str | os.PathLike[str], **options: Any) -> None:
+        """`model`: a checkpoint folder or a built-in model name; `options`: any field of
+        `tp_runtime.EngineArgs` (tensor_parallel_size, dtype, max_model_len, ...), where each option's
+        type, default and meaning are declared."""
+        self._start(_engine_args(model, options).create_engine_config())
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        return cls(**args.to_llm_kwargs())
+
+    def _start(self, config: EngineConfig) -> None:
+        import transformers
+
+        self.config = config
+        model = config.model.path
+        try:
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(model))
+        except Exception as exc:
+            raise ConfigError(f"could not load a tokenizer from {model}: {exc}") from exc
+        self.engine = LLMEngine(self.config, self.tokenizer)
+        self._lock = threading.RLock()  # serializes generate/chat callers (see the class doc)
+        self._closed = False
+        # Shut the workers down at interpreter exit even if the user never calls shutdown().
+        self._atexit = weakref.WeakMethod(self.shutdown)
+        atexit.register(_shutdown_at_exit, self._atexit)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            self.engine.shutdown()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.shutdown()
+
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer the engine encodes prompts and decodes outputs with."""
+        return self.tokenizer
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(
+                f"the prompt {_preview(text)} cannot be tokenized: {exc.object[exc.start : exc.end]!r} at "
+                f"index {exc.start} is not valid Unicode text (a lone surrogate); remove or replace it"
+            ) from None
+        try:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        except Exception as exc:
+            raise InvalidRequestError(
+                f"the tokenizer cannot encode the prompt {_preview(text)}: {type(exc).__name__}: {exc}"
+            ) from None
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty; give at least one character or token")
+            return prompt, self._encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), prompt["prompt_token_ids"]
+        raise InvalidRequestError(
+            f"a prompt must be a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}"
+        )
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        with self._lock:
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or to a list of
+        them, rendered with the tokenizer's chat template (or `chat_template`, a Jinja string) as vLLM's
+        `LLM.chat` does; one RequestOutput per conversation, whose prompt is the rendered text."""
+        if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
+            conversations: list[Any] = [messages]
+        elif isinstance(messages, (list, tuple)) and messages:
+            conversations = list(messages)
+        else:
+            raise InvalidRequestError(
+                "messages must be a non-empty list of {'role': ..., 'content': ...} dicts, or a list of such "
+                f"conversations, got {_preview(messages)}"
+            )
+        for i, conv in enumerate(conversations):
+            if not isinstance(conv, (list, tuple)) or not conv or not all(isinstance(m, dict) for m in conv):
+                raise InvalidRequestError(
+                    f"conversation {i} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
+                    f"got {_preview(conv)}"
+                )
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                f"the tokenizer of {self.config.model.path} has no chat template; pass chat_template= "
+                "(a Jinja template string) to LLM.chat"
+            )
+        with self._lock:  # the tokenizer is not safe to share between threads either
+            prompts: list[PromptType] = []
+            for conv in conversations:
+                try:
+                    text = self.tokenizer.apply_chat_template(
+                        list(conv), chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message, tokenize=False,
+                    )  # fmt: skip
+                except Exception as exc:
+                    raise InvalidRequestError(
+                        f"the chat template failed on conversation {_preview(conv)}: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from None
+                # The template writes the special tokens (BOS...) itself, as HF's apply_chat_template does.
+                ids = self._encode(str(text), add_special_tokens=False)
+                prompts.append({"prompt": text, "prompt_token_ids": ids})
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down; create a new one")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(
+                f"a prompt must be a str or a dict with 'prompt_token_ids' (or a list of them), "
+                f"got {type(prompts).__name__}"
+            )
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, (SamplingParams, list, tuple)):
+            raise InvalidRequestError(
+                "sampling_params must be a SamplingParams or a list of them, "
+                f"got {type(sampling_params).__name__}"
+            )
+        params_list = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError(
+                f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
+                "give one, or one per prompt"
+            )
+        # Tokenize and validate everything before the first request enters the engine.
+        for params in params_list:
+            self.engine.validate_params(params)
+        encoded = [self._prompt_ids(p) for p in prompts]
+        for _, ids in encoded:
+            self.engine._validate_prompt(ids)
+        owners: dict[str, tuple[int, int]] = {}  # engine request id -> (prompt index, sample index)
+        try:
+            for i, ((_, ids), params) in enumerate(zip(encoded, params_list, strict=True)):
+                for j in range(params.n):
+                    owners[str(self.engine.add_request(ids, child_params(params, j)))] = (i, j)
+            finished = self._run(len(owners), use_tqdm)
+        except BaseException:
+            self.engine.abort_all()
+            raise
+        results = [
+            RequestOutput(request_id=str(i), prompt=text, prompt_token_ids=list(ids), outputs=[])
+            for i, (text, ids) in enumerate(encoded)
+        ]
+        # Each engine request is one sample: its output goes into its prompt's, as sample j.
+        for out in sorted(finished, key=lambda o: owners[o.request_id]):
+            i, j = owners[out.request_id]
+            completion = out.outputs[0]
+            completion.index = j
+            results[i].outputs.append(completion)
+            if out.prompt_logprobs is not None:
+                results[i].prompt_logprobs = out.prompt_logprobs
+        return results
+
+    def _run(self, total: int, use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request finished; returns their (whole) outputs."""
+        if not use_tqdm:
+            finished: list[RequestOutput] = []
+            while self.engine.has_unfinished_requests():
+                finished.extend(self.engine.step())
+            return finished
+        from tqdm.auto import tqdm
+
+        finished = []
+        engine = self.engine
+        start, tokens_before = time.perf_counter(), engine.num_output_tokens
+        shown = start
+        with tqdm(total=total, desc="generate", dynamic_ncols=True) as bar:
+            while engine.has_unfinished_requests():
+                done = engine.step()
+                finished.extend(done)
+                now = time.perf_counter()
+                if done or now - shown > 0.5:  # the rate, at most twice a second between completions
+                    shown = now
+                    rate = (engine.num_output_tokens - tokens_before) / max(now - start, 1e-9)
+                    bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+                bar.update(len(done))
+        return finished
+
+
+def _preview(value: Any, limit: int = 80) -> str:
+    """repr of what the user passed, shortened for an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _shutdown_at_exit(ref: weakref.WeakMethod[Any]) -> None:
+    method = ref()
+    if method is not None:
+        method()
+
+
+def run_torchrun_worker(model: str | os.PathLike[str], **options: Any) -> None:
+    """Under torchrun, what every rank > 0 runs instead of `LLM(model, **options)`, with the same arguments:
+    it serves rank 0's engine as a worker until rank 0 shuts it down. Rank 0 creates the LLM."""
+    from tp_runtime.executor.torchrun import run_torchrun_worker as serve
+
+    serve(_engine_args(model, options).create_engine_config())
+
+
+def _engine_args(model: str | os.PathLike[str], options: dict[str, Any]) -> EngineArgs:
+    unknown = sorted(set(options) - EngineArgs.option_names())
+    if unknown:
+        raise ConfigError(
+            f"unknown engine option(s) {', '.join(unknown)}; the options are "
+            f"{', '.join(sorted(EngineArgs.option_names() - {'model'}))}"
+        )
+    return EngineArgs(model=model, **options)

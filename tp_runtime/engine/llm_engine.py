@@ -1,0 +1,456 @@
+"""LLMEngine: the driver's step loop (scheduler, executor), tokenizer-side checks and stop conditions.
+
+Requests come in through `add_request` and leave through `step()`, which returns `RequestOutput`s: for a
+request added with `stream=True`, one per step that gave it a token (the new token ids, the text they
+add, their logprobs; `finished` on the last), else one when it finishes, with the whole output.
+`abort_request` ends a request wherever it is. One thread drives an engine: `LLM` in the caller's thread,
+`AsyncLLMEngine` in its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tp_runtime.config import (
+    EngineConfig,
+)
+from tp_runtime.engine.scheduler import Request, Scheduler
+from tp_runtime.errors import ConfigError, InvalidRequestError
+from tp_runtime.executor.base import Executor, make_executor
+from tp_runtime.messages import ModelRunnerOutput, RequestSampling, SchedulerOutput
+from tp_runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from tp_runtime.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+ChatMessage = dict[str, Any]
+
+
+class IncrementalDetokenizer:
+    """The text of a growing list of token ids, a piece at a time (vLLM's incremental detokenization).
+
+    Each call decodes the tokens from the start of the previous piece on, so a decoder that treats the
+    first token of a text specially (SentencePiece's leading space) sees the same context as in the
+    whole text, and keeps what that window adds past the previous piece. A window whose text ends in
+    U+FFFD is held back: its last bytes may begin a character that the next token completes (byte-level
+    BPE splits multi-byte characters). So `text` is always a prefix of `decode(ids)` that later tokens
+    cannot change; only the held-back tail is missing, which the caller takes from a full decode at the
+    end.
+    """
+
+    __slots__ = ("_decode", "_prefix_offset", "_read_offset", "text")
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self._prefix_offset = 0  # start of the previous piece's tokens
+        self._read_offset = 0  # tokens already in `text`
+        self.text = ""
+
+    def step(self, ids: list[int]) -> str:
+        """Advance to the output `ids` (the previous ones plus new tokens); returns the text they add."""
+        if len(ids) <= self._read_offset:
+            return ""
+        start, read = self._prefix_offset, self._read_offset
+        prefix = self._decode(ids[start:read]) if read > start else ""
+        window = self._decode(ids[start:])
+        if len(window) <= len(prefix) or window.endswith("\ufffd"):
+            return ""
+        piece = window[len(prefix) :]
+        self._prefix_offset, self._read_offset = read, len(ids)
+        self.text += piece
+        return piece
+
+
+@dataclass
+class _TextState:
+    """Kept for a request that streams or has stop strings."""
+
+    detok: IncrementalDetokenizer
+    stream: bool
+    stop_strings: list[str] = field(default_factory=list)
+    # Characters a streamed request holds back while unfinished: the start of a stop string may be there.
+    hold: int = 0
+    sent_chars: int = 0  # text reported so far (stream)
+    sent_tokens: int = 0  # token ids and logprobs reported so far (stream)
+    cumulative_logprob: float = 0.0
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index` of an n > 1 request, as one engine request: seed + index (as vLLM), wrapped into the
+    int64 range so that any seed the user may pass works; prompt logprobs come from the first sample
+    only."""
+    if params.n == 1:
+        return params
+    seed = params.seed
+    if seed is not None:
+        seed = (seed + index + 2**63) % 2**64 - 2**63
+    return replace(params, seed=seed, n=1, prompt_logprobs=params.prompt_logprobs if index == 0 else None)
+
+
+def _make_decode(tokenizer: Any) -> Callable[[list[int]], str]:
+    """How the engine turns output ids into text: the tokenizer's decode without special tokens (its Rust
+    backend directly when that gives the same text, a few times faster: streaming decodes every token)."""
+    if tokenizer is None:  # tests drive the engine with token ids only
+        return lambda ids: ""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return lambda ids: str(backend.decode(ids, skip_special_tokens=True))
+    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Any, executor: Executor | None = None) -> None:
+        """`executor`: how the engine reaches its workers, not yet initialized (default: the one
+        make_executor picks for the config)."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.executor = executor if executor is not None else make_executor(config)
+        self.num_kv_blocks = self.executor.initialize()
+        max_blocks = -(-config.model.max_model_len // config.cache.block_size)
+        if self.num_kv_blocks < max_blocks:
+            self.executor.shutdown()
+            raise ConfigError(
+                f"the KV cache holds {self.num_kv_blocks} blocks of {config.cache.block_size} tokens but one "
+                f"sequence of max_model_len={config.model.max_model_len} needs {max_blocks}; lower "
+                "max_model_len or give the cache more memory (gpu_memory_utilization, cpu_kv_cache_gib)"
+            )
+        self.scheduler = Scheduler(config, self.num_kv_blocks)
+        self.eos_token_ids = set(config.model.eos_token_ids)
+        self._next_req_id = 0
+        self._decode = _make_decode(tokenizer)
+        self._text_states: dict[int, _TextState] = {}
+        self.num_output_tokens = 0  # generated so far, over the engine's life (progress bars read it)
+        # Per-step timings (seconds) of the driver's own phases, when enabled (benchmarks).
+        self.step_timings: list[dict[str, float]] | None = None
+        self.async_scheduling = config.async_scheduling
+        # Async scheduling: the step sent last, whose output is read in the next step() call.
+        self._in_flight: SchedulerOutput | None = None
+        # Timings: when the interval that produces the next output began (the last output's arrival).
+        self._interval_start: float | None = None
+
+    # ----------------------------------------------------------------- requests
+    def _validate_prompt(self, prompt_ids: Any) -> list[int]:
+        vocab = self.config.model.vocab_size
+        if not isinstance(prompt_ids, (list, tuple)):
+            raise InvalidRequestError(
+                f"prompt_token_ids must be a list of ints, got {type(prompt_ids).__name__}"
+            )
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty; give at least one token")
+        for t in prompt_ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise InvalidRequestError(f"prompt token ids must be ints, got {t!r}")
+            if not 0 <= t < vocab:
+                raise InvalidRequestError(f"prompt token id {t} is outside the vocabulary [0, {vocab})")
+        max_len = self.config.model.max_model_len
+        if len(prompt_ids) >= max_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}; shorten the prompt "
+                "or raise max_model_len (a prompt must leave room for at least one generated token)"
+            )
+        return list(prompt_ids)
+
+    def check_request(self, prompt_ids: Any, params: Any) -> list[int]:
+        """The checks `add_request` makes, without adding anything (they read only the configuration, so
+        any thread may call this); returns the prompt ids as a list. Raises InvalidRequestError."""
+        prompt_ids = self._validate_prompt(prompt_ids)
+        self.validate_params(params)
+        if params.n != 1:
+            raise InvalidRequestError(
+                f"an engine request is one sample, got n={params.n}; add one request per sample "
+                "(child_params(params, i))"
+            )
+        return prompt_ids
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = False) -> int:
+        """Queue a request; returns its id (`RequestOutput.request_id` is its str). `stream=True`: step()
+        reports each new token of it, else only its finished output."""
+        prompt_ids = self.check_request(prompt_ids, params)
+        stop_ids = set(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        vocab = self.config.model.vocab_size
+        sampling = RequestSampling(
+            temperature=float(params.temperature),
+            top_p=float(params.top_p),
+            # top_k at or above the vocabulary size keeps every token: capped to what workers hold.
+            top_k=min(max(int(params.top_k), 0), vocab),
+            min_p=float(params.min_p),
+            seed=params.seed,
+            # No request outlives max_model_len, so a larger min_tokens means the same (and fits int64).
+            min_tokens=min(params.min_tokens, self.config.model.max_model_len),
+            stop_token_ids=sorted(stop_ids) if params.min_tokens else [],
+            num_logprobs=-1 if params.logprobs is None else int(params.logprobs),
+            repetition_penalty=float(params.repetition_penalty),
+            presence_penalty=float(params.presence_penalty),
+            frequency_penalty=float(params.frequency_penalty),
+            num_prompt_logprobs=-1 if params.prompt_logprobs is None else int(params.prompt_logprobs),
+        )
+        req_id = self._next_req_id
+        self._next_req_id += 1
+        request = Request(req_id, prompt_ids, params, sampling)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * (len(prompt_ids) - 1)
+        request.stop_ids = frozenset(stop_ids)
+        self.scheduler.add(request)
+        if stream or params.stop_strings:
+            stops = params.stop_strings
+            self._text_states[req_id] = _TextState(
+                IncrementalDetokenizer(self._decode),
+                stream=stream,
+                stop_strings=stops,
+                hold=max(map(len, stops)) - 1 if stops else 0,
+            )
+        return req_id
+
+    def validate_params(self, params: Any) -> None:
+        """Checks of SamplingParams that need the model (its own fields are checked on construction)."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"expected SamplingParams, got {type(params).__name__}")
+        vocab = self.config.model.vocab_size
+        limit = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > min(vocab, limit):
+                raise InvalidRequestError(
+                    f"{name}={value} exceeds "
+                    + (f"the vocabulary size {vocab}" if value > vocab else f"max_logprobs={limit}")
+                    + "; ask for fewer (or raise LLM(max_logprobs=...))"
+                )
+        for t in params.stop_token_ids or []:
+            if t >= vocab:
+                raise InvalidRequestError(f"stop token id {t} is outside the vocabulary [0, {vocab})")
+
+    # ----------------------------------------------------------------- stepping
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs it gave: for each streamed request that got a token, its
+        delta, and for each other request that finished, its whole output.
+
+        With async scheduling the step sent here is only queued: this call then reads the output of the
+        step sent by the previous call, so the workers already hold their next step while the driver
+        handles this output. Without it, the step's own output is awaited."""
+        t0 = time.perf_counter()
+        if self._interval_start is None:
+            self._interval_start = t0
+        so = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if so.scheduled_req_ids or not self.async_scheduling:
+            self.executor.submit(so)
+            sent: SchedulerOutput | None = so
+        else:
+            sent = None  # nothing can run before the in-flight step's tokens are in
+            self.scheduler.return_freed(so.freed_req_ids)
+        t2 = time.perf_counter()
+        if self.async_scheduling:
+            done, self._in_flight = self._in_flight, sent
+        else:
+            done = sent
+        if done is None:
+            return []
+        output = self.executor.wait_output(done.step_id)
+        t3 = time.perf_counter()
+        outputs = []
+        updated = self.scheduler.update(output)
+        self.num_output_tokens += len(updated)
+        states = self._text_states
+        for req in updated:
+            reason = self._check_stop(req)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+            state = states.get(req.req_id)
+            if state is not None and state.stream:
+                outputs.append(self._delta_output(req, state))
+            elif reason is not None:
+                outputs.append(self._final_output(req))
+            if reason is not None:
+                states.pop(req.req_id, None)
+        t4 = time.perf_counter()
+        if self.step_timings is not None:
+            self._record_timings(done, output, t0, t1, t2, t3, t4, self._interval_start, sent is None)
+        self._interval_start = t4 if self.scheduler.has_unfinished else None
+        return outputs
+
+    # ----------------------------------------------------------------- outputs
+    def _final_text(self, req: Request) -> str:
+        if req.stop_text is not None:
+            return req.stop_text
+        ids = req.output_token_ids
+        if req.finish_reason == "stop" and not req.params.include_stop_str_in_output:
+            ids = ids[:-1]  # a stop token (EOS or stop_token_ids): its text is left out, as vLLM does
+        return self._decode(ids)
+
+    def _final_output(self, req: Request) -> RequestOutput:
+        """A finished request's whole output (the request was not streamed)."""
+        logprobs = None
+        cumulative = None
+        if req.params.logprobs is not None:
+            logprobs = [decode_logprobs(self.tokenizer, e) for e in req.logprobs]
+            cumulative = sum(lp[1][0] for lp in req.logprobs)
+        completion = CompletionOutput(
+            index=0,
+            text=self._final_text(req),
+            token_ids=list(req.output_token_ids),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            cumulative_logprob=cumulative,
+            logprobs=logprobs,
+        )
+        return RequestOutput(
+            request_id=str(req.req_id),
+            prompt=None,
+            prompt_token_ids=list(req.prompt_token_ids),
+            outputs=[completion],
+            finished=True,
+            prompt_logprobs=self._prompt_logprobs(req),
+        )
+
+    def _delta_output(self, req: Request, state: _TextState) -> RequestOutput:
+        """What a streamed request gained since its last output: the new token ids, their logprobs and
+        the text they add. While unfinished the text lags behind the tokens where a character is still
+        incomplete or a stop string may be starting; the last output adds the rest, so the pieces join
+        into the text a non-streamed request gets."""
+        finished = req.finish_reason is not None
+        if finished:
+            text = self._final_text(req)
+            delta = text[state.sent_chars :]
+            state.sent_chars = len(text)
+        else:
+            if not state.stop_strings:  # else _check_stop has advanced it
+                state.detok.step(req.output_token_ids)
+            visible = len(state.detok.text) - state.hold
+            delta = state.detok.text[state.sent_chars : visible] if visible > state.sent_chars else ""
+            state.sent_chars = max(state.sent_chars, visible)
+        first = state.sent_tokens == 0
+        new_ids = req.output_token_ids[state.sent_tokens :]
+        logprobs = None
+        cumulative = None
+        if req.params.logprobs is not None:
+            entries = req.logprobs[state.sent_tokens :]
+            logprobs = [decode_logprobs(self.tokenizer, e) for e in entries]
+            state.cumulative_logprob += sum(e[1][0] for e in entries)
+            cumulative = state.cumulative_logprob
+        state.sent_tokens = len(req.output_token_ids)
+        completion = CompletionOutput(
+            index=0,
+            text=delta,
+            token_ids=new_ids,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            cumulative_logprob=cumulative,
+            logprobs=logprobs,
+        )
+        return RequestOutput(
+            request_id=str(req.req_id),
+            prompt=None,
+            prompt_token_ids=req.prompt_token_ids,  # not copied: a stream's outputs share it
+            outputs=[completion],
+            finished=finished,
+            prompt_logprobs=self._prompt_logprobs(req) if first else None,
+        )
+
+    def _prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None] | None:
+        if req.prompt_logprobs is None:
+            return None
+        return [None, *(e and decode_logprobs(self.tokenizer, e) for e in req.prompt_logprobs)]
+
+    def _record_timings(
+        self,
+        so: SchedulerOutput,
+        output: ModelRunnerOutput,
+        t0: float,
+        t1: float,
+        t2: float,
+        t3: float,
+        t4: float,
+        interval_start: float,
+        drain: bool,
+    ) -> None:
+        """`so` is the step whose output was read; with async scheduling the phases before the wait
+        belong to the next step, which is how the driver's work overlaps the device's. step_total is the
+        time since the previous output was handled (or since the first step began), so step totals add up
+        to the wall time in either mode."""
+        assert self.step_timings is not None
+        entry = {
+            "schedule": t1 - t0,
+            "wait_output": t3 - t2,
+            "execute_roundtrip": t3 - t1,
+            "engine_update": t4 - t3,
+            "step_total": t4 - interval_start,
+        }
+        entry["num_scheduled_tokens"] = float(sum(so.num_scheduled_tokens))
+        entry["decode_only"] = float(all(n == 1 for n in so.num_scheduled_tokens))
+        entry["async_scheduling"] = float(self.async_scheduling)
+        # Async scheduling's last call of a batch sends nothing and only reads the last output: not a step.
+        entry["drain"] = float(drain and self.async_scheduling)
+        if not drain:
+            entry.update(self.executor.last_step_timings)  # a drain step sent nothing
+        if output.timings:
+            entry.update({f"worker_{k}": v for k, v in output.timings.items()})
+            entry["overhead"] = entry["step_total"] - output.timings.get("forward_device", 0.0)
+        self.step_timings.append(entry)
+
+    def _check_stop(self, req: Request) -> str | None:
+        params = req.params
+        token = req.output_token_ids[-1]
+        num_out = len(req.output_token_ids)
+        num_known = len(req.prompt_token_ids) + num_out
+        if token in req.stop_ids and num_out >= params.min_tokens:
+            if params.stop_token_ids and token in params.stop_token_ids:
+                req.stop_reason = token
+            return "stop"
+        state = self._text_states.get(req.req_id)
+        if state is not None and state.stop_strings:
+            before = len(state.detok.text)
+            if state.detok.step(req.output_token_ids) and num_out >= params.min_tokens:
+                text = state.detok.text
+                start = max(0, before - state.hold)  # a stop string may end in the new text
+                for stop in state.stop_strings:
+                    idx = text.find(stop, start)
+                    if idx >= 0:
+                        req.stop_reason = stop
+                        if params.include_stop_str_in_output:
+                            idx += len(stop)
+                        req.stop_text = text[:idx]
+                        return "stop"
+        if num_out >= params.max_tokens or num_known >= self.config.model.max_model_len:
+            return "length"
+        return None
+
+    def abort_request(self, req_id: int) -> RequestOutput | None:
+        """End a request wherever it is (waiting, running, in a step in flight) and free its KV blocks;
+        tokens of it still in flight are dropped when they arrive. Returns its last output (finish_reason
+        "abort": for a streamed request the text not reported yet, else the whole output), or None when
+        the request has already finished or never existed."""
+        req = self.scheduler.requests.get(req_id)
+        if req is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        state = self._text_states.pop(req_id, None)
+        if state is not None and state.stream:
+            return self._delta_output(req, state)
+        return self._final_output(req)
+
+    def abort_all(self) -> None:
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.finish(req, "abort")
+        self._text_states.clear()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def decode_logprobs(tokenizer: Any, entry: tuple[list[int], list[float], int]) -> dict[int, Logprob]:
+    """One position: the chosen (sampled or prompt) token first, then the top-k by rank."""
+    token_ids, logprobs, chosen_rank = entry
+    out: dict[int, Logprob] = {}
+    for pos, (tid, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
+        if tid not in out:
+            rank = chosen_rank if pos == 0 else pos
+            text = None if tokenizer is None else tokenizer.decode([tid])
+            out[tid] = Logprob(logprob=lp, rank=rank, decoded_token=text)
+    return out

@@ -1,0 +1,38 @@
+"""TP=1 in the driver's own process: no sockets, no process group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tp_runtime.config import EngineConfig
+from tp_runtime.executor.base import PendingSteps, size_kv_cache
+from tp_runtime.messages import (
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from tp_runtime.worker.worker import Worker
+
+
+class InProcessExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(config, rank=0, local_rank=0)
+        self.last_step_timings: dict[str, float] = {}
+        self.pending = PendingSteps()
+
+    def initialize(self) -> int:
+        self.worker.init_device(None)
+        self.worker.load_model()
+        return size_kv_cache(self)
+
+    def submit(self, so: SchedulerOutput) -> None:
+        self.pending.add(self.worker.execute_model(so))
+
+    def wait_output(self, step_id: int) -> ModelRunnerOutput:
+        return self.pending.resolve(step_id)
+
+    def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
+        return [self.worker.call(method, list(args or []))]
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+

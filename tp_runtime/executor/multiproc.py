@@ -1,0 +1,238 @@
+"""MultiprocExecutor: one process per rank, each a fresh interpreter
+(`python -m tp_runtime.worker.process`), reached over ipc sockets in a private folder."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import site
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+import tp_runtime
+from tp_runtime.config import EngineConfig
+from tp_runtime.errors import (
+    EngineClosedError,
+    WorkerDiedError,
+)
+from tp_runtime.executor.base import CLOSED_MESSAGE, STARTUP_TIMEOUT_S, T, size_kv_cache
+from tp_runtime.executor.remote import RemoteWorkers
+from tp_runtime.ipc import DriverChannel, ipc_channel, message_limits
+from tp_runtime.messages import (
+    ControlCall,
+    ExecuteModel,
+    Flush,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    Shutdown,
+)
+from tp_runtime.worker.process import SpawnArgs, encode_spawn_args
+
+
+def _process_state(pid: int | None) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _worker_environment() -> dict[str, str]:
+    """The driver's environment (TRITON_INTERPRET, NCCL_*, CUDA_VISIBLE_DEVICES...), with the folder this
+    tp_runtime package was imported from put first on PYTHONPATH when it is not an installed location (a
+    source checkout imported through the driver's sys.path), so a worker imports the same package."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tp_runtime.__file__)))
+    installed = {os.path.abspath(p) for p in site.getsitepackages()}
+    if site.ENABLE_USER_SITE:
+        installed.add(os.path.abspath(site.getusersitepackages()))
+    if root not in installed:
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if root not in paths:
+            env["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    return env
+
+
+class _SpawnedWorkers(RemoteWorkers):
+    """Ranks started as fresh interpreters (`python -m tp_runtime.worker.process`). Each gets its
+    arguments as one frame on its stdin, which the driver then holds open: the workers see EOF, and exit,
+    when the driver dies. A death is seen through Popen.poll() between polls for replies."""
+
+    def __init__(self, config: EngineConfig, channel: DriverChannel) -> None:
+        super().__init__(
+            channel, list(range(config.parallel.tensor_parallel_size)), config.parallel.spin_wait_s
+        )
+        self.config = config
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, init_method: str | None) -> None:
+        channel = self.channel
+        env = _worker_environment()
+        for rank in self.remote_ranks:
+            # The key travels only in this frame, over the child's stdin: never on its command line (ps
+            # shows that) or in its environment, and never pickled.
+            frame = encode_spawn_args(
+                SpawnArgs(
+                    config=self.config, rank=rank, local_rank=rank, broadcast=channel.broadcast_addr,
+                    results=channel.results_addr, heartbeat=channel.watchdog.address,
+                    max_broadcast_bytes=message_limits(self.config)[0], key=channel.key,
+                    init_method=init_method,
+                )
+            )  # fmt: skip
+            # A session of its own: a Ctrl-C at the terminal (SIGINT to the foreground process group)
+            # reaches only the driver, which shuts the workers down; they print nothing.
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tp_runtime.worker.process"], stdin=subprocess.PIPE, env=env,
+                bufsize=0, close_fds=True, start_new_session=True,
+            )  # fmt: skip
+            self.procs.append(proc)
+            assert proc.stdin is not None
+            # A worker that died at once is reported by the liveness checks, with its exit code.
+            with contextlib.suppress(BrokenPipeError):
+                view = memoryview(frame)
+                while view:  # an unbuffered write may be partial
+                    view = view[proc.stdin.write(view) or 0 :]
+
+    def _check_processes(self, settle_s: float) -> None:
+        deadline = time.monotonic() + settle_s
+        while True:
+            for rank, proc in enumerate(self.procs):
+                code = proc.poll()
+                if code is not None:
+                    detail = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+                    raise WorkerDiedError(rank, f"{detail}; the engine is shutting the other workers down")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.02)
+
+    def _stopped(self, rank: int) -> bool:
+        return _process_state(self.procs[rank].pid) in ("T", "t")
+
+    def _maybe_busy(self, rank: int) -> bool:
+        # Silent but running: its main thread may hold the GIL for long (a Triton compile); the step
+        # timeout still bounds the wait. Stopped (T) or asleep while silent (S, D): stuck.
+        return _process_state(self.procs[rank].pid) == "R"
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def stop(self, grace_s: float) -> None:
+        """Wait up to grace_s for workers to leave after the Shutdown message, then SIGTERM, then SIGKILL."""
+        self.closed = True
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.poll() is None:
+                # A stopped process cannot act on SIGTERM: do not wait for it.
+                p.kill() if _process_state(p.pid) in ("T", "t") else p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=2.0)
+        for p in self.procs:
+            if p.stdin is not None:
+                with contextlib.suppress(OSError):
+                    p.stdin.close()
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.ipc_dir = tempfile.mkdtemp(prefix="tp-runtime-")  # 0700: only this user reaches the sockets
+        self.channel = ipc_channel(self.ipc_dir, secrets.token_bytes(32), message_limits(config)[1])
+        self.workers = _SpawnedWorkers(config, self.channel)
+        self._shut_down = False
+        self.last_step_timings: dict[str, float] = {}
+        self._last_sent_step: int | None = None  # a step with nothing sent after it yet
+
+    def initialize(self) -> int:
+        tp = self.config.parallel.tensor_parallel_size
+        # A FileStore in the private folder: torch's TCPStore would listen on every interface.
+        init_method = f"file://{self.ipc_dir}/process-group-store" if tp > 1 else None
+        try:
+            self.workers.start(init_method)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            self.workers.wait_for_subscribers(deadline)
+            self.workers.wait_ready()
+            return size_kv_cache(self)
+        except BaseException:
+            self.shutdown(grace_s=0.5)
+            raise
+
+    def _guarded(self, fn: Callable[[], T]) -> T:
+        """Run fn; on any failure shut every worker down before re-raising."""
+        try:
+            return fn()
+        except BaseException:
+            # Survivors may be stuck in a collective with the failed rank: do not wait long for them.
+            self.shutdown(grace_s=0.5)
+            raise
+
+    def submit(self, so: SchedulerOutput) -> None:
+        def run() -> None:
+            t0 = time.perf_counter()
+            # Liveness is checked while waiting (each time the reply poll times out), not per step.
+            self._check_open()
+            self.workers.broadcast(ExecuteModel(so))
+            self.workers.submitted(so.step_id)
+            self._last_sent_step = so.step_id
+            self.last_step_timings = {"encode_broadcast": time.perf_counter() - t0}
+
+        self._guarded(run)
+
+    def wait_output(self, step_id: int) -> ModelRunnerOutput:
+        def run() -> ModelRunnerOutput:
+            self._check_open()
+            if self._last_sent_step == step_id and self.config.async_scheduling:
+                # Rank 0 holds a step's answer back until the next step arrives; none is coming.
+                self.workers.broadcast(Flush())
+                self._last_sent_step = None
+            return self.workers.wait_output(step_id, self.config.parallel.step_timeout_s)
+
+        return self._guarded(run)
+
+    def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
+        def run() -> list[Any]:
+            channel = self.channel
+            call_id = channel.next_call_id
+            channel.next_call_id += 1
+            self._check_open()
+            self.workers.check_alive()
+            self.workers.broadcast(ControlCall(call_id, method, list(args or [])))
+            self._last_sent_step = None
+            ranks = set(self.workers.remote_ranks)
+            results = self.workers.wait_replies(call_id, "result", ranks, self.config.parallel.step_timeout_s)
+            return [results[r] for r in sorted(results)]
+
+        return self._guarded(run)
+
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise EngineClosedError(CLOSED_MESSAGE)
+
+    def worker_pids(self) -> list[int]:
+        return self.workers.pids()
+
+    def shutdown(self, grace_s: float = 5.0) -> None:
+        if self._shut_down:
+            return
+        self._shut_down = True
+        with contextlib.suppress(zmq.ZMQError):
+            self.workers.broadcast(Shutdown())
+        self.workers.stop(grace_s)
+        self.channel.close()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+

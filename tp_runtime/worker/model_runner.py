@@ -1,0 +1,267 @@
+"""One worker's model runner: the step's flow.
+
+Per step, top to bottom:
+  apply the scheduler's diff to the persistent batch -> build inputs (inputs.py) -> forward (TP layers, or
+  a decode graph) -> sample -> bookkeeping that needs no token values (counts) -> start the ONE
+  device->host copy of the sampled ids (rank 0 only, pinned, non-blocking, with an event).
+Penalties and prompt logprobs add work only to steps where a request uses them: per-row token counts
+kept on the device (updated from the sampled ids there), and log-softmax over the prompt positions of
+prefill chunks, sent back with the sampled ids.
+`execute_model` returns a PendingOutput without waiting for the device; `PendingOutput.resolve()` waits for
+the copy. Sampled ids also stay on the device (the batch's `token_feed`, one slot per row) and the next step
+reads its input tokens from there, so no rank needs the values on the host to launch the next step: the
+host can queue step N+1 while step N still runs (async scheduling), and ranks > 0 never wait at all.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tp_runtime.config import EngineConfig
+from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk, make_attention_backend
+from tp_runtime.messages import SchedulerOutput
+from tp_runtime.worker.cuda_graphs import DecodeGraphs
+from tp_runtime.worker.inputs import GraphDecodeBatch, InputBuilder, PromptLogprobPlan, StepInputs
+from tp_runtime.worker.outputs import HostTransfer, PendingOutput, pack_prompt_logprobs, start_host_transfer
+from tp_runtime.worker.persistent_batch import PersistentBatch
+from tp_runtime.worker.sampler import Sampler, SamplerOutput, SamplingBatch
+
+if TYPE_CHECKING:  # any model class behind the interface; the runner knows no architecture
+    from tp_runtime.models.interface import CausalLM
+
+
+def pick_kernels(backend: str, device: torch.device) -> str:
+    """ "torch" or "triton" for a kernel choice; "auto" is Triton on CUDA when it is installed."""
+    if backend != "auto":
+        return backend
+    if device.type != "cuda":
+        return "torch"
+    import importlib.util
+
+    return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: CausalLM, device: torch.device, rank: int) -> None:
+        self.config = config
+        self.model = model
+        self.device = device
+        self.rank = rank
+        self.block_size = config.cache.block_size
+        mc = config.model
+        self.max_blocks = -(-mc.max_model_len // self.block_size)
+        # cuda_graphs="padded" keeps the device-side token feed ops, so CPU tests run the GPU's code path.
+        numpy_feed = device.type == "cpu" and config.cuda_graphs != "padded"
+        self.batch = PersistentBatch(
+            config.scheduler.max_num_seqs, mc.max_model_len, self.max_blocks, mc.vocab_size, device,
+            numpy_feed=numpy_feed,
+        )  # fmt: skip
+        self.attention = make_attention_backend(
+            config.attention_backend, device, model.num_local_kv_heads, self.block_size
+        )
+        self.inputs = InputBuilder(
+            self.batch, self.block_size, self.attention, mc.sliding_window, mc.vocab_size, device
+        )
+        self.sampler = Sampler(device, config.seed)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.decode_graphs: DecodeGraphs | None = None
+        # Benchmark switch (set by a control call): wait for the sampled ids before the bookkeeping, the
+        # order this runner replaced.
+        self.sync_first = False
+        self.collect_timings = False
+        self._use_cuda = device.type == "cuda"
+        self._last_forward_end: torch.cuda.Event | float | None = None
+
+    # ----------------------------------------------------------------- KV cache
+    def kv_bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.model.dtype).element_size()
+        per_layer = 2 * self.block_size * self.model.num_local_kv_heads * self.config.model.head_dim * elem
+        return per_layer * self.config.model.num_layers
+
+    def decode_gather_bytes(self) -> int:
+        """Keys and values one layer gathers for a full decode batch at max_model_len."""
+        per_block_layer = self.kv_bytes_per_block() // self.config.model.num_layers
+        return self.config.scheduler.max_num_seqs * self.max_blocks * per_block_layer
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        dtype = self.model.dtype
+        # One block more than the scheduler owns: the decode graphs' padding rows write into it.
+        shape = (num_blocks + 1, self.block_size, self.model.num_local_kv_heads, self.config.model.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
+            for _ in range(self.config.model.num_layers)
+        ]
+        mode = self.config.cuda_graphs
+        if mode == "auto":
+            mode = "capture" if self.device.type == "cuda" else "off"
+        self.decode_graphs = None
+        if mode != "off":
+            self.decode_graphs = DecodeGraphs(
+                self._graph_forward, self.block_size, self.config.scheduler.max_num_seqs, self.max_blocks,
+                trash_slot=num_blocks * self.block_size,
+                device=self.device, capture=mode == "capture", token_feed=self.batch.token_feed,
+                attention=self.attention,
+            )  # fmt: skip
+        self.inputs.decode_graphs = self.decode_graphs
+
+    def _graph_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
+
+    @torch.inference_mode()
+    def profile_peak_memory(self) -> int:
+        """Run the largest prefill a step can hold once and return the peak device memory in bytes."""
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
+        self.kv_caches = [
+            (torch.zeros(1, self.block_size, self.model.num_local_kv_heads, self.config.model.head_dim,
+                         dtype=self.model.dtype, device=self.device),) * 2
+            for _ in range(self.config.model.num_layers)
+        ]  # fmt: skip
+
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        slots = positions % self.block_size
+        no_blocks = torch.zeros(0, dtype=torch.int64, device=self.device)
+        meta = AttentionMetadata(
+            backend=self.attention, slot_mapping=slots, num_decode_tokens=0,
+            prefills=[PrefillChunk(start=0, end=num_tokens, context_len=0, block_table=no_blocks)],
+        )  # fmt: skip
+        hidden = self.model(ids, positions, self.kv_caches, meta)
+        self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler.max_num_seqs) :])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    # ----------------------------------------------------------------- step
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> PendingOutput:
+        """Queue one step (inputs, forward, sampling) and return without waiting for the device."""
+        timings: dict[str, float] | None = {} if self.collect_timings else None
+        t0 = time.perf_counter()
+        self.batch.update(so)
+        if not so.scheduled_req_ids:
+            return PendingOutput(step_id=so.step_id, req_ids=[], transfer=None, num_sampled=0)
+        inputs = self.inputs.prepare(so)
+        t_prep = time.perf_counter()
+        forward_start = self._now_event(timings)
+        logits, prompt_logits, rows_dev = self._forward(inputs)
+        sampled = None
+        if inputs.sampling is not None:
+            sampled = self._sample(logits, inputs.sampling, inputs.sample_rows, rows_dev)
+        plan = inputs.prompt_logprobs
+        prompt = None
+        if plan is not None and prompt_logits is not None and self.rank == 0:
+            prompt = (pack_prompt_logprobs(prompt_logits, plan), plan)
+        forward_end = self._now_event(timings)
+        t_dispatch = time.perf_counter()
+
+        batch = self.batch
+        if self.sync_first:
+            # The order this project replaced: wait for the values, then do all bookkeeping.
+            transfer = self._start_transfer(sampled, prompt, every_rank=True)
+            if transfer is not None:
+                transfer.wait()
+            t_sync = time.perf_counter()
+            batch.advance(inputs.scheduled_rows, inputs.num_scheduled, inputs.sample_rows)
+            t_book = time.perf_counter()
+            phases = {"sync_wait": t_sync - t_dispatch, "bookkeeping": t_book - t_sync}
+        else:
+            # Nothing here needs the sampled values, so it runs while the device computes; only rank 0
+            # copies them to the host (the other ranks feed them to the next step on the device).
+            batch.advance(inputs.scheduled_rows, inputs.num_scheduled, inputs.sample_rows)
+            t_book = time.perf_counter()
+            transfer = self._start_transfer(sampled, prompt, every_rank=False)
+            phases = {"bookkeeping": t_book - t_dispatch}
+        pending = PendingOutput(
+            step_id=so.step_id, req_ids=inputs.req_ids, transfer=transfer, num_sampled=len(inputs.sample_rows)
+        )
+        if timings is not None:
+            timings["prepare_inputs"] = t_prep - t0
+            timings["forward_dispatch"] = t_dispatch - t_prep
+            timings.update(phases)
+            pending.timings = timings
+            pending.device_marks = (self._last_forward_end, forward_start, forward_end)
+            self._last_forward_end = forward_end
+        return pending
+
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Logits of the rows that sample, logits of the planned prompt positions (None: no plan), and the
+        sampling rows' batch rows on the device."""
+        plan = inputs.prompt_logprobs
+        step = inputs.model
+        if isinstance(step, GraphDecodeBatch):
+            graphs = self.decode_graphs
+            assert graphs is not None, "internal: graph inputs without decode graphs"
+            all_logits = graphs.run(step)
+            rows = graphs.batch_rows(len(step.input_ids))
+            # 1-token prefill chunks ride along as decode rows: their logits are the prompt positions'.
+            prompt_logits = None if plan is None else all_logits[plan.token_indices]
+            if inputs.logits_indices is None:
+                return all_logits, prompt_logits, rows
+            # A 1-token prefill chunk that does not finish its prompt does not sample.
+            return all_logits[inputs.logits_indices], prompt_logits, rows[inputs.logits_indices]
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        prompt_logits = None
+        if plan is not None:  # every rank: the vocab-parallel head all-gathers
+            prompt_logits = self.model.compute_logits(hidden.index_select(0, plan.token_indices))
+        if inputs.logits_indices is not None:
+            hidden = hidden.index_select(0, inputs.logits_indices)
+        return self.model.compute_logits(hidden), prompt_logits, step.sample_rows
+
+    def _sample(
+        self, logits: torch.Tensor, sampling: SamplingBatch, rows: np.ndarray, rows_dev: torch.Tensor
+    ) -> SamplerOutput:
+        """Sample the rows' next tokens and keep them on the device as the rows' next inputs."""
+        logits = logits.float()
+        self._mask_stop_tokens(logits, rows)
+        penalties = self.batch.penalties if sampling.penalized else None
+        if penalties is not None:
+            sampling = penalties.for_rows(sampling, rows_dev)
+        sampled = self.sampler(logits, sampling)
+        if penalties is not None:
+            penalties.count(rows_dev, sampled.token_ids)
+        self.batch.feed(rows, rows_dev, sampled.token_ids)
+        return sampled
+
+    def _mask_stop_tokens(self, logits: torch.Tensor, rows: np.ndarray) -> None:
+        """Before min_tokens outputs exist, EOS and stop_token_ids cannot be sampled."""
+        batch = self.batch
+        pending = np.flatnonzero(batch.num_output[rows] < batch.min_tokens[rows])
+        for i in pending.tolist():
+            stop_ids = batch.stop_token_ids[rows[i]]
+            if stop_ids:
+                logits[i, stop_ids] = float("-inf")
+
+    def _start_transfer(
+        self,
+        sampled: SamplerOutput | None,
+        prompt: tuple[torch.Tensor, PromptLogprobPlan] | None,
+        every_rank: bool,
+    ) -> HostTransfer | None:
+        """Rank 0 (every rank with `every_rank`) copies the step's values to the host; logprobs only on
+        rank 0, the only one that replies."""
+        if (sampled is None and prompt is None) or (self.rank != 0 and not every_rank):
+            return None
+        return start_host_transfer(sampled, prompt, with_logprobs=self.rank == 0, use_cuda=self._use_cuda)
+
+    def _now_event(self, timings: dict[str, float] | None) -> torch.cuda.Event | float | None:
+        """A point in the step's device timeline: a CUDA event on GPU, wall time on CPU (where the
+        forward runs synchronously). None when timings are off."""
+        if timings is None:
+            return None
+        if self._use_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()

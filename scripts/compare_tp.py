@@ -33,7 +33,7 @@ def main() -> None:
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.async_scheduling]
 
     from tp_runtime import LLM, SamplingParams
-    from tp_runtime.cli import resolve_model
+    from tp_runtime.models_catalog import resolve_model_name as resolve_model
 
     model = resolve_model(args.model, args.load_format)
     outputs: dict[str, list[list[int]]] = {}

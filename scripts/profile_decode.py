@@ -21,7 +21,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from tp_runtime import LLM, SamplingParams
-    from tp_runtime.cli import resolve_model
+    from tp_runtime.models_catalog import resolve_model_name as resolve_model
 
     llm = LLM(resolve_model(args.model, "dummy"), load_format="dummy", dtype="bfloat16",
               enforce_eager=args.enforce_eager, max_model_len=args.input_len + args.steps + 64)  # fmt: skip

@@ -18,25 +18,26 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tp_runtime.engine.args import EngineArgs
+from tp_runtime.engine.args import (
+    GENERATE_MAX_NUM_SEQS,
+    EngineArgs,
+    add_engine_arguments,
+    build_llm,
+    engine_args,
+    resolve_model_arg,
+)
 from tp_runtime.errors import ConfigError, InvalidRequestError, TPRuntimeError
 from tp_runtime.models_catalog import (
     DEFAULT_MODEL,
     FALLBACK_MODEL,
     models_table,
-    resolve_model_name,
 )
-
-# Kept for scripts that import it from here.
-resolve_model = resolve_model_name
 
 PROG = "tp-runtime"
 EXIT_USAGE = 2  # a user error: arguments, model, request (argparse's status)
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 # Set by tp_runtime.launch for the ranks it starts: the launcher reports Ctrl-C itself.
 LAUNCHED_ENV = "TP_RUNTIME_LAUNCHED"
-# `generate` runs at most this many sequences at once unless --max-num-seqs says otherwise.
-GENERATE_MAX_NUM_SEQS = 256
 
 MODELS_EPILOG = f"""\
 models (--model takes a checkpoint folder or one of these names; TP: the -tp sizes it runs at):
@@ -136,30 +137,6 @@ def check_ranges(args: argparse.Namespace) -> None:
             raise ConfigError(f"argument --output-json: folder {folder} does not exist")
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int | None = 256) -> None:
-    """The engine's flags, generated from EngineArgs (names, types, choices, help, defaults).
-    `max_num_seqs=None`: the command sizes the batch to its work (`generate`)."""
-    defaults: dict[str, Any] = {}
-    helps: dict[str, str] = {}
-    if max_num_seqs is None:
-        defaults["max_num_seqs"] = None
-        helps["max_num_seqs"] = (
-            f"sequences run at once (default: as many as asked for, at most {GENERATE_MAX_NUM_SEQS})"
-        )
-    else:
-        defaults["max_num_seqs"] = max_num_seqs
-    EngineArgs.add_cli_args(parser, defaults=defaults, helps=helps)
-
-
-def resolve_model_arg(args: argparse.Namespace) -> str:
-    """The checkpoint folder for `args.model`, resolved once per process (cached on `args`)."""
-    folder = getattr(args, "model_dir", None)
-    if folder is None:
-        folder = resolve_model_name(args.model, args.load_format)
-        args.model_dir = folder
-    return str(folder)
-
-
 def check_model(args: argparse.Namespace) -> Any:
     """Resolve --model and check it against the TP size, without starting anything; returns the
     ModelConfig."""
@@ -174,18 +151,6 @@ def check_model(args: argparse.Namespace) -> Any:
     )
     validate_tensor_parallel(model_config, args.tensor_parallel_size)
     return model_config
-
-
-def engine_args(args: argparse.Namespace, **overrides: Any) -> EngineArgs:
-    """The engine options the command line gives (the model resolved once per process)."""
-    return EngineArgs.from_cli(args, model=resolve_model_arg(args), **overrides)
-
-
-def build_llm(args: argparse.Namespace, **overrides: Any) -> Any:
-    """An LLM started with the command line's engine options (`overrides`: EngineArgs fields on top)."""
-    from tp_runtime import LLM
-
-    return LLM(**engine_args(args, **overrides).to_llm_kwargs())
 
 
 def serve_torchrun_rank(args: argparse.Namespace) -> None:

@@ -33,7 +33,7 @@ BREAKDOWN_FIELDS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tp_runtime.cli import add_engine_arguments
+    from tp_runtime.engine.args import add_engine_arguments
 
     add_engine_arguments(parser)  # every EngineArgs option, --async-scheduling among them
     parser.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     from tp_runtime import SamplingParams
-    from tp_runtime.cli import build_llm
+    from tp_runtime.engine.args import build_llm
 
     llm = build_llm(args)
     try:

@@ -28,7 +28,7 @@ from functools import cache
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from tp_runtime.errors import ConfigError
-from tp_runtime.models_catalog import DEFAULT_MODEL
+from tp_runtime.models_catalog import DEFAULT_MODEL, resolve_model_name
 
 # Choices of the string options. config.py keeps its own tuples for the engine's checks; a test checks that
 # they agree with these.
@@ -211,8 +211,6 @@ class EngineArgs:
             build_model_config,
             resolve_device,
         )
-        from tp_runtime.models_catalog import resolve_model_name
-
         model = resolve_model_name(self.model, self.load_format)
         device = resolve_device(self.device)
         model_config = build_model_config(
@@ -281,8 +279,6 @@ class EngineArgs:
         values.update(overrides)
         _validate(values, cli=True)
         if values.get("model") is None:
-            from tp_runtime.models_catalog import resolve_model_name
-
             values["model"] = resolve_model_name(None, values.get("load_format", "auto"))
         return cls(**values)
 
@@ -428,3 +424,45 @@ def _bounds(value: float, meta: Mapping[str, Any]) -> str | None:
     if meta["power_of_two"] and (value < 1 or int(value) & (int(value) - 1)):
         return f"must be a power of two (1, 2, 4, 8, 16, ...), got {shown}"
     return None
+
+
+# --------------------------------------------------------------------------- the commands' engine flags
+
+# `generate` sizes its batch to its prompts, up to this many sequences.
+GENERATE_MAX_NUM_SEQS = 256
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int | None = 256) -> None:
+    """The engine's flags, generated from EngineArgs (names, types, choices, help, defaults).
+    `max_num_seqs=None`: the command sizes the batch to its work (`generate`)."""
+    defaults: dict[str, Any] = {}
+    helps: dict[str, str] = {}
+    if max_num_seqs is None:
+        defaults["max_num_seqs"] = None
+        helps["max_num_seqs"] = (
+            f"sequences run at once (default: as many as asked for, at most {GENERATE_MAX_NUM_SEQS})"
+        )
+    else:
+        defaults["max_num_seqs"] = max_num_seqs
+    EngineArgs.add_cli_args(parser, defaults=defaults, helps=helps)
+
+
+def resolve_model_arg(args: argparse.Namespace) -> str:
+    """The checkpoint folder for `args.model`, resolved once per process (cached on `args`)."""
+    folder = getattr(args, "model_dir", None)
+    if folder is None:
+        folder = resolve_model_name(args.model, args.load_format)
+        args.model_dir = folder
+    return str(folder)
+
+
+def engine_args(args: argparse.Namespace, **overrides: Any) -> EngineArgs:
+    """The engine options a parsed command line gives (the model resolved once per process)."""
+    return EngineArgs.from_cli(args, model=resolve_model_arg(args), **overrides)
+
+
+def build_llm(args: argparse.Namespace, **overrides: Any) -> Any:
+    """An LLM started with the command line's engine options (`overrides`: EngineArgs fields on top)."""
+    from tp_runtime import LLM
+
+    return LLM(**engine_args(args, **overrides).to_llm_kwargs())

@@ -721,7 +721,7 @@ def run_server(args: argparse.Namespace) -> None:
     (`tp_runtime.cli.serve_torchrun_rank`)."""
     import transformers
 
-    from tp_runtime.cli import build_llm
+    from tp_runtime.engine.args import build_llm
     from tp_runtime.server.cli import API_KEY_ENV
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None

@@ -22,7 +22,7 @@ DESCRIPTION = (
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's flags (as `generate` has them, from EngineArgs) and the server's."""
-    from tp_runtime.cli import add_engine_arguments  # imported here: tp_runtime.cli imports this module
+    from tp_runtime.engine.args import add_engine_arguments
 
     add_engine_arguments(parser)
     group = parser.add_argument_group("server options")

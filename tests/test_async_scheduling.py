@@ -11,7 +11,6 @@ from __future__ import annotations
 import secrets
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +28,7 @@ from tp_runtime.messages import (
     ControlCall,
     ExecuteModel,
     Flush,
+    Hello,
     ModelRunnerOutput,
     SchedulerOutput,
     Shutdown,
@@ -237,6 +237,7 @@ def test_rank0_holds_a_step_back_until_the_next_is_queued(async_scheduling: bool
 
     try:
         assert pub.poll(5000) and pub.recv()[:1] == b"\x01"  # subscribed
+        pub.send(encoder.encode(Hello()))
         assert recv() == ("ready", -1)
         pub.send(encoder.encode(_step(1)))
         if async_scheduling:
@@ -267,6 +268,47 @@ def test_rank0_holds_a_step_back_until_the_next_is_queued(async_scheduling: bool
         ctx.destroy(linger=0)
 
 
+def test_an_outsider_subscriber_does_not_stand_in_for_a_rank() -> None:
+    """Start-up waits for each rank's READY, which a rank sends only once a broadcast has reached it: a
+    subscriber that is not a rank (possible across hosts, where the sockets are TCP) does not end the wait,
+    and the first step is not lost to the rank's late subscription."""
+    log: list[tuple[str, int]] = []
+    config = _StubConfig(True)
+    config.parallel = ParallelConfig(step_timeout_s=5.0)
+    executor = MultiprocExecutor(config)  # type: ignore[arg-type]
+    channel = executor.channel
+    outsider_ctx = zmq.Context()
+    outsider = outsider_ctx.socket(zmq.SUB)
+    outsider.setsockopt(zmq.SUBSCRIBE, b"")
+    outsider.connect(channel.broadcast_addr)
+    ready: dict[str, Any] = {}
+    waiter = threading.Thread(target=lambda: ready.update(executor.workers.wait_ready(timeout_s=20)))
+    addresses = WorkerAddresses(
+        channel.broadcast_addr, channel.results_addr, channel.key, channel.watchdog.address
+    )
+    worker = threading.Thread(
+        target=run_worker_loop, args=(config, 0, 0, addresses, None), kwargs={"worker": _StubWorker(log)}
+    )
+    try:
+        waiter.start()
+        for _ in range(2):  # the driver greets, and the outsider hears it, while no rank has started
+            assert outsider.poll(10_000), "no greeting reached the outsider"
+            outsider.recv()
+        assert waiter.is_alive() and not ready
+        worker.start()
+        waiter.join(timeout=20)
+        assert not waiter.is_alive() and list(ready) == [0]
+        executor.submit(_step(1).scheduler_output)
+        assert executor.wait_output(1).step_id == 1
+    finally:
+        executor.shutdown(grace_s=0.0)
+        waiter.join(timeout=5)
+        if worker.ident is not None:  # started
+            worker.join(timeout=5)
+        outsider_ctx.destroy(linger=0)
+    assert not worker.is_alive()
+
+
 def test_driver_flushes_a_held_step_when_nothing_follows() -> None:
     """The engine's pattern at the end of a batch: send k, send k+1, read k, (nothing left to schedule) read
     k+1. Rank 0 holds k+1 back until something follows it, so the driver must send a Flush."""
@@ -283,8 +325,7 @@ def test_driver_flushes_a_held_step_when_nothing_follows() -> None:
     )
     thread.start()
     try:
-        executor.workers.wait_for_subscribers(deadline=time.monotonic() + 10)
-        executor.workers.wait_ready()
+        executor.workers.wait_ready(timeout_s=10)
         executor.submit(_step(1).scheduler_output)
         executor.submit(_step(2).scheduler_output)
         assert executor.wait_output(1).step_id == 1

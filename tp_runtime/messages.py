@@ -109,7 +109,12 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-DriverMessage = ExecuteModel | ControlCall | Flush | Shutdown
+class Hello(msgspec.Struct, tag="hello", array_like=True):
+    """Start-up: the driver repeats it until every rank has answered READY. A rank answers the first one
+    that reaches it, so its subscription to the broadcast is then known to work."""
+
+
+DriverMessage = ExecuteModel | ControlCall | Flush | Shutdown | Hello
 
 
 # Workers -> driver. (Heartbeats are empty frames on a socket of their own, not replies.)

@@ -187,8 +187,7 @@ def round_trips(tp: int, steps: int, spin_wait_s: float) -> dict[str, float]:
     remote = RemoteWorkers(channel, list(range(tp)), spin_wait_s)
     results = {}
     try:
-        remote.wait_for_subscribers(time.monotonic() + 120)
-        remote.wait_ready()
+        remote.wait_ready(timeout_s=120)
         shapes = {
             "empty step": lambda i: decode_step(0, i),
             "decode, 64 requests": lambda i: decode_step(64, i),

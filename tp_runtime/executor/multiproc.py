@@ -23,7 +23,7 @@ from tp_runtime.errors import (
     EngineClosedError,
     WorkerDiedError,
 )
-from tp_runtime.executor.base import CLOSED_MESSAGE, STARTUP_TIMEOUT_S, T, size_kv_cache
+from tp_runtime.executor.base import CLOSED_MESSAGE, T, size_kv_cache
 from tp_runtime.executor.remote import RemoteWorkers
 from tp_runtime.ipc import DriverChannel, ipc_channel, message_limits
 from tp_runtime.messages import (
@@ -164,8 +164,6 @@ class MultiprocExecutor:
         init_method = f"file://{self.ipc_dir}/process-group-store" if tp > 1 else None
         try:
             self.workers.start(init_method)
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            self.workers.wait_for_subscribers(deadline)
             self.workers.wait_ready()
             return size_kv_cache(self)
         except BaseException:

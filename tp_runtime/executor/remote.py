@@ -18,6 +18,7 @@ from tp_runtime.executor.base import CLOSED_MESSAGE, STARTUP_TIMEOUT_S
 from tp_runtime.ipc import LIVENESS_POLL_MS, DriverChannel, stalled_error
 from tp_runtime.messages import (
     DriverMessage,
+    Hello,
     ModelRunnerOutput,
     WorkerReply,
 )
@@ -55,6 +56,11 @@ def _output_problem(out: ModelRunnerOutput) -> str | None:
         if len(lengths) > 1 or any(len(a) != len(b) for a, b in zip(p.token_ids, p.logprobs, strict=True)):
             return f"has prompt logprobs of request {p.req_id} whose lists differ in length"
     return None
+
+
+# Start-up greetings: the first soon, then at most one a second.
+_FIRST_HELLO_INTERVAL_S = 0.02
+_LAST_HELLO_INTERVAL_S = 1.0
 
 
 class RemoteWorkers:
@@ -101,19 +107,15 @@ class RemoteWorkers:
     def submitted(self, step_id: int) -> None:
         self.in_flight[step_id] = None
 
-    def wait_for_subscribers(self, deadline: float) -> None:
-        subscribed = 0
-        while subscribed < len(self.remote_ranks):
-            if self.channel.pub.poll(LIVENESS_POLL_MS):
-                event = self.channel.pub.recv()
-                if event[:1] == b"\x01":
-                    subscribed += 1
-            self.check_alive()
-            if time.monotonic() > deadline:
-                raise StepTimeoutError("workers did not connect to the driver in time")
-
-    def _serve(self, done: Callable[[], bool], expected: _Expected | None, timeout_s: float) -> None:
-        """Handle replies until done(); a worker error, a death or the timeout raises."""
+    def _serve(
+        self,
+        done: Callable[[], bool],
+        expected: _Expected | None,
+        timeout_s: float,
+        quiet_timeout: bool = False,
+    ) -> None:
+        """Handle replies until done(); a worker error, a death or the timeout raises (the timeout only
+        returns with quiet_timeout)."""
         start = time.monotonic()
         deadline, next_check = start + timeout_s, start + LIVENESS_POLL_MS / 1000
         pull, reader, spin_s = self.channel.pull, self.channel.reader, self.spin_wait_s
@@ -132,6 +134,8 @@ class RemoteWorkers:
                 reader.drops.flush()
                 self.check_alive()
             if now > deadline and not done():
+                if quiet_timeout:
+                    return
                 raise self._timeout(expected, timeout_s)
 
     def _handle(self, sender: int, reply: WorkerReply, expected: _Expected | None) -> None:
@@ -229,8 +233,25 @@ class RemoteWorkers:
             if opened is not None:
                 self._handle(*opened, None)
 
-    def wait_ready(self) -> dict[int, Any]:
-        ready = self.wait_replies(-1, "ready", set(self.remote_ranks), STARTUP_TIMEOUT_S)
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> dict[int, Any]:
+        """Greet the ranks until each has answered READY (its pid). A rank answers the first Hello that
+        reaches it, so afterwards every rank's subscription to the broadcast works: no later broadcast is
+        lost to a late subscriber, and a subscriber that is not a rank cannot stand in for one."""
+        expected = _Expected(-1, "ready", set(self.remote_ranks))
+        deadline = time.monotonic() + timeout_s
+        interval = _FIRST_HELLO_INTERVAL_S
+        while len(expected.results) < len(expected.ranks):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StepTimeoutError(
+                    f"rank(s) {sorted(expected.ranks - expected.results.keys())} did not start within "
+                    f"{timeout_s:g} s"
+                )
+            self.broadcast(Hello())
+            done = lambda: len(expected.results) == len(expected.ranks)  # noqa: E731
+            self._serve(done, expected, min(interval, remaining), quiet_timeout=True)
+            # Ranks that load a large model receive (and drop) every Hello sent meanwhile: keep them few.
+            interval = min(2 * interval, _LAST_HELLO_INTERVAL_S)
         self.channel.watchdog.watch(self.remote_ranks)
-        return ready
+        return expected.results
 

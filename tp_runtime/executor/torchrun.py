@@ -25,7 +25,7 @@ from tp_runtime.errors import (
     WorkerDiedError,
     WorkerError,
 )
-from tp_runtime.executor.base import CLOSED_MESSAGE, STARTUP_TIMEOUT_S, PendingSteps, T, size_kv_cache
+from tp_runtime.executor.base import CLOSED_MESSAGE, PendingSteps, T, size_kv_cache
 from tp_runtime.executor.remote import RemoteWorkers
 from tp_runtime.ipc import QUIET_S, DriverChannel, ipc_channel, message_limits
 from tp_runtime.messages import (
@@ -89,7 +89,6 @@ class TorchrunExecutor:
 
     def initialize(self) -> int:
         try:
-            self.remote.wait_for_subscribers(time.monotonic() + STARTUP_TIMEOUT_S)
             self.remote.wait_ready()
             return size_kv_cache(self)
         except BaseException:

@@ -35,6 +35,7 @@ from tp_runtime.messages import (
     ControlCall,
     ExecuteModel,
     Flush,
+    Hello,
     ReplyKind,
     SchedulerOutput,
     Shutdown,
@@ -366,6 +367,7 @@ def _serve(
     """Execute the driver's messages until Shutdown. Frames that fail authentication are dropped (and logged,
     rate-limited); an error, an authentic frame that is not a valid message included, is reported to the
     driver, and the worker keeps serving."""
+    greeted = False
     while True:
         data = recv_spinning(sub, spin_s, -1)
         assert data is not None  # a blocking wait only returns with a message
@@ -386,6 +388,11 @@ def _serve(
             replies.answer_held()  # anything else first answers the held step
             if isinstance(message, Shutdown):
                 return
+            if isinstance(message, Hello):
+                if not greeted:  # later copies were queued while this rank loaded its model
+                    replies.send(-1, "ready", result=os.getpid())
+                    greeted = True
+                continue
             if isinstance(message, ControlCall):
                 call_id = message.call_id
                 result = worker.call(message.method, message.args)
@@ -422,7 +429,6 @@ def run_worker_loop(
             worker = Worker(config, rank, local_rank)
             worker.init_device(init_method)
             worker.load_model()
-        replies.send(-1, "ready", result=os.getpid())
     except Exception:
         replies.send(-1, "error", error=traceback.format_exc())
         raise

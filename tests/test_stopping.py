@@ -77,6 +77,26 @@ def test_stop_string(llm: LLM, model_dir: Path, reference: list[int]) -> None:
     assert out.finish_reason == "stop" and out.stop_reason == stop  # type: ignore[attr-defined]
 
 
+def test_the_earliest_stop_string_wins(llm: LLM, model_dir: Path, reference: list[int]) -> None:
+    """Two stop strings completed by the same token, the later one listed first: the text ends before the
+    earlier one, so it holds neither (as OpenAI's `stop` promises)."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    texts = [tok.decode(reference[:j], skip_special_tokens=True) for j in range(N + 1)]
+    case = next(
+        (j, texts[j - 1], texts[j][len(texts[j - 1]) :])
+        for j in range(1, N + 1)
+        if texts[j].startswith(texts[j - 1])
+        and len(new := texts[j][len(texts[j - 1]) :]) >= 2
+        and all(c.strip() and c != "\ufffd" and c not in texts[j - 1] and c not in new[:i]
+                for i, c in enumerate(new[:2]))
+    )  # fmt: skip
+    end, before, new = case
+    first, second = new[0], new[1]
+    out = _greedy(llm, ignore_eos=True, stop=[second, first])
+    assert out.token_ids == reference[:end]  # type: ignore[attr-defined]
+    assert out.text == before and out.stop_reason == first  # type: ignore[attr-defined]
+
+
 def test_eos_list_from_generation_config(model_dir: Path, reference: list[int], tmp_path: Path) -> None:
     local = tmp_path / "model"
     shutil.copytree(model_dir, local)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from tp_runtime.config import torchrun_rank
 from tp_runtime.engine.args import (
     GENERATE_MAX_NUM_SEQS,
     EngineArgs,
@@ -45,13 +46,6 @@ models (--model takes a checkpoint folder or one of these names; TP: the -tp siz
 Without --model the default is {DEFAULT_MODEL} (SmolLM2-135M-Instruct, installed by scripts/setup.sh;
 {FALLBACK_MODEL} when its package is missing). Built-in models are written once under $TP_RUNTIME_CACHE
 (default ~/.cache/tp_runtime)."""
-
-
-def torchrun_rank() -> int | None:
-    """This process's rank when torchrun started it, else None."""
-    if os.environ.get("TORCHELASTIC_RUN_ID") and "RANK" in os.environ:
-        return int(os.environ["RANK"])
-    return None
 
 
 def _quiet() -> bool:

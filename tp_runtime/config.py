@@ -400,3 +400,10 @@ def build_model_config(
         bos_token_id=getattr(hf, "bos_token_id", None),
         **specific,
     )
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun started it (any job size), else None."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") and "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return None

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections import deque
 
-# The CPU KV cache of all ranks on one host together takes at most this share of the RAM available when
-
 
 class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:

@@ -24,9 +24,6 @@ from tp_runtime.messages import ModelRunnerOutput, RequestSampling, SchedulerOut
 from tp_runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from tp_runtime.sampling_params import SamplingParams
 
-PromptType = str | dict[str, Any]
-ChatMessage = dict[str, Any]
-
 
 class IncrementalDetokenizer:
     """The text of a growing list of token ids, a piece at a time (vLLM's incremental detokenization).
@@ -409,14 +406,17 @@ class LLMEngine:
             if state.detok.step(req.output_token_ids) and num_out >= params.min_tokens:
                 text = state.detok.text
                 start = max(0, before - state.hold)  # a stop string may end in the new text
-                for stop in state.stop_strings:
-                    idx = text.find(stop, start)
-                    if idx >= 0:
-                        req.stop_reason = stop
-                        if params.include_stop_str_in_output:
-                            idx += len(stop)
-                        req.stop_text = text[:idx]
-                        return "stop"
+                # The earliest match wins (the text must hold no stop string), the first listed on a tie.
+                stops = state.stop_strings
+                found = [(idx, i) for i, s in enumerate(stops) if (idx := text.find(s, start)) >= 0]
+                if found:
+                    idx, i = min(found)
+                    stop = stops[i]
+                    req.stop_reason = stop
+                    if params.include_stop_str_in_output:
+                        idx += len(stop)
+                    req.stop_text = text[:idx]
+                    return "stop"
         if num_out >= params.max_tokens or num_known >= self.config.model.max_model_len:
             return "length"
         return None
@@ -439,6 +439,11 @@ class LLMEngine:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.finish(req, "abort")
         self._text_states.clear()
+
+    def check_alive(self) -> None:
+        """Raise if a worker is dead or stalled (the engine is then shut down); for an idle engine, whose
+        workers are otherwise only checked while a step runs."""
+        self.executor.check_alive()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

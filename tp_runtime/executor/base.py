@@ -3,9 +3,10 @@ executors share."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeVar
+import os
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from tp_runtime.config import EngineConfig
+from tp_runtime.config import EngineConfig, torchrun_rank
 from tp_runtime.errors import (
     ConfigError,
 )
@@ -13,7 +14,9 @@ from tp_runtime.messages import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from tp_runtime.worker.outputs import PendingOutput
+
+if TYPE_CHECKING:  # a local rank's pending step (in-process, torchrun rank 0)
+    from tp_runtime.worker.outputs import PendingOutput
 
 STARTUP_TIMEOUT_S = 600.0
 CLOSED_MESSAGE = "the engine was shut down (after an error, or by shutdown()); create a new LLM"
@@ -38,6 +41,11 @@ class Executor(Protocol):
 
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         """Run a worker control method on every rank; results in rank order."""
+        ...
+
+    def check_alive(self) -> None:
+        """Raise (WorkerDiedError, StepTimeoutError, EngineClosedError) if a rank is dead or stalled,
+        without sending anything: what an idle engine polls."""
         ...
 
     def shutdown(self) -> None: ...
@@ -71,17 +79,16 @@ def size_kv_cache(executor: Executor) -> int:
 
 
 def executor_kind(config: EngineConfig) -> str:
-    from tp_runtime.executor.torchrun import torchrun_rank
-
     kind = config.parallel.executor
     if kind == "auto":
-        if torchrun_rank() is not None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if torchrun_rank() is not None and (world > 1 or config.parallel.tensor_parallel_size > 1):
             return "torchrun"
         return "inprocess" if config.parallel.tensor_parallel_size == 1 else "multiprocess"
     if kind == "torchrun" and torchrun_rank() is None:
         raise ConfigError(
-            "executor='torchrun' needs a torchrun job of more than one process (RANK, WORLD_SIZE and "
-            "TORCHELASTIC_RUN_ID set by torchrun); start it with scripts/launch_tp.sh or torchrun"
+            "executor='torchrun' needs a torchrun job (RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID set by "
+            "torchrun); start it with scripts/launch_tp.sh or torchrun"
         )
     return kind
 
@@ -90,7 +97,7 @@ def make_executor(config: EngineConfig) -> Executor:
     # Imported here: each executor module imports this one.
     from tp_runtime.executor.inprocess import InProcessExecutor
     from tp_runtime.executor.multiproc import MultiprocExecutor
-    from tp_runtime.executor.torchrun import connect_torchrun_driver, torchrun_rank
+    from tp_runtime.executor.torchrun import connect_torchrun_driver
 
     kind = executor_kind(config)
     if kind == "inprocess":

@@ -33,6 +33,9 @@ class InProcessExecutor:
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         return [self.worker.call(method, list(args or []))]
 
+    def check_alive(self) -> None:
+        """The one rank is this process."""
+
     def shutdown(self) -> None:
         self.worker.shutdown()
 

@@ -217,6 +217,13 @@ class MultiprocExecutor:
 
         return self._guarded(run)
 
+    def check_alive(self) -> None:
+        def run() -> None:
+            self._check_open()
+            self.workers.check_alive()
+
+        self._guarded(run)
+
     def _check_open(self) -> None:
         if self._shut_down:
             raise EngineClosedError(CLOSED_MESSAGE)

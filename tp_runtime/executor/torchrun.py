@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from tp_runtime.config import EngineConfig
+from tp_runtime.config import EngineConfig, torchrun_rank
 from tp_runtime.errors import (
     ConfigError,
     EngineClosedError,
@@ -153,6 +153,14 @@ class TorchrunExecutor:
 
         return self._guarded(run)
 
+    def check_alive(self) -> None:
+        def run() -> None:
+            self._check_open()
+            self.remote.check_alive()
+            self.remote.poll_errors()
+
+        self._guarded(run)
+
     def _check_open(self) -> None:
         if self._shut_down:
             raise EngineClosedError(CLOSED_MESSAGE)
@@ -221,13 +229,6 @@ def torchrun_bind_host(master_addr: str, world: int, secret: bytes | None) -> st
             f"shared secret to authenticate its workers; {_SECRET_HOWTO}"
         )
     return ip
-
-
-def torchrun_rank() -> int | None:
-    """This process's rank when torchrun started it in a job of more than one rank, else None."""
-    if os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return int(os.environ["RANK"])
-    return None
 
 
 def _join(config: EngineConfig, make_driver: bool) -> tuple[Worker, TorchrunExecutor | None, WorkerAddresses]:

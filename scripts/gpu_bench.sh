@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements recorded in BENCHMARKS.md (run on the device machines; see the device README).
-#   scripts/gpu_bench.sh smoke|checks|rows|rows8b|serve|families|compare|compare1|tp1|tp2|fused|profile|messaging|peer OUT_DIR
+#   scripts/gpu_bench.sh smoke|checks|rows|rows8b|serve|families|compare|compare1|tp1|tp2|fused|profile|profile2|messaging|peer OUT_DIR
 set -euo pipefail
 part=$1
 out=${2:-/tmp/tp-runtime-bench}
@@ -86,6 +86,13 @@ case $part in
     ;;
   profile)  # top device kernels of decode steps
     $py scripts/profile_decode.py --model llama-3-8b --batch-size 1 --input-len 32 --steps 16 | tee "$out/profile_b1.txt"
+    ;;
+  profile2)  # the same at TP=2 (rank 0's kernels, all-reduces included), batch 1 and 32 (nvidia-h200-x2)
+    for b in 1 32; do
+      len=$((b == 1 ? 32 : 1000))
+      $py -m torch.distributed.run --standalone --nproc-per-node 2 scripts/profile_decode.py --model llama-3-8b \
+        -tp 2 --batch-size $b --input-len $len --steps 16 --rows 30 2>&1 | grep -v Warning | tee "$out/profile_tp2_b$b.txt"
+    done
     ;;
   messaging)
     for spin in 0 2000; do

@@ -599,8 +599,10 @@ import os, sys, time
 from tp_runtime import LLM, SamplingParams, run_torchrun_worker
 from tp_runtime.errors import TPRuntimeError
 print(f"PID {os.environ['RANK']} {os.getpid()}", flush=True)
+# TP_RUNTIME_TEST_DEVICE=cuda runs the same job on two GPUs (NCCL) where there are some.
+device = os.environ.get("TP_RUNTIME_TEST_DEVICE", "cpu")
 options = dict(
-    tensor_parallel_size=2, device="cpu", dtype="float32", executor="torchrun", step_timeout_s=120.0
+    tensor_parallel_size=2, device=device, dtype="float32", executor="torchrun", step_timeout_s=120.0
 )
 if os.environ["RANK"] != "0":
     run_torchrun_worker(sys.argv[1], **options)
@@ -638,8 +640,9 @@ def test_torchrun_rank_0_notices_a_dead_or_stopped_rank(checkpoint: Path, tmp_pa
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
              "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "1", str(script),
              str(checkpoint)],
-            cwd=REPO, env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            # On GPUs each "node" takes its own (both are local rank 0).
+            cwd=REPO, env=_env(CUDA_VISIBLE_DEVICES=str(n)), text=True, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 
     nodes = [node(1), node(0)]

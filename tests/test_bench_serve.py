@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from fastapi import Request  # module level: the stub's handlers name it in string annotations
 
-from tp_runtime.bench import serve
-from tp_runtime.bench.serve import RequestRecord
+from tp_runtime.bench import serve, serve_metrics
+from tp_runtime.bench.serve_metrics import RequestRecord
 from tp_runtime.errors import ConfigError, TPRuntimeError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ def _synthetic_records(seed: int) -> list[RequestRecord]:
 
 def test_request_metrics_brute_force() -> None:
     for rec in _synthetic_records(0):
-        m = serve.request_metrics(rec)
+        m = serve_metrics.request_metrics(rec)
         if not rec.success:
             assert m is None
             continue
@@ -93,18 +93,18 @@ def test_request_metrics_brute_force() -> None:
 
 def test_request_metrics_one_token_and_failure() -> None:
     one = _record(0, [0.3], 0.1)
-    m = serve.request_metrics(one)
+    m = serve_metrics.request_metrics(one)
     assert m is not None and m.tpot is None and m.itls == []
     assert m.ttft == pytest.approx(0.2) and m.e2el == pytest.approx(0.2)
     # One chunk that carried two tokens (usage says 2): TPOT = (E2E - TTFT) / 1 = 0, no ITL.
-    m = serve.request_metrics(_record(1, [0.3], 0.1, usage=2))
+    m = serve_metrics.request_metrics(_record(1, [0.3], 0.1, usage=2))
     assert m is not None and m.tpot == pytest.approx(0.0) and m.itls == []
-    assert serve.request_metrics(_record(2, [0.3, 0.4], 0.1, success=False)) is None
+    assert serve_metrics.request_metrics(_record(2, [0.3, 0.4], 0.1, success=False)) is None
 
 
 def _reference_stats(values: list[float]) -> dict[str, float | None]:
     if not values:
-        return dict.fromkeys(serve.STATS)
+        return dict.fromkeys(serve_metrics.STATS)
     ms = [v * 1e3 for v in values]
     return {
         "mean": sum(ms) / len(ms),
@@ -117,7 +117,7 @@ def _reference_stats(values: list[float]) -> dict[str, float | None]:
 def test_summarize_brute_force() -> None:
     records = _synthetic_records(1)
     duration = 7.5
-    summary = serve.summarize(records, duration)
+    summary = serve_metrics.summarize(records, duration)
     ok = [r for r in records if r.success]
     ttft, tpot, itl, e2el = [], [], [], []
     total_in = total_out = mismatch = 0
@@ -151,10 +151,10 @@ def test_failed_requests_left_out_of_latency() -> None:
     good = _record(0, [0.1, 0.2, 0.3], 0.0)
     # A failed request with huge times must not move any figure.
     bad = _record(1, [50.0, 90.0, 200.0], 0.0, success=False)
-    alone = serve.summarize([good], 1.0)
-    both = serve.summarize([good, bad], 1.0)
-    for metric in serve.METRICS:
-        for stat in serve.STATS:
+    alone = serve_metrics.summarize([good], 1.0)
+    both = serve_metrics.summarize([good, bad], 1.0)
+    for metric in serve_metrics.METRICS:
+        for stat in serve_metrics.STATS:
             key = f"{stat}_{metric}_ms"
             assert both[key] == alone[key], key
     assert both["failed"] == 1 and both["completed"] == 1
@@ -162,13 +162,13 @@ def test_failed_requests_left_out_of_latency() -> None:
 
 
 def test_summary_without_samples() -> None:
-    s = serve.summarize([_record(0, [0.5], 0.0)], 1.0)  # one token: no TPOT, no ITL
+    s = serve_metrics.summarize([_record(0, [0.5], 0.0)], 1.0)  # one token: no TPOT, no ITL
     assert s["mean_tpot_ms"] is None and s["p99_itl_ms"] is None
     assert s["mean_ttft_ms"] == pytest.approx(500.0)
-    s = serve.summarize([_record(0, [0.5], 0.0, success=False)], 1.0)
-    assert all(s[f"{st}_{m}_ms"] is None for st in serve.STATS for m in serve.METRICS)
+    s = serve_metrics.summarize([_record(0, [0.5], 0.0, success=False)], 1.0)
+    assert all(s[f"{st}_{m}_ms"] is None for st in serve_metrics.STATS for m in serve_metrics.METRICS)
     assert s["completed"] == 0 and s["request_throughput"] == 0.0
-    text = serve.format_report({"config": _config(), "summary": s, "errors": [], "requests": []})
+    text = serve_metrics.format_report({"config": _config(), "summary": s, "errors": [], "requests": []})
     assert "n/a" in text
 
 
@@ -476,7 +476,7 @@ def _run(url: str, *argv: str, tmp_path: Path) -> dict[str, Any]:
 SUMMARY_KEYS = {
     "completed", "failed", "duration_s", "total_input_tokens", "total_output_tokens", "request_throughput",
     "output_throughput", "total_token_throughput", "output_len_mismatch",
-    *(f"{stat}_{m}_ms" for stat in serve.STATS for m in serve.METRICS),
+    *(f"{stat}_{m}_ms" for stat in serve_metrics.STATS for m in serve_metrics.METRICS),
 }  # fmt: skip
 RECORD_KEYS = {
     "index", "prompt_len", "output_len", "scheduled_s", "sent_s", "end_s", "success", "error",

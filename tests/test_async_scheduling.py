@@ -400,9 +400,7 @@ class _FakeWorkerExecutor:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_scheduler_brute_force_async_equals_sync(
-    model_dir: Path, seed: int
-) -> None:
+def test_scheduler_brute_force_async_equals_sync(model_dir: Path, seed: int) -> None:
     """Random prompts, max_tokens, stop ids and min_tokens, with a KV cache small enough to preempt, run
     through the real LLMEngine and Scheduler against a fake worker; every request's output must be the
     closed-form continuation cut at its first allowed stop id or max_tokens, in both modes."""

@@ -3,14 +3,20 @@ free loopback port and the official `openai` client talks to it.
 
 Outputs are checked against `LLM.generate` / `LLM.chat` on the same checkpoint at the same TP size: a tiny
 random Llama whose tokenizer carries a chat template. Two servers (TP=1, and TP=2 with an API key) serve
-most tests; the SIGTERM drain and the dead engine get servers of their own. Every wait is for an event
-(the ready line, a chunk, a metric reaching a value, a process exiting), under a generous deadline.
+most tests; the drains (SIGTERM, Ctrl-C, a signal during the load) and the dead engine get servers of
+their own. Every wait is for an event (the ready line, a chunk, a metric reaching a value, a process
+exiting), under a generous deadline.
+
+The last tests run the app in this process (`build_app` over an AsyncLLMEngine whose executor is the
+scripted one of test_streaming_engine), to choose the tokens (multi-byte characters, stop strings), the
+failures (a worker's traceback) and the moments (a client gone before its stream's first event).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,8 +35,14 @@ import httpx
 import openai
 import pytest
 import transformers
+from test_streaming_engine import PROMPT, TEXT, VOCAB, ScriptedExecutor, closed_form, make_engine, text_script
 
 from tp_runtime import LLM, SamplingParams
+from tp_runtime.config import build_model_config
+from tp_runtime.engine.async_engine import AsyncLLMEngine
+from tp_runtime.errors import WorkerError
+from tp_runtime.presets import build_preset_tokenizer
+from tp_runtime.server.api_server import build_app
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = (
@@ -476,16 +488,25 @@ def _stream_in_thread(server: Server, max_tokens: int) -> tuple[threading.Event,
     return first, got, thread
 
 
-def test_sigterm_drains_and_leaves_no_process(tmp_path: Path) -> None:
-    """SIGTERM: new connections are refused; a request that can finish within the grace period does, one
-    that cannot is cut off; then the workers stop and the server exits with status 0. (A step of this
-    model at TP=2 on a CPU takes milliseconds: 20 tokens take well under the 2 s grace, 2000 well over.)"""
+def _wait_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"workers {pids} outlived the server"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_signal_drains_and_leaves_no_process(tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGTERM or Ctrl-C: new connections are refused; a request that can finish within the grace period
+    does, one that cannot ends with finish_reason "abort" (its client still gets the last chunk and
+    [DONE]); then the workers stop and the server exits with status 0. (A step of this model at TP=2 on a
+    CPU takes milliseconds: 20 tokens take well under the 2 s grace, 2000 well over.)"""
     server = start_server("tiny-llama-tp", 2, tmp_path, "--shutdown-grace", "2", "--max-model-len", "2048")
     try:
         first_short, short, short_thread = _stream_in_thread(server, 20)
         first_long, long, long_thread = _stream_in_thread(server, 2000)
         assert first_short.wait(60) and first_long.wait(60)
-        server.proc.send_signal(signal.SIGTERM)
+        server.proc.send_signal(sig)
         host, port = server.url.removeprefix("http://").split(":")
         deadline = time.monotonic() + 30
         while True:  # the listening socket closes: new clients are refused
@@ -493,7 +514,7 @@ def test_sigterm_drains_and_leaves_no_process(tmp_path: Path) -> None:
                 socket.create_connection((host, int(port)), timeout=5).close()
             except ConnectionRefusedError:
                 break
-            assert time.monotonic() < deadline, "the server still accepts connections after SIGTERM"
+            assert time.monotonic() < deadline, "the server still accepts connections after the signal"
             time.sleep(0.02)
         assert server.proc.wait(timeout=90) == 0, server.output()[-4000:]
     finally:
@@ -503,24 +524,71 @@ def test_sigterm_drains_and_leaves_no_process(tmp_path: Path) -> None:
     long_thread.join(30)
     assert short[-1] == "[DONE]" and short[-2][1] == "length", short[-3:]
     assert len("".join(text for text, _ in short[:-1])) > 0
-    assert "[DONE]" not in long and all(r is None for _, r in long[:-1]), long[-3:]
-    assert "timeout graceful shutdown exceeded" in server.output() and "shut down" in server.output()
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in server.worker_pids):
-        assert time.monotonic() < deadline, f"workers {server.worker_pids} outlived the server"
-        time.sleep(0.05)
+    assert long[-1] == "[DONE]" and long[-2][1] == "abort", long[-3:]
+    assert all(r is None for _, r in long[:-2]) and len(long) < 2000, long[-3:]
+    output = server.output()
+    assert "timeout graceful shutdown exceeded" not in output and "shut down" in output, output[-4000:]
+    assert "Traceback" not in output and "interrupted" not in output, output[-4000:]
+    _wait_gone(server.worker_pids)
 
 
-def test_dead_engine_answers_500_and_fails_health(model_dir: Path, tmp_path: Path) -> None:
+def test_sigterm_while_loading_stops_the_workers(tmp_path: Path) -> None:
+    """A signal while the model loads: the workers started so far are shut down and the server exits with
+    status 0, never ready. The load is held (in the worker start-up wait) until the signal arrives."""
+    script = """
+import sys, threading
+from tp_runtime.executor.multiproc import _SpawnedWorkers
+from tp_runtime.server import cli
+
+original = _SpawnedWorkers.wait_ready
+
+def wait_ready(self, *args, **kwargs):
+    print("loading, workers", *self.pids(), flush=True)
+    threading.Event().wait(120)  # the test's SIGTERM interrupts this
+    return original(self, *args, **kwargs)
+
+_SpawnedWorkers.wait_ready = wait_ready
+cli.main(["--model", "tiny-llama-tp", "-tp", "2", "--device", "cpu", "--port", "0", "--max-model-len",
+          "256", "--log-level", "warning"])
+"""
+    log = tmp_path / "loading.log"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script], cwd=REPO, stdout=sink, stderr=subprocess.STDOUT
+        )
+    try:
+        deadline = time.monotonic() + START_DEADLINE_S
+        while not (match := re.search(r"loading, workers ([\d ]+)\n", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.05)
+        workers = [int(pid) for pid in match.group(1).split()]
+        assert len(workers) == 2 and all(_alive(pid) for pid in workers)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = log.read_text()
+    assert "ready on" not in output and "shut down" in output, output[-4000:]
+    _wait_gone(workers)
+
+
+def test_dead_engine_fails_health_and_answers_500(model_dir: Path, tmp_path: Path) -> None:
+    """A worker killed while the server is idle: /health reports it without any request being sent (the
+    engine thread checks its workers while idle), in one line; later requests get the same 500."""
     server = start_server(model_dir, 2, tmp_path)
     try:
         assert server.client().completions.create(model=NAME, prompt="hi", max_tokens=2).choices
         os.kill(server.worker_pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (health := httpx.get(f"{server.url}/health", timeout=30)).status_code == 200:
+            assert time.monotonic() < deadline, "/health stayed 200 after a worker died"
+            time.sleep(0.05)
+        error = _error(health, 500)
+        assert "WorkerDiedError: worker rank 1 died" in error["message"] and "\n" not in error["message"]
         with pytest.raises(openai.InternalServerError) as info:
             server.client().completions.create(model=NAME, prompt="hi", max_tokens=2)
         assert info.value.status_code == 500 and "WorkerDiedError" in info.value.message
-        error = _error(httpx.get(f"{server.url}/health"), 500)
-        assert "worker rank 1 died" in error["message"]
         error = _error(httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}), 500)
         assert error["type"] == "server_error"
         assert server.stop() == 0, server.output()[-4000:]
@@ -528,3 +596,226 @@ def test_dead_engine_answers_500_and_fails_health(model_dir: Path, tmp_path: Pat
         if server.proc.poll() is None:
             server.proc.kill()
     assert not any(_alive(pid) for pid in server.worker_pids)
+
+
+# ---------------------------------------------------------------------------- in process, scripted
+@pytest.fixture(scope="module")
+def scripted_config(make_checkpoint: Callable[..., Path]) -> Any:
+    return build_model_config(make_checkpoint(seed=3), max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer() -> Any:
+    """Byte-level: multi-byte characters are split across tokens."""
+    return build_preset_tokenizer(VOCAB)
+
+
+class InProcess:
+    """`build_app` over an AsyncLLMEngine stepping a ScriptedExecutor; `client()` talks to the app
+    directly (httpx's ASGI transport: a response arrives whole)."""
+
+    def __init__(
+        self, config: Any, tokenizer: Any, executor: ScriptedExecutor, front_tokenizer: Any = None,
+        **options: Any,
+    ) -> None:  # fmt: skip
+        self.executor = executor
+        self.engine = AsyncLLMEngine(make_engine(config, tokenizer, executor))
+        self.app, self.begin_drain = build_app(
+            self.engine, front_tokenizer or tokenizer, model_name=NAME, **options
+        )
+
+    def __enter__(self) -> InProcess:
+        self.engine.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.executor.gate is not None:
+            self.executor.gate.release(1000)
+        self.engine.shutdown()
+
+    def client(self, **headers: str) -> httpx.AsyncClient:
+        transport = httpx.ASGITransport(app=self.app)
+        return httpx.AsyncClient(transport=transport, base_url="http://test", headers=headers, timeout=60)
+
+
+def _events(response: httpx.Response) -> list[Any]:
+    """An event stream's events: the JSON objects, then "[DONE]"."""
+    assert response.status_code == 200, response.text
+    data = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    return [d if d == "[DONE]" else json.loads(d) for d in data]
+
+
+def test_worker_traceback_stays_in_the_server_log(
+    scripted_config: Any, byte_tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker's exception kills the engine: streams, requests in flight, /health and later requests all
+    get one line naming the rank and the exception's class; its traceback is logged once, on the server."""
+    executor = ScriptedExecutor(closed_form)
+    executor.fail_at_step = 3
+    executor.failure = WorkerError(
+        1, 'Traceback (most recent call last):\n  File "/srv/secret/worker.py", line 7, in step\n'
+        "RuntimeError: CUDA error: secret detail\n",
+    )  # fmt: skip
+    expected = "the engine failed: WorkerError: worker rank 1 failed (RuntimeError); see the server log"
+    request = {"prompt": "Hello", "max_tokens": 50, "ignore_eos": True}
+
+    async def main(served: InProcess) -> None:
+        async with served.client() as client:
+            streamed, plain = await asyncio.gather(
+                client.post("/v1/completions", json={**request, "stream": True}),
+                client.post("/v1/completions", json=request),
+            )
+            events = _events(streamed)
+            assert events[-1] == "[DONE]" and events[-2]["error"]["message"] == expected, events[-2:]
+            assert _error(plain, 500)["message"] == expected
+            assert _error(await client.get("/health"), 500)["message"] == expected
+            later = await client.post("/v1/chat/completions", json={"messages": MESSAGES})
+            assert _error(later, 500)["message"] == expected
+
+    caplog.set_level(logging.ERROR)
+    with InProcess(scripted_config, byte_tokenizer, executor) as served:
+        asyncio.run(main(served))
+    logged = [r for r in caplog.records if "secret detail" in r.getMessage()]
+    assert len(logged) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_stream_abandoned_before_its_first_event_is_aborted(
+    scripted_config: Any, byte_tokenizer: Any
+) -> None:
+    """The client is gone before the response starts: Starlette cancels the response before the event
+    generator ever runs, so only the response itself can abort the engine request. Steps advance only as
+    the test releases them, so the request cannot finish by itself first (it asks for 100 tokens)."""
+    gate = threading.Semaphore(0)
+    executor = ScriptedExecutor(closed_form, gate)
+    body = json.dumps({"prompt": "Hello", "max_tokens": 100, "ignore_eos": True, "stream": True}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.start":
+            await asyncio.Event().wait()  # the connection is gone: nothing goes out
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("test", 80),
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+    }  # fmt: skip
+    with InProcess(scripted_config, byte_tokenizer, executor) as served:
+        asyncio.run(served.app(scope, receive, send))
+        assert all(m["type"] != "http.response.body" for m in sent), sent
+        deadline = time.monotonic() + 60
+        while not dict(served.engine.stats.finished):  # one step at a time until the request ends
+            assert time.monotonic() < deadline, "the request never ended"
+            gate.release()
+            time.sleep(0.01)
+        assert dict(served.engine.stats.finished) == {"abort": 1}
+        assert served.engine.stats.kv_blocks_used == 0
+
+
+class _HeldTokenizer:
+    """The front end's tokenizer, held inside its encode of one prompt until the test lets it go."""
+
+    def __init__(self, inner: Any, held: str) -> None:
+        self.inner, self.held = inner, held
+        self.entered, self.go = threading.Event(), threading.Event()
+        self.timed_out = False
+
+    def __call__(self, text: str, **kwargs: Any) -> Any:
+        if text == self.held:
+            self.entered.set()
+            self.timed_out = not self.go.wait(20)
+        return self.inner(text, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_tokenizing_does_not_block_the_event_loop(scripted_config: Any, byte_tokenizer: Any) -> None:
+    """While one request's prompt is being tokenized, /health and other requests are answered."""
+    front = _HeldTokenizer(byte_tokenizer, "a huge prompt")
+    executor = ScriptedExecutor(closed_form)
+
+    async def main(served: InProcess) -> None:
+        async with served.client() as client:
+            held = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a huge prompt"}))
+            assert await asyncio.to_thread(front.entered.wait, 60)
+            assert (await client.get("/health")).status_code == 200
+            other = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+            assert other.status_code == 200 and other.json()["choices"][0]["finish_reason"] == "length"
+            assert not front.go.is_set()
+            front.go.set()
+            assert (await held).status_code == 200
+
+    with InProcess(scripted_config, byte_tokenizer, executor, front_tokenizer=front) as served:
+        asyncio.run(main(served))
+    assert not front.timed_out, "the held tokenizer blocked the event loop"
+
+
+def test_key_is_checked_before_the_body_and_the_body_is_capped(
+    scripted_config: Any, byte_tokenizer: Any
+) -> None:
+    executor = ScriptedExecutor(closed_form)
+
+    async def main(served: InProcess) -> None:
+        async with served.client() as client:
+            bad_json = {"content": b"{not json", "headers": {"Content-Type": "application/json"}}
+            error = _error(await client.post("/v1/completions", **bad_json), 401)  # type: ignore[arg-type]
+            assert error["code"] == "invalid_api_key"
+            error = _error(await client.post("/v1/chat/completions", content=b"x" * 5000), 401)
+        async with served.client(Authorization="Bearer k") as client:
+            error = _error(await client.post("/v1/completions", **bad_json), 400)  # type: ignore[arg-type]
+            assert "not valid JSON" in error["message"]
+            huge = {"prompt": "x" * 5000, "max_tokens": 2}
+            error = _error(await client.post("/v1/completions", json=huge), 413)
+            assert "larger than this server takes (4096 bytes)" in error["message"] and error["code"] == 413
+
+            async def chunks() -> Any:  # no Content-Length: counted as it arrives
+                for _ in range(10):
+                    yield b"x" * 1000
+
+            error = _error(await client.post("/v1/completions", content=chunks()), 413)
+            ok = await client.post("/v1/completions", json={"prompt": "x" * 100, "max_tokens": 2})
+            assert ok.status_code == 200, ok.text
+
+    with InProcess(scripted_config, byte_tokenizer, executor, api_key="k", max_body_bytes=4096) as served:
+        asyncio.run(main(served))
+
+
+@pytest.mark.parametrize("stop", [None, ["日本", "xyz"], ["€ f"]], ids=["no-stop", "stop-cjk", "stop-euro"])
+def test_text_offsets_point_into_the_text(scripted_config: Any, byte_tokenizer: Any, stop: Any) -> None:
+    """The completions `text_offset` of each token is where its text starts in the choice's text, although
+    the byte-level tokenizer splits characters across tokens (each alone decodes to U+FFFD) and a possible
+    stop string holds text back; streamed and whole alike."""
+    ids = byte_tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    executor = ScriptedExecutor(text_script(ids, len(PROMPT)))
+    request = {"prompt": PROMPT, "max_tokens": len(ids), "logprobs": 0, "temperature": 0, "stop": stop}
+
+    def check(text: str, tokens: list[str], offsets: list[int]) -> None:
+        assert len(tokens) == len(offsets) and offsets == sorted(offsets) and offsets[-1] <= len(text)
+        shown = [t for t, o in zip(tokens, offsets, strict=True) if "\ufffd" not in t and o < len(text)]
+        assert len(shown) > 10
+        for token, offset in zip(tokens, offsets, strict=True):
+            if "\ufffd" not in token and offset < len(text):
+                assert text[offset:].startswith(token), (token, offset, text[offset : offset + 8])
+
+    async def main(served: InProcess) -> None:
+        async with served.client() as client:
+            whole = (await client.post("/v1/completions", json=request)).json()["choices"][0]
+            lp = whole["logprobs"]
+            assert whole["text"] == (TEXT[: TEXT.index(stop[0])] if stop else TEXT)
+            check(whole["text"], lp["tokens"], lp["text_offset"])
+            events = _events(await client.post("/v1/completions", json={**request, "stream": True}))
+            choices = [e["choices"][0] for e in events[:-1]]
+            text = "".join(c["text"] for c in choices)
+            tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+            offsets = [o for c in choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+            assert text == whole["text"] and tokens == lp["tokens"]
+            check(text, tokens, offsets)
+
+    with InProcess(scripted_config, byte_tokenizer, executor) as served:
+        asyncio.run(main(served))

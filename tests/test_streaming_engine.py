@@ -9,6 +9,8 @@ aborts at any point of a request's life. One test runs the real model at TP=1 ag
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 import random
 import threading
 from collections.abc import Callable, Iterator
@@ -19,10 +21,10 @@ import pytest
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.config import CacheConfig, EngineConfig, SchedulerConfig, build_model_config
-from tp_runtime.engine.async_engine import AsyncLLMEngine
+from tp_runtime.engine.async_engine import AsyncLLMEngine, describe_failure
 from tp_runtime.engine.llm_engine import LLMEngine
-from tp_runtime.errors import EngineClosedError, WorkerDiedError
-from tp_runtime.messages import ModelRunnerOutput, SchedulerOutput
+from tp_runtime.errors import EngineClosedError, WorkerDiedError, WorkerError
+from tp_runtime.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 from tp_runtime.outputs import RequestOutput
 from tp_runtime.presets import build_preset_tokenizer
 
@@ -35,7 +37,9 @@ TEXT = "Grüße aus Köln: 3 € für ein 🥨, naïve café — 日本語 ok. �
 class ScriptedExecutor:
     """Stands in for the executor: 'samples' `script(req_id, position)`, and checks each step against a
     worker's view of its live requests (a freed request is never scheduled again, nor a request twice).
-    With `gate`, each step waits until the test releases it (one `release()` per step)."""
+    With `gate`, each step waits until the test releases it (one `release()` per step). From step
+    `fail_at_step` on, a step raises `failure`; `check_alive` (what an idle engine thread calls) raises
+    `dead` once set, and calls `on_check_alive` first."""
 
     def __init__(self, script: Callable[[int, int], int], gate: threading.Semaphore | None = None) -> None:
         self.script = script
@@ -45,6 +49,9 @@ class ScriptedExecutor:
         self.outputs: dict[int, ModelRunnerOutput] = {}
         self.last_step_timings: dict[str, float] = {}
         self.fail_at_step: int | None = None
+        self.failure: BaseException = WorkerDiedError(1, "killed by the test")
+        self.dead: BaseException | None = None
+        self.on_check_alive: Callable[[], None] | None = None
         self.steps = 0
         self.shut_down = False
 
@@ -68,18 +75,26 @@ class ScriptedExecutor:
                 tokens.append(self.script(req_id, len(tokens)))
                 req_ids.append(req_id)
                 sampled.append(tokens[-1])
-        self.outputs[so.step_id] = ModelRunnerOutput(so.step_id, req_ids, sampled)
+        # Every token 'sampled' with certainty, alone in its top-k (the engine keeps it when asked).
+        logprobs = Logprobs([[t] for t in sampled], [[0.0] for _ in sampled], [1] * len(sampled))
+        self.outputs[so.step_id] = ModelRunnerOutput(so.step_id, req_ids, sampled, logprobs)
 
     def wait_output(self, step_id: int) -> ModelRunnerOutput:
         if self.gate is not None:
             self.gate.acquire()
         self.steps += 1
         if self.fail_at_step is not None and self.steps >= self.fail_at_step:
-            raise WorkerDiedError(1, "killed by the test")
+            raise self.failure
         return self.outputs.pop(step_id)
 
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         return [None]
+
+    def check_alive(self) -> None:
+        if self.on_check_alive is not None:
+            self.on_check_alive()
+        if self.dead is not None:
+            raise self.dead
 
     def shutdown(self) -> None:
         self.shut_down = True
@@ -312,10 +327,27 @@ async def collect(stream: Any) -> dict[int, list[RequestOutput]]:
     return got
 
 
+def idle_iterations(async_engine: AsyncLLMEngine, executor: ScriptedExecutor, count: int) -> list[int]:
+    """The engine thread's iteration count at each of its next `count` liveness checks."""
+    seen: list[int] = []
+    done = threading.Event()
+
+    def record() -> None:  # on the engine thread
+        if len(seen) < count:
+            seen.append(async_engine.iterations)
+        if len(seen) == count:
+            done.set()
+
+    executor.on_check_alive = record
+    assert done.wait(60), f"the idle engine thread checked its workers {len(seen)} times"
+    executor.on_check_alive = None
+    return seen
+
+
 def test_engine_thread_streams_outputs_and_idles_without_spinning(model_config: Any, tokenizer: Any) -> None:
     ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
     executor = ScriptedExecutor(text_script(ids, len(PROMPT)))
-    async_engine = AsyncLLMEngine(make_engine(model_config, tokenizer, executor))
+    async_engine = AsyncLLMEngine(make_engine(model_config, tokenizer, executor), idle_check_s=0.01)
     async_engine.start()
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 
@@ -330,10 +362,9 @@ def test_engine_thread_streams_outputs_and_idles_without_spinning(model_config: 
             for deltas in got.values():
                 text, token_ids = joined(deltas)
                 assert token_ids == ids[:30] and text == tokenizer.decode(ids[:30])
-        # Idle: the thread blocks on its queue, so its loop count stays put.
-        before = async_engine.iterations
-        threading.Event().wait(0.3)
-        assert async_engine.iterations == before
+        # Idle: the thread blocks on its queue, waking only to check the workers: one iteration per check.
+        seen = idle_iterations(async_engine, executor, 5)
+        assert [b - a for a, b in itertools.pairwise(seen)] == [1] * 4, seen
         assert async_engine.stats.kv_blocks_used == 0 and async_engine.stats.num_running == 0
     finally:
         async_engine.shutdown()
@@ -382,23 +413,139 @@ def test_engine_thread_abort_and_drain(model_config: Any, tokenizer: Any) -> Non
     assert executor.shut_down and async_engine.stats.kv_blocks_used == 0
 
 
+def test_drain_returns_at_once_and_a_shorter_grace_brings_the_end_forward(
+    model_config: Any, tokenizer: Any
+) -> None:
+    """What the server does on a signal: drain(grace) refuses new requests but lets the running one go on;
+    a second drain(0) (a second signal) ends it at once with finish_reason "abort", and the thread stops
+    the engine by itself."""
+    gate = threading.Semaphore(0)
+    executor = ScriptedExecutor(closed_form, gate)
+    async_engine = AsyncLLMEngine(make_engine(model_config, tokenizer, executor))
+    async_engine.start()
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def main() -> list[RequestOutput]:
+        stream = async_engine.add([(PROMPT, long)])
+        gate.release()
+        got = [(await stream.__anext__())[1]]
+        async_engine.drain(600.0)  # returns at once
+        with pytest.raises(EngineClosedError, match="shutting down"):
+            async_engine.add([(PROMPT, long)])
+        gate.release()
+        got.append((await stream.__anext__())[1])  # still running within its grace period
+        async_engine.drain(0.0)
+        gate.release(5)  # the step in flight, if any, completes
+        got += (await collect(stream)).get(0, [])
+        return got
+
+    try:
+        outputs = asyncio.run(main())
+        assert [o.finished for o in outputs[:2]] == [False, False]
+        assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+        async_engine._thread.join(60)
+        assert not async_engine._thread.is_alive() and executor.shut_down
+    finally:
+        gate.release(1000)
+        async_engine.shutdown()
+
+
 def test_engine_thread_surfaces_a_dead_engine(model_config: Any, tokenizer: Any) -> None:
+    """Every stream ends with an EngineClosedError of its own (raising one exception object in several
+    readers would mutate its traceback under the others) that names the cause in one line."""
     executor = ScriptedExecutor(closed_form)
     executor.fail_at_step = 3
     async_engine = AsyncLLMEngine(make_engine(model_config, tokenizer, executor))
     async_engine.start()
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
 
-    async def main() -> None:
+    async def main() -> list[BaseException]:
         streams = [async_engine.add([(PROMPT, params)]) for _ in range(3)]
+        errors = []
         for stream in streams:
-            with pytest.raises(WorkerDiedError, match="killed by the test"):
+            with pytest.raises(EngineClosedError) as info:
                 await collect(stream)
+            errors.append(info.value)
         with pytest.raises(EngineClosedError, match="the engine died: WorkerDiedError"):
             async_engine.add([(PROMPT, params)])
+        return errors
 
     try:
-        asyncio.run(main())
+        errors = asyncio.run(main())
         assert isinstance(async_engine.error, WorkerDiedError) and executor.shut_down
+        assert len({id(e) for e in errors}) == 3
+        for error in errors:
+            assert str(error) == "the engine died: WorkerDiedError: worker rank 1 died: killed by the test"
+            assert error.__cause__ is async_engine.error
     finally:
         async_engine.shutdown()
+
+
+def test_idle_engine_thread_notices_a_dead_worker(model_config: Any, tokenizer: Any) -> None:
+    """With no request to step, the thread still checks the workers every idle_check_s; a dead one fails
+    the engine as a failed step does."""
+    executor = ScriptedExecutor(closed_form)
+    async_engine = AsyncLLMEngine(make_engine(model_config, tokenizer, executor), idle_check_s=0.01)
+    async_engine.start()
+    try:
+        idle_iterations(async_engine, executor, 2)  # it is idle and checking
+        executor.dead = WorkerDiedError(1, "exit code -9")
+        async_engine._thread.join(60)
+        assert not async_engine._thread.is_alive()
+        assert async_engine.error is executor.dead and executor.shut_down
+
+        async def add() -> None:
+            async_engine.add([(PROMPT, SamplingParams(max_tokens=2))])
+
+        with pytest.raises(EngineClosedError, match=r"the engine died: WorkerDiedError: worker rank 1 died"):
+            asyncio.run(add())
+    finally:
+        async_engine.shutdown()
+
+
+REMOTE_TRACEBACK = (
+    'Traceback (most recent call last):\n  File "/srv/secret/worker.py", line 7, in execute_model\n'
+    "    run()\nRuntimeError: CUDA error: secret detail\n"
+)
+
+
+def test_a_worker_traceback_is_logged_once_and_never_reaches_streams(
+    model_config: Any, tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    executor = ScriptedExecutor(closed_form)
+    executor.fail_at_step = 2
+    executor.failure = WorkerError(1, REMOTE_TRACEBACK)
+    async_engine = AsyncLLMEngine(make_engine(model_config, tokenizer, executor))
+    caplog.set_level(logging.ERROR)
+    async_engine.start()
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    summary = "WorkerError: worker rank 1 failed (RuntimeError); see the server log"
+    assert describe_failure(executor.failure) == summary
+
+    async def main() -> list[str]:
+        stream = async_engine.add([(PROMPT, params)])
+        with pytest.raises(EngineClosedError) as info:
+            await collect(stream)
+        with pytest.raises(EngineClosedError) as refused:
+            async_engine.add([(PROMPT, params)])
+        return [str(info.value), str(refused.value)]
+
+    try:
+        messages = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert messages == [f"the engine died: {summary}"] * 2
+    logged = [r for r in caplog.records if "secret detail" in r.getMessage()]
+    assert len(logged) == 1 and "Traceback (most recent call last)" in logged[0].getMessage()
+
+
+def test_describe_failure_is_one_short_line() -> None:
+    assert describe_failure(WorkerError(0, "(no traceback)")) == (
+        "WorkerError: worker rank 0 failed (an exception); see the server log"
+    )
+    assert describe_failure(WorkerError(2, "Traceback ...\ntorch.OutOfMemoryError: 40 GiB\n")) == (
+        "WorkerError: worker rank 2 failed (torch.OutOfMemoryError); see the server log"
+    )
+    long = describe_failure(RuntimeError("x" * 500 + "\nsecond line"))
+    assert long.startswith("RuntimeError: xxx") and len(long) < 250 and "second" not in long
+    assert describe_failure(ValueError()) == "ValueError"

@@ -3,14 +3,19 @@
 The engine thread is the only one that touches the LLMEngine (scheduler, executor, detokenizers). Front
 ends only put commands on a thread-safe queue (`add`, `abort`) and read each request's outputs from a
 `RequestStream`, which the engine thread feeds through `loop.call_soon_threadsafe`, once per step for
-all the streams of one event loop. With no request in the engine the thread blocks on the queue: an idle
-server costs no CPU.
+all the streams of one event loop. With no request in the engine the thread blocks on the queue, waking
+every `idle_check_s` (1 s) only to ask the executor whether every worker is still alive
+(`engine.check_alive()`, which sends nothing): an idle engine costs next to no CPU, and a worker that dies
+while no request runs is still noticed within a second.
 
-A failure in a step (a dead or failing worker, a step timeout) is fatal: the thread records it, raises it
-in every open stream, refuses new requests (`EngineClosedError` naming the cause) and shuts the engine
-down; `error` tells health checks. `shutdown(grace_s)` drains: it refuses new requests, lets the ones in
-the engine finish for up to `grace_s` seconds, aborts the rest (their streams end with finish_reason
-"abort") and shuts the engine down.
+A failure in a step or in that check (a dead or failing worker, a step timeout) is fatal: the thread logs
+it once, in full (a worker's traceback included), records it, ends every open stream with an
+`EngineClosedError` of its own that names the cause in one line (`describe_failure`, never a remote
+traceback), refuses new requests the same way and shuts the engine down; `error` tells health checks.
+`drain(grace_s)` begins a graceful shutdown without waiting: it refuses new requests, lets the ones in the
+engine finish for up to `grace_s` seconds, then aborts the rest (each stream still gets its requests'
+last output, finish_reason "abort") and shuts the engine down; `shutdown(grace_s)` does the same and
+waits for it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import queue
+import re
 import threading
 import time
 from collections import Counter
@@ -26,11 +32,30 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tp_runtime.engine.llm_engine import LLMEngine
-from tp_runtime.errors import EngineClosedError
+from tp_runtime.errors import EngineClosedError, TPRuntimeError, WorkerError
 from tp_runtime.outputs import RequestOutput
 from tp_runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+IDLE_CHECK_S = 1.0  # how often an idle engine thread checks that its workers are alive
+_SUMMARY_CHARS = 200
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for clients about what killed the engine: the exception's class and the first line of its
+    message, or for a worker's exception the rank and the remote exception's class; never a traceback
+    (the engine thread logs that on the server)."""
+    if isinstance(exc, WorkerError):
+        lines = [line.strip() for line in exc.remote_traceback.strip().splitlines() if line.strip()]
+        match = re.match(r"([A-Za-z_][\w.]{0,80})(?::|$)", lines[-1]) if lines else None
+        remote = match.group(1) if match else "an exception"
+        return f"WorkerError: worker rank {exc.rank} failed ({remote}); see the server log"
+    lines = str(exc).strip().splitlines()
+    first = lines[0].strip() if lines else ""
+    if len(first) > _SUMMARY_CHARS:
+        first = first[: _SUMMARY_CHARS - 3] + "..."
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -50,8 +75,9 @@ class RequestStream:
     """The outputs of the engine requests one front-end request added (its prompts, its n samples), in
     the order the engine gave them: `async for index, output in stream`, where `index` is the request's
     position in the list given to `AsyncLLMEngine.add`. Each output is a delta (`output.finished` on a
-    request's last). The iteration ends once every request has finished, and raises the engine's error if
-    the engine died. Read it on the event loop that created it."""
+    request's last). The iteration ends once every request has finished, and raises an EngineClosedError
+    (its own, naming the cause in one line) if the engine died. Read it on the event loop that created
+    it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, count: int) -> None:
         self.loop = loop
@@ -103,10 +129,17 @@ _Batches = dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, _Item]]]
 
 class AsyncLLMEngine:
     """Owns `engine` from `start()` on: no other thread may use it. `shutdown_engine` is what stops it at
-    the end (default `engine.shutdown`; an `LLM`'s `shutdown` when the engine belongs to one)."""
+    the end (default `engine.shutdown`; an `LLM`'s `shutdown` when the engine belongs to one).
+    `idle_check_s`: how often the idle thread checks the workers' liveness."""
 
-    def __init__(self, engine: LLMEngine, shutdown_engine: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        shutdown_engine: Callable[[], None] | None = None,
+        idle_check_s: float = IDLE_CHECK_S,
+    ) -> None:
         self.engine = engine
+        self.idle_check_s = idle_check_s
         self._shutdown_engine = shutdown_engine if shutdown_engine is not None else engine.shutdown
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         # Orders "refuse new requests" against "enqueue a request", so no request slips in after the
@@ -119,7 +152,9 @@ class AsyncLLMEngine:
         self._drain_deadline: float | None = None
         self._finished: Counter[str] = Counter()  # engine thread only; published in `stats`
         self.stats = EngineStats(kv_blocks_total=engine.num_kv_blocks)
-        self.iterations = 0  # of the engine thread's loop: tests check that an idle engine does not spin
+        # Of the engine thread's loop (an idle one counts one per liveness check): tests check that an idle
+        # engine does not spin.
+        self.iterations = 0
         self._thread = threading.Thread(target=self._run, name="tp-runtime-engine", daemon=True)
 
     # ------------------------------------------------------------------ front-end side (any thread)
@@ -152,9 +187,19 @@ class AsyncLLMEngine:
         if not stream.finished:
             self._commands.put(_Abort(stream))
 
+    def drain(self, grace_s: float) -> None:
+        """Begin a graceful shutdown and return at once: refuse new requests, let those in the engine run
+        for up to `grace_s` seconds, then abort the rest (their streams end with finish_reason "abort")
+        and shut the engine down. Call it from the event loop or any thread, not from a signal handler
+        (it takes a lock the interrupted code may hold). A later call (or `shutdown`) with a shorter grace
+        period brings the deadline forward, never back."""
+        with self._lock:
+            self._accepting = False
+        if self._thread.ident is not None:
+            self._commands.put(_Stop(grace_s))  # a no-op for a thread that has ended
+
     def shutdown(self, grace_s: float = 0.0) -> None:
-        """Refuse new requests, let those in the engine run for up to `grace_s` seconds, abort the rest
-        and shut the engine down; returns when that is done. Idempotent."""
+        """`drain(grace_s)`, then wait until the engine is shut down. Idempotent."""
         with self._lock:
             self._accepting = False
             first, self._shut_down = not self._shut_down, True
@@ -167,7 +212,7 @@ class AsyncLLMEngine:
 
     def _closed_error(self) -> EngineClosedError:
         if self._error is not None:
-            return EngineClosedError(f"the engine died: {type(self._error).__name__}: {self._error}")
+            return _died(self._error)
         return EngineClosedError("the engine is shutting down and takes no new requests")
 
     # ------------------------------------------------------------------ the engine thread
@@ -176,7 +221,10 @@ class AsyncLLMEngine:
         try:
             while True:
                 idle = not engine.has_unfinished_requests() and self._drain_deadline is None
-                for command in self._take(block=idle):
+                commands = self._take(block=idle)
+                if idle and not commands:  # nothing to do for idle_check_s: are the workers alive?
+                    engine.check_alive()
+                for command in commands:
                     self._apply(command)
                 if self._drain_deadline is not None and (
                     not engine.has_unfinished_requests() or time.monotonic() >= self._drain_deadline
@@ -197,7 +245,13 @@ class AsyncLLMEngine:
             self._publish_stats()
 
     def _take(self, block: bool) -> list[_Command]:
-        commands = [self._commands.get()] if block else []
+        """The commands queued; with `block`, waits up to idle_check_s for one ([] if none came)."""
+        commands = []
+        if block:
+            try:
+                commands.append(self._commands.get(timeout=self.idle_check_s))
+            except queue.Empty:
+                return []
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -219,7 +273,9 @@ class AsyncLLMEngine:
         elif isinstance(command, _Abort):
             self._drop(command.stream)
         else:
-            self._drain_deadline = time.monotonic() + max(0.0, command.grace_s)
+            deadline = time.monotonic() + max(0.0, command.grace_s)
+            if self._drain_deadline is None or deadline < self._drain_deadline:
+                self._drain_deadline = deadline
 
     def _drop(self, stream: RequestStream) -> None:
         """Abort a stream's requests without telling it (its reader is gone or gets an error)."""
@@ -262,7 +318,11 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(_put_all, items)
 
     def _fail(self, exc: BaseException) -> None:
-        logger.error("the engine died: %s: %s", type(exc).__name__, exc)
+        # Logged once, in full (a WorkerError's message holds the worker's traceback; a bug's traceback is
+        # its own); clients only ever see describe_failure's line.
+        logger.error(
+            "the engine died: %s: %s", type(exc).__name__, exc, exc_info=not isinstance(exc, TPRuntimeError)
+        )
         with self._lock:
             self._error = exc
             self._accepting = False
@@ -272,8 +332,8 @@ class AsyncLLMEngine:
                 streams.add(command.stream)
         self._owners.clear()
         batches: _Batches = {}
-        for stream in streams:
-            batches.setdefault(stream.loop, []).append((stream, exc))
+        for stream in streams:  # each its own exception: every reader raises (and so mutates) the one it gets
+            batches.setdefault(stream.loop, []).append((stream, _died(exc)))
         self._send(batches)
 
     def _publish_stats(self) -> None:
@@ -287,6 +347,12 @@ class AsyncLLMEngine:
             num_preemptions=scheduler.num_preemptions,
             finished=tuple(self._finished.items()),
         )
+
+
+def _died(cause: BaseException) -> EngineClosedError:
+    error = EngineClosedError(f"the engine died: {describe_failure(cause)}")
+    error.__cause__ = cause
+    return error
 
 
 def _put_all(items: list[tuple[RequestStream, _Item]]) -> None:

@@ -15,8 +15,9 @@ import sys
 API_KEY_ENV = "TP_RUNTIME_API_KEY"
 DESCRIPTION = (
     "Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, "
-    "/health and /metrics. SIGTERM or Ctrl-C drains: in-flight requests finish (up to --shutdown-grace "
-    "seconds), then the workers shut down."
+    "/health and /metrics. SIGTERM or Ctrl-C drains: in-flight requests run for up to --shutdown-grace "
+    'seconds, those still running then end with finish_reason "abort", the workers shut down and the '
+    "server exits with status 0."
 )
 
 
@@ -48,7 +49,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--shutdown-grace",
         type=float,
         default=30.0,
-        help="seconds SIGTERM lets in-flight requests run before it aborts them and stops the workers",
+        help="seconds SIGTERM or Ctrl-C lets in-flight requests run before it ends them (finish_reason "
+        '"abort") and stops the workers',
     )
     group.add_argument(
         "--log-level",
@@ -81,7 +83,7 @@ def check_serve(args: argparse.Namespace) -> None:
 
 
 def serve_main(args: argparse.Namespace) -> None:
-    from tp_runtime.server.api_server import run_server
+    from tp_runtime.server.runner import run_server
 
     run_server(args)
 

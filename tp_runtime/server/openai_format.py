@@ -1,0 +1,397 @@
+"""OpenAI's wire format, for the server: errors in OpenAI's shape, a request's options as SamplingParams,
+and the responses and stream chunks of /v1/completions and /v1/chat/completions built from the engine's
+outputs (text, finish reasons, logprobs in each endpoint's shape).
+
+Each endpoint has a `Format`; the server's loops (`api_server`) are the same for both: every engine output
+becomes a `Piece` of one choice, which a stream sends as one chunk and a plain response joins into the
+choice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from tp_runtime.engine.async_engine import describe_failure
+from tp_runtime.engine.llm_engine import IncrementalDetokenizer
+from tp_runtime.errors import InvalidRequestError, TPRuntimeError
+from tp_runtime.outputs import CompletionOutput, Logprob
+from tp_runtime.sampling_params import SamplingParams
+from tp_runtime.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    SamplingFields,
+    TopLogprob,
+    UsageInfo,
+)
+
+# JSON has no -inf; OpenAI (and vLLM) send this instead.
+MIN_LOGPROB = -9999.0
+
+# ------------------------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: int | str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def failure(exc: BaseException) -> APIError:
+    """500 for a request the engine could not serve. `exc`: what killed the engine, or (not an engine
+    error) a bug. The message is one line, never a traceback: those are in the server's log."""
+    if isinstance(exc, TPRuntimeError):
+        return APIError(500, f"the engine failed: {describe_failure(exc)}", type="server_error", code=500)
+    return internal_error(exc)
+
+
+def internal_error(exc: BaseException) -> APIError:
+    message = f"internal error ({type(exc).__name__}); see the server log"
+    return APIError(500, message, type="server_error", code=500)
+
+
+def error_body(info: ErrorInfo) -> dict[str, Any]:
+    return ErrorResponse(error=info).model_dump()
+
+
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """pydantic's errors about a request body (locations from the body's root) as one message, and the
+    first field named."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return "the request body is not valid JSON", None
+    by_field: dict[str, list[Any]] = {}
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ())]
+        by_field.setdefault(loc[0] if loc else "body", []).append((loc, e))
+    problems = []
+    for name, found in by_field.items():
+        if len(found) > 1 and all(len(loc) == 2 for loc, _ in found):  # every branch of a union failed
+            kinds = ", ".join(loc[1] for loc, _ in found)
+            value = found[0][1].get("input")
+            problems.append(f"{name}: {value!r} is none of the types it takes ({kinds})")
+        else:
+            problems += [f"{'.'.join(loc) or 'body'}: {e.get('msg')}" for loc, e in found]
+    return "; ".join(problems), next((n for n in by_field if n != "body"), None)
+
+
+# ------------------------------------------------------------------------------------------ requests
+
+
+def text_content(content: Any, index: int) -> str:
+    """A chat message's content as text: a string, or text content parts joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"message {index}: only text content parts ({{'type': 'text', 'text': ...}}) are supported, "
+                f"got type {part.get('type')!r}", "messages",
+            )  # fmt: skip
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The request's options; one left out (None) takes the engine's default."""
+
+    def given(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    try:
+        return SamplingParams(
+            n=body.n,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            temperature=given(body.temperature, 1.0),
+            top_p=given(body.top_p, 1.0),
+            top_k=given(body.top_k, -1),
+            min_p=given(body.min_p, 0.0),
+            seed=body.seed,
+            stop=body.stop or None,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            logprobs=logprobs,
+            presence_penalty=given(body.presence_penalty, 0.0),
+            frequency_penalty=given(body.frequency_penalty, 0.0),
+            repetition_penalty=given(body.repetition_penalty, 1.0),
+        )
+    except InvalidRequestError as exc:
+        message = str(exc).removeprefix("invalid SamplingParams: ")
+        field = message.split(" ", 1)[0]  # the message names the option first
+        raise bad_request(message, field if field in type(body).model_fields else None) from None
+
+
+# ------------------------------------------------------------------------------------- server-sent events
+
+
+def sse(data: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> str:
+    body = data.model_dump_json(exclude=exclude) if isinstance(data, BaseModel) else json.dumps(data)
+    return f"data: {body}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+def error_event(error: APIError) -> str:
+    """A failure after the stream began (the status line is sent): an event with OpenAI's error body,
+    which the openai client raises as an APIError."""
+    return sse(error_body(error.info))
+
+
+# ------------------------------------------------------------------------------------------- logprobs
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def _ranked(position: dict[int, Logprob], top: int) -> list[Logprob]:
+    """The `top` likeliest tokens at a position, by rank (the sampled one among them when it is)."""
+    return sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top),
+                  key=lambda lp: lp.rank or 0)  # fmt: skip
+
+
+class TextOffsets:
+    """Where each generated token's text starts in its choice's text, for the completions `text_offset`:
+    the length of the text the tokens before it decode to, as the engine's incremental detokenizer makes
+    it (not the sum of the tokens decoded one by one: the bytes of a character split across tokens make
+    one character, though each such token alone decodes to U+FFFD; special tokens add nothing; a
+    SentencePiece word's leading space counts). Text the engine holds back (a possible stop string) counts
+    where it will appear; offsets past the end of the choice's final text (a stop string cut it) are
+    clamped by the caller."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._detok = IncrementalDetokenizer(lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)))
+        self._ids: list[int] = []
+
+    def next(self, token_id: int) -> int:
+        offset = len(self._detok.text)  # complete characters only: a split one counts once complete
+        self._ids.append(token_id)
+        self._detok.step(self._ids)
+        return offset
+
+
+# -------------------------------------------------------------------------------------------- formats
+
+
+@dataclass
+class Piece:
+    """What one engine output adds to one choice: its new text, logprobs in the endpoint's shape (None
+    when the request asked for none; `num_logprobs` tokens' worth), and on the choice's last piece
+    (`finished`) why it ended."""
+
+    index: int
+    text: str
+    logprobs: Any
+    num_logprobs: int
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+    def worth_sending(self) -> bool:
+        """Whether a stream sends it: text held back (an incomplete character, a possible stop string)
+        leaves some outputs with nothing to say."""
+        return bool(self.text) or self.finished or self.num_logprobs > 0
+
+
+class Format:
+    """One endpoint's shapes: the response id's prefix, its choices, chunks and responses."""
+
+    id_prefix = ""
+
+    def piece(self, index: int, out: CompletionOutput, finished: bool) -> Piece:
+        logprobs, count = self.logprobs(index, out, finished)
+        return Piece(
+            index=index, text=out.text, logprobs=logprobs, num_logprobs=count, finished=finished,
+            finish_reason=out.finish_reason if finished else None,
+            stop_reason=out.stop_reason if finished else None,
+        )  # fmt: skip
+
+    def logprobs(self, index: int, out: CompletionOutput, finished: bool) -> tuple[Any, int]:
+        """The logprobs the output brings (maybe none: empty) and for how many tokens; (None, 0) when the
+        request asked for none."""
+        raise NotImplementedError
+
+    def opening(self, num_choices: int) -> list[BaseModel]:
+        """What a stream sends before any output, one chunk per choice."""
+        return []
+
+    def delta(self, piece: Piece) -> BaseModel:
+        """A piece as a stream chunk's choice."""
+        raise NotImplementedError
+
+    def choice(self, index: int, pieces: list[Piece]) -> BaseModel:
+        """A choice of a plain response, from all its pieces."""
+        raise NotImplementedError
+
+    def response(
+        self, ident: str, created: int, model: str, choices: list[Any], usage: UsageInfo | None
+    ) -> BaseModel:
+        """The plain response, or a stream's chunk (same fields)."""
+        raise NotImplementedError
+
+    def chunk(
+        self, ident: str, created: int, model: str, choices: list[Any], usage: UsageInfo | None
+    ) -> BaseModel:
+        return self.response(ident, created, model, choices, usage)
+
+
+def _joined(pieces: list[Piece]) -> tuple[str, str | None, int | str | None]:
+    last = pieces[-1] if pieces else None
+    finish = (last.finish_reason, last.stop_reason) if last is not None and last.finished else (None, None)
+    return "".join(p.text for p in pieces), *finish
+
+
+class CompletionFormat(Format):
+    """/v1/completions: choices with `text`, the legacy logprobs (`tokens`, `token_logprobs`,
+    `top_logprobs` by token text, `text_offset`)."""
+
+    id_prefix = "cmpl-"
+
+    def __init__(self, body: CompletionRequest, num_choices: int, tokenizer: Any) -> None:
+        self.top = body.logprobs
+        asked = num_choices if body.logprobs is not None else 0
+        self._offsets = [TextOffsets(tokenizer) for _ in range(asked)]
+        # Per choice, its tokens' entries (token, logprob, offset, top) not sent yet.
+        self._held: list[list[tuple[str, float, int, dict[str, float]]]] = [[] for _ in range(asked)]
+        self._emitted = [0] * num_choices  # length of each choice's text so far
+
+    def logprobs(self, index: int, out: CompletionOutput, finished: bool) -> tuple[Any, int]:
+        """A token's entry goes out once its text has begun to appear: held back with the text the engine
+        holds back (so a stream's offsets never run past its text), all of them at the end."""
+        self._emitted[index] += len(out.text)
+        if self.top is None:
+            return None, 0
+        offsets = [self._offsets[index].next(token_id) for token_id in out.token_ids]
+        held = self._held[index]
+        for token_id, position, offset in zip(out.token_ids, out.logprobs or [], offsets, strict=False):
+            chosen = position[token_id]
+            entries = [chosen, *(lp for lp in _ranked(position, self.top) if lp is not chosen)]
+            top = {lp.decoded_token or "": _clamp(lp.logprob) for lp in entries}
+            held.append((chosen.decoded_token or "", _clamp(chosen.logprob), offset, top))
+        emitted = self._emitted[index]
+        ready = len(held) if finished else sum(1 for entry in held if entry[2] < emitted)
+        result = CompletionLogprobs()
+        for text, logprob, offset, top in held[:ready]:
+            result.tokens.append(text)
+            result.token_logprobs.append(logprob)
+            result.text_offset.append(min(offset, emitted))  # a stop string cut the text short
+            result.top_logprobs.append(top)
+        del held[:ready]
+        return result, ready
+
+    def delta(self, piece: Piece) -> CompletionChoice:
+        return CompletionChoice(
+            index=piece.index, text=piece.text, logprobs=piece.logprobs, finish_reason=piece.finish_reason,
+            stop_reason=piece.stop_reason,
+        )  # fmt: skip
+
+    def choice(self, index: int, pieces: list[Piece]) -> CompletionChoice:
+        text, finish_reason, stop_reason = _joined(pieces)
+        logprobs = None
+        if self.top is not None:
+            logprobs = CompletionLogprobs()
+            for piece in pieces:
+                if piece.logprobs is not None:
+                    for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+                        getattr(logprobs, name).extend(getattr(piece.logprobs, name))
+        return CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason
+        )
+
+    def response(
+        self, ident: str, created: int, model: str, choices: list[Any], usage: UsageInfo | None
+    ) -> CompletionResponse:
+        return CompletionResponse(id=ident, created=created, model=model, choices=choices, usage=usage)
+
+
+class ChatFormat(Format):
+    """/v1/chat/completions: choices with a `message` (a stream: a `delta`, opened by the role), logprobs
+    as `content` entries with the top tokens and UTF-8 bytes."""
+
+    id_prefix = "chatcmpl-"
+
+    def __init__(self, body: ChatCompletionRequest) -> None:
+        self.top = (body.top_logprobs or 0) if body.logprobs else None
+
+    def logprobs(self, index: int, out: CompletionOutput, finished: bool) -> tuple[Any, int]:
+        if self.top is None:
+            return None, 0
+
+        def entry(lp: Logprob) -> TopLogprob:
+            text = lp.decoded_token or ""
+            return TopLogprob(token=text, logprob=_clamp(lp.logprob), bytes=list(text.encode("utf-8")))
+
+        content = []
+        for token_id, position in zip(out.token_ids, out.logprobs or [], strict=bool(out.logprobs)):
+            chosen = entry(position[token_id])
+            ranked = [entry(lp) for lp in _ranked(position, self.top)]
+            content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=ranked))
+        return ChatLogprobs(content=content), len(content)
+
+    def opening(self, num_choices: int) -> list[BaseModel]:
+        # Each choice opens with the role, as OpenAI's streams do.
+        opening = DeltaMessage(role="assistant", content="")
+        return [ChatStreamChoice(index=i, delta=opening, logprobs=None, finish_reason=None)
+                for i in range(num_choices)]  # fmt: skip
+
+    def delta(self, piece: Piece) -> ChatStreamChoice:
+        return ChatStreamChoice(
+            index=piece.index, delta=DeltaMessage(content=piece.text) if piece.text else DeltaMessage(),
+            logprobs=piece.logprobs, finish_reason=piece.finish_reason, stop_reason=piece.stop_reason,
+        )  # fmt: skip
+
+    def choice(self, index: int, pieces: list[Piece]) -> ChatChoice:
+        text, finish_reason, stop_reason = _joined(pieces)
+        logprobs = None
+        if self.top is not None:
+            logprobs = ChatLogprobs(
+                content=[e for p in pieces if p.logprobs for e in p.logprobs.content or []]
+            )
+        return ChatChoice(
+            index=index, message=ChatResponseMessage(content=text), logprobs=logprobs,
+            finish_reason=finish_reason, stop_reason=stop_reason,
+        )  # fmt: skip
+
+    def response(
+        self, ident: str, created: int, model: str, choices: list[Any], usage: UsageInfo | None
+    ) -> ChatCompletionResponse:
+        return ChatCompletionResponse(id=ident, created=created, model=model, choices=choices, usage=usage)
+
+    def chunk(
+        self, ident: str, created: int, model: str, choices: list[Any], usage: UsageInfo | None
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=ident, created=created, model=model, choices=choices, usage=usage)

@@ -1,0 +1,194 @@
+"""`tp-runtime serve`'s process: bind, load the model, serve the app (`api_server`) on uvicorn, one worker:
+the engine, its thread and its worker processes live in this process.
+
+SIGTERM and SIGINT (Ctrl-C) are handled alike, from before the model loads to the end:
+
+- While the model loads, a signal stops the load: the workers started so far are shut down, and the
+  server exits with status 0.
+- While it serves, a signal drains: uvicorn closes the listening socket (new connections are refused),
+  requests on open connections get 503, and so does /health. The engine lets the requests in flight run
+  for up to --shutdown-grace seconds, then ends those still running with finish_reason "abort": a stream
+  sends its last chunk and [DONE], a plain request gets its response. uvicorn waits for the connections to
+  close, up to DRAIN_MARGIN_S seconds past the grace period (for those last responses to go out), and cuts
+  any still open then. The engine thread stops the workers, and the server exits with status 0.
+- A second signal while draining aborts the requests still running at once (a second Ctrl-C also stops
+  uvicorn's wait for their connections). Signals during the final shutdown are ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import uvicorn
+
+from tp_runtime.engine.async_engine import AsyncLLMEngine
+from tp_runtime.errors import ConfigError
+from tp_runtime.server.api_server import build_app
+
+# Past the grace period, how long uvicorn waits for the aborted requests' last responses to go out.
+DRAIN_MARGIN_S = 5.0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind and listen before the model loads, so a taken port fails at once; port 0 picks a free one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port"
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's Server, which also drains the app when a shutdown signal arrives (uvicorn itself stops
+    accepting connections and waits for those open, up to timeout_graceful_shutdown): the first signal
+    gives the requests in flight `grace_s` seconds, a second one none."""
+
+    def __init__(self, config: uvicorn.Config, begin_drain: Callable[[float], None], grace_s: float) -> None:
+        super().__init__(config)
+        self._begin_drain = begin_drain
+        self._grace_s = grace_s
+        self._signals = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        try:
+            await super().serve(sockets)
+        finally:
+            self._loop = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        self._signals += 1
+        grace_s = self._grace_s if self._signals == 1 else 0.0
+        # On the event loop, not in the signal handler: the drain takes a lock the interrupted code may hold.
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop just closed
+                loop.call_soon_threadsafe(self._begin_drain, grace_s)
+
+
+class _ShutdownRequested(BaseException):
+    """A shutdown signal arrived while the model was loading (a BaseException, as KeyboardInterrupt, so
+    that no `except Exception` on the way stops it)."""
+
+
+class _Signals:
+    """The main thread's SIGTERM and SIGINT handler for the server's whole life: while the model loads,
+    the first signal raises _ShutdownRequested; while uvicorn serves, a signal drains (uvicorn installs its
+    own handlers meanwhile; this one covers the moments around them); once `stopping`, signals are
+    ignored."""
+
+    def __init__(self) -> None:
+        self.server: _DrainingServer | None = None
+        self.stopping = False
+        self._raised = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.stopping:
+            return
+        if self.server is not None:
+            self.server.handle_exit(signum, frame)
+        elif not self._raised:
+            self._raised = True
+            raise _ShutdownRequested
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Start the engine from the command line's engine options, serve until SIGTERM / Ctrl-C, drain, and
+    shut the workers down (see the module's doc); returns normally after a shutdown by signal. Under
+    torchrun this is rank 0's part; the other ranks serve as its workers
+    (`tp_runtime.cli.serve_torchrun_rank`)."""
+    sock = _listen(args.host, args.port)
+    signals = _Signals()
+    try:
+        # _ShutdownRequested: a signal during the load; what had started is shut down already.
+        with signals.installed(), contextlib.suppress(_ShutdownRequested):
+            _serve(args, sock, signals)
+        print("tp-runtime serve: shut down", flush=True)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket, signals: _Signals) -> None:
+    import transformers
+
+    from tp_runtime.engine.args import build_llm
+    from tp_runtime.server.cli import API_KEY_ENV
+
+    api_key = args.api_key  # check_serve resolved it: the flag, else the variable, else None
+    llm = build_llm(args)
+    engine = AsyncLLMEngine(llm.engine, shutdown_engine=llm.shutdown)
+    try:
+        config = llm.engine.config
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(config.model.path))
+        model_name = args.served_model_name or _model_name(args.model)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        if api_key is None and not ipaddress.ip_address(host).is_loopback:
+            print(
+                f"tp-runtime serve: warning: listening on {host}, reachable from other machines, without "
+                f"an API key; set --api-key (or ${API_KEY_ENV}) unless the network is yours alone",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+
+        def ready() -> None:
+            print(
+                f"tp-runtime serve: ready on http://{shown}:{port} (model {model_name}, TP "
+                f"{config.parallel.tensor_parallel_size}, max_model_len {config.model.max_model_len})",
+                flush=True,
+            )
+
+        app, begin_drain = build_app(engine, tokenizer, model_name=model_name, api_key=api_key,
+                                     on_ready=ready)  # fmt: skip
+        uv_config = uvicorn.Config(
+            app, host=host, port=port, log_level=args.log_level, access_log=args.access_log,
+            timeout_graceful_shutdown=args.shutdown_grace + DRAIN_MARGIN_S, ws="none", lifespan="on",
+        )  # fmt: skip
+        server = _DrainingServer(uv_config, begin_drain, args.shutdown_grace)
+        engine.start()
+        signals.server = server  # from here on a signal drains
+        server.run(sockets=[sock])
+    finally:
+        signals.stopping = True
+        # After a drain the engine is shut down already; otherwise (uvicorn failed, a signal before it
+        # served) this aborts whatever is left and stops the workers.
+        engine.shutdown(grace_s=0.0)
+
+
+def _model_name(model: str | None) -> str:
+    """What --model names: the value given, else the default model (its fallback without its package)."""
+    if model is not None:
+        return str(model)
+    from tp_runtime.models_catalog import DEFAULT_MODEL, FALLBACK_MODEL, smollm2_available
+
+    return DEFAULT_MODEL if smollm2_available() else FALLBACK_MODEL

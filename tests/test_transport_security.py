@@ -698,3 +698,41 @@ def test_torchrun_rank_0_notices_a_dead_or_stopped_rank(checkpoint: Path, tmp_pa
         for pid in pids.values():
             if alive(pid):
                 kill_quietly(pid)
+
+
+def test_a_peer_leaving_the_heartbeat_socket_does_not_make_a_rank_dead() -> None:
+    """The watchdog ties a closed connection to a rank by the descriptor its heartbeats arrive on: a peer
+    that is not a rank (across hosts the socket is TCP) connects, sends garbage and leaves, and no rank is
+    marked closed; a rank whose own connection closes is."""
+    from tp_runtime.ipc import Watchdog
+    from tp_runtime.serialize import HEARTBEATS, Signer
+
+    key = secrets.token_bytes(32)
+    ctx = zmq.Context()
+    watchdog = Watchdog(ctx, "tcp://127.0.0.1:0", key)
+    watchdog.watch([1, 2])
+    ranks = {}
+    try:
+        for rank in (1, 2):
+            push = ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(watchdog.address)
+            push.send(Signer(key, HEARTBEATS, rank).seal(b""))
+            ranks[rank] = push
+        deadline = time.monotonic() + 10
+        while len(watchdog._connection_of) < 2:  # both ranks' heartbeats read
+            assert time.monotonic() < deadline, "the watchdog read no heartbeat"
+            time.sleep(0.01)
+        outsider = ctx.socket(zmq.PUSH)
+        outsider.setsockopt(zmq.LINGER, 0)
+        outsider.connect(watchdog.address)
+        outsider.send(b"\x00" * 40)
+        outsider.close()
+        ranks[2].close()  # after the outsider: once rank 2's close is seen, the outsider's was too
+        while 2 not in watchdog.closed_at:
+            assert time.monotonic() < deadline, "rank 2's closed connection was not seen"
+            time.sleep(0.01)
+        assert list(watchdog.closed_at) == [2]
+    finally:
+        watchdog.stop()
+        ctx.destroy(linger=0)

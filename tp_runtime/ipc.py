@@ -12,6 +12,7 @@ import time
 import uuid
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from tp_runtime.config import EngineConfig
 from tp_runtime.errors import (
@@ -26,6 +27,7 @@ from tp_runtime.serialize import (
     BROADCAST,
     DRIVER_ID,
     FRAME_OVERHEAD,
+    HEARTBEAT_INTERVAL_S,
     HEARTBEATS,
     REPLIES,
     FrameReader,
@@ -35,7 +37,6 @@ from tp_runtime.serialize import (
     driver_message_codec,
     worker_reply_codec,
 )
-from tp_runtime.worker.worker import HEARTBEAT_INTERVAL_S
 
 # How often a blocked driver wakes to check that its workers are alive.
 LIVENESS_POLL_MS = 100
@@ -79,12 +80,20 @@ def bind_socket(sock: zmq.Socket[bytes], addr: str) -> str:
     return addr
 
 
+# The descriptor a received message came in on (ZMQ_SRCFD; deprecated in libzmq, still served).
+_SOURCE_FD = getattr(zmq, "SRCFD", 2)
+
+
 class Watchdog:
     """Driver side of the heartbeats: a thread with its own socket (so a main thread blocked in a
     collective, as torchrun's rank 0 can be, does not stop it) that notes each watched rank's last
     heartbeat and when a heartbeat connection closed. It publishes `silent` (rank -> seconds without a
     heartbeat, for ranks quiet over QUIET_S) and `lost` (silent ranks whose connection closed: dead),
-    recomputed after every read, so a backlog of unread heartbeats never looks like silence."""
+    recomputed after every read, so a backlog of unread heartbeats never looks like silence.
+
+    A closed connection counts only when it is a rank's: each authenticated heartbeat tells which
+    connection (file descriptor) the rank uses, and a disconnect event names the descriptor. A peer that
+    is not a rank (across hosts the socket is TCP) can connect and leave without making anyone "dead"."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, key: bytes) -> None:
         self.sock = ctx.socket(zmq.PULL)
@@ -101,7 +110,9 @@ class Watchdog:
         # watchdog ends the process when a watched rank is dead or silent and that call does not return.
         self.hard_exit = False
         self.busy_since: float | None = None
-        self.disconnected_at: float | None = None
+        self.disconnected_at: float | None = None  # the last time a rank's connection closed
+        self.closed_at: dict[int, float] = {}  # rank -> when its connection closed
+        self._connection_of: dict[int, int] = {}  # rank -> descriptor its heartbeats arrive on
         self._problem_since: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tp-runtime-watchdog", daemon=True)
@@ -129,8 +140,8 @@ class Watchdog:
                     self._read_heartbeats(now)
                 if self.monitor in ready:
                     while self.monitor.poll(0):
-                        self.monitor.recv_multipart()
-                    self.disconnected_at = now
+                        event = parse_monitor_message(self.monitor.recv_multipart())
+                        self._connection_closed(int(event["value"]), now)
                 self._judge(time.monotonic())
                 self.verifier.drops.flush()
         finally:
@@ -138,23 +149,32 @@ class Watchdog:
             self.monitor.close(linger=0)
             self.sock.close(linger=0)
 
+    def _connection_closed(self, fd: int, now: float) -> None:
+        ranks = [r for r, known in self._connection_of.items() if known == fd]
+        for rank in ranks:
+            del self._connection_of[rank]
+            self.closed_at[rank] = now
+            self.disconnected_at = now
+
     def _read_heartbeats(self, now: float) -> None:
         for _ in range(1000):  # a flood of garbage must not keep the verdicts from being updated
             try:
-                frame = self.sock.recv(zmq.NOBLOCK)
+                frame = self.sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             with contextlib.suppress(FrameRejected):
-                sender, _ = self.verifier.open(frame)
+                sender, _ = self.verifier.open(frame.bytes)
                 self.last_seen[sender] = now
+                with contextlib.suppress(zmq.ZMQError):
+                    self._connection_of[sender] = frame.get(_SOURCE_FD)
 
     def _judge(self, now: float) -> None:
         last_seen = self.last_seen
         silent = {r: now - last_seen[r] for r in self.watched if now - last_seen[r] > QUIET_S}
         self.silent = silent
-        t = self.disconnected_at
-        if t is not None and now - t > QUIET_S:
-            self.lost = [r for r in silent if last_seen[r] < t]
+        closed = self.closed_at
+        # Dead: silent, and its own connection closed (after its last heartbeat) long enough ago.
+        self.lost = [r for r in silent if now - closed.get(r, now) > QUIET_S and last_seen[r] < closed[r]]
         if self.hard_exit:
             self._end_job_if_stuck(now)
 

@@ -45,6 +45,9 @@ logger = logging.getLogger("tp_runtime.transport")
 BROADCAST = b"broadcast"  # driver -> every worker
 REPLIES = b"replies"  # workers -> driver
 HEARTBEATS = b"heartbeats"  # each worker's heartbeat thread -> driver's watchdog
+# Each worker sends an authenticated heartbeat this often (its own thread and socket), so the driver can
+# tell a stopped or hung rank from a slow step, and name it, even when its collectives block every rank.
+HEARTBEAT_INTERVAL_S = 0.5
 DRIVER_ID = 0xFFFF_FFFF  # sender id of the driver; workers use their rank
 
 _MAC_LEN = 32

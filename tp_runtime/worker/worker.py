@@ -45,6 +45,7 @@ from tp_runtime.models.registry import model_class
 from tp_runtime.serialize import (
     BROADCAST,
     DRIVER_ID,
+    HEARTBEAT_INTERVAL_S,
     HEARTBEATS,
     REPLIES,
     FrameReader,
@@ -61,9 +62,6 @@ from tp_runtime.worker.outputs import PendingOutput
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-# Each worker sends an authenticated heartbeat this often (its own thread and socket), so the driver can
-# tell a stopped or hung rank from a slow step, and name it, even when its collectives block every rank.
-HEARTBEAT_INTERVAL_S = 0.5
 # A torchrun worker whose driver's connection closed waits this long for a Shutdown message before it
 # concludes that the driver died and exits.
 _DRIVER_GONE_GRACE_S = 3.0

@@ -543,7 +543,8 @@ def _free_port() -> int:
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TP_RUNTIME_SECRET")}
-    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+    path = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)  # keep what was there
+    return {**env, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
 def _two_nodes(args: list[str], master: str, env0: dict[str, str], env1: dict[str, str]) -> list[Any]:

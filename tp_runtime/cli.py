@@ -150,9 +150,9 @@ def check_model(args: argparse.Namespace) -> Any:
 def serve_torchrun_rank(args: argparse.Namespace) -> None:
     """A rank > 0 of a torchrun job: instead of running the command, serve rank 0's driver as a worker
     (with the same engine options, so the same configuration) until it shuts down."""
-    from tp_runtime.executor.torchrun import run_torchrun_worker
+    from tp_runtime.executor.torchrun import serve_worker_rank
 
-    run_torchrun_worker(engine_args(args).create_engine_config())
+    serve_worker_rank(engine_args(args).create_engine_config())
 
 
 DEFAULT_PROMPT = "The capital of France is"

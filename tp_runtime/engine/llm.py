@@ -268,9 +268,9 @@ def _shutdown_at_exit(ref: weakref.WeakMethod[Any]) -> None:
 def run_torchrun_worker(model: str | os.PathLike[str], **options: Any) -> None:
     """Under torchrun, what every rank > 0 runs instead of `LLM(model, **options)`, with the same arguments:
     it serves rank 0's engine as a worker until rank 0 shuts it down. Rank 0 creates the LLM."""
-    from tp_runtime.executor.torchrun import run_torchrun_worker as serve
+    from tp_runtime.executor.torchrun import serve_worker_rank
 
-    serve(_engine_args(model, options).create_engine_config())
+    serve_worker_rank(_engine_args(model, options).create_engine_config())
 
 
 def _engine_args(model: str | os.PathLike[str], options: dict[str, Any]) -> EngineArgs:

@@ -281,7 +281,7 @@ def connect_torchrun_driver(config: EngineConfig) -> TorchrunExecutor:
     return executor
 
 
-def run_torchrun_worker(config: EngineConfig) -> None:
+def serve_worker_rank(config: EngineConfig) -> None:
     """A rank > 0 of a torchrun job: serve as a worker of rank 0's driver until it shuts down. Every rank
     must pass the same configuration (the same engine arguments) as rank 0."""
     rank = torchrun_rank()

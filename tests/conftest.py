@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import hashlib
 import json
 import os
 import shutil
+import signal
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +146,21 @@ def random_prompts(lengths: tuple[int, ...], vocab: int, seed: int = 1234) -> li
 def assert_same_tokens(got: list[list[int]], want: list[list[int]], prompts: list[list[int]]) -> None:
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g == w, f"prompt {i} (length {len(prompts[i])}): tp_runtime {g} != HF {w}"
+
+
+@contextlib.contextmanager
+def fail_on_hang(timeout_s: int, what: str = "test") -> Iterator[None]:
+    """Fail the test if it runs past timeout_s (SIGALRM); faulthandler ends the run if Python cannot."""
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        pytest.fail(f"{what} still running after {timeout_s} s (hang)", pytrace=True)
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(timeout_s)
+    faulthandler.dump_traceback_later(timeout_s + 60, exit=True)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        faulthandler.cancel_dump_traceback_later()

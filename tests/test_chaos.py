@@ -14,7 +14,6 @@ ROUNDS_BUDGET_S, so the test takes 2-3 minutes on 2 cores.
 
 from __future__ import annotations
 
-import faulthandler
 import functools
 import os
 import random
@@ -28,7 +27,7 @@ from typing import Any
 
 import pytest
 import zmq
-from conftest import hf_greedy, random_prompts
+from conftest import fail_on_hang, hf_greedy, random_prompts
 from test_faults import describe, kill_quietly, spawned_children, wait_gone
 
 from tp_runtime import LLM, SamplingParams
@@ -56,18 +55,8 @@ FATAL = ["sigkill", "sigstop"]
 
 @pytest.fixture(autouse=True)
 def hang_guard() -> Iterator[None]:
-    def on_alarm(signum: int, frame: Any) -> None:
-        pytest.fail(f"chaos test still running after {TEST_TIMEOUT_S} s (hang)")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(TEST_TIMEOUT_S)
-    faulthandler.dump_traceback_later(TEST_TIMEOUT_S + 60, exit=True)
-    try:
+    with fail_on_hang(TEST_TIMEOUT_S, "chaos test"):
         yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-        faulthandler.cancel_dump_traceback_later()
 
 
 class Round:

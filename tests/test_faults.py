@@ -9,7 +9,6 @@ thread's traceback) if the main thread is stuck where Python signal handlers can
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import os
 import pickle
 import queue
@@ -24,6 +23,7 @@ from typing import Any
 
 import pytest
 import zmq
+from conftest import fail_on_hang
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.errors import (
@@ -109,19 +109,10 @@ def kill_quietly(pid: int, sig: int = signal.SIGKILL) -> None:
 def hang_guard() -> Iterator[None]:
     """Fail a test that runs past TEST_TIMEOUT_S, and make sure it leaves no worker process behind."""
     before = spawned_children()
-
-    def on_alarm(signum: int, frame: Any) -> None:
-        pytest.fail(f"test still running after {TEST_TIMEOUT_S} s (hang)", pytrace=True)
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(TEST_TIMEOUT_S)
-    faulthandler.dump_traceback_later(TEST_TIMEOUT_S + 60, exit=True)
     try:
-        yield
+        with fail_on_hang(TEST_TIMEOUT_S):
+            yield
     finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-        faulthandler.cancel_dump_traceback_later()
         leftover = spawned_children() - before
         for pid in leftover:  # our own engine's workers: don't let them leak into later tests
             kill_quietly(pid)

@@ -16,7 +16,6 @@ never on timers racing the work.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import hmac
 import ipaddress
 import logging
@@ -36,7 +35,7 @@ from typing import Any
 
 import pytest
 import zmq
-from conftest import hf_greedy, random_prompts
+from conftest import fail_on_hang, hf_greedy, random_prompts
 from test_faults import alive, describe, kill_quietly, spawned_children, wait_gone
 
 from tp_runtime import LLM, SamplingParams
@@ -81,19 +80,8 @@ slow = pytest.mark.slow
 @pytest.fixture(autouse=True)
 def hang_guard() -> Iterator[None]:
     """Fail a test that runs past TEST_TIMEOUT_S; faulthandler ends the run if Python cannot."""
-
-    def on_alarm(signum: int, frame: Any) -> None:
-        pytest.fail(f"test still running after {TEST_TIMEOUT_S} s (hang)")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(TEST_TIMEOUT_S)
-    faulthandler.dump_traceback_later(TEST_TIMEOUT_S + 60, exit=True)
-    try:
+    with fail_on_hang(TEST_TIMEOUT_S):
         yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import hf_greedy
+from test_faults import alive, wait_gone
 
 from tp_runtime.config import CacheConfig, EngineConfig, ParallelConfig, build_model_config
 from tp_runtime.worker.process import SpawnArgs, encode_spawn_args, read_spawn_args
@@ -45,30 +46,6 @@ print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "pids": pids
 sys.stdin.read()
 print("done", flush=True)
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                    return True
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-    return False
-
-
-def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = [p for p in pids if _alive(p)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +102,7 @@ def run_flat_script(checkpoint: Path, tmp_path: Path) -> Iterator[Callable[[], _
             d.proc.kill()
             d.proc.wait()
         for pid in d.worker_pids:  # started (indirectly) by this test
-            if _alive(pid):
+            if alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
 
@@ -153,7 +130,7 @@ def test_flat_script_without_main_guard_runs_at_tp2(
     driver.proc.stdin.close()
     assert driver.proc.wait(timeout=60) == 0, driver.log.read_text()
     assert driver.lines.get(timeout=5).strip() == "done"
-    assert _wait_gone(driver.worker_pids, 10.0) == []
+    assert wait_gone(driver.worker_pids, 10.0) == []
     assert "Traceback" not in driver.log.read_text(), driver.log.read_text()
 
 
@@ -162,11 +139,11 @@ def test_killing_flat_script_driver_leaves_no_worker(run_flat_script: Callable[[
     driver = run_flat_script()
     ipc_dir = Path(str(driver.first_report()["ipc_dir"]))
     assert ipc_dir.is_dir()
-    assert all(_alive(p) for p in driver.worker_pids)
+    assert all(alive(p) for p in driver.worker_pids)
     os.kill(driver.proc.pid, signal.SIGKILL)
     driver.proc.wait(timeout=10)
     t0 = time.monotonic()
-    left = _wait_gone(driver.worker_pids, 5.0)
+    left = wait_gone(driver.worker_pids, 5.0)
     assert not left, f"workers {left} outlived their driver by {time.monotonic() - t0:.1f} s"
     assert not ipc_dir.exists(), "the ipc folder of the killed driver was left behind"
 

@@ -472,6 +472,7 @@ def test_engine_thread_surfaces_a_dead_engine(model_config: Any, tokenizer: Any)
 
     try:
         errors = asyncio.run(main())
+        async_engine._thread.join(60)  # the streams hear of the failure before the thread stops the engine
         assert isinstance(async_engine.error, WorkerDiedError) and executor.shut_down
         assert len({id(e) for e in errors}) == 3
         for error in errors:

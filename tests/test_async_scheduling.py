@@ -11,6 +11,7 @@ from __future__ import annotations
 import secrets
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,7 @@ from conftest import hf_greedy, random_prompts
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.config import CacheConfig, ParallelConfig, SchedulerConfig
+from tp_runtime.errors import StepTimeoutError
 from tp_runtime.executor.multiproc import MultiprocExecutor
 from tp_runtime.messages import (
     CachedRequests,
@@ -307,6 +309,21 @@ def test_an_outsider_subscriber_does_not_stand_in_for_a_rank() -> None:
             worker.join(timeout=5)
         outsider_ctx.destroy(linger=0)
     assert not worker.is_alive()
+
+
+def test_start_up_wait_is_bounded_by_the_step_timeout() -> None:
+    """A rank that never answers the start-up greeting (here: never started) ends initialize() with a
+    StepTimeoutError after step_timeout_s, naming the rank, and the executor is shut down."""
+    config = _StubConfig(True)
+    config.parallel = ParallelConfig(step_timeout_s=1.0)
+    executor = MultiprocExecutor(config)  # type: ignore[arg-type]
+    executor.workers.start = lambda init_method: None  # type: ignore[method-assign]
+    started = time.monotonic()
+    expected = r"rank\(s\) \[0\] did not start within 1 s \(step_timeout_s\)"
+    with pytest.raises(StepTimeoutError, match=expected):
+        executor.initialize()
+    assert time.monotonic() - started < 30
+    assert executor.workers.closed
 
 
 def test_driver_flushes_a_held_step_when_nothing_follows() -> None:

@@ -18,7 +18,6 @@ from tp_runtime.messages import (
 if TYPE_CHECKING:  # a local rank's pending step (in-process, torchrun rank 0)
     from tp_runtime.worker.outputs import PendingOutput
 
-STARTUP_TIMEOUT_S = 600.0
 CLOSED_MESSAGE = "the engine was shut down (after an error, or by shutdown()); create a new LLM"
 T = TypeVar("T")
 

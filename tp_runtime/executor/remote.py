@@ -14,7 +14,7 @@ from tp_runtime.errors import (
     StepTimeoutError,
     WorkerError,
 )
-from tp_runtime.executor.base import CLOSED_MESSAGE, STARTUP_TIMEOUT_S
+from tp_runtime.executor.base import CLOSED_MESSAGE
 from tp_runtime.ipc import LIVENESS_POLL_MS, DriverChannel, stalled_error
 from tp_runtime.messages import (
     DriverMessage,
@@ -233,7 +233,7 @@ class RemoteWorkers:
             if opened is not None:
                 self._handle(*opened, None)
 
-    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> dict[int, Any]:
+    def wait_ready(self, timeout_s: float) -> dict[int, Any]:
         """Greet the ranks until each has answered READY (its pid). A rank answers the first Hello that
         reaches it, so afterwards every rank's subscription to the broadcast works: no later broadcast is
         lost to a late subscriber, and a subscriber that is not a rank cannot stand in for one."""
@@ -245,7 +245,7 @@ class RemoteWorkers:
             if remaining <= 0:
                 raise StepTimeoutError(
                     f"rank(s) {sorted(expected.ranks - expected.results.keys())} did not start within "
-                    f"{timeout_s:g} s"
+                    f"{timeout_s:g} s (step_timeout_s); raise it if the ranks start this slowly"
                 )
             self.broadcast(Hello())
             done = lambda: len(expected.results) == len(expected.ranks)  # noqa: E731

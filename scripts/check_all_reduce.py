@@ -217,6 +217,11 @@ def main() -> int:
         if rank == 0:
             print_row(row, list(methods))
 
+    if symm is not None and symm.fuses_add_rms_norm:
+        norm_rows = check_add_rms_norm(symm, args, device, rank)
+        all_ok &= all(r["ok"] for r in norm_rows)
+        results.extend(norm_rows)
+
     # Every rank's verdict: a failure anywhere fails the run.
     ok_t = torch.tensor([1 if all_ok else 0], device=device)
     dist.all_reduce(ok_t, op=dist.ReduceOp.MIN)
@@ -247,13 +252,72 @@ def main() -> int:
     return 0 if all_ok else 1
 
 
+def check_add_rms_norm(
+    symm: SymmMemAllReduce, args: argparse.Namespace, device: torch.device, rank: int
+) -> list[dict[str, Any]]:
+    """The fused all-reduce + residual add + RMSNorm against the all-reduce followed by the add + RMSNorm
+    kernel (what the model runs without the fusion): outputs and residuals bit-equal, eager and from a
+    graph; then both timed in a graph (microseconds per call)."""
+    from tp_runtime.layers.fused_triton import rms_norm
+
+    eps = 1e-5
+
+    def fused(residual: torch.Tensor, weight: torch.Tensor) -> Fn:
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            out = symm.add_rms_norm(t, residual, weight, eps)
+            assert out is not None, "the fused path declined a message it took before"
+            return out
+
+        return fn
+
+    def unfused(residual: torch.Tensor, weight: torch.Tensor) -> Fn:
+        return lambda t: rms_norm(symm(t), weight, eps, residual)
+
+    rows_out: list[dict[str, Any]] = []
+    cases = [(d, r, h) for d in args.dtypes for h in args.hidden for r in args.rows]
+    for seed, (dname, rows, hidden) in enumerate(cases):
+        dtype = DTYPES[dname]
+        x = rank_input((rows, hidden), dtype, rank, 10_000 + seed).to(device)
+        residual = rank_input((rows, hidden), dtype, 999, 10_000 + seed).to(device)  # same on every rank
+        weight = rank_input((hidden,), dtype, 998, 10_000 + seed).to(device)
+        res_unfused = residual.clone()
+        want = unfused(res_unfused, weight)(x.clone())
+        res_fused = residual.clone()
+        if symm.add_rms_norm(x.clone(), res_fused.clone(), weight, eps) is None:
+            continue  # too large for the fused path
+        got = fused(res_fused, weight)(x.clone())
+        ok = torch.equal(got, want) and torch.equal(res_fused, res_unfused)
+        static_x, static_res = torch.zeros_like(x), residual.clone()
+        graph, out = in_graph(fused(static_res, weight), static_x)
+        static_x.copy_(x)
+        static_res.copy_(residual)
+        graph.replay()
+        ok &= torch.equal(out, want) and torch.equal(static_res, res_unfused)
+        del graph
+        row: dict[str, Any] = {"case": "all_reduce_add_rms_norm", "dtype": dname, "rows": rows,
+                               "hidden": hidden, "ok": bool(ok), "graph_us": {}}  # fmt: skip
+        if not args.no_timing:
+            z, r = torch.zeros_like(x), residual.clone()  # adding zero leaves the residual as it is
+            for name, fn in (("unfused", unfused(r, weight)), ("fused", fused(r, weight))):
+                calls, replays = args.graph_calls, args.replays
+                times = [time_graph(fn, z, calls, replays, device) for _ in range(args.repeats)]
+                row["graph_us"][name] = round(statistics.median(times), 2)
+        rows_out.append(row)
+        if rank == 0:
+            g = row["graph_us"]
+            timing = f"graph us: unfused {g['unfused']:.1f}, fused {g['fused']:.1f}" if g else ""
+            verdict = "equal" if ok else "DIFFERENT"
+            print(f"add_rms_norm {dname} {rows}x{hidden}: {verdict}  {timing}", flush=True)
+    return rows_out
+
+
 def suggest_thresholds(results: list[dict[str, Any]]) -> dict[str, int | None]:
     """From the graph timings: the largest size up to which one-shot beats two-shot at every size, and
     up to which the symmetric-memory path (the faster of the two) beats NCCL (None: not measured)."""
 
     def last_win(fast: Callable[[dict[str, float]], float | None], slow: str) -> int | None:
         best: int | None = None
-        for row in sorted(results, key=lambda r: r["bytes"]):
+        for row in sorted((r for r in results if "bytes" in r), key=lambda r: r["bytes"]):
             g = row["graph_us"]
             f = fast(g)
             if f is None or slow not in g:

@@ -130,7 +130,9 @@ def start_llm(checkpoint: Path) -> Iterator[Callable[..., LLM]]:
     engines: list[LLM] = []
 
     def start(**kwargs: Any) -> LLM:
-        kwargs = {"tensor_parallel_size": 2, "device": "cpu", "dtype": "float32", "executor": "multiprocess",
+        # TP_RUNTIME_TEST_DEVICE=cuda runs the same faults on two GPUs (NCCL) where there are some.
+        device = os.environ.get("TP_RUNTIME_TEST_DEVICE", "cpu")
+        kwargs = {"tensor_parallel_size": 2, "device": device, "dtype": "float32", "executor": "multiprocess",
                   "step_timeout_s": 60.0, **kwargs}  # fmt: skip
         llm = LLM(checkpoint, **kwargs)
         engines.append(llm)

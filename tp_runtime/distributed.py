@@ -62,6 +62,9 @@ _SYMM_MEM_SIZE_MULTIPLE = 4
 # The buffer is sized in multiples of this, so every dtype view of it is whole and 16-byte aligned.
 _BUFFER_ALIGN = 256
 _MAX_CACHED_VIEWS = 512
+# Rows (tokens) the fused all-reduce + add + RMSNorm takes at most; it needs one int32 flag per row and
+# rank in symmetric memory. Larger messages (prefill) reduce, then normalise.
+FUSED_NORM_MAX_ROWS = 1024
 
 STRATEGIES = ("auto", "nccl", "symm_mem")
 
@@ -104,6 +107,20 @@ class AllReduce(ABC):
     def describe(self) -> str:
         """One line for logs: the strategy and its limits."""
         return self.name
+
+    @property
+    def fuses_add_rms_norm(self) -> bool:
+        """Whether `add_rms_norm` can fuse at all (a model then leaves its row-parallel outputs unreduced
+        for the norm after them to sum)."""
+        return False
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor | None:
+        """weight * RMSNorm(all_reduce(x) + residual) in one kernel, `residual` updated in place to
+        all_reduce(x) + residual; None where this strategy cannot for this message (the caller then
+        reduces and normalises). The answer depends only on shapes and dtypes, so every rank agrees."""
+        return None
 
     def close(self) -> None:  # noqa: B027  (optional hook; most strategies hold nothing)
         """Release what the strategy holds (the symmetric buffer)."""
@@ -205,6 +222,46 @@ def _aligned16(t: torch.Tensor) -> bool:
     return (t.storage_offset() * t.element_size()) % 16 == 0
 
 
+@dataclass(frozen=True)
+class FusedNormBuffers:
+    """Where the fused all-reduce + add + RMSNorm (layers/allreduce_norm_triton.py) keeps its state: two
+    data regions and the flag slots, past the all-reduce's own bytes in every rank's symmetric buffer."""
+
+    data_ptrs: torch.Tensor  # int64 [world, 2]: each rank's two data regions
+    flag_ptrs: torch.Tensor  # int64 [world]: each rank's int32 [FUSED_NORM_MAX_ROWS, world] flags
+    epochs: torch.Tensor  # int32 [FUSED_NORM_MAX_ROWS]: this rank's calls per row
+    region_bytes: int
+    kernel: Callable[..., torch.Tensor]
+
+    @staticmethod
+    def extra_bytes(region_bytes: int, world_size: int) -> int:
+        return 2 * region_bytes + _aligned(FUSED_NORM_MAX_ROWS * world_size * 4)
+
+    @classmethod
+    def create(
+        cls, buffer_ptrs: list[int], offset: int, region_bytes: int, flags: torch.Tensor
+    ) -> FusedNormBuffers:
+        """`offset`: where the regions start in every rank's buffer; `flags`: this rank's flag bytes,
+        zeroed here (the caller makes sure every rank has done so before any calls)."""
+        from tp_runtime.layers.allreduce_norm_triton import allreduce_add_rms_norm
+
+        device = flags.device
+        data = [[base + offset, base + offset + region_bytes] for base in buffer_ptrs]
+        flags.zero_()
+        return cls(
+            data_ptrs=torch.tensor(data, dtype=torch.int64, device=device),
+            flag_ptrs=torch.tensor([base + offset + 2 * region_bytes for base in buffer_ptrs],
+                                   dtype=torch.int64, device=device),
+            epochs=torch.zeros(FUSED_NORM_MAX_ROWS, dtype=torch.int32, device=device),
+            region_bytes=region_bytes,
+            kernel=allreduce_add_rms_norm,
+        )  # fmt: skip
+
+
+def _aligned(nbytes: int) -> int:
+    return max(_BUFFER_ALIGN, -(-nbytes // _BUFFER_ALIGN) * _BUFFER_ALIGN)
+
+
 class SymmMemAllReduce(AllReduce):
     """All-reduce through one symmetric buffer for small messages, `fallback` (NCCL) for the rest.
 
@@ -236,6 +293,8 @@ class SymmMemAllReduce(AllReduce):
         one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES,
         two_shot_max_bytes: int = TWO_SHOT_MAX_BYTES,
         handle: Any = None,
+        fused_norm: FusedNormBuffers | None = None,
+        rank: int = 0,
     ) -> None:
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise ValueError("internal: the symmetric buffer must be a 1-d uint8 tensor")
@@ -250,6 +309,8 @@ class SymmMemAllReduce(AllReduce):
         self.one_shot_max_bytes = one_shot_max_bytes
         self.two_shot_max_bytes = two_shot_max_bytes
         self._handle = handle  # keeps the rendezvous (peer mappings) alive with the buffer
+        self.fused_norm = fused_norm
+        self.rank = rank  # this rank's index among the buffers (the group rank)
         # The two-shot "out" kernel exists for these world sizes only; others reduce in place + copy.
         self._two_shot_out_ok = ops.two_shot_out is not None and world_size in (2, 4, 8)
         self._flat = {dt: buffer.view(dt) for dt in SYMM_MEM_DTYPES}
@@ -280,8 +341,10 @@ class SymmMemAllReduce(AllReduce):
             raise RuntimeError("the default process group is not initialised")
         group_name = str(pg.group_name)
         world_size = dist.get_world_size(pg)
-        capacity = min(max_message_bytes, MAX_SYMM_BUFFER_BYTES)
-        capacity = max(_BUFFER_ALIGN, -(-capacity // _BUFFER_ALIGN) * _BUFFER_ALIGN)
+        capacity = _aligned(min(max_message_bytes, MAX_SYMM_BUFFER_BYTES))
+        # Past the all-reduce's bytes: the fused all-reduce + add + RMSNorm's, where Triton can run.
+        fuse = _triton_available()
+        extra = FusedNormBuffers.extra_bytes(capacity, world_size) if fuse else 0
         # Older torch needs the group registered first; newer torch deprecates the call (harmless).
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         is_enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
@@ -289,10 +352,18 @@ class SymmMemAllReduce(AllReduce):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 enable(group_name)
-        buffer = symm_mem.empty(capacity, dtype=torch.uint8, device=device)
-        handle = symm_mem.rendezvous(buffer, group_name)
+        whole = symm_mem.empty(capacity + extra, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(whole, group_name)
+        fused_norm = None
+        if fuse:
+            fused_norm = FusedNormBuffers.create(
+                list(handle.buffer_ptrs), capacity, capacity, whole[capacity + 2 * capacity :]
+            )
+            # Every rank's flags are zero before any rank signals.
+            torch.cuda.synchronize(device)
+            dist.barrier(group=pg)
         impl = cls(
-            buffer,
+            whole[:capacity],
             group_name,
             world_size,
             fallback if fallback is not None else DistAllReduce(group),
@@ -300,6 +371,8 @@ class SymmMemAllReduce(AllReduce):
             one_shot_max_bytes=one_shot_max_bytes,
             two_shot_max_bytes=two_shot_max_bytes,
             handle=handle,
+            fused_norm=fused_norm,
+            rank=dist.get_rank(pg),
         )
         impl.self_test(dist.get_rank(pg))
         return impl
@@ -322,6 +395,17 @@ class SymmMemAllReduce(AllReduce):
                     f"symmetric-memory {method} all-reduce self-test gave {got[:4].tolist()}..., "
                     f"expected {expected}"
                 )
+        if self.fused_norm is not None:
+            # Row counts 3, 2, 3: both data regions, and rows whose call counts differ.
+            for rows in (3, 2, 3):
+                x = torch.full((rows, 64), float(rank + 1), dtype=torch.float32, device=device)
+                weight = torch.linspace(0.5, 2.0, 64, device=device)
+                residual = torch.ones_like(x)
+                out = self.add_rms_norm(x, residual, weight, 1e-6)
+                summed = torch.full_like(x, expected + 1.0)
+                want = weight * summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6)
+                if out is None or not torch.equal(residual, summed) or not torch.allclose(out, want):
+                    raise RuntimeError("the fused all-reduce + add + RMSNorm self-test gave a wrong result")
 
     # -- per call -----------------------------------------------------------------------------------------
 
@@ -397,6 +481,30 @@ class SymmMemAllReduce(AllReduce):
         x.copy_(symm)
         return x
 
+    @property
+    def fuses_add_rms_norm(self) -> bool:
+        return self.fused_norm is not None
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor | None:
+        f = self.fused_norm
+        if (
+            f is None
+            or x.dim() != 2
+            or x.shape[0] > FUSED_NORM_MAX_ROWS
+            or x.numel() * x.element_size() > f.region_bytes
+            or not x.is_floating_point()
+            or residual.shape != x.shape
+            or x.stride(1) != 1
+            or residual.stride(1) != 1
+        ):
+            return None
+        return f.kernel(
+            x, residual, weight, eps, rank=self.rank, world_size=self.world_size,
+            data_ptrs=f.data_ptrs, flag_ptrs=f.flag_ptrs, epochs=f.epochs,
+        )  # fmt: skip
+
     def describe(self) -> str:
         one = f"one-shot <= {self.one_shot_max_bytes}" if self.ops.has_one_shot else "no one-shot"
         two = (
@@ -404,20 +512,30 @@ class SymmMemAllReduce(AllReduce):
             if self.ops.has_two_shot and self.two_shot_max_bytes > self.one_shot_max_bytes
             else "no two-shot"
         )
+        fused = "; fused all-reduce + add + RMSNorm" if self.fused_norm is not None else ""
         return (
             f"symm_mem ({one} B, {two} B, buffer {self.capacity_bytes} B, "
-            f"float32/bfloat16; else {self.fallback.name})"
+            f"float32/bfloat16; else {self.fallback.name}{fused})"
         )
 
     def close(self) -> None:
         self._flat.clear()
         self._views.clear()
+        self.fused_norm = None
         self._handle = None
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Choosing a strategy at start-up
 # ---------------------------------------------------------------------------------------------------------
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _local_symm_mem_problem(device: torch.device) -> str | None:

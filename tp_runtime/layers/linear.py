@@ -156,7 +156,13 @@ class RowParallelLinear(nn.Module):
     def _load_bias(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
         _copy_checked(param.data, source.full(), type(self).__name__)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """`reduce=False`: this rank's partial sum, for a caller that all-reduces it inside the next
+        kernel (a layer without bias only: the bias is added once, after the sum)."""
+        if not reduce:
+            if self.bias is not None:
+                raise ValueError("internal: a row-parallel layer with a bias must reduce its output")
+            return F.linear(x, self.weight)
         y = self.tp.all_reduce(F.linear(x, self.weight))
         if self.bias is not None:
             y = y + self.bias

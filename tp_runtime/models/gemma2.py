@@ -45,8 +45,8 @@ class Gemma2Attention(LlamaAttention):
 
 
 class Gemma2MLP(LlamaMLP):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x), self.fused))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x), self.fused), reduce)
 
 
 class Gemma2DecoderLayer(nn.Module):

@@ -64,7 +64,9 @@ class LlamaAttention(nn.Module):
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        reduce: bool = True,
     ) -> torch.Tensor:
+        """`reduce=False`: the output projection's partial sum on this rank (see reduce_add_norm)."""
         n = hidden.shape[0]
         q, k, v = self.project_qkv(hidden)
         if self.fused:
@@ -79,7 +81,7 @@ class LlamaAttention(nn.Module):
         out = paged_attention(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window, softcap=self.softcap
         )
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim), reduce)
 
     def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:
         c = self.config
@@ -106,8 +108,8 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, tp, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused), reduce)
 
     def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:
         h, i = self.config.hidden_size, self.config.intermediate_size
@@ -120,6 +122,19 @@ class LlamaMLP(nn.Module):
             yield f"{prefix}down_proj.bias", (h,), self.down_proj.bias, 0
 
 
+def reduce_add_norm(
+    tp: TPGroup, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, partial: bool
+) -> torch.Tensor:
+    """norm(x + residual), the residual updated in place; a `partial` x is first summed over the ranks, in
+    the same kernel when the all-reduce strategy can (TPGroup.strategy.add_rms_norm)."""
+    if partial:
+        fused = tp.strategy.add_rms_norm(x, residual, norm.weight, norm.eps)
+        if fused is not None:
+            return fused
+        x = tp.all_reduce(x)
+    return norm(x, residual)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -129,8 +144,13 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         fused: bool,
+        tp: TPGroup,
     ) -> None:
         super().__init__()
+        self.tp = tp
+        # Set by the model when every layer can: the row-parallel outputs leave unreduced and the norm
+        # after each sums them (one kernel for all-reduce + residual add + RMSNorm).
+        self.reduce_in_norm = False
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
@@ -147,13 +167,16 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual-stream form: returns (this layer's MLP output, the residual before it); their sum is
         the layer's output, added by the next norm (same additions as transformers, in the same order)."""
+        partial = self.reduce_in_norm
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
-            hidden = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
-        hidden = self.post_attention_layernorm(hidden, residual)
+            hidden = reduce_add_norm(self.tp, self.input_layernorm, hidden, residual, partial)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta, reduce=not partial)
+        hidden = reduce_add_norm(self.tp, self.post_attention_layernorm, hidden, residual, partial)
+        if partial:
+            return cast(LlamaMLP, self.mlp)(hidden, reduce=False), residual
         return self.mlp(hidden), residual
 
 
@@ -198,9 +221,20 @@ class LlamaForCausalLM(nn.Module):
                 dtype,
                 device,
                 fused,
+                tp,
             )
             for i in range(cfg.num_layers)
         ]
+        self.tp = tp
+        # Fusing each all-reduce into the norm after it needs dense layers whose row-parallel outputs
+        # have no bias (the bias would be added before the sum) and a strategy that fuses.
+        self.reduce_in_norm = (
+            tp.strategy.fuses_add_rms_norm
+            and not cfg.o_proj_bias
+            and all(type(layer.mlp) is LlamaMLP and layer.mlp.down_proj.bias is None for layer in layers)
+        )
+        for layer in layers:
+            layer.reduce_in_norm = self.reduce_in_norm
         self.model = LlamaModel(cfg, tp, dtype, device, fused, layers)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         if cfg.tie_word_embeddings:
@@ -228,7 +262,9 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
-        return self.model.norm(hidden, residual)
+        if residual is None:  # no layers
+            return self.model.norm(hidden)
+        return reduce_add_norm(self.tp, self.model.norm, hidden, residual, self.reduce_in_norm)
 
     def decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads on this rank: every parameter but the input embedding table,

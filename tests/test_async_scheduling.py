@@ -311,15 +311,15 @@ def test_an_outsider_subscriber_does_not_stand_in_for_a_rank() -> None:
     assert not worker.is_alive()
 
 
-def test_start_up_wait_is_bounded_by_the_step_timeout() -> None:
+def test_start_up_wait_is_bounded_by_the_startup_timeout() -> None:
     """A rank that never answers the start-up greeting (here: never started) ends initialize() with a
-    StepTimeoutError after step_timeout_s, naming the rank, and the executor is shut down."""
+    StepTimeoutError after startup_timeout_s, naming the rank, and the executor is shut down."""
     config = _StubConfig(True)
-    config.parallel = ParallelConfig(step_timeout_s=1.0)
+    config.parallel = ParallelConfig(startup_timeout_s=1.0)
     executor = MultiprocExecutor(config)  # type: ignore[arg-type]
     executor.workers.start = lambda init_method: None  # type: ignore[method-assign]
     started = time.monotonic()
-    expected = r"rank\(s\) \[0\] did not start within 1 s \(step_timeout_s\)"
+    expected = r"rank\(s\) \[0\] did not start within 1 s \(startup_timeout_s\)"
     with pytest.raises(StepTimeoutError, match=expected):
         executor.initialize()
     assert time.monotonic() - started < 30

@@ -95,6 +95,8 @@ class ParallelConfig:
     executor: str = "auto"
     # Seconds a single step or control call may take before the driver gives up.
     step_timeout_s: float = 300.0
+    # Seconds the ranks may take to start, load the model and greet the driver.
+    startup_timeout_s: float = 600.0
     # Host the torchrun driver binds its sockets on (MASTER_ADDR); spawned workers always use loopback/ipc.
     driver_host: str = "127.0.0.1"
     # Busy-poll a socket this long before blocking on it, to save the wake-up latency of each hop.
@@ -124,6 +126,8 @@ class ParallelConfig:
             raise ConfigError(f"executor must be auto|inprocess|multiprocess|torchrun, got {self.executor!r}")
         if self.step_timeout_s <= 0:
             raise ConfigError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
+        if self.startup_timeout_s <= 0:
+            raise ConfigError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
 
 
 @dataclass(frozen=True)

@@ -139,6 +139,12 @@ class EngineArgs:
     step_timeout_s: float = field(
         default=300.0, metadata=meta(help="seconds a step may take", flag="--step-timeout", above=0.0)
     )
+    startup_timeout_s: float = field(
+        default=600.0,
+        metadata=meta(
+            help="seconds the ranks may take to start and load the model", flag="--startup-timeout", above=0.0
+        ),
+    )
     executor: ExecutorKind = field(
         default="auto",
         metadata=meta(
@@ -221,7 +227,8 @@ class EngineArgs:
             model=model_config,
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, executor=self.executor,
-                step_timeout_s=self.step_timeout_s, driver_host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                step_timeout_s=self.step_timeout_s, startup_timeout_s=self.startup_timeout_s,
+                driver_host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                 all_reduce=self.all_reduce,
             ),
             cache=CacheConfig(

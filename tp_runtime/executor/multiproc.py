@@ -164,7 +164,7 @@ class MultiprocExecutor:
         init_method = f"file://{self.ipc_dir}/process-group-store" if tp > 1 else None
         try:
             self.workers.start(init_method)
-            self.workers.wait_ready(self.config.parallel.step_timeout_s)
+            self.workers.wait_ready(self.config.parallel.startup_timeout_s)
             return size_kv_cache(self)
         except BaseException:
             self.shutdown(grace_s=0.5)

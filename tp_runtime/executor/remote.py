@@ -245,7 +245,7 @@ class RemoteWorkers:
             if remaining <= 0:
                 raise StepTimeoutError(
                     f"rank(s) {sorted(expected.ranks - expected.results.keys())} did not start within "
-                    f"{timeout_s:g} s (step_timeout_s); raise it if the ranks start this slowly"
+                    f"{timeout_s:g} s (startup_timeout_s); raise it if the ranks start this slowly"
                 )
             self.broadcast(Hello())
             done = lambda: len(expected.results) == len(expected.ranks)  # noqa: E731

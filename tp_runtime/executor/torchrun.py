@@ -89,7 +89,7 @@ class TorchrunExecutor:
 
     def initialize(self) -> int:
         try:
-            self.remote.wait_ready(self.config.parallel.step_timeout_s)
+            self.remote.wait_ready(self.config.parallel.startup_timeout_s)
             return size_kv_cache(self)
         except BaseException:
             self.shutdown()

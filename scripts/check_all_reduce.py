@@ -252,11 +252,16 @@ def main() -> int:
     return 0 if all_ok else 1
 
 
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
 def check_add_rms_norm(
     symm: SymmMemAllReduce, args: argparse.Namespace, device: torch.device, rank: int
 ) -> list[dict[str, Any]]:
     """The fused all-reduce + residual add + RMSNorm against the all-reduce followed by the add + RMSNorm
-    kernel (what the model runs without the fusion): outputs and residuals bit-equal, eager and from a
+    kernel (what the model runs without the fusion): outputs and residuals bit-equal at 2 ranks (beyond,
+    torch's kernels may round a bf16 sum after each addition, the fused one once), eager and from a
     graph; then both timed in a graph (microseconds per call)."""
     from tp_runtime.layers.fused_triton import rms_norm
 
@@ -277,6 +282,8 @@ def check_add_rms_norm(
     cases = [(d, r, h) for d in args.dtypes for h in args.hidden for r in args.rows]
     for seed, (dname, rows, hidden) in enumerate(cases):
         dtype = DTYPES[dname]
+        barrier(device)  # no rank still runs a call of the last case's row layout
+        symm.reset_fused_layout()
         x = rank_input((rows, hidden), dtype, rank, 10_000 + seed).to(device)
         residual = rank_input((rows, hidden), dtype, 999, 10_000 + seed).to(device)  # same on every rank
         weight = rank_input((hidden,), dtype, 998, 10_000 + seed).to(device)
@@ -286,13 +293,15 @@ def check_add_rms_norm(
         if symm.add_rms_norm(x.clone(), res_fused.clone(), weight, eps) is None:
             continue  # too large for the fused path
         got = fused(res_fused, weight)(x.clone())
-        ok = torch.equal(got, want) and torch.equal(res_fused, res_unfused)
+        exact = symm.world_size == 2 or dtype == torch.float32
+        same = torch.equal if exact else _close
+        ok = same(got, want) and same(res_fused, res_unfused)
         static_x, static_res = torch.zeros_like(x), residual.clone()
         graph, out = in_graph(fused(static_res, weight), static_x)
         static_x.copy_(x)
         static_res.copy_(residual)
         graph.replay()
-        ok &= torch.equal(out, want) and torch.equal(static_res, res_unfused)
+        ok &= same(out, want) and same(static_res, res_unfused)
         del graph
         row: dict[str, Any] = {"case": "all_reduce_add_rms_norm", "dtype": dname, "rows": rows,
                                "hidden": hidden, "ok": bool(ok), "graph_us": {}}  # fmt: skip

@@ -32,6 +32,7 @@ from tp_runtime.distributed import (
     ONE_SHOT,
     TWO_SHOT,
     DistAllReduce,
+    FusedNormBuffers,
     IdentityAllReduce,
     SymmMemAllReduce,
     SymmMemOps,
@@ -185,6 +186,46 @@ def _fake_strategy(
     fb = CountingFallback()
     s = SymmMemAllReduce(buffer, "g", world, fb, ops, one_shot_max_bytes=4 * KiB, two_shot_max_bytes=32 * KiB)
     return s, k, fb
+
+
+def test_fused_add_rms_norm_declines_what_it_cannot_take_safely() -> None:
+    """The fused all-reduce + add + RMSNorm runs only for 2-d rows within its row and byte limits, and
+    only in the row layout (width, dtype) of its first call until reset_fused_layout(); otherwise it
+    declines (None) and the model reduces, then normalises. Plain strategies never fuse."""
+    calls: list[tuple[tuple[int, ...], torch.dtype, int, int]] = []
+
+    def kernel(x: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        calls.append((tuple(x.shape), x.dtype, kw["rank"], kw["world_size"]))
+        return torch.zeros_like(x)
+
+    i64 = torch.zeros(2, dtype=torch.int64)
+    fused = FusedNormBuffers(i64, i64, torch.zeros(8, dtype=torch.int32), region_bytes=4 * KiB, max_rows=8,
+                             kernel=kernel)  # fmt: skip
+    s, _, _ = _fake_strategy()
+    s = SymmMemAllReduce(s.buffer, "g", 2, s.fallback, s.ops, fused_norm=fused, rank=1)
+    assert s.fuses_add_rms_norm and not DistAllReduce().fuses_add_rms_norm
+    assert DistAllReduce().add_rms_norm(torch.ones(1, 4), torch.ones(1, 4), torch.ones(4), 1e-6) is None
+    w = torch.ones(64)
+
+    def run(x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+        r = torch.zeros_like(x) if residual is None else residual
+        return s.add_rms_norm(x, r, w[: x.shape[-1]], 1e-6) is not None
+
+    assert run(torch.ones(4, 64))  # 1 KiB: fits; fixes the layout (64, float32)
+    assert calls == [((4, 64), torch.float32, 1, 2)]
+    assert not run(torch.ones(9, 64))  # more rows than the flags hold
+    assert not run(torch.ones(4, 48))  # another width
+    assert not run(torch.ones(4, 64, dtype=torch.bfloat16))  # other dtype
+    assert not run(torch.ones(64))  # not rows
+    assert not run(torch.ones(4, 64), torch.zeros(4, 32))  # residual of another shape
+    assert not run(torch.ones(64, 4).t())  # columns not contiguous
+    assert run(torch.ones(8, 64))  # the first layout again
+    s.reset_fused_layout()
+    assert not run(torch.ones(8, 256))  # 8 KiB: more than a data region
+    assert run(torch.ones(2, 256)) and calls[-1][0] == (2, 256)  # a new layout once reset
+    assert not run(torch.ones(2, 64))
+    s.close()
+    assert not s.fuses_add_rms_norm and not run(torch.ones(2, 256))
 
 
 def _values(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

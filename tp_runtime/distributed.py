@@ -53,7 +53,8 @@ TWO_SHOT_MAX_BYTES = 8 << 20
 # kernel above (measured on one H200, in a graph: fused 3.9 vs 4.7 us at 8 KiB, 5.3 vs 6.0 at 256 KiB;
 # 10.3 vs 9.3 us at 2 MiB, 16.6 vs 13.5 at 4 MiB). Matters only if ONE_SHOT_MAX_BYTES is raised.
 ONE_SHOT_FUSED_COPY_MAX_BYTES = 512 << 10
-# The symmetric buffer never exceeds this (the caller's max_message_bytes is capped to it).
+# The all-reduce's part of the symmetric buffer never exceeds this (the caller's max_message_bytes is
+# capped to it); the fused all-reduce + add + RMSNorm adds two regions of the same size and its flags.
 MAX_SYMM_BUFFER_BYTES = 8 << 20
 # Dtypes torch's symmetric-memory all-reduce kernels implement (float16 is not among them).
 SYMM_MEM_DTYPES = (torch.bfloat16, torch.float32)
@@ -62,8 +63,9 @@ _SYMM_MEM_SIZE_MULTIPLE = 4
 # The buffer is sized in multiples of this, so every dtype view of it is whole and 16-byte aligned.
 _BUFFER_ALIGN = 256
 _MAX_CACHED_VIEWS = 512
-# Rows (tokens) the fused all-reduce + add + RMSNorm takes at most; it needs one int32 flag per row and
-# rank in symmetric memory. Larger messages (prefill) reduce, then normalise.
+# Rows (tokens) the fused all-reduce + add + RMSNorm takes at most (and no more than the GPU has SMs, so
+# its one-program-per-row grid is resident at once: each program waits for its peers' same row); it needs
+# one int32 flag per row and rank in symmetric memory. Larger messages (prefill) reduce, then normalise.
 FUSED_NORM_MAX_ROWS = 1024
 
 STRATEGIES = ("auto", "nccl", "symm_mem")
@@ -229,8 +231,9 @@ class FusedNormBuffers:
 
     data_ptrs: torch.Tensor  # int64 [world, 2]: each rank's two data regions
     flag_ptrs: torch.Tensor  # int64 [world]: each rank's int32 [FUSED_NORM_MAX_ROWS, world] flags
-    epochs: torch.Tensor  # int32 [FUSED_NORM_MAX_ROWS]: this rank's calls per row
+    epochs: torch.Tensor  # int32 [max_rows]: this rank's calls per row
     region_bytes: int
+    max_rows: int
     kernel: Callable[..., torch.Tensor]
 
     @staticmethod
@@ -246,14 +249,17 @@ class FusedNormBuffers:
         from tp_runtime.layers.allreduce_norm_triton import allreduce_add_rms_norm
 
         device = flags.device
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+        max_rows = min(FUSED_NORM_MAX_ROWS, sms or FUSED_NORM_MAX_ROWS)
         data = [[base + offset, base + offset + region_bytes] for base in buffer_ptrs]
         flags.zero_()
         return cls(
             data_ptrs=torch.tensor(data, dtype=torch.int64, device=device),
             flag_ptrs=torch.tensor([base + offset + 2 * region_bytes for base in buffer_ptrs],
                                    dtype=torch.int64, device=device),
-            epochs=torch.zeros(FUSED_NORM_MAX_ROWS, dtype=torch.int32, device=device),
+            epochs=torch.zeros(max_rows, dtype=torch.int32, device=device),
             region_bytes=region_bytes,
+            max_rows=max_rows,
             kernel=allreduce_add_rms_norm,
         )  # fmt: skip
 
@@ -311,6 +317,10 @@ class SymmMemAllReduce(AllReduce):
         self._handle = handle  # keeps the rendezvous (peer mappings) alive with the buffer
         self.fused_norm = fused_norm
         self.rank = rank  # this rank's index among the buffers (the group rank)
+        # The (row width, dtype) the fused path lays rows out by. A row's bytes are protected by its call
+        # count only while the layout stays the same, so another layout is declined until
+        # reset_fused_layout() (after every rank has synchronised).
+        self._fused_layout: tuple[int, torch.dtype] | None = None
         # The two-shot "out" kernel exists for these world sizes only; others reduce in place + copy.
         self._two_shot_out_ok = ops.two_shot_out is not None and world_size in (2, 4, 8)
         self._flat = {dt: buffer.view(dt) for dt in SYMM_MEM_DTYPES}
@@ -375,6 +385,16 @@ class SymmMemAllReduce(AllReduce):
             rank=dist.get_rank(pg),
         )
         impl.self_test(dist.get_rank(pg))
+        if impl.fused_norm is not None:
+            problem = impl.fused_self_test_problem(dist.get_rank(pg))
+            if not _all_ranks_ok(problem is None, pg):
+                # The plain symmetric-memory all-reduce still serves; every rank drops the fusion.
+                logger.warning("fused all-reduce + add + RMSNorm disabled: %s", problem or "failed on a peer")
+                impl.fused_norm = None
+            else:
+                torch.cuda.synchronize(device)
+                dist.barrier(group=pg)
+                impl.reset_fused_layout()
         return impl
 
     def self_test(self, rank: int) -> None:
@@ -395,17 +415,35 @@ class SymmMemAllReduce(AllReduce):
                     f"symmetric-memory {method} all-reduce self-test gave {got[:4].tolist()}..., "
                     f"expected {expected}"
                 )
-        if self.fused_norm is not None:
-            # Row counts 3, 2, 3: both data regions, and rows whose call counts differ.
-            for rows in (3, 2, 3):
-                x = torch.full((rows, 64), float(rank + 1), dtype=torch.float32, device=device)
-                weight = torch.linspace(0.5, 2.0, 64, device=device)
+
+    def fused_self_test_problem(self, rank: int) -> str | None:
+        """Run the fused all-reduce + add + RMSNorm on known values; what went wrong, or None. Rows of 64
+        float32 (sized to fit the smallest region); row counts 3, 2, 3 use both data regions and rows whose
+        call counts differ."""
+        f = self.fused_norm
+        if f is None:
+            return "not set up"
+        n, device = 64, self.buffer.device
+        expected = float(sum(range(1, self.world_size + 1)))
+        most = max(1, min(3, f.max_rows, f.region_bytes // (n * 4)))
+        try:
+            for rows in (most, max(1, most - 1), most):
+                x = torch.full((rows, n), float(rank + 1), dtype=torch.float32, device=device)
+                weight = torch.linspace(0.5, 2.0, n, device=device)
                 residual = torch.ones_like(x)
                 out = self.add_rms_norm(x, residual, weight, 1e-6)
                 summed = torch.full_like(x, expected + 1.0)
                 want = weight * summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6)
                 if out is None or not torch.equal(residual, summed) or not torch.allclose(out, want):
-                    raise RuntimeError("the fused all-reduce + add + RMSNorm self-test gave a wrong result")
+                    return "its self-test gave a wrong result"
+        except Exception as exc:  # a Triton compile error, say: fall back to the unfused path
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def reset_fused_layout(self) -> None:
+        """Let the fused path take a new row layout. Only once no rank still runs an earlier fused call
+        (every rank synchronised its device and passed a barrier)."""
+        self._fused_layout = None
 
     # -- per call -----------------------------------------------------------------------------------------
 
@@ -492,13 +530,18 @@ class SymmMemAllReduce(AllReduce):
         if (
             f is None
             or x.dim() != 2
-            or x.shape[0] > FUSED_NORM_MAX_ROWS
+            or x.shape[0] > f.max_rows
             or x.numel() * x.element_size() > f.region_bytes
             or not x.is_floating_point()
             or residual.shape != x.shape
             or x.stride(1) != 1
             or residual.stride(1) != 1
         ):
+            return None
+        layout = (x.shape[1], x.dtype)
+        if self._fused_layout is None:
+            self._fused_layout = layout
+        elif layout != self._fused_layout:
             return None
         return f.kernel(
             x, residual, weight, eps, rank=self.rank, world_size=self.world_size,

@@ -157,6 +157,8 @@ class MultiprocExecutor:
         self._shut_down = False
         self.last_step_timings: dict[str, float] = {}
         self._last_sent_step: int | None = None  # a step with nothing sent after it yet
+        # Control calls of the start-up (KV-cache sizing: a profiling forward, compiles) are start-up.
+        self._control_timeout_s = config.parallel.startup_timeout_s
 
     def initialize(self) -> int:
         tp = self.config.parallel.tensor_parallel_size
@@ -165,7 +167,9 @@ class MultiprocExecutor:
         try:
             self.workers.start(init_method)
             self.workers.wait_ready(self.config.parallel.startup_timeout_s)
-            return size_kv_cache(self)
+            num_blocks = size_kv_cache(self)
+            self._control_timeout_s = self.config.parallel.step_timeout_s
+            return num_blocks
         except BaseException:
             self.shutdown(grace_s=0.5)
             raise
@@ -212,7 +216,7 @@ class MultiprocExecutor:
             self.workers.broadcast(ControlCall(call_id, method, list(args or [])))
             self._last_sent_step = None
             ranks = set(self.workers.remote_ranks)
-            results = self.workers.wait_replies(call_id, "result", ranks, self.config.parallel.step_timeout_s)
+            results = self.workers.wait_replies(call_id, "result", ranks, self._control_timeout_s)
             return [results[r] for r in sorted(results)]
 
         return self._guarded(run)

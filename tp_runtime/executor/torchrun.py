@@ -86,11 +86,15 @@ class TorchrunExecutor:
         self._shut_down = False
         self.last_step_timings: dict[str, float] = {}
         self.pending = PendingSteps()
+        # Control calls of the start-up (KV-cache sizing: a profiling forward, compiles) are start-up.
+        self._control_timeout_s = config.parallel.startup_timeout_s
 
     def initialize(self) -> int:
         try:
             self.remote.wait_ready(self.config.parallel.startup_timeout_s)
-            return size_kv_cache(self)
+            num_blocks = size_kv_cache(self)
+            self._control_timeout_s = self.config.parallel.step_timeout_s
+            return num_blocks
         except BaseException:
             self.shutdown()
             raise
@@ -147,7 +151,7 @@ class TorchrunExecutor:
             self.remote.broadcast(ControlCall(call_id, method, list(args or [])))
             local = self._local(lambda: self.worker.call(method, list(args or [])))
             results = self.remote.wait_replies(
-                call_id, "result", set(self.remote.remote_ranks), self.config.parallel.step_timeout_s
+                call_id, "result", set(self.remote.remote_ranks), self._control_timeout_s
             )
             return [local] + [results[r] for r in sorted(results)]
 

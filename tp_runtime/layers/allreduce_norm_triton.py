@@ -18,7 +18,10 @@ data regions by the parity of that count, so a call never needs a closing barrie
 
 Counts are int32 and compared by wrapping difference, so they may overflow. Every rank must make the same
 sequence of fused calls with the same row counts, which tensor parallelism guarantees (the layers run the
-same shapes on every rank). Only CUDA runs it across GPUs; `TRITON_INTERPRET=1` runs it on CPU tensors,
+same shapes on every rank). The argument holds per row only while rows keep their byte range: one row
+width and dtype (SymmMemAllReduce declines another layout until every rank has synchronised). A program
+waits for the same row's program on each peer, so the grid must be resident at once: at most one row per
+SM (the strategy's max_rows). Only CUDA runs it across GPUs; `TRITON_INTERPRET=1` runs it on CPU tensors,
 where a test plays the peers by filling their buffers and signals beforehand.
 """
 

@@ -388,7 +388,9 @@ class LLMEngine:
             entry.update(self.executor.last_step_timings)  # a drain step sent nothing
         if output.timings:
             entry.update({f"worker_{k}": v for k, v in output.timings.items()})
-            entry["overhead"] = entry["step_total"] - output.timings.get("forward_device", 0.0)
+            # With async scheduling a forward can begin before the previous output was handled, so it
+            # may outlast this step's interval: that overlap is no overhead.
+            entry["overhead"] = max(0.0, entry["step_total"] - output.timings.get("forward_device", 0.0))
         self.step_timings.append(entry)
 
     def _check_stop(self, req: Request) -> str | None:

@@ -282,8 +282,7 @@ def check_add_rms_norm(
     cases = [(d, r, h) for d in args.dtypes for h in args.hidden for r in args.rows]
     for seed, (dname, rows, hidden) in enumerate(cases):
         dtype = DTYPES[dname]
-        barrier(device)  # no rank still runs a call of the last case's row layout
-        symm.reset_fused_layout()
+        symm.prepare_fused_norm(dtype)  # collective: every region emptied for this case's rows
         x = rank_input((rows, hidden), dtype, rank, 10_000 + seed).to(device)
         residual = rank_input((rows, hidden), dtype, 999, 10_000 + seed).to(device)  # same on every rank
         weight = rank_input((hidden,), dtype, 998, 10_000 + seed).to(device)

@@ -189,43 +189,54 @@ def _fake_strategy(
 
 
 def test_fused_add_rms_norm_declines_what_it_cannot_take_safely() -> None:
-    """The fused all-reduce + add + RMSNorm runs only for 2-d rows within its row and byte limits, and
-    only in the row layout (width, dtype) of its first call until reset_fused_layout(); otherwise it
-    declines (None) and the model reduces, then normalises. Plain strategies never fuse."""
-    calls: list[tuple[tuple[int, ...], torch.dtype, int, int]] = []
+    """The fused all-reduce + add + RMSNorm runs only once prepared for a dtype (every region emptied:
+    -0.0), for 2-d rows of that dtype within its row and byte limits, and only in the row width of its
+    first call until prepared again; otherwise it declines (None) and the model reduces, then
+    normalises. Plain strategies never fuse."""
+    calls: list[tuple[tuple[int, ...], torch.dtype, int, int, int]] = []
 
     def kernel(x: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
-        calls.append((tuple(x.shape), x.dtype, kw["rank"], kw["world_size"]))
+        calls.append((tuple(x.shape), x.dtype, kw["rank"], kw["world_size"], kw["slot_elems"]))
         return torch.zeros_like(x)
 
-    i64 = torch.zeros(2, dtype=torch.int64)
-    fused = FusedNormBuffers(i64, i64, torch.zeros(8, dtype=torch.int32), region_bytes=4 * KiB, max_rows=8,
-                             kernel=kernel)  # fmt: skip
+    regions = torch.full((3 * 2 * 4 * KiB,), 7, dtype=torch.uint8)
+    epochs = torch.full((8,), 2, dtype=torch.int32)
+    fused = FusedNormBuffers(torch.zeros(2, 3, dtype=torch.int64), regions, epochs, slot_bytes=4 * KiB,
+                             max_rows=8, kernel=kernel)  # fmt: skip
     s, _, _ = _fake_strategy()
     s = SymmMemAllReduce(s.buffer, "g", 2, s.fallback, s.ops, fused_norm=fused, rank=1)
     assert s.fuses_add_rms_norm and not DistAllReduce().fuses_add_rms_norm
     assert DistAllReduce().add_rms_norm(torch.ones(1, 4), torch.ones(1, 4), torch.ones(4), 1e-6) is None
-    w = torch.ones(64)
+    w = torch.ones(512)
 
     def run(x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
         r = torch.zeros_like(x) if residual is None else residual
-        return s.add_rms_norm(x, r, w[: x.shape[-1]], 1e-6) is not None
+        return s.add_rms_norm(x, r, w[: x.shape[-1]].to(x.dtype), 1e-6) is not None
 
-    assert run(torch.ones(4, 64))  # 1 KiB: fits; fixes the layout (64, float32)
-    assert calls == [((4, 64), torch.float32, 1, 2)]
-    assert not run(torch.ones(9, 64))  # more rows than the flags hold
+    assert not run(torch.ones(4, 64))  # not prepared
+    s.prepare_fused_norm(torch.float32)
+    as_float = regions.view(torch.float32)
+    assert bool(((as_float == 0) & torch.signbit(as_float)).all()) and not epochs.any()
+    assert run(torch.ones(4, 64))  # 1 KiB: fits; fixes the width
+    assert calls == [((4, 64), torch.float32, 1, 2, 1024)]
+    assert not run(torch.ones(9, 64))  # more rows than max_rows
     assert not run(torch.ones(4, 48))  # another width
-    assert not run(torch.ones(4, 64, dtype=torch.bfloat16))  # other dtype
+    assert not run(torch.ones(4, 64, dtype=torch.bfloat16))  # another dtype
     assert not run(torch.ones(64))  # not rows
     assert not run(torch.ones(4, 64), torch.zeros(4, 32))  # residual of another shape
     assert not run(torch.ones(64, 4).t())  # columns not contiguous
     assert run(torch.ones(8, 64))  # the first layout again
-    s.reset_fused_layout()
-    assert not run(torch.ones(8, 256))  # 8 KiB: more than a data region
-    assert run(torch.ones(2, 256)) and calls[-1][0] == (2, 256)  # a new layout once reset
-    assert not run(torch.ones(2, 64))
+    s.prepare_fused_norm(torch.bfloat16)
+    as_bf16 = regions.view(torch.bfloat16)
+    assert bool(((as_bf16 == 0) & torch.signbit(as_bf16)).all())
+    assert not run(torch.ones(8, 512, dtype=torch.bfloat16))  # 8 KiB: more than a slot
+    assert run(torch.ones(2, 256, dtype=torch.bfloat16))
+    assert calls[-1] == ((2, 256), torch.bfloat16, 1, 2, 2048)
+    assert not run(torch.ones(2, 64, dtype=torch.bfloat16)) and not run(torch.ones(2, 256))
+    with pytest.raises(ValueError, match=r"has no torch\.float64"):
+        s.prepare_fused_norm(torch.float64)
     s.close()
-    assert not s.fuses_add_rms_norm and not run(torch.ones(2, 256))
+    assert not s.fuses_add_rms_norm and not run(torch.ones(2, 256, dtype=torch.bfloat16))
 
 
 def _values(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -54,7 +54,7 @@ TWO_SHOT_MAX_BYTES = 8 << 20
 # 10.3 vs 9.3 us at 2 MiB, 16.6 vs 13.5 at 4 MiB). Matters only if ONE_SHOT_MAX_BYTES is raised.
 ONE_SHOT_FUSED_COPY_MAX_BYTES = 512 << 10
 # The all-reduce's part of the symmetric buffer never exceeds this (the caller's max_message_bytes is
-# capped to it); the fused all-reduce + add + RMSNorm adds two regions of the same size and its flags.
+# capped to it); the fused all-reduce + add + RMSNorm adds three regions of one such slot per rank.
 MAX_SYMM_BUFFER_BYTES = 8 << 20
 # Dtypes torch's symmetric-memory all-reduce kernels implement (float16 is not among them).
 SYMM_MEM_DTYPES = (torch.bfloat16, torch.float32)
@@ -63,10 +63,12 @@ _SYMM_MEM_SIZE_MULTIPLE = 4
 # The buffer is sized in multiples of this, so every dtype view of it is whole and 16-byte aligned.
 _BUFFER_ALIGN = 256
 _MAX_CACHED_VIEWS = 512
-# Rows (tokens) the fused all-reduce + add + RMSNorm takes at most (and no more than the GPU has SMs, so
-# its one-program-per-row grid is resident at once: each program waits for its peers' same row); it needs
-# one int32 flag per row and rank in symmetric memory. Larger messages (prefill) reduce, then normalise.
+# Rows (tokens) the fused all-reduce + add + RMSNorm takes at most, and no more than the GPU has SMs, so
+# its one-program-per-row grid is resident at once (each program waits for its peers' same row). Larger
+# messages (prefill) reduce, then normalise.
 FUSED_NORM_MAX_ROWS = 1024
+# Its rows rotate over this many regions (layers/allreduce_norm_triton.py says why three).
+_REGIONS = 3
 
 STRATEGIES = ("auto", "nccl", "symm_mem")
 
@@ -226,42 +228,41 @@ def _aligned16(t: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class FusedNormBuffers:
-    """Where the fused all-reduce + add + RMSNorm (layers/allreduce_norm_triton.py) keeps its state: two
-    data regions and the flag slots, past the all-reduce's own bytes in every rank's symmetric buffer."""
+    """Where the fused all-reduce + add + RMSNorm (layers/allreduce_norm_triton.py) keeps its rows: three
+    regions of one slot per rank, past the all-reduce's own bytes in every rank's symmetric buffer."""
 
-    data_ptrs: torch.Tensor  # int64 [world, 2]: each rank's two data regions
-    flag_ptrs: torch.Tensor  # int64 [world]: each rank's int32 [FUSED_NORM_MAX_ROWS, world] flags
-    epochs: torch.Tensor  # int32 [max_rows]: this rank's calls per row
-    region_bytes: int
+    data_ptrs: torch.Tensor  # int64 [world, 3]: the address of each rank's three regions
+    regions: torch.Tensor  # uint8: this rank's three regions (emptied by prepare_fused_norm)
+    epochs: torch.Tensor  # int32 [max_rows]: the region each row's next call uses
+    slot_bytes: int  # one rank's rows in one region
     max_rows: int
     kernel: Callable[..., torch.Tensor]
 
     @staticmethod
-    def extra_bytes(region_bytes: int, world_size: int) -> int:
-        return 2 * region_bytes + _aligned(FUSED_NORM_MAX_ROWS * world_size * 4)
+    def extra_bytes(slot_bytes: int, world_size: int) -> int:
+        return _REGIONS * world_size * slot_bytes
 
     @classmethod
     def create(
-        cls, buffer_ptrs: list[int], offset: int, region_bytes: int, flags: torch.Tensor
+        cls, buffer_ptrs: list[int], offset: int, slot_bytes: int, regions: torch.Tensor
     ) -> FusedNormBuffers:
-        """`offset`: where the regions start in every rank's buffer; `flags`: this rank's flag bytes,
-        zeroed here (the caller makes sure every rank has done so before any calls)."""
+        """`offset`: where the regions start in every rank's buffer; `regions`: this rank's, which hold
+        rows only after prepare_fused_norm."""
         from tp_runtime.layers.allreduce_norm_triton import allreduce_add_rms_norm
 
-        device = flags.device
+        device = regions.device
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
         max_rows = min(FUSED_NORM_MAX_ROWS, sms or FUSED_NORM_MAX_ROWS)
-        data = [[base + offset, base + offset + region_bytes] for base in buffer_ptrs]
-        flags.zero_()
+        region_bytes = len(buffer_ptrs) * slot_bytes
+        data = [[base + offset + r * region_bytes for r in range(_REGIONS)] for base in buffer_ptrs]
         return cls(
             data_ptrs=torch.tensor(data, dtype=torch.int64, device=device),
-            flag_ptrs=torch.tensor([base + offset + 2 * region_bytes for base in buffer_ptrs],
-                                   dtype=torch.int64, device=device),
+            regions=regions,
             epochs=torch.zeros(max_rows, dtype=torch.int32, device=device),
-            region_bytes=region_bytes,
+            slot_bytes=slot_bytes,
             max_rows=max_rows,
             kernel=allreduce_add_rms_norm,
-        )  # fmt: skip
+        )
 
 
 def _aligned(nbytes: int) -> int:
@@ -301,6 +302,7 @@ class SymmMemAllReduce(AllReduce):
         handle: Any = None,
         fused_norm: FusedNormBuffers | None = None,
         rank: int = 0,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise ValueError("internal: the symmetric buffer must be a 1-d uint8 tensor")
@@ -317,10 +319,11 @@ class SymmMemAllReduce(AllReduce):
         self._handle = handle  # keeps the rendezvous (peer mappings) alive with the buffer
         self.fused_norm = fused_norm
         self.rank = rank  # this rank's index among the buffers (the group rank)
-        # The (row width, dtype) the fused path lays rows out by. A row's bytes are protected by its call
-        # count only while the layout stays the same, so another layout is declined until
-        # reset_fused_layout() (after every rank has synchronised).
-        self._fused_layout: tuple[int, torch.dtype] | None = None
+        self.group = group
+        # The dtype the fused path's regions were emptied for (None: not prepared), and the row width
+        # of its first call: rows keep their bytes only in one layout (prepare_fused_norm starts another).
+        self._fused_dtype: torch.dtype | None = None
+        self._fused_width: int | None = None
         # The two-shot "out" kernel exists for these world sizes only; others reduce in place + copy.
         self._two_shot_out_ok = ops.two_shot_out is not None and world_size in (2, 4, 8)
         self._flat = {dt: buffer.view(dt) for dt in SYMM_MEM_DTYPES}
@@ -366,12 +369,8 @@ class SymmMemAllReduce(AllReduce):
         handle = symm_mem.rendezvous(whole, group_name)
         fused_norm = None
         if fuse:
-            fused_norm = FusedNormBuffers.create(
-                list(handle.buffer_ptrs), capacity, capacity, whole[capacity + 2 * capacity :]
-            )
-            # Every rank's flags are zero before any rank signals.
-            torch.cuda.synchronize(device)
-            dist.barrier(group=pg)
+            ptrs = list(handle.buffer_ptrs)
+            fused_norm = FusedNormBuffers.create(ptrs, capacity, capacity, whole[capacity:])
         impl = cls(
             whole[:capacity],
             group_name,
@@ -383,6 +382,7 @@ class SymmMemAllReduce(AllReduce):
             handle=handle,
             fused_norm=fused_norm,
             rank=dist.get_rank(pg),
+            group=pg,
         )
         impl.self_test(dist.get_rank(pg))
         if impl.fused_norm is not None:
@@ -391,10 +391,6 @@ class SymmMemAllReduce(AllReduce):
                 # The plain symmetric-memory all-reduce still serves; every rank drops the fusion.
                 logger.warning("fused all-reduce + add + RMSNorm disabled: %s", problem or "failed on a peer")
                 impl.fused_norm = None
-            else:
-                torch.cuda.synchronize(device)
-                dist.barrier(group=pg)
-                impl.reset_fused_layout()
         return impl
 
     def self_test(self, rank: int) -> None:
@@ -417,17 +413,18 @@ class SymmMemAllReduce(AllReduce):
                 )
 
     def fused_self_test_problem(self, rank: int) -> str | None:
-        """Run the fused all-reduce + add + RMSNorm on known values; what went wrong, or None. Rows of 64
-        float32 (sized to fit the smallest region); row counts 3, 2, 3 use both data regions and rows whose
-        call counts differ."""
+        """Run the fused all-reduce + add + RMSNorm on known values (collective); what went wrong, or None.
+        Rows of 64 float32 (sized to fit the smallest slot); row counts 3, 2, 3, 3 use every region and
+        rows whose call counts differ. Leaves the regions prepared for float32."""
         f = self.fused_norm
         if f is None:
             return "not set up"
         n, device = 64, self.buffer.device
         expected = float(sum(range(1, self.world_size + 1)))
-        most = max(1, min(3, f.max_rows, f.region_bytes // (n * 4)))
+        most = max(1, min(3, f.max_rows, f.slot_bytes // (n * 4)))
         try:
-            for rows in (most, max(1, most - 1), most):
+            self.prepare_fused_norm(torch.float32)
+            for rows in (most, max(1, most - 1), most, most):
                 x = torch.full((rows, n), float(rank + 1), dtype=torch.float32, device=device)
                 weight = torch.linspace(0.5, 2.0, n, device=device)
                 residual = torch.ones_like(x)
@@ -440,10 +437,27 @@ class SymmMemAllReduce(AllReduce):
             return f"{type(exc).__name__}: {exc}"
         return None
 
-    def reset_fused_layout(self) -> None:
-        """Let the fused path take a new row layout. Only once no rank still runs an earlier fused call
-        (every rank synchronised its device and passed a barrier)."""
-        self._fused_layout = None
+    def prepare_fused_norm(self, dtype: torch.dtype) -> None:
+        """Empty every region for rows of `dtype` and restart the call counts (collective: every rank calls
+        it, between the same two fused calls). The fused path then takes `dtype` and the row width of its
+        first call, and declines any other layout until the next prepare."""
+        f = self.fused_norm
+        if f is None:
+            return
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"the fused all-reduce + add + RMSNorm has no {dtype}")
+        self._synchronize_ranks()  # no rank is still inside a fused call
+        usable = f.regions.numel() // dtype.itemsize * dtype.itemsize
+        f.regions[:usable].view(dtype).fill_(-0.0)
+        f.epochs.zero_()
+        self._fused_dtype, self._fused_width = dtype, None
+        self._synchronize_ranks()  # every region is empty before any rank sends a row
+
+    def _synchronize_ranks(self) -> None:
+        if self.buffer.device.type == "cuda":
+            torch.cuda.synchronize(self.buffer.device)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier(group=self.group)
 
     # -- per call -----------------------------------------------------------------------------------------
 
@@ -529,23 +543,22 @@ class SymmMemAllReduce(AllReduce):
         f = self.fused_norm
         if (
             f is None
+            or x.dtype != self._fused_dtype
             or x.dim() != 2
             or x.shape[0] > f.max_rows
-            or x.numel() * x.element_size() > f.region_bytes
-            or not x.is_floating_point()
+            or x.numel() * x.element_size() > f.slot_bytes
             or residual.shape != x.shape
             or x.stride(1) != 1
             or residual.stride(1) != 1
         ):
             return None
-        layout = (x.shape[1], x.dtype)
-        if self._fused_layout is None:
-            self._fused_layout = layout
-        elif layout != self._fused_layout:
+        if self._fused_width is None:
+            self._fused_width = x.shape[1]
+        elif x.shape[1] != self._fused_width:
             return None
         return f.kernel(
-            x, residual, weight, eps, rank=self.rank, world_size=self.world_size,
-            data_ptrs=f.data_ptrs, flag_ptrs=f.flag_ptrs, epochs=f.epochs,
+            x, residual, weight, eps, rank=self.rank, world_size=self.world_size, data_ptrs=f.data_ptrs,
+            slot_elems=f.slot_bytes // x.element_size(), epochs=f.epochs,
         )  # fmt: skip
 
     def describe(self) -> str:
@@ -796,8 +809,10 @@ def init_process_group(
     *,
     all_reduce_strategy: str = "auto",
     max_message_bytes: int = 0,
+    model_dtype: torch.dtype | None = None,
 ) -> TPGroup:
-    """Join the process group and choose the all-reduce (see make_all_reduce; collective on CUDA)."""
+    """Join the process group and choose the all-reduce (see make_all_reduce; collective on CUDA). With
+    `model_dtype`, a strategy that fuses the all-reduce with the RMSNorm after it is prepared for it."""
     if all_reduce_strategy not in STRATEGIES:
         raise ValueError(f"all-reduce strategy must be one of {STRATEGIES}, got {all_reduce_strategy!r}")
     disable_nvlink_multicast()
@@ -815,6 +830,8 @@ def init_process_group(
     strategy = make_all_reduce(
         world_size, device, strategy=all_reduce_strategy, max_message_bytes=max_message_bytes
     )
+    if model_dtype is not None and isinstance(strategy, SymmMemAllReduce) and strategy.fuses_add_rms_norm:
+        strategy.prepare_fused_norm(model_dtype)
     return TPGroup(rank=rank, world_size=world_size, all_reduce_strategy=strategy)
 
 

@@ -1,28 +1,27 @@
 """All-reduce + residual add + RMSNorm in one kernel over symmetric memory (peer GPUs' buffers mapped into
 each other's address space): the step that follows every row-parallel layer of a decoder at TP > 1.
 
-One program per row. It copies its row of this rank's partial sums into this rank's symmetric buffer,
-signals every peer, waits for every peer's signal, reads the row from every rank's buffer and sums it in
-float32 (ranks in order 0..world-1, so every rank gets the same bits), rounds the sum to the model dtype
-(as an all-reduce returns it), then adds the residual and normalises exactly as `_add_rms_norm_kernel`
-(layers/fused_triton.py). It replaces an all-reduce kernel (two barriers) and an add + RMSNorm kernel.
+One program per row. It stores its row of this rank's partial sums straight into every rank's buffer
+(slot `rank`), waits until every slot of its own buffer holds a row, sums the slots in float32 (ranks in
+order 0..world-1, so every rank gets the same bits), rounds the sum to the model dtype (as an all-reduce
+returns it), then adds the residual and normalises exactly as `_add_rms_norm_kernel`
+(layers/fused_triton.py). It replaces an all-reduce kernel and an add + RMSNorm kernel.
 
-Signals are epochs, not flags: each rank counts, per row, the calls that touched that row (`epochs`, in
-its own memory) and a call's signal is that count stored into the peer's flag slot for (row, this rank).
-A program waits until each peer's slot for its row has reached its own count. Rows alternate between two
-data regions by the parity of that count, so a call never needs a closing barrier:
+No signals: an empty slot holds -0.0 in every element, and a row has arrived when none of its elements is
+-0.0 (a sender turns its -0.0s into +0.0, which changes no sum but the sign of an exact zero). Each row
+rotates over three regions by its call count (`epochs`, this rank's, kept modulo 3). A call refills the
+region its row used in the previous call with -0.0, for the call after next:
 
-    A rank writes a row's region r again only in call k + 2 (for that row). Before that it waited in call
-    k + 1 for every peer's signal, which a peer sends only after its call k, and every read of region r in
-    it, has finished (kernels on a stream run in order).
+    Peers write a row's region r again only in call k + 3, once they have finished call k + 2, which
+    needs this rank's row of call k + 2, sent after its kernel of call k + 1 (which refilled r) ended.
+    And this rank reads region r in call k + 3 only after that refill, so it never sees call k's rows.
 
-Counts are int32 and compared by wrapping difference, so they may overflow. Every rank must make the same
-sequence of fused calls with the same row counts, which tensor parallelism guarantees (the layers run the
-same shapes on every rank). The argument holds per row only while rows keep their byte range: one row
-width and dtype (SymmMemAllReduce declines another layout until every rank has synchronised). A program
-waits for the same row's program on each peer, so the grid must be resident at once: at most one row per
-SM (the strategy's max_rows). Only CUDA runs it across GPUs; `TRITON_INTERPRET=1` runs it on CPU tensors,
-where a test plays the peers by filling their buffers and signals beforehand.
+Every rank must make the same sequence of fused calls with the same row counts, which tensor parallelism
+guarantees (the layers run the same shapes on every rank), in one row layout (width and dtype) from a
+synchronised start with every region empty (SymmMemAllReduce.prepare_fused_norm). A program waits for the
+same row's program on each peer, so the grid must be resident at once: at most one row per SM (the
+strategy's max_rows). Only CUDA runs it across GPUs; `TRITON_INTERPRET=1` runs it on CPU tensors, where a
+test plays the peers by writing their rows beforehand.
 """
 
 from __future__ import annotations
@@ -31,14 +30,34 @@ import torch
 import triton
 import triton.language as tl
 
+REGIONS = 3
+
+
+@triton.jit
+def _empty_row(BLOCK: tl.constexpr, dtype: tl.constexpr, BITS: tl.constexpr):
+    """A row of -0.0 (the empty marker), built from its bits."""
+    if BITS == 16:
+        return tl.full([BLOCK], -32768, tl.int16).to(dtype, bitcast=True)
+    else:
+        return tl.full([BLOCK], -2147483648, tl.int32).to(dtype, bitcast=True)
+
+
+@triton.jit
+def _is_empty(v, BITS: tl.constexpr):
+    """Elements that hold -0.0 (the empty marker)."""
+    if BITS == 16:
+        return v.to(tl.int16, bitcast=True) == -32768
+    else:
+        return v.to(tl.int32, bitcast=True) == -2147483648
+
 
 @triton.jit
 def _allreduce_add_rms_norm_kernel(
     x_ptr,  # [rows, n_cols] this rank's partial sums (model dtype)
     x_stride,
-    data_ptrs,  # int64 [world, 2]: the address of each rank's two data regions
-    flag_ptrs,  # int64 [world]: the address of each rank's flag slots, int32 [max_rows, world]
-    epochs_ptr,  # int32 [max_rows] this rank's per-row call counts
+    data_ptrs,  # int64 [world, 3]: the address of each rank's three regions, each [world slots, slot_elems]
+    slot_elems,
+    epochs_ptr,  # int32 [max_rows]: the region each row's next call uses, on this rank
     residual_ptr,  # [rows, n_cols] read, and overwritten with sum + residual
     residual_stride,
     weight_ptr,
@@ -49,34 +68,35 @@ def _allreduce_add_rms_norm_kernel(
     eps,
     WORLD: tl.constexpr,
     BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = x_ptr.dtype.element_ty
-    epoch = tl.load(epochs_ptr + row) + 1
-    tl.store(epochs_ptr + row, epoch)
-    region = epoch & 1
+    region = tl.load(epochs_ptr + row)
+    tl.store(epochs_ptr + row, (region + 1) % 3)
     offset = row.to(tl.int64) * n_cols + cols
 
-    own = tl.load(data_ptrs + rank * 2 + region).to(tl.pointer_type(dtype))
-    tl.store(own + offset, tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0), mask=mask)
-    # Every thread's copy is done before the signal, whose release makes it visible to the peers.
-    tl.debug_barrier()
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    x = tl.where(_is_empty(x, BITS), tl.zeros_like(x), x)
     for p in tl.static_range(WORLD):
-        peer_flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))
-        tl.atomic_xchg(peer_flags + row * WORLD + rank, epoch, sem="release", scope="sys")
-    own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
+        peer = tl.load(data_ptrs + p * 3 + region).to(tl.pointer_type(dtype))
+        tl.store(peer + rank * slot_elems + offset, x, mask=mask)
+    # Empty the row in the region of the previous call, for the call after next.
+    stale = tl.load(data_ptrs + rank * 3 + (region + 2) % 3).to(tl.pointer_type(dtype))
+    empty = _empty_row(BLOCK, dtype, BITS)
     for p in tl.static_range(WORLD):
-        # A peer may already be one call further on: wait until its count is at least ours.
-        while tl.atomic_add(own_flags + row * WORLD + p, 0, sem="acquire", scope="sys") - epoch < 0:
-            pass
-    tl.debug_barrier()
+        tl.store(stale + p * slot_elems + offset, empty, mask=mask)
 
+    own = tl.load(data_ptrs + rank * 3 + region).to(tl.pointer_type(dtype))
     total = tl.zeros([BLOCK], tl.float32)
     for p in tl.static_range(WORLD):
-        peer = tl.load(data_ptrs + p * 2 + region).to(tl.pointer_type(dtype))
-        total += tl.load(peer + offset, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+        slot = own + p * slot_elems + offset
+        v = tl.load(slot, mask=mask, other=0.0, volatile=True)
+        while tl.sum((_is_empty(v, BITS) & mask).to(tl.int32), axis=0) > 0:
+            v = tl.load(slot, mask=mask, other=0.0, volatile=True)
+        total += v.to(tl.float32)
     x = total.to(dtype)  # the all-reduced row, rounded as the all-reduce returns it
 
     r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
@@ -99,19 +119,19 @@ def allreduce_add_rms_norm(
     rank: int,
     world_size: int,
     data_ptrs: torch.Tensor,
-    flag_ptrs: torch.Tensor,
+    slot_elems: int,
     epochs: torch.Tensor,
 ) -> torch.Tensor:
     """weight * RMSNorm(all_reduce(x) + residual); `residual` is updated in place to all_reduce(x) +
-    residual. x and residual are [rows, n_cols] with unit column stride; rows <= len(epochs) and each
-    data region holds at least rows * n_cols elements (the caller checks both)."""
+    residual. x and residual are [rows, n_cols] with unit column stride, in a 16- or 32-bit float dtype;
+    rows <= len(epochs) and rows * n_cols <= slot_elems (the caller checks both)."""
     rows, n_cols = x.shape
     out = torch.empty_like(x)
     if rows:
-        block = triton.next_power_of_2(n_cols)
         _allreduce_add_rms_norm_kernel[(rows,)](
-            x, x.stride(0), data_ptrs, flag_ptrs, epochs, residual, residual.stride(0), weight, out,
-            out.stride(0), rank, n_cols, eps, WORLD=world_size, BLOCK=block,
+            x, x.stride(0), data_ptrs, slot_elems, epochs, residual, residual.stride(0), weight, out,
+            out.stride(0), rank, n_cols, eps, WORLD=world_size, BLOCK=triton.next_power_of_2(n_cols),
+            BITS=8 * x.element_size(),
             num_warps=4,  # as rms_norm's launch: the same reduction order, so the same bits
         )  # fmt: skip
     return out

@@ -128,6 +128,7 @@ class Worker:
             self.tp = distributed.init_process_group(
                 backend, init_method, self.rank, self.world_size, timeout_s, self.device,
                 all_reduce_strategy=self.config.parallel.all_reduce, max_message_bytes=max_message_bytes,
+                model_dtype=_DTYPES[self.config.model.dtype],
             )  # fmt: skip
 
     def load_model(self) -> None:

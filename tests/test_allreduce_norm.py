@@ -134,11 +134,26 @@ while empty(mem.row(1, 0, 0, 0)).any():  # rank 0's row has reached rank 1: rank
     worker.join(0.01)
     assert worker.is_alive(), "the call returned before its peer's row arrived"
 mem.row(0, 0, 1, 0)[:32].copy_(partials[1][0, :32])
+worker.join(0.5)  # half of the row is there: the call must not finish (a correct kernel never does)
 assert worker.is_alive() and not result and torch.equal(residual, torch.zeros(1, 64))
 mem.row(0, 0, 1, 0)[32:].copy_(partials[1][0, 32:])
 worker.join(60)
 assert not worker.is_alive() and torch.equal(residual, torch.full((1, 64), 3.0))
 torch.testing.assert_close(result["out"], torch.ones(1, 64))
+
+# A peer one call ahead has already stored its row of the next call: this call's refill (of the region
+# before) leaves it alone, and the next call uses it without waiting.
+mem = Memory(2, 64, torch.float32)
+epochs = torch.zeros(MAX_ROWS, dtype=torch.int32)
+calls = [[torch.full((1, 64), v) for v in (1.0, 2.0)], [torch.full((1, 64), v) for v in (4.0, 8.0)]]
+for region, (_, peer) in enumerate(calls):
+    mem.row(0, region, 1, 0).copy_(peer[0])
+for region, (own, peer) in enumerate(calls):
+    residual = torch.zeros(1, 64)
+    call(mem, 0, own.clone(), residual, torch.ones(64), epochs)
+    assert torch.equal(residual, own + peer), region
+    if region == 0:
+        assert torch.equal(mem.row(0, 1, 1, 0), calls[1][1][0])  # the next call's row is intact
 print(f"OK {checked}")
 """
 
@@ -147,7 +162,7 @@ print(f"OK {checked}")
 def test_kernel_matches_brute_force_in_the_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-c", KERNEL_CHECKS], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-c", KERNEL_CHECKS], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.strip() == "OK 252", proc.stdout
@@ -232,6 +247,9 @@ def _model_child(rank: int, port: int, checkpoint: str, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
     torch.distributed.barrier()  # no rank tears gloo down while its peer still talks to it
     D.destroy_process_group()
+    # Skip the interpreter's teardown, where gloo's threads can still abort the process ("terminate
+    # called without an active exception") after the result is written.
+    os._exit(0)
 
 
 def test_model_sums_each_partial_once_in_the_norm(make_checkpoint: Any, tmp_path: Path) -> None:

@@ -244,15 +244,13 @@ class FusedNormBuffers:
 
     @classmethod
     def create(
-        cls, buffer_ptrs: list[int], offset: int, slot_bytes: int, regions: torch.Tensor
+        cls, buffer_ptrs: list[int], offset: int, slot_bytes: int, regions: torch.Tensor, max_rows: int
     ) -> FusedNormBuffers:
         """`offset`: where the regions start in every rank's buffer; `regions`: this rank's, which hold
-        rows only after prepare_fused_norm."""
+        rows only after prepare_fused_norm; `max_rows`: the same on every rank (see fused_max_rows)."""
         from tp_runtime.layers.allreduce_norm_triton import allreduce_add_rms_norm
 
         device = regions.device
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
-        max_rows = min(FUSED_NORM_MAX_ROWS, sms or FUSED_NORM_MAX_ROWS)
         region_bytes = len(buffer_ptrs) * slot_bytes
         data = [[base + offset + r * region_bytes for r in range(_REGIONS)] for base in buffer_ptrs]
         return cls(
@@ -263,6 +261,15 @@ class FusedNormBuffers:
             max_rows=max_rows,
             kernel=allreduce_add_rms_norm,
         )
+
+
+def fused_max_rows(device: torch.device, group: dist.ProcessGroup | None) -> int:
+    """The most rows the fused kernel takes: the fewest SMs of any rank's GPU (collective), so every
+    rank declines the same messages and each grid is resident at once."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    t = torch.tensor([min(FUSED_NORM_MAX_ROWS, sms)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
 
 
 def _aligned(nbytes: int) -> int:
@@ -369,8 +376,8 @@ class SymmMemAllReduce(AllReduce):
         handle = symm_mem.rendezvous(whole, group_name)
         fused_norm = None
         if fuse:
-            ptrs = list(handle.buffer_ptrs)
-            fused_norm = FusedNormBuffers.create(ptrs, capacity, capacity, whole[capacity:])
+            ptrs, max_rows = list(handle.buffer_ptrs), fused_max_rows(device, pg)
+            fused_norm = FusedNormBuffers.create(ptrs, capacity, capacity, whole[capacity:], max_rows)
         impl = cls(
             whole[:capacity],
             group_name,
@@ -385,12 +392,7 @@ class SymmMemAllReduce(AllReduce):
             group=pg,
         )
         impl.self_test(dist.get_rank(pg))
-        if impl.fused_norm is not None:
-            problem = impl.fused_self_test_problem(dist.get_rank(pg))
-            if not _all_ranks_ok(problem is None, pg):
-                # The plain symmetric-memory all-reduce still serves; every rank drops the fusion.
-                logger.warning("fused all-reduce + add + RMSNorm disabled: %s", problem or "failed on a peer")
-                impl.fused_norm = None
+        impl.enable_fused_norm(torch.float32)
         return impl
 
     def self_test(self, rank: int) -> None:
@@ -412,30 +414,48 @@ class SymmMemAllReduce(AllReduce):
                     f"expected {expected}"
                 )
 
-    def fused_self_test_problem(self, rank: int) -> str | None:
-        """Run the fused all-reduce + add + RMSNorm on known values (collective); what went wrong, or None.
-        Rows of 64 float32 (sized to fit the smallest slot); row counts 3, 2, 3, 3 use every region and
-        rows whose call counts differ. Leaves the regions prepared for float32."""
+    def enable_fused_norm(self, dtype: torch.dtype) -> bool:
+        """Check the fused all-reduce + add + RMSNorm in `dtype` and leave it prepared for `dtype`, or, if
+        any rank's check fails, drop the fusion on every rank (the plain symmetric-memory all-reduce still
+        serves). Collective. Returns whether it is enabled."""
+        if self.fused_norm is None:
+            return False
+        problem = self._fused_self_test_problem(dtype)
+        if not _all_ranks_ok(problem is None, self.group):
+            logger.warning("fused all-reduce + add + RMSNorm disabled: %s", problem or "failed on a peer")
+            self.fused_norm = None
+            return False
+        self.prepare_fused_norm(dtype)
+        return True
+
+    def _fused_self_test_problem(self, dtype: torch.dtype) -> str | None:
+        """Run the fused kernel on known values in `dtype`; what went wrong, or None. Every call runs on
+        every rank whatever the results (a rank that stopped early would leave its peers waiting for its
+        rows). Rows of 64 (sized to fit the smallest slot); row counts 3, 2, 3, 3 use every region and
+        rows whose call counts differ."""
         f = self.fused_norm
-        if f is None:
-            return "not set up"
+        assert f is not None
         n, device = 64, self.buffer.device
         expected = float(sum(range(1, self.world_size + 1)))
-        most = max(1, min(3, f.max_rows, f.slot_bytes // (n * 4)))
+        most = max(1, min(3, f.max_rows, f.slot_bytes // (n * dtype.itemsize)))
+        problems: list[str] = []
         try:
-            self.prepare_fused_norm(torch.float32)
+            self.prepare_fused_norm(dtype)
             for rows in (most, max(1, most - 1), most, most):
-                x = torch.full((rows, n), float(rank + 1), dtype=torch.float32, device=device)
-                weight = torch.linspace(0.5, 2.0, n, device=device)
+                x = torch.full((rows, n), float(self.rank + 1), dtype=dtype, device=device)
+                weight = torch.linspace(0.5, 2.0, n, device=device).to(dtype)
                 residual = torch.ones_like(x)
                 out = self.add_rms_norm(x, residual, weight, 1e-6)
-                summed = torch.full_like(x, expected + 1.0)
-                want = weight * summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6)
-                if out is None or not torch.equal(residual, summed) or not torch.allclose(out, want):
-                    return "its self-test gave a wrong result"
+                summed = torch.full((rows, n), expected + 1.0, device=device)
+                normed = (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+                want = (weight.float() * normed.float()).to(dtype)
+                tol = 1e-5 if dtype == torch.float32 else 1e-2
+                close = out is not None and torch.allclose(out.float(), want.float(), rtol=tol, atol=tol)
+                if not close or not torch.equal(residual.float(), summed):
+                    problems.append(f"its self-test in {dtype} gave a wrong result")
         except Exception as exc:  # a Triton compile error, say: fall back to the unfused path
-            return f"{type(exc).__name__}: {exc}"
-        return None
+            problems.append(f"{type(exc).__name__}: {exc}")
+        return problems[0] if problems else None
 
     def prepare_fused_norm(self, dtype: torch.dtype) -> None:
         """Empty every region for rows of `dtype` and restart the call counts (collective: every rank calls
@@ -710,8 +730,9 @@ def make_all_reduce(
 
     strategy: "auto" (symmetric memory if every rank can use it, else torch.distributed), "nccl"
     (torch.distributed only: NCCL on GPU, gloo on CPU) or "symm_mem" (raise if unavailable).
-    max_message_bytes: the largest message to reduce through symmetric memory (size of the buffer,
-    capped at MAX_SYMM_BUFFER_BYTES), e.g. max_num_seqs * hidden_size * dtype size; 0 disables it.
+    max_message_bytes: the largest message to reduce through symmetric memory (the all-reduce's part of
+    the buffer, capped at MAX_SYMM_BUFFER_BYTES; with the fused all-reduce + add + RMSNorm the buffer is
+    1 + 3 * world_size times that), e.g. max_num_seqs * hidden_size * dtype size; 0 disables it.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"all-reduce strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -830,8 +851,8 @@ def init_process_group(
     strategy = make_all_reduce(
         world_size, device, strategy=all_reduce_strategy, max_message_bytes=max_message_bytes
     )
-    if model_dtype is not None and isinstance(strategy, SymmMemAllReduce) and strategy.fuses_add_rms_norm:
-        strategy.prepare_fused_norm(model_dtype)
+    if model_dtype is not None and isinstance(strategy, SymmMemAllReduce):
+        strategy.enable_fused_norm(model_dtype)
     return TPGroup(rank=rank, world_size=world_size, all_reduce_strategy=strategy)
 
 

@@ -11,7 +11,9 @@ The sum all-reduce of the row-parallel layers is an `AllReduce` strategy chosen 
 - `SymmMemAllReduce`: PyTorch symmetric memory (peer GPUs read each other's buffer over NVLink) for
   messages up to the size of a decode step, NCCL for larger ones (prefill). One symmetric buffer is
   allocated and exchanged once; every call copies into it, so a call allocates no symmetric memory and
-  uses fixed addresses (CUDA-graph capturable).
+  uses fixed addresses (CUDA-graph capturable). It also fuses the all-reduce with the residual add +
+  RMSNorm after it (`add_rms_norm`, layers/allreduce_norm_triton.py) for decode-sized messages; a model
+  whose strategy `fuses_add_rms_norm` leaves its row-parallel outputs unreduced for the norm to sum.
 
 NVLink multicast (NVLS) is never used: `disable_nvlink_multicast` forces the variables that turn it off in
 NCCL, PyTorch's symmetric memory and NVSHMEM, before the process group exists.

@@ -4,8 +4,8 @@ each other's address space): the step that follows every row-parallel layer of a
 One program per row. It stores its row of this rank's partial sums straight into every rank's buffer
 (slot `rank`), waits until every slot of its own buffer holds a row, sums the slots in float32 (ranks in
 order 0..world-1, so every rank gets the same bits), rounds the sum to the model dtype (as an all-reduce
-returns it), then adds the residual and normalises exactly as `_add_rms_norm_kernel`
-(layers/fused_triton.py). It replaces an all-reduce kernel and an add + RMSNorm kernel.
+returns it), then adds the residual and normalises with the add + RMSNorm kernel's own row code
+(`_add_rms_norm_row`, layers/fused_triton.py). It replaces an all-reduce kernel and an add + RMSNorm kernel.
 
 No signals: an empty slot holds -0.0 in every element, and a row has arrived when none of its elements is
 -0.0 (a sender turns its -0.0s into +0.0, which changes no sum but the sign of an exact zero). Each row
@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tp_runtime.layers.fused_triton import _add_rms_norm_row
 
 REGIONS = 3
 
@@ -98,16 +100,10 @@ def _allreduce_add_rms_norm_kernel(
             v = tl.load(slot, mask=mask, other=0.0, volatile=True)
         total += v.to(tl.float32)
     x = total.to(dtype)  # the all-reduced row, rounded as the all-reduce returns it
-
-    r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
-    x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # the add rounds to the model dtype
-    tl.store(residual_ptr + row * residual_stride + cols, x, mask=mask)
-    h = x.to(tl.float32)
-    var = tl.sum(h * h, axis=0) / n_cols
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    normed = (h * tl.rsqrt(var + eps)).to(dtype)
-    out = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
-    tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
+    _add_rms_norm_row(
+        x, residual_ptr + row * residual_stride, weight_ptr, out_ptr + row * out_stride, cols, mask, n_cols,
+        eps, True, False,
+    )  # fmt: skip
 
 
 def allreduce_add_rms_norm(

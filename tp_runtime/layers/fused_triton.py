@@ -16,6 +16,29 @@ import triton.language as tl
 
 
 @triton.jit
+def _add_rms_norm_row(
+    x, residual_row, weight_ptr, out_row, cols, mask, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+):  # fmt: skip
+    """One row: weight * RMSNorm(x [+ residual]) stored at out_row; with a residual, residual_row is
+    overwritten with x + residual first. Also the tail of the fused all-reduce (allreduce_norm_triton)."""
+    if HAS_RESIDUAL:
+        r = tl.load(residual_row + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the add rounds to the model dtype
+        tl.store(residual_row + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / n_cols
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    if UNIT_OFFSET:
+        # Gemma: (1 + w) times the float32 normalised row, rounded once.
+        out = (h * tl.rsqrt(var + eps) * (1.0 + w.to(tl.float32))).to(x.dtype)
+    else:
+        normed = (h * tl.rsqrt(var + eps)).to(x.dtype)
+        out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+    tl.store(out_row + cols, out, mask=mask)
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     x_ptr,
     residual_ptr,  # read and overwritten with x + residual when HAS_RESIDUAL
@@ -34,20 +57,10 @@ def _add_rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the add rounds to the model dtype
-        tl.store(residual_ptr + row * residual_stride + cols, x, mask=mask)
-    h = x.to(tl.float32)
-    var = tl.sum(h * h, axis=0) / n_cols
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    if UNIT_OFFSET:
-        # Gemma: (1 + w) times the float32 normalised row, rounded once.
-        out = (h * tl.rsqrt(var + eps) * (1.0 + w.to(tl.float32))).to(x.dtype)
-    else:
-        normed = (h * tl.rsqrt(var + eps)).to(x.dtype)
-        out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
-    tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
+    _add_rms_norm_row(
+        x, residual_ptr + row * residual_stride, weight_ptr, out_ptr + row * out_stride, cols, mask, n_cols,
+        eps, HAS_RESIDUAL, UNIT_OFFSET,
+    )  # fmt: skip
 
 
 def rms_norm(

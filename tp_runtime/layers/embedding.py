@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tp_runtime.distributed import TPGroup
-from tp_runtime.layers.linear import TensorSource
+from tp_runtime.layers.linear import TORCH_MATMUL, Matmul, TensorSource
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -47,6 +47,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocab block, gathered so every rank holds the full logits."""
 
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__(vocab_size, hidden_size, tp, dtype, device)
+        self.matmul: Matmul = TORCH_MATMUL
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        local = self.matmul.linear(hidden, self.weight, None)
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]

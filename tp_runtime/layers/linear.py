@@ -3,17 +3,19 @@
 Column-parallel layers split the output features across ranks (no communication); row-parallel layers
 split the input features and all-reduce the partial sums. Each parameter's `weight_loader(param, source,
 shard_id)` narrows the full checkpoint tensor to this rank's slice, reading only that slice from disk.
+How a layer multiplies is a `Matmul` the model picks once, at start-up (`use_matmul`).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tp_runtime.distributed import TPGroup
+from tp_runtime.layers.activation import silu_and_mul
 
 
 class TensorSource(Protocol):
@@ -25,6 +27,67 @@ class TensorSource(Protocol):
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
 
     def full(self) -> torch.Tensor: ...
+
+
+class Matmul:
+    """y = x W^T + b for the linear layers: cuBLAS through F.linear, and the SiLU-and-mul before an MLP's down
+    projection as PyTorch ops."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def silu_mul_linear(
+        self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """(silu(gate) * up) W^T + b for the merged [tokens, 2 * in] gate|up projection output."""
+        return F.linear(silu_and_mul(gate_up), weight, bias)
+
+
+class TritonMatmul(Matmul):
+    """The fused-kernel path (CUDA): a one-row product (decode at batch 1) runs the Triton one-row kernel,
+    with the SiLU-and-mul folded into the down projection's; 2-32 rows the few-rows kernel where it beats
+    cuBLAS (layers/skinny_gemm_triton.py); the rest cuBLAS. The SiLU-and-mul of more than one row is the
+    Triton SiLU-and-mul kernel."""
+
+    def __init__(self, num_sms: int) -> None:
+        self.num_sms = num_sms
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> TritonMatmul:
+        if device.type == "cuda":
+            return cls(torch.cuda.get_device_properties(device).multi_processor_count)
+        return cls(132)  # Triton's interpreter (tests): an H200's count, so launches match the GPU's
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from tp_runtime.layers import skinny_gemm_triton as kernels  # Triton: imported where it runs
+
+        if x.dim() == 2 and 1 <= x.shape[0] <= kernels.MAX_FEW_ROWS:
+            if x.shape[0] == 1:
+                return kernels.skinny_linear(x, weight, bias, num_sms=self.num_sms)
+            n, k = weight.shape
+            cfg = kernels.few_rows_config(x.shape[0], n, k, x.dtype, self.num_sms)
+            if cfg is not None:
+                return kernels.few_rows_linear(x, weight, bias, cfg)
+        return F.linear(x, weight, bias)
+
+    def silu_mul_linear(
+        self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if gate_up.dim() == 2 and gate_up.shape[0] == 1:
+            from tp_runtime.layers.skinny_gemm_triton import skinny_linear
+
+            return skinny_linear(gate_up, weight, bias, silu_mul=True, num_sms=self.num_sms)
+        return self.linear(silu_and_mul(gate_up, fused=True), weight, bias)
+
+
+TORCH_MATMUL = Matmul()  # stateless: shared by every layer that has not been given another
+
+
+def use_matmul(model: nn.Module, matmul: Matmul) -> None:
+    """Make every linear layer of `model` (and its LM head) multiply with `matmul`."""
+    for module in model.modules():
+        if isinstance(getattr(module, "matmul", None), Matmul):
+            cast(Any, module).matmul = matmul
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -60,6 +123,7 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.matmul: Matmul = TORCH_MATMUL
         # Per logical output (q/k/v, gate/up): local size and the start row of this rank's slice.
         self.local_sizes = out_sizes
         self.shard_offsets = shard_offsets or [tp.rank * s for s in out_sizes]
@@ -79,7 +143,7 @@ class ColumnParallelLinear(nn.Module):
         _copy_checked(param.data.narrow(0, start, size), data, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -140,6 +204,7 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.matmul: Matmul = TORCH_MATMUL
         self.local_in = divide(in_features, tp.world_size)
         self.weight = _param((out_features, self.local_in), dtype, device)
         self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
@@ -156,14 +221,20 @@ class RowParallelLinear(nn.Module):
     def _load_bias(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
         _copy_checked(param.data, source.full(), type(self).__name__)
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True, silu_mul: bool = False) -> torch.Tensor:
         """`reduce=False`: this rank's partial sum, for a caller that all-reduces it inside the next
-        kernel (a layer without bias only: the bias is added once, after the sum)."""
+        kernel (a layer without bias only: the bias is added once, after the sum). `silu_mul`: x is the
+        merged [tokens, 2 * in] gate|up output and silu(gate) * up is the input (a gated MLP's down
+        projection), computed inside the matmul where the Matmul can."""
+        if not reduce and self.bias is not None:
+            raise ValueError("internal: a row-parallel layer with a bias must reduce its output")
+        if silu_mul:
+            y = self.matmul.silu_mul_linear(x, self.weight, None)
+        else:
+            y = self.matmul.linear(x, self.weight, None)
         if not reduce:
-            if self.bias is not None:
-                raise ValueError("internal: a row-parallel layer with a bias must reduce its output")
-            return F.linear(x, self.weight)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return y
+        y = self.tp.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y

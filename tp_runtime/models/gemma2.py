@@ -26,6 +26,7 @@ from tp_runtime.errors import ConfigError
 from tp_runtime.layers.activation import gelu_tanh_and_mul
 from tp_runtime.layers.attention import AttentionMetadata
 from tp_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tp_runtime.layers.linear import TritonMatmul, use_matmul
 from tp_runtime.layers.norm import GemmaRMSNorm
 from tp_runtime.layers.rotary import RotaryEmbedding
 from tp_runtime.models.interface import CheckpointEntry
@@ -128,6 +129,8 @@ class Gemma2ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.num_local_kv_heads: int = self._layer(0).self_attn.num_kv_heads
+        if fused:
+            use_matmul(self, TritonMatmul.for_device(device))
         self._checkpoint = {name: (shape, p, shard) for name, shape, p, shard in self._checkpoint_entries()}
 
     def _layer(self, i: int) -> Gemma2DecoderLayer:

@@ -15,10 +15,15 @@ from torch import nn
 from tp_runtime.config import ModelConfig
 from tp_runtime.distributed import TPGroup
 from tp_runtime.errors import ConfigError
-from tp_runtime.layers.activation import silu_and_mul
 from tp_runtime.layers.attention import AttentionMetadata, paged_attention, write_kv
 from tp_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tp_runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tp_runtime.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TritonMatmul,
+    use_matmul,
+)
 from tp_runtime.layers.norm import RMSNorm
 from tp_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from tp_runtime.models.interface import CheckpointEntry, FeedForward
@@ -109,7 +114,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, tp, dtype, device)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused), reduce)
+        return self.down_proj(self.gate_up_proj(x), reduce, silu_mul=True)
 
     def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:
         h, i = self.config.hidden_size, self.config.intermediate_size
@@ -240,6 +245,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.num_local_kv_heads: int = layers[0].self_attn.num_kv_heads
+        if fused:  # one-row matmuls (batch-1 decode) as Triton kernels, SiLU-mul folded into the down proj
+            use_matmul(self, TritonMatmul.for_device(device))
         # Checkpoint name -> (full shape, parameter, shard index), listed once from the modules themselves.
         self._checkpoint = {name: (shape, p, shard) for name, shape, p, shard in self._checkpoint_entries()}
 

@@ -1,0 +1,188 @@
+"""The one-row Triton matmul (layers/skinny_gemm_triton.py) in Triton's interpreter against a float64
+matmul, the Matmul objects the linear layers dispatch through, and the engine's batch-1 decode with the
+Triton kernels against HF transformers (tests/test_triton_decode.py runs the engine with several rows)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+REPO = Path(__file__).resolve().parents[1]
+
+KERNEL_VS_FLOAT64 = """
+import torch
+import torch.nn.functional as F
+from tp_runtime.layers.activation import silu_and_mul
+from tp_runtime.layers.linear import Matmul, TritonMatmul
+from tp_runtime.layers.skinny_gemm_triton import SkinnyConfig, few_rows_linear, skinny_linear
+torch.manual_seed(0)
+# Error bound: a few units of the dtype's last place of sum |x_i w_i| + |b| (the interpreter rounds
+# float32 -> bfloat16/float16 toward zero where CUDA rounds to nearest, also inside the SiLU-mul).
+TOL = {torch.float32: 1e-6, torch.bfloat16: 4 * 2 ** -8, torch.float16: 4 * 2 ** -11}
+CONFIGS = [None, SkinnyConfig(4, 64, 4), SkinnyConfig(8, 32, 2, 2), SkinnyConfig(16, 128, 4)]
+checked = 0
+for dtype in TOL:
+    # (rows, N, K): N and K that the tiles divide and that they do not; K shorter than one tile
+    for rows, n, k in ((1, 64, 256), (1, 37, 200), (2, 33, 130), (1, 5, 3), (3, 48, 96)):
+        for silu in (False, True):
+            for with_bias in (False, True):
+                for cfg in CONFIGS:
+                    x = torch.randn(rows, 2 * k if silu else k).to(dtype)
+                    w = (torch.randn(n, k) / k ** 0.5).to(dtype)
+                    b = torch.randn(n).to(dtype) if with_bias else None
+                    x_in = silu_and_mul(x.double()) if silu else x.double()
+                    if silu and dtype != torch.float32:  # the kernel rounds silu(g) and the product
+                        x_in = silu_and_mul(x).double()
+                    want = x_in @ w.double().T + (b.double() if with_bias else 0)
+                    got = skinny_linear(x, w, b, silu_mul=silu, config=cfg)
+                    assert got.dtype == dtype and got.shape == (rows, n)
+                    scale = x_in.abs() @ w.double().abs().T + (b.double().abs() if with_bias else 0)
+                    err = ((got.double() - want).abs() / scale).max().item()
+                    assert err <= TOL[dtype], (dtype, rows, n, k, silu, with_bias, cfg, err)
+                    checked += 1
+# The few-rows kernel (tensor-core dot products). Not bfloat16 here: the interpreter's bfloat16 dot is
+# wrong (scripts/check_skinny_gemm.py checks it on the GPU).
+for dtype in (torch.float32, torch.float16):
+    for rows, n, k in ((2, 64, 256), (5, 37, 200), (17, 33, 130), (32, 96, 512)):
+        for cfg in (SkinnyConfig(16, 64, 4, 2), SkinnyConfig(32, 128, 4, 3)):
+            for with_bias in (False, True):
+                x, w = torch.randn(rows, k).to(dtype), (torch.randn(n, k) / k ** 0.5).to(dtype)
+                b = torch.randn(n).to(dtype) if with_bias else None
+                want = x.double() @ w.double().T + (b.double() if with_bias else 0)
+                got = few_rows_linear(x, w, b, cfg)
+                scale = x.double().abs() @ w.double().abs().T + (b.double().abs() if with_bias else 0)
+                err = ((got.double() - want).abs() / scale).max().item()
+                assert got.dtype == dtype and err <= TOL[dtype], (dtype, rows, n, k, cfg, with_bias, err)
+                checked += 1
+# The Matmul objects: one row through the one-row kernel; 2-32 rows of a 16-bit dtype through the
+# few-rows kernel where few_rows_config picks it; the rest through cuBLAS (F.linear), bit for bit.
+m = TritonMatmul(132)
+w16, x16 = torch.randn(40, 4096).half(), torch.randn(4, 4096).half()
+assert torch.equal(m.linear(x16, w16, None), few_rows_linear(x16, w16, None, SkinnyConfig(32, 256, 4, 4)))
+x33 = torch.randn(33, 4096).half()
+assert torch.equal(m.linear(x33, w16, None), F.linear(x33, w16))
+assert torch.equal(m.linear(x16[:, :1000], w16[:, :1000], None), F.linear(x16[:, :1000], w16[:, :1000]))
+assert torch.equal(m.linear(x16.float(), w16.float(), None), F.linear(x16.float(), w16.float()))
+for dtype in (torch.float32, torch.bfloat16):
+    w, b = torch.randn(24, 40).to(dtype), torch.randn(24).to(dtype)
+    one, two = torch.randn(1, 40).to(dtype), torch.randn(2, 40).to(dtype)
+    gate_up = torch.randn(1, 80).to(dtype)
+    assert torch.equal(m.linear(one, w, b), skinny_linear(one, w, b))
+    assert torch.equal(m.linear(two, w, b), F.linear(two, w, b))
+    assert torch.equal(m.silu_mul_linear(gate_up, w, None), skinny_linear(gate_up, w, silu_mul=True))
+    assert torch.equal(Matmul().linear(one, w, b), F.linear(one, w, b))
+    assert torch.equal(Matmul().silu_mul_linear(gate_up, w, b), F.linear(silu_and_mul(gate_up), w, b))
+print("OK", checked)
+"""
+
+
+def _run(script: str, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_kernel_matches_float64() -> None:
+    status, checked = _run(KERNEL_VS_FLOAT64).split()
+    assert status == "OK" and int(checked) == 3 * 5 * 2 * 2 * 4 + 2 * 4 * 2 * 2
+
+
+def test_launch_shapes_and_argument_checks() -> None:
+    from tp_runtime.layers.skinny_gemm_triton import SkinnyConfig, default_config
+
+    for sms in (16, 78, 132):
+        for n in (1, 3, 64, 1000, 4096, 6144, 12287, 12288, 128256, 262144):
+            cfg = default_config(n, sms)
+            assert cfg.block_n in (4, 8, 16) and cfg.block_k >= 256 and cfg.num_warps in (4, 8)
+            assert -(-n // cfg.block_n) < 2**31  # programs along the grid's first axis
+            # About 8 four-row programs per SM: a last wave under 80 % full doubles the rows per program.
+            waves = -(-n // 4) / (8 * sms)
+            if n < 12288:
+                assert (cfg.block_n == 8) == (1 < waves < 1.8), (n, sms, cfg)
+    from tp_runtime.layers.skinny_gemm_triton import few_rows_config, few_rows_linear, skinny_linear
+
+    bf16 = torch.bfloat16
+    assert few_rows_config(1, 4096, 4096, bf16, 132) is None  # one row: the one-row kernel
+    assert few_rows_config(33, 4096, 4096, bf16, 132) is None  # more than one tile of rows: cuBLAS
+    assert few_rows_config(8, 4096, 4096, torch.float32, 132) is None  # no TF32 products
+    assert few_rows_config(8, 28672, 4096, bf16, 132) is None  # merged gate/up: cuBLAS measured faster
+    assert few_rows_config(8, 4096, 2048, bf16, 132) is None  # short K: as fast as cuBLAS
+    assert few_rows_config(8, 4096, 14336, bf16, 132) == SkinnyConfig(32, 512, 4, 4)
+    assert few_rows_config(32, 128256, 4096, torch.float16, 132) == SkinnyConfig(64, 128, 4, 3)
+    with pytest.raises(ValueError, match="does not fit"):
+        skinny_linear(torch.zeros(1, 5), torch.zeros(4, 6))
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        few_rows_linear(torch.zeros(33, 6), torch.zeros(4, 6), None, SkinnyConfig(16, 64, 4))
+    with pytest.raises(ValueError, match="bias"):
+        skinny_linear(torch.zeros(1, 6), torch.zeros(4, 6), torch.zeros(5))
+
+
+def test_fused_models_multiply_through_the_triton_matmul() -> None:
+    from torch import nn
+
+    from tp_runtime.layers.linear import TORCH_MATMUL, Matmul, TritonMatmul, use_matmul
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+            self.a.matmul = TORCH_MATMUL  # type: ignore[assignment]
+
+    model = Two()
+    triton_matmul = TritonMatmul(8)
+    use_matmul(model, triton_matmul)
+    assert model.a.matmul is triton_matmul and not isinstance(getattr(model.b, "matmul", None), Matmul)
+
+
+ONE_ROW_ENGINE = """
+import json, sys
+from tp_runtime import LLM, SamplingParams
+with LLM(sys.argv[1], device="cpu", dtype="float32", attention_backend="triton", fused_kernels="triton",
+         cuda_graphs=sys.argv[3]) as llm:
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+            for p in json.loads(sys.argv[2])]
+print(json.dumps([o.outputs[0].token_ids for o in outs]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("arch", "graphs"),
+    [("LlamaForCausalLM", "padded"), ("Qwen2ForCausalLM", "off"), ("Gemma2ForCausalLM", "padded")],
+)
+def test_batch_one_decode_with_triton_kernels_matches_hf(
+    make_checkpoint: Callable[..., Path], arch: str, graphs: str
+) -> None:
+    """One sequence at a time: every decode step's matmuls (QKV with Qwen2's bias, the output projection,
+    the down projection with the SiLU-mul folded in, the LM head) run the one-row kernel."""
+    model_dir = make_checkpoint(arch)
+    prompts = [[5, 9, 200], list(range(3, 30))]
+    got = json.loads(_run(ONE_ROW_ENGINE, str(model_dir), json.dumps(prompts), graphs))
+    if arch == "Gemma2ForCausalLM":
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        model.generation_config.eos_token_id = None
+        want = []
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                 pad_token_id=0)  # fmt: skip
+            want.append(out[0, len(p) :].tolist())
+    else:
+        want = hf_greedy(model_dir, prompts, 8)
+    assert got == want

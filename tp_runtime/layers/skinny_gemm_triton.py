@@ -1,0 +1,211 @@
+"""The matmuls of a decode step at small batch as Triton kernels. One row: y = x W^T (+ b), optionally with
+the SiLU-and-mul of the merged [gate | up] projection computed from x on the fly (the down projection).
+
+A one-row linear layer only streams its weight once. cuBLAS picks split-K for most of these shapes (a
+second, reduce kernel after the matmul) and its tiles leave part of the GPU idle at the tail; the separate
+SiLU-mul kernel before the down projection is one more launch. Here each program owns BLOCK_N output
+features and walks the whole of K, float32 products summed once at the end, so there is no split-K pass,
+and the activation is applied to x where it is loaded (each program recomputes it for its K tile from L2;
+the weight dominates the bytes). On an H200 this reads the Llama-3-8B layers' weights 5-25 % faster than
+cuBLAS at one row (scripts/check_skinny_gemm.py; BENCHMARKS.md).
+
+From 2 to 32 rows (decode at small and medium batch) `few_rows_linear` reads each weight tile once for
+every row with tensor-core products, where that measured faster than cuBLAS (`few_rows_config`).
+
+Only used on CUDA; `TRITON_INTERPRET=1` runs it on CPU tensors for testing.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_x(
+    x_row, k, k_mask, K, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr
+):  # fmt: skip
+    """x[k] as float32; with SILU_MUL, silu(x[k]) * x[K + k] rounded as fused_triton.silu_and_mul rounds."""
+    if EVEN_K:
+        gate = tl.load(x_row + k)
+    else:
+        gate = tl.load(x_row + k, mask=k_mask, other=0.0)
+    if SILU_MUL:
+        if EVEN_K:
+            up = tl.load(x_row + K + k)
+        else:
+            up = tl.load(x_row + K + k, mask=k_mask, other=0.0)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        gate = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    return gate
+
+
+@triton.jit
+def _skinny_row_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, N, K, x_stride, w_stride, out_stride,
+    SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """One program per (BLOCK_N output features, row)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.program_id(1)
+    n_mask = n < N
+    x_row = x_ptr + row.to(tl.int64) * x_stride
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k = k_start + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        xk = _load_x(x_row, k, k_mask, K, SILU_MUL, EVEN_K).to(tl.float32)
+        if EVEN_N and EVEN_K:
+            w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
+        else:
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * xk[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)  # added before the one rounding
+    tl.store(out_ptr + row.to(tl.int64) * out_stride + n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _few_rows_dot_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FP32: tl.constexpr,
+):  # fmt: skip
+    """One program per BLOCK_N output features for all (up to BLOCK_M) rows: tensor-core products (exact
+    float32 products for float32, no TF32), each weight tile read once."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * x_stride
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k = k_start + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        xk = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if EVEN_N and EVEN_K:
+            w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
+        else:
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        if FP32:
+            acc += tl.dot(xk, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(xk, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + m.to(tl.int64)[:, None] * out_stride + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+class SkinnyConfig(NamedTuple):
+    """One launch shape of the kernel."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 1
+
+
+def default_config(n: int, num_sms: int) -> SkinnyConfig:
+    """The launch shape for N output features on a GPU with `num_sms` multiprocessors (measured on an H200
+    for the Llama-3 8B and 70B shards at TP 1 and 2, scripts/check_skinny_gemm.py)."""
+    if n >= 12288:  # wide (merged gate/up, LM head): 16-row tiles are plenty of programs
+        return SkinnyConfig(16, 256, 4)
+    # Four rows per program, unless that leaves a short last wave (about 8 such programs fit on an SM):
+    # then twice the rows per program and twice the warps.
+    waves = triton.cdiv(n, 4) / (8 * num_sms)
+    if 1.0 < waves < 1.8:
+        return SkinnyConfig(8, 512, 8)
+    return SkinnyConfig(4, 1024, 4)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_width: int) -> None:
+    if x.dim() != 2 or x.shape[1] != x_width:
+        raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need unit column stride")
+    if x.dtype != weight.dtype or x.device != weight.device:
+        raise ValueError(f"x ({x.dtype}, {x.device}) and weight ({weight.dtype}, {weight.device}) differ")
+    if bias is not None and (bias.shape != weight.shape[:1] or bias.stride(0) != 1):
+        raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    config: SkinnyConfig | None = None,
+    num_sms: int = 132,
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias), float32 accumulation, rounded once to x's dtype. Meant for M = 1:
+    each row reads the weight again.
+    `silu_mul`: x is the [M, 2K] gate|up projection output and silu(gate) * up (rounded as the separate
+    SiLU-mul kernel rounds) is multiplied instead."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-d, got {tuple(weight.shape)}")
+    n, k = weight.shape
+    _check(x, weight, bias, 2 * k if silu_mul else k)
+    rows = x.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return out
+    cfg = config or default_config(n, num_sms)
+    _skinny_row_kernel[(triton.cdiv(n, cfg.block_n), rows)](
+        x, weight, weight if bias is None else bias, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+# Rows up to which few_rows_linear can run (its tile holds every row); more go to cuBLAS.
+MAX_FEW_ROWS = 32
+
+
+def few_rows_config(rows: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> SkinnyConfig | None:
+    """The launch shape of few_rows_linear for 2..MAX_FEW_ROWS rows, or None where cuBLAS is as fast or
+    faster (measured on an H200 for the Llama-3-8B shards at TP 1 and 2, 4-32 rows: the single pass wins
+    for the LM head and for layers of at most one 32-feature tile per SM with K >= 4096; cuBLAS keeps the
+    merged gate/up and the wide QKV). 16-bit dtypes only: float32 tensor-core products would be TF32."""
+    if not 2 <= rows <= MAX_FEW_ROWS or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if n >= 32768:
+        return SkinnyConfig(64, 128, 4, 3)
+    if n <= 32 * num_sms and k >= 4096:
+        return SkinnyConfig(32, 512 if k >= 7168 else 256, 4, 4)
+    return None
+
+
+def few_rows_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias) for M <= MAX_FEW_ROWS in one pass over the weight (tensor cores;
+    float32 products exact, as F.linear's without TF32), float32 accumulation rounded once."""
+    n, k = weight.shape
+    _check(x, weight, bias, k)
+    rows = x.shape[0]
+    if rows > MAX_FEW_ROWS:
+        raise ValueError(f"few_rows_linear takes at most {MAX_FEW_ROWS} rows, got {rows}")
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return out
+    _few_rows_dot_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, weight if bias is None else bias, out, rows, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(rows)),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_N=n % config.block_n == 0,
+        EVEN_K=k % config.block_k == 0, FP32=x.dtype == torch.float32, num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    return out

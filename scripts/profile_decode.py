@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--rows", type=int, default=18, help="kernels listed")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (bench: 1)")
     args = parser.parse_args()
 
     from tp_runtime import LLM, SamplingParams, run_torchrun_worker
@@ -43,11 +44,15 @@ def main() -> None:
         {"prompt_token_ids": np.random.default_rng(i).integers(3, 1000, args.input_len).tolist()}
         for i in range(args.batch_size)
     ]
-    params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.steps, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm up (and capture graphs)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.device_time for e in kernels)
+    per_step = f"{len(kernels) / args.steps:.0f} kernels, {busy_us / args.steps:.0f} us of device time"
+    print(f"per step (the prefill included, divided by --steps): {per_step}")
     llm.shutdown()
 
 

@@ -66,7 +66,8 @@ class ModelRunner:
         self.inputs = InputBuilder(
             self.batch, self.block_size, self.attention, mc.sliding_window, mc.vocab_size, device
         )
-        self.sampler = Sampler(device, config.seed)
+        fused = pick_kernels(config.fused_kernels, device) == "triton"
+        self.sampler = Sampler(device, config.seed, fused=fused)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphs | None = None
         # Benchmark switch (set by a control call): wait for the sampled ids before the bookkeeping, the

@@ -7,10 +7,12 @@ Filters then apply in this order, each to the distribution left by the previous 
 temperature -> min_p (drop tokens with p < min_p * p_max) -> top_k (keep the k most likely) ->
 top_p (keep the shortest most-likely-first prefix whose probability mass reaches top_p).
 
-A draw uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1)), which samples exactly from p. A
-seeded request draws its noise from a generator seeded by (seed, index of the token being generated), so
-its samples depend on nothing else in the batch, on preemption, or on the TP size. Every rank holds the
-same full logits and runs the same ops, so every rank samples the same tokens.
+A draw uses the exponential race: argmax p_i / E_i with E_i = -log U_i ~ Exp(1), which samples exactly
+from p, computed as argmax s_i - log E_i over the scores s = log p + const (logits / temperature, or the
+filtered scores), so no softmax is needed. A seeded request draws its noise from a generator seeded by
+(seed, index of the token being generated), so its samples depend on nothing else in the batch, on
+preemption, or on the TP size. Every rank holds the same full logits and runs the same ops, so every rank
+samples the same tokens. With the fused kernels the two argmaxes are Triton kernels (sampling_triton.py).
 """
 
 from __future__ import annotations
@@ -107,29 +109,54 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def race_argmax(
+    logits: torch.Tensor,
+    greedy: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The tokens: argmax(logits) per row, or with uniform `noise` the race winners argmax(s - log(-log U))
+    (s: `scores`, or logits / `temperature`) except in `greedy` rows. PyTorch ops; sampling_triton.py has
+    the same as two Triton kernels (same signature)."""
+    greedy_ids = logits.argmax(dim=-1)
+    if noise is None:
+        return greedy_ids
+    assert greedy is not None
+    if scores is None:
+        assert temperature is not None
+        scores = logits / temperature.unsqueeze(1)
+    sampled = (scores - noise.log_().neg_().log_()).argmax(dim=-1)
+    return torch.where(greedy, greedy_ids, sampled)
+
+
 class Sampler:
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, fused: bool = False) -> None:
+        """`fused`: the final argmaxes as Triton kernels (CUDA)."""
         self._device = device
         self._engine_generator = torch.Generator(device=device).manual_seed(seed)
         self._row_generator = torch.Generator(device=device)
+        self._race_argmax = race_argmax
+        if fused:
+            from tp_runtime.worker import sampling_triton
+
+            self._race_argmax = sampling_triton.race_argmax
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw = logits = logits.float()
         if batch.output_counts is not None:
             logits = apply_penalties(logits, batch)
-        greedy_ids = logits.argmax(dim=-1)
         if batch.all_greedy:
-            token_ids = greedy_ids
+            token_ids = self._race_argmax(logits)
         else:
-            probs = filter_logits(logits, batch).softmax(dim=-1)
-            # Exp(1) noise as -log(U): the same distribution as exponential_(), several times faster on CPU.
-            noise = torch.rand(probs.shape, generator=self._engine_generator, device=probs.device)
+            filtered = batch.min_p is not None or batch.top_k is not None or batch.top_p is not None
+            # Uniform noise; E = -log(U) is Exp(1), the same law as exponential_(), and faster on CPU.
+            noise = torch.rand(logits.shape, generator=self._engine_generator, device=logits.device)
             for row, seed in batch.row_seeds.items():
                 self._row_generator.manual_seed(seed)
-                noise[row] = torch.rand(probs.shape[1], generator=self._row_generator, device=probs.device)
-            noise = noise.log_().neg_()
-            sampled = (probs / noise).argmax(dim=-1)
-            token_ids = torch.where(batch.greedy, greedy_ids, sampled)
+                noise[row] = torch.rand(logits.shape[1], generator=self._row_generator, device=logits.device)
+            scores = filter_logits(logits, batch) if filtered else None  # else logits / temperature
+            token_ids = self._race_argmax(logits, batch.greedy, noise, batch.temperature, scores)
         out = SamplerOutput(token_ids=token_ids)
         if batch.max_num_logprobs >= 0:
             # Logprobs of the raw model distribution (before temperature and filtering), as vLLM returns.

@@ -66,7 +66,7 @@ for dtype in (torch.float32, torch.float16):
                 checked += 1
 # The Matmul objects: one row through the one-row kernel; 2-32 rows of a 16-bit dtype through the
 # few-rows kernel where few_rows_config picks it; the rest through cuBLAS (F.linear), bit for bit.
-m = TritonMatmul(132)
+m = TritonMatmul(132, graphs_only=False)
 w16, x16 = torch.randn(40, 4096).half(), torch.randn(4, 4096).half()
 assert torch.equal(m.linear(x16, w16, None), few_rows_linear(x16, w16, None, SkinnyConfig(32, 256, 4, 4)))
 x33 = torch.randn(33, 4096).half()
@@ -141,9 +141,13 @@ def test_fused_models_multiply_through_the_triton_matmul() -> None:
             self.a.matmul = TORCH_MATMUL  # type: ignore[assignment]
 
     model = Two()
-    triton_matmul = TritonMatmul(8)
+    triton_matmul = TritonMatmul(8, graphs_only=False)
     use_matmul(model, triton_matmul)
     assert model.a.matmul is triton_matmul and not isinstance(getattr(model.b, "matmul", None), Matmul)
+    # On a GPU the kernels run only inside graph capture (decode); eager calls keep cuBLAS.
+    eager = TritonMatmul(132, graphs_only=True)
+    x, w = torch.randn(1, 64), torch.randn(8, 64)
+    assert torch.equal(eager.linear(x, w, None), torch.nn.functional.linear(x, w))
 
 
 ONE_ROW_ENGINE = """

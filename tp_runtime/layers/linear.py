@@ -47,21 +47,34 @@ class TritonMatmul(Matmul):
     """The fused-kernel path (CUDA): a one-row product (decode at batch 1) runs the Triton one-row kernel,
     with the SiLU-and-mul folded into the down projection's; 2-32 rows the few-rows kernel where it beats
     cuBLAS (layers/skinny_gemm_triton.py); the rest cuBLAS. The SiLU-and-mul of more than one row is the
-    Triton SiLU-and-mul kernel."""
+    Triton SiLU-and-mul kernel.
 
-    def __init__(self, num_sms: int) -> None:
+    `graphs_only`: the matmul kernels run only while a CUDA graph is captured (decode steps); eager calls
+    (prefill, eager decode) keep cuBLAS, whose launch costs the host a few µs where a Triton launch
+    costs tens: a batch-1 prefill of 32 layers is bound by the host's launches."""
+
+    def __init__(self, num_sms: int, graphs_only: bool) -> None:
         self.num_sms = num_sms
+        self.graphs_only = graphs_only
 
     @classmethod
     def for_device(cls, device: torch.device) -> TritonMatmul:
         if device.type == "cuda":
-            return cls(torch.cuda.get_device_properties(device).multi_processor_count)
-        return cls(132)  # Triton's interpreter (tests): an H200's count, so launches match the GPU's
+            return cls(torch.cuda.get_device_properties(device).multi_processor_count, graphs_only=True)
+        # Triton's interpreter (tests): every call, with an H200's SM count so launches match the GPU's.
+        return cls(132, graphs_only=False)
+
+    def _use_kernels(self, x: torch.Tensor) -> bool:
+        if x.dim() != 2:
+            return False
+        if not self.graphs_only:
+            return True
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from tp_runtime.layers import skinny_gemm_triton as kernels  # Triton: imported where it runs
 
-        if x.dim() == 2 and 1 <= x.shape[0] <= kernels.MAX_FEW_ROWS:
+        if 1 <= x.shape[0] <= kernels.MAX_FEW_ROWS and self._use_kernels(x):
             if x.shape[0] == 1:
                 return kernels.skinny_linear(x, weight, bias, num_sms=self.num_sms)
             n, k = weight.shape
@@ -73,7 +86,7 @@ class TritonMatmul(Matmul):
     def silu_mul_linear(
         self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        if gate_up.dim() == 2 and gate_up.shape[0] == 1:
+        if gate_up.shape[0] == 1 and self._use_kernels(gate_up):
             from tp_runtime.layers.skinny_gemm_triton import skinny_linear
 
             return skinny_linear(gate_up, weight, bias, silu_mul=True, num_sms=self.num_sms)

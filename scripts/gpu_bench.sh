@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements recorded in BENCHMARKS.md (run on the device machines; see the device README).
-#   scripts/gpu_bench.sh smoke|checks|rows|rows8b|serve|families|compare|compare1|tp1|tp2|fused|profile|profile2|messaging|peer OUT_DIR
+#   scripts/gpu_bench.sh smoke|checks|rows|rows8b|serve|families|compare|compare1|tp1|tp2|fused|profile|profile2|matmuls|messaging|peer OUT_DIR
 set -euo pipefail
 part=$1
 out=${2:-/tmp/tp-runtime-bench}
@@ -84,8 +84,16 @@ case $part in
         --num-iters-warmup 1 --num-iters 5 --fused-kernels $kernels
     done
     ;;
-  profile)  # top device kernels of decode steps
-    $py scripts/profile_decode.py --model llama-3-8b --batch-size 1 --input-len 32 --steps 16 | tee "$out/profile_b1.txt"
+  profile)  # top device kernels of decode steps (bench latency samples at temperature 1)
+    $py scripts/profile_decode.py --model llama-3-8b --batch-size 1 --input-len 32 --steps 32 --temperature 1 \
+      --rows 30 | tee "$out/profile_b1.txt"
+    ;;
+  matmuls)  # decode matmul and sampling kernels against cuBLAS / PyTorch (one GPU)
+    $py scripts/check_skinny_gemm.py --model llama-3-8b --tp-sizes 1 2 --configs default --rows 1 4 32 \
+      --out "$out/skinny.json" 2>&1 | grep -v Warning | tee "$out/skinny.txt"
+    $py scripts/check_skinny_gemm.py --model llama-3-70b --tp-sizes 2 --configs default --rows 1 \
+      2>&1 | grep -v Warning | tee "$out/skinny70b.txt"
+    $py scripts/check_sampling.py 2>&1 | grep -v Warning | tee "$out/sampling.txt"
     ;;
   profile2)  # the same at TP=2 (rank 0's kernels, all-reduces included), batch 1 and 32 (nvidia-h200-x2)
     for b in 1 32; do

@@ -25,7 +25,6 @@ def main() -> None:
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--rows", type=int, default=18, help="kernels listed")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (bench: 1)")
-    parser.add_argument("--host", action="store_true", help="also the host: ops by their own CPU time")
     args = parser.parse_args()
 
     from tp_runtime import LLM, SamplingParams, run_torchrun_worker
@@ -47,15 +46,9 @@ def main() -> None:
     ]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.steps, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm up (and capture graphs)
-    activities = [torch.profiler.ProfilerActivity.CUDA]
-    if args.host:
-        activities.append(torch.profiler.ProfilerActivity.CPU)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
-    if args.host:
-        averages = prof.key_averages()
-        print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy_us = sum(e.device_time for e in kernels)
     per_step = f"{len(kernels) / args.steps:.0f} kernels, {busy_us / args.steps:.0f} us of device time"

@@ -12,10 +12,7 @@ Backends:
   cache blocks in place, splitting each context across programs when the batch alone cannot fill the
   GPU; continuation prefill chunks run a paged prefill kernel.
 Either way, a fresh prompt with no sliding window and no soft-cap attends to its own keys with causal SDPA
-(no cache read), except that the Triton backend runs short fresh prompts (up to `short_prompt_tokens`)
-through its paged prefill kernel: there the device work is a few µs and cuDNN's SDPA costs the host ~75 µs
-per call (an H200 profile of a 32-token prompt: 2.4 ms of host time over 32 layers), and an eager
-prefill of a short prompt is bound by the host's launches.
+(no cache read).
 
 The sliding window and the attention logit soft-cap (scores -> cap * tanh(scores / cap), before masking,
 as Gemma 2) are properties of the layer, which passes them to `paged_attention`: layers of one model may
@@ -52,9 +49,6 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    # Fresh prompts of at most this many tokens go through `prefill` (the cache) rather than SDPA.
-    short_prompt_tokens: int
-
     def num_decode_splits(self, num_seqs: int, num_blocks: int) -> int:
         """Split-KV programs per (sequence, KV head) for a decode batch whose longest context spans
         `num_blocks` cache blocks (a pure function of the shape, so CUDA graphs can capture it)."""
@@ -117,8 +111,6 @@ def _allowed(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> 
 class TorchAttention:
     """Gathered blocks + SDPA; runs anywhere. Masks are built on the device from the sequence lengths."""
 
-    short_prompt_tokens = 0  # fresh prompts always attend to their own keys (no gather)
-
     def num_decode_splits(self, num_seqs: int, num_blocks: int) -> int:
         return 1
 
@@ -171,8 +163,6 @@ class TorchAttention:
 
 class TritonAttention:
     """Triton kernels that read the cache blocks in place (layers/paged_decode_triton.py)."""
-
-    short_prompt_tokens = 128
 
     def __init__(self, num_kv_heads: int, block_size: int, num_sms: int, split_kv: bool) -> None:
         self.num_kv_heads = num_kv_heads
@@ -304,8 +294,7 @@ def paged_attention(
     for chunk in meta.prefills:
         q_chunk = q[chunk.start : chunk.end]
         fresh = chunk.context_len == 0
-        short = q_chunk.shape[0] <= backend.short_prompt_tokens and chunk.block_table.numel() > 0
-        if fresh and window is None and softcap is None and not short:
+        if fresh and window is None and softcap is None:
             # A fresh prompt: its own keys are all it attends to (the fastest SDPA, no cache read).
             chunk_out = _own_keys_attention(q_chunk, k, v, chunk, None, scale, None)
         elif fresh and chunk.block_table.numel() == 0:

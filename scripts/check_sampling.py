@@ -44,8 +44,9 @@ def check_case(rows: int, vocab: int, dtype: torch.dtype, g: torch.Generator) ->
     got = sampling_triton.race_argmax(logits.float(), greedy, noise.clone(), temperature)
     differ = int((want != got).sum())
     greedy_differ = int((sampling_triton.race_argmax(logits) != logits.argmax(-1)).sum())
+    fused_race = sampling_triton.race_argmax
     torch_us = time_us(lambda: race_argmax(logits.float(), greedy, noise.clone(), temperature))
-    triton_us = time_us(lambda: sampling_triton.race_argmax(logits.float(), greedy, noise, temperature))
+    triton_us = time_us(lambda: fused_race(logits.float(), greedy, noise.clone(), temperature))
     batch = SamplingBatch(
         temperature=temperature, greedy=torch.zeros(rows, dtype=torch.bool, device=dev), all_greedy=False,
         top_k=None, top_p=None, min_p=None, row_seeds={}, max_num_logprobs=-1,

@@ -142,7 +142,10 @@ def main() -> int:
                 row = {"model": model, "tp": tp, "layer": name, "n": n, "k": k, "rows": rows,
                        "cublas_us": base, "cublas_err": base_err, "triton": []}  # fmt: skip
                 # The launch shape the engine uses (None: it keeps cuBLAS for this shape).
-                dflt = default_config(n, sms) if rows == 1 else few_rows_config(rows, n, k, dtype, sms)
+                if rows == 1:
+                    dflt = default_config(n, sms)
+                else:
+                    dflt = few_rows_config(rows, n, k, dtype, sms, lm_head=name == "lm_head")
                 if args.configs == "sweep":
                     configs = SWEEP if rows == 1 else DOT_SWEEP
                 else:

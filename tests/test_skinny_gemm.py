@@ -22,8 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 KERNEL_VS_FLOAT64 = """
 import torch
 import torch.nn.functional as F
+from tp_runtime.layers import fused_triton
 from tp_runtime.layers.activation import silu_and_mul
-from tp_runtime.layers.linear import Matmul, TritonMatmul
+from tp_runtime.layers.linear import TritonMatmul, decode_graph_pass
 from tp_runtime.layers.skinny_gemm_triton import SkinnyConfig, few_rows_linear, skinny_linear
 torch.manual_seed(0)
 # Error bound: a few units of the dtype's last place of sum |x_i w_i| + |b| (the interpreter rounds
@@ -80,8 +81,26 @@ for dtype in (torch.float32, torch.bfloat16):
     assert torch.equal(m.linear(one, w, b), skinny_linear(one, w, b))
     assert torch.equal(m.linear(two, w, b), F.linear(two, w, b))
     assert torch.equal(m.silu_mul_linear(gate_up, w, None), skinny_linear(gate_up, w, silu_mul=True))
-    assert torch.equal(Matmul().linear(one, w, b), F.linear(one, w, b))
-    assert torch.equal(Matmul().silu_mul_linear(gate_up, w, b), F.linear(silu_and_mul(gate_up), w, b))
+# graphs_only (a GPU's choice): the kernels inside decode-graph passes only, cuBLAS elsewhere; the
+# model-level pass reaches every layer's matmul.
+on_gpu = TritonMatmul(132, graphs_only=True)
+holder = torch.nn.Module()
+holder.layer = torch.nn.Module()
+holder.layer.matmul = on_gpu
+one, gate_up = torch.randn(1, 2048).bfloat16(), torch.randn(1, 4096).bfloat16()
+w = torch.randn(24, 2048).bfloat16()
+assert torch.equal(on_gpu.linear(one, w, None), F.linear(one, w))
+# (outside a graph pass the SiLU-mul is the fused SiLU-mul kernel, then cuBLAS)
+assert torch.equal(on_gpu.silu_mul_linear(gate_up, w, None), F.linear(fused_triton.silu_and_mul(gate_up), w))
+with decode_graph_pass(holder):
+    assert torch.equal(on_gpu.linear(one, w, None), skinny_linear(one, w))
+    assert torch.equal(on_gpu.silu_mul_linear(gate_up, w, None), skinny_linear(gate_up, w, silu_mul=True))
+    assert not torch.equal(on_gpu.linear(one, w, None), F.linear(one, w))  # the kernel's own sum order
+assert torch.equal(on_gpu.linear(one, w, None), F.linear(one, w))
+# The LM head: the few-rows kernel for a vocabulary shard; a layer as wide is no LM head.
+wide, x4 = torch.randn(32768, 64).half(), torch.randn(4, 64).half()
+assert torch.equal(m.logits(x4, wide), few_rows_linear(x4, wide, None, SkinnyConfig(64, 128, 4, 3)))
+assert torch.equal(m.linear(x4, wide, None), F.linear(x4, wide))
 print("OK", checked)
 """
 
@@ -120,7 +139,8 @@ def test_launch_shapes_and_argument_checks() -> None:
     assert few_rows_config(8, 28672, 4096, bf16, 132) is None  # merged gate/up: cuBLAS measured faster
     assert few_rows_config(8, 4096, 2048, bf16, 132) is None  # short K: as fast as cuBLAS
     assert few_rows_config(8, 4096, 14336, bf16, 132) == SkinnyConfig(32, 512, 4, 4)
-    assert few_rows_config(32, 128256, 4096, torch.float16, 132) == SkinnyConfig(64, 128, 4, 3)
+    assert few_rows_config(32, 128256, 4096, torch.float16, 132, lm_head=True) == SkinnyConfig(64, 128, 4, 3)
+    assert few_rows_config(32, 57344, 8192, bf16, 132) is None  # as wide as an LM head, but not one
     with pytest.raises(ValueError, match="does not fit"):
         skinny_linear(torch.zeros(1, 5), torch.zeros(4, 6))
     with pytest.raises(ValueError, match="at most 32 rows"):
@@ -144,10 +164,6 @@ def test_fused_models_multiply_through_the_triton_matmul() -> None:
     triton_matmul = TritonMatmul(8, graphs_only=False)
     use_matmul(model, triton_matmul)
     assert model.a.matmul is triton_matmul and not isinstance(getattr(model.b, "matmul", None), Matmul)
-    # On a GPU the kernels run only inside graph capture (decode); eager calls keep cuBLAS.
-    eager = TritonMatmul(132, graphs_only=True)
-    x, w = torch.randn(1, 64), torch.randn(8, 64)
-    assert torch.equal(eager.linear(x, w, None), torch.nn.functional.linear(x, w))
 
 
 ONE_ROW_ENGINE = """

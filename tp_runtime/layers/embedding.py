@@ -54,5 +54,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.matmul: Matmul = TORCH_MATMUL
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = self.matmul.linear(hidden, self.weight, None)
+        local = self.matmul.logits(hidden, self.weight)
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]

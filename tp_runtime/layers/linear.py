@@ -8,6 +8,8 @@ How a layer multiplies is a `Matmul` the model picks once, at start-up (`use_mat
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any, Protocol, cast
 
 import torch
@@ -42,6 +44,16 @@ class Matmul:
         """(silu(gate) * up) W^T + b for the merged [tokens, 2 * in] gate|up projection output."""
         return F.linear(silu_and_mul(gate_up), weight, bias)
 
+    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x W^T for the LM head (its vocabulary shard): a very wide, short matmul."""
+        return self.linear(x, weight, None)
+
+    @contextmanager
+    def decode_graph_pass(self) -> Iterator[None]:
+        """Marks the forward passes run inside it as ones recorded into a decode CUDA graph (and its
+        warm-up), where launch cost is paid once; see TritonMatmul."""
+        yield
+
 
 class TritonMatmul(Matmul):
     """The fused-kernel path (CUDA): a one-row product (decode at batch 1) runs the Triton one-row kernel,
@@ -49,13 +61,15 @@ class TritonMatmul(Matmul):
     cuBLAS (layers/skinny_gemm_triton.py); the rest cuBLAS. The SiLU-and-mul of more than one row is the
     Triton SiLU-and-mul kernel.
 
-    `graphs_only`: the matmul kernels run only while a CUDA graph is captured (decode steps); eager calls
-    (prefill, eager decode) keep cuBLAS, whose launch costs the host a few µs where a Triton launch
-    costs tens: a batch-1 prefill of 32 layers is bound by the host's launches."""
+    `graphs_only`: the matmul kernels run only in decode-graph passes (`decode_graph_pass`: the warm-up,
+    so every kernel compiles and loads before capture, and the capture); other calls (prefill, eager
+    decode) keep cuBLAS, whose launch costs the host a few µs where a Triton launch costs tens: a batch-1
+    prefill of 32 layers is bound by the host's launches."""
 
     def __init__(self, num_sms: int, graphs_only: bool) -> None:
         self.num_sms = num_sms
         self.graphs_only = graphs_only
+        self._in_graph_pass = False
 
     @classmethod
     def for_device(cls, device: torch.device) -> TritonMatmul:
@@ -64,24 +78,36 @@ class TritonMatmul(Matmul):
         # Triton's interpreter (tests): every call, with an H200's SM count so launches match the GPU's.
         return cls(132, graphs_only=False)
 
-    def _use_kernels(self, x: torch.Tensor) -> bool:
-        if x.dim() != 2:
-            return False
-        if not self.graphs_only:
-            return True
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    @contextmanager
+    def decode_graph_pass(self) -> Iterator[None]:
+        self._in_graph_pass = True
+        try:
+            yield
+        finally:
+            self._in_graph_pass = False
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _use_kernels(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and (self._in_graph_pass or not self.graphs_only)
+
+    def _few_rows(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lm_head: bool
+    ) -> torch.Tensor:
         from tp_runtime.layers import skinny_gemm_triton as kernels  # Triton: imported where it runs
 
         if 1 <= x.shape[0] <= kernels.MAX_FEW_ROWS and self._use_kernels(x):
             if x.shape[0] == 1:
                 return kernels.skinny_linear(x, weight, bias, num_sms=self.num_sms)
             n, k = weight.shape
-            cfg = kernels.few_rows_config(x.shape[0], n, k, x.dtype, self.num_sms)
+            cfg = kernels.few_rows_config(x.shape[0], n, k, x.dtype, self.num_sms, lm_head=lm_head)
             if cfg is not None:
                 return kernels.few_rows_linear(x, weight, bias, cfg)
         return F.linear(x, weight, bias)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._few_rows(x, weight, bias, lm_head=False)
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._few_rows(x, weight, None, lm_head=True)
 
     def silu_mul_linear(
         self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -101,6 +127,19 @@ def use_matmul(model: nn.Module, matmul: Matmul) -> None:
     for module in model.modules():
         if isinstance(getattr(module, "matmul", None), Matmul):
             cast(Any, module).matmul = matmul
+
+
+@contextmanager
+def decode_graph_pass(model: object) -> Iterator[None]:
+    """`Matmul.decode_graph_pass` for every matmul object the layers of `model` (an nn.Module) use: the
+    decode graphs' warm-up and capture run inside it."""
+    modules = model.modules() if isinstance(model, nn.Module) else []
+    matmuls = {id(m): m for m in (getattr(mod, "matmul", None) for mod in modules)}
+    with ExitStack() as stack:
+        for m in matmuls.values():
+            if isinstance(m, Matmul):
+                stack.enter_context(m.decode_graph_pass())
+        yield
 
 
 def divide(numerator: int, denominator: int) -> int:

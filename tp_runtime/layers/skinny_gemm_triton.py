@@ -174,15 +174,17 @@ def skinny_linear(
 MAX_FEW_ROWS = 32
 
 
-def few_rows_config(rows: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> SkinnyConfig | None:
+def few_rows_config(
+    rows: int, n: int, k: int, dtype: torch.dtype, num_sms: int, lm_head: bool = False
+) -> SkinnyConfig | None:
     """The launch shape of few_rows_linear for 2..MAX_FEW_ROWS rows, or None where cuBLAS is as fast or
     faster (measured on an H200 for the Llama-3-8B shards at TP 1 and 2, 4-32 rows: the single pass wins
     for the LM head and for layers of at most one 32-feature tile per SM with K >= 4096; cuBLAS keeps the
     merged gate/up and the wide QKV). 16-bit dtypes only: float32 tensor-core products would be TF32."""
     if not 2 <= rows <= MAX_FEW_ROWS or dtype not in (torch.bfloat16, torch.float16):
         return None
-    if n >= 32768:
-        return SkinnyConfig(64, 128, 4, 3)
+    if lm_head:
+        return SkinnyConfig(64, 128, 4, 3) if n >= 32768 else None
     if n <= 32 * num_sms and k >= 4096:
         return SkinnyConfig(32, 512 if k >= 7168 else 256, 4, 4)
     return None

@@ -15,6 +15,7 @@ padded path can run without capture ("padded" mode), which is how CPU tests chec
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -51,9 +52,12 @@ class DecodeGraphs:
         capture: bool,
         token_feed: torch.Tensor,
         attention: AttentionBackend,
+        graph_pass: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> None:
-        """`forward(input_ids, positions, meta)` returns the logits of every row."""
+        """`forward(input_ids, positions, meta)` returns the logits of every row. `graph_pass()` is entered
+        around each graph's warm-up and capture (layers/linear.py decode_graph_pass)."""
         self._forward = forward
+        self._graph_pass = graph_pass
         self.block_size = block_size
         self.batch_sizes = batch_buckets(max_batch)
         self.block_sizes = block_buckets(max_blocks)
@@ -94,15 +98,17 @@ class DecodeGraphs:
         return self._forward(input_ids, inputs[:, _POS], meta)
 
     def _capture(self, rows: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # Warm up on a side stream (lazy inits, allocator), then record.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._run_forward(rows, blocks)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._run_forward(rows, blocks)
+        # Warm up on a side stream (lazy inits, the allocator, Triton compiling and loading the kernels the
+        # graph uses), then record.
+        with self._graph_pass():
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._run_forward(rows, blocks)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self._run_forward(rows, blocks)
         return graph, logits
 
     def run(self, step: GraphDecodeBatch) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 
 from tp_runtime.config import EngineConfig
 from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk, make_attention_backend
+from tp_runtime.layers.linear import decode_graph_pass
 from tp_runtime.messages import SchedulerOutput
 from tp_runtime.worker.cuda_graphs import DecodeGraphs
 from tp_runtime.worker.inputs import GraphDecodeBatch, InputBuilder, PromptLogprobPlan, StepInputs
@@ -108,7 +109,7 @@ class ModelRunner:
                 self._graph_forward, self.block_size, self.config.scheduler.max_num_seqs, self.max_blocks,
                 trash_slot=num_blocks * self.block_size,
                 device=self.device, capture=mode == "capture", token_feed=self.batch.token_feed,
-                attention=self.attention,
+                attention=self.attention, graph_pass=lambda: decode_graph_pass(self.model),
             )  # fmt: skip
         self.inputs.decode_graphs = self.decode_graphs
 

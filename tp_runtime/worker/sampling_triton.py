@@ -34,7 +34,7 @@ def _race_chunk_kernel(
     SAMPLE: tl.constexpr, SCALE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Per (row, chunk): the chunk's greedy and race winners into best/index [rows, num_chunks, 2]."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2**31 (many rows of a large vocabulary)
     chunk = tl.program_id(1)
     start = chunk * CHUNK
     greedy_best = float("-inf")
@@ -51,7 +51,7 @@ def _race_chunk_kernel(
         greedy_best, greedy_idx = _best(logits, cols, greedy_best, greedy_idx)
         if SAMPLE:
             if SCALE:
-                scores = logits / temperature
+                scores = tl.math.div_rn(logits, temperature)  # IEEE division, as PyTorch's
             else:
                 scores = tl.load(scores_ptr + row * scores_stride + cols, mask=mask, other=float("-inf"))
             u = tl.load(noise_ptr + row * noise_stride + cols, mask=mask, other=0.5)
@@ -71,7 +71,7 @@ def _race_combine_kernel(
     row = tl.program_id(0)
     c = tl.arange(0, CHUNKS_BLOCK)
     mask = c < num_chunks
-    base = (row * num_chunks + c) * 2
+    base = (row.to(tl.int64) * num_chunks + c) * 2
     best = tl.load(best_ptr + base, mask=mask, other=float("-inf"))
     index = tl.load(index_ptr + base, mask=mask, other=2147483647)
     m = tl.max(best, axis=0)

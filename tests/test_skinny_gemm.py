@@ -166,6 +166,49 @@ def test_fused_models_multiply_through_the_triton_matmul() -> None:
     assert model.a.matmul is triton_matmul and not isinstance(getattr(model.b, "matmul", None), Matmul)
 
 
+def test_fused_model_matmuls_and_the_graph_pass(make_checkpoint: Callable[..., Path]) -> None:
+    """A model built with the fused kernels gives every linear layer and its LM head one TritonMatmul; the
+    decode-graph pass (nested too) switches it on for all of them; the LM head multiplies via `logits`."""
+    from tp_runtime.config import build_model_config
+    from tp_runtime.distributed import TPGroup
+    from tp_runtime.layers.embedding import ParallelLMHead
+    from tp_runtime.layers.linear import (
+        ColumnParallelLinear,
+        Matmul,
+        RowParallelLinear,
+        TritonMatmul,
+        decode_graph_pass,
+    )
+    from tp_runtime.models.registry import model_class
+
+    cfg = build_model_config(str(make_checkpoint("LlamaForCausalLM")), dtype="float32", device="cpu")
+    model = model_class(cfg.architecture)(cfg, TPGroup(), torch.float32, torch.device("cpu"), fused=True)
+    layer_types = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+    layers = [m for m in model.modules() if isinstance(m, layer_types)]
+    assert len(layers) == 4 * cfg.num_layers + 1
+    matmul = layers[0].matmul
+    assert isinstance(matmul, TritonMatmul) and all(m.matmul is matmul for m in layers)
+    matmul.graphs_only = True  # as on a GPU: the kernels only inside the pass
+    with decode_graph_pass(model):
+        with decode_graph_pass(model):
+            assert matmul._in_graph_pass
+        assert matmul._in_graph_pass
+    assert not matmul._in_graph_pass
+    plain = model_class(cfg.architecture)(cfg, TPGroup(), torch.float32, torch.device("cpu"))
+    assert all(type(m.matmul) is Matmul for m in plain.modules() if isinstance(m, layer_types))
+
+    class Spy(Matmul):
+        calls = 0
+
+        def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            Spy.calls += 1
+            return super().logits(x, weight)
+
+    plain.lm_head.matmul = Spy()
+    plain.compute_logits(torch.randn(1, cfg.hidden_size))
+    assert Spy.calls == 1
+
+
 ONE_ROW_ENGINE = """
 import json, sys
 from tp_runtime import LLM, SamplingParams

@@ -80,11 +80,12 @@ class TritonMatmul(Matmul):
 
     @contextmanager
     def decode_graph_pass(self) -> Iterator[None]:
+        outer = self._in_graph_pass  # restored on exit, so a nested pass leaves the outer one on
         self._in_graph_pass = True
         try:
             yield
         finally:
-            self._in_graph_pass = False
+            self._in_graph_pass = outer
 
     def _use_kernels(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and (self._in_graph_pass or not self.graphs_only)

@@ -245,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.num_local_kv_heads: int = layers[0].self_attn.num_kv_heads
-        if fused:  # one-row matmuls (batch-1 decode) as Triton kernels, SiLU-mul folded into the down proj
+        if fused:  # decode graphs' matmuls as Triton kernels where they beat cuBLAS (layers/linear.py)
             use_matmul(self, TritonMatmul.for_device(device))
         # Checkpoint name -> (full shape, parameter, shard index), listed once from the modules themselves.
         self._checkpoint = {name: (shape, p, shard) for name, shape, p, shard in self._checkpoint_entries()}

@@ -355,20 +355,9 @@ def test_engine_with_triton_kernels_matches_hf_gemma2(
     fused (1 + w) RMSNorm and GeGLU kernels, against HF's eager attention (SDPA drops the soft-cap)."""
     import json
 
-    import transformers
-
     model_dir = make_checkpoint("Gemma2ForCausalLM", **GEMMA2)
     prompts = [list(range(3, 30)), list(range(5, 35)), [5, 9, 200]]
     got = json.loads(_run(ENGINE_VS_HF, str(model_dir), json.dumps(prompts), graphs, json.dumps(engine_args)))
     assert (got["preemptions"] > 0) == bool(engine_args)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    model.generation_config.eos_token_id = None
-    want = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                             pad_token_id=0)  # fmt: skip
-        want.append(out[0, len(p) :].tolist())
+    want = hf_greedy(model_dir, prompts, 8, attn_implementation="eager")
     assert got["tokens"] == want

@@ -1,4 +1,5 @@
-"""Decode steps on static, padded buffers, captured as CUDA graphs on GPU.
+"""Decode steps on static, padded buffers, captured as CUDA graphs on GPU. Each row is one query: a
+decoding sequence, or one token of a short prefill chunk (worker/inputs.py says when).
 
 A decode forward launches a few dozen kernels per layer; replayed from a CUDA graph it is one launch, so
 the host stops being the bottleneck. Graphs need fixed shapes and addresses, so the batch is padded up to
@@ -77,8 +78,8 @@ class DecodeGraphs:
         # copy ran, and with steps queued ahead of the device nothing else guarantees that.
         self._staging_free = torch.cuda.Event() if device.type == "cuda" else None
 
-    def supports(self, num_seqs: int) -> bool:
-        return num_seqs <= self.batch_sizes[-1]
+    def supports(self, num_rows: int) -> bool:
+        return num_rows <= self.batch_sizes[-1]
 
     @staticmethod
     def _bucket(sizes: list[int], n: int) -> int:
@@ -112,7 +113,7 @@ class DecodeGraphs:
         return graph, logits
 
     def run(self, step: GraphDecodeBatch) -> torch.Tensor:
-        """Logits [num_seqs, vocab] of one decode step."""
+        """Logits [num_rows, vocab] of one step."""
         n = len(step.input_ids)
         rows = self._bucket(self.batch_sizes, n)
         blocks = self._bucket(self.block_sizes, int(-(-step.seq_lens.max() // self.block_size)))
@@ -146,5 +147,5 @@ class DecodeGraphs:
         return logits[:n]
 
     def batch_rows(self, n: int) -> torch.Tensor:
-        """Batch rows of the last run's sequences, on the device (where their sampled ids go)."""
+        """Batch row of each of the last run's rows, on the device (where their sampled ids go)."""
         return self._inputs[:n, _ROW]

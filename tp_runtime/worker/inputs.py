@@ -1,9 +1,12 @@
 """One step's model inputs, built from the persistent batch with vectorised numpy.
 
-A step runs one of two ways, chosen once when its inputs are built: a pure decode step that the decode
-graphs can take gets a `GraphDecodeBatch` (host arrays, which `DecodeGraphs.run` packs into its static
-buffer with one copy); any other step gets an `EagerBatch` (device tensors and the attention metadata).
-Tokens are laid out decodes first (attention batches them), then one prefill chunk per sequence.
+A step runs one of two ways, chosen once when its inputs are built. A step the decode graphs can take gets
+a `GraphDecodeBatch`: host arrays, one row per token, which `DecodeGraphs.run` packs into its static buffer
+with one copy. Decoding sequences are a row each; a short prefill chunk becomes one row per token, each
+row a query at its own position over its sequence's blocks (the chunk's keys are all in the cache before
+attention runs, so this is causal attention). Any other step gets an `EagerBatch` (device tensors and the
+attention metadata). Tokens are laid out decodes first (attention batches them), then one prefill chunk
+per sequence.
 """
 
 from __future__ import annotations
@@ -50,16 +53,23 @@ class EagerBatch:
     sample_rows: torch.Tensor  # StepInputs.sample_rows on the device (where their sampled ids go)
 
 
+# A prefill chunk's rows on the decode graphs each read their context's keys, so a chunk goes there only
+# while tokens x context stays below this many keys (per KV head): a 128-token prompt, or 16 tokens after
+# 1024. Such a chunk run eagerly is bound by the host's kernel launches (about 0.5 ms per layer); a longer
+# one is bound by its matmuls either way, and its rows would re-read a long context many times.
+GRAPH_PREFILL_MAX_KEYS = 16384
+
+
 @dataclass
 class GraphDecodeBatch:
-    """A pure decode step for the decode graphs: host arrays, one entry per sequence (a 1-token prefill
-    chunk rides along as a decode row)."""
+    """A step for the decode graphs: host arrays, one entry per row, each row one query (a decoding
+    sequence, or one token of a short prefill chunk)."""
 
     input_ids: np.ndarray
     positions: np.ndarray
     slots: np.ndarray
-    block_tables: np.ndarray  # at least the blocks each sequence uses
-    seq_lens: np.ndarray
+    block_tables: np.ndarray  # at least the blocks each row's sequence uses
+    seq_lens: np.ndarray  # the keys each row attends to: its position + 1
     feed: np.ndarray  # the batch row whose token_feed entry is the input, or -1: input_ids holds it
     batch_rows: np.ndarray
 
@@ -139,12 +149,12 @@ class InputBuilder:
         plan = self._plan_prompt_logprobs(t) if batch.prompt_logprob_reqs else None
         model: EagerBatch | GraphDecodeBatch
         graphs = self.decode_graphs
-        if graphs is not None and t.num_decode == len(t.rows) and graphs.supports(t.num_decode):
+        if graphs is not None and graphs.supports(len(input_ids)) and self._short_chunks(t):
             blocks = int(-(-t.seq_lens.max() // bs))
             model = GraphDecodeBatch(
                 input_ids=input_ids, positions=t.positions, slots=slots,
-                block_tables=batch.block_table[t.rows, :blocks], seq_lens=t.seq_lens, feed=feed,
-                batch_rows=t.rows,
+                block_tables=batch.block_table[t.token_rows, :blocks], seq_lens=t.positions + 1, feed=feed,
+                batch_rows=t.token_rows,
             )  # fmt: skip
         else:
             model = EagerBatch(
@@ -188,6 +198,12 @@ class InputBuilder:
             seq_lens=computed + n, starts=starts, ends=ends, token_rows=rows[token_seq],
             positions=computed[token_seq] + (np.arange(int(ends[-1])) - starts[token_seq]),
         )  # fmt: skip
+
+    @staticmethod
+    def _short_chunks(t: _Layout) -> bool:
+        """Whether every prefill chunk of the step may run as decode-graph rows (GRAPH_PREFILL_MAX_KEYS)."""
+        chunks = slice(t.num_decode, None)
+        return bool((t.n[chunks] * t.seq_lens[chunks] <= GRAPH_PREFILL_MAX_KEYS).all())
 
     def _attention_metadata(self, t: _Layout, slots: np.ndarray) -> AttentionMetadata:
         bs = self.block_size

@@ -207,11 +207,11 @@ class ModelRunner:
             assert graphs is not None, "internal: graph inputs without decode graphs"
             all_logits = graphs.run(step)
             rows = graphs.batch_rows(len(step.input_ids))
-            # 1-token prefill chunks ride along as decode rows: their logits are the prompt positions'.
+            # Short prefill chunks run a row per token: their rows' logits are the prompt positions'.
             prompt_logits = None if plan is None else all_logits[plan.token_indices]
             if inputs.logits_indices is None:
                 return all_logits, prompt_logits, rows
-            # A 1-token prefill chunk that does not finish its prompt does not sample.
+            # Only a chunk's last row samples, and only when the chunk finishes its prompt.
             return all_logits[inputs.logits_indices], prompt_logits, rows[inputs.logits_indices]
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         prompt_logits = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +18,6 @@ from torch import nn
 
 from tp_runtime.distributed import TPGroup
 from tp_runtime.layers.activation import silu_and_mul
-
-if TYPE_CHECKING:
-    from tp_runtime.layers.norm import AddNorm
 
 
 class TensorSource(Protocol):
@@ -32,16 +29,6 @@ class TensorSource(Protocol):
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
 
     def full(self) -> torch.Tensor: ...
-
-
-class ResidualNorm(Protocol):
-    """An RMSNorm over the residual stream (layers/norm.py)."""
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """norm(x + residual), the residual updated in place."""
-        ...
-
-    def add_norm(self, residual: torch.Tensor) -> AddNorm: ...
 
 
 class Matmul:
@@ -60,13 +47,6 @@ class Matmul:
     def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x W^T for the LM head (its vocabulary shard): a very wide, short matmul."""
         return self.linear(x, weight, None)
-
-    def add_norm_linear(
-        self, x: torch.Tensor, norm: AddNorm, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(RMSNorm(x + residual) W^T + b, x + residual) with the add and norm folded into the matmul, or
-        None where this Matmul does not fold them (the caller runs the norm, then `linear`)."""
-        return None
 
     @contextmanager
     def decode_graph_pass(self) -> Iterator[None]:
@@ -129,17 +109,6 @@ class TritonMatmul(Matmul):
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._few_rows(x, weight, None, lm_head=True)
-
-    def add_norm_linear(
-        self, x: torch.Tensor, norm: AddNorm, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        # One row: the add + RMSNorm kernel before the layer is one launch more than the matmul's share
-        # of reading the row again from L2.
-        if x.shape[0] == 1 and self._use_kernels(x):
-            from tp_runtime.layers.skinny_gemm_triton import skinny_add_norm_linear
-
-            return skinny_add_norm_linear(x, norm, weight, bias, num_sms=self.num_sms)
-        return None
 
     def silu_mul_linear(
         self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -228,17 +197,6 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul.linear(x, self.weight, self.bias)
-
-    def forward_add_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: ResidualNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer of norm(x + residual), x + residual): the residual add and norm before the layer,
-        folded into its matmul where the Matmul can; otherwise the norm runs first and updates the
-        residual in place."""
-        folded = self.matmul.add_norm_linear(x, norm.add_norm(residual), self.weight, self.bias)
-        if folded is not None:
-            return folded
-        return self.forward(norm(x, residual)), residual
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

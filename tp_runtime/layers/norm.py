@@ -1,21 +1,9 @@
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
 from tp_runtime.layers.linear import TensorSource
-
-
-class AddNorm(NamedTuple):
-    """The residual add and RMSNorm before a linear layer, as arguments a matmul kernel can fold in:
-    its input is then RMSNorm(x + residual) with this weight (`unit_offset`: Gemma's (1 + weight))."""
-
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    unit_offset: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -47,11 +35,6 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
-
-
-    def add_norm(self, residual: torch.Tensor) -> AddNorm:
-        """This norm of x + residual, for a matmul that folds it in (Matmul.add_norm_linear)."""
-        return AddNorm(residual, self.weight, self.eps)
 
 
 class HeadRMSNorm(RMSNorm):
@@ -86,6 +69,3 @@ class GemmaRMSNorm(RMSNorm):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
-
-    def add_norm(self, residual: torch.Tensor) -> AddNorm:
-        return AddNorm(residual, self.weight, self.eps, unit_offset=True)

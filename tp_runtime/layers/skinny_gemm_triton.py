@@ -23,8 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_runtime.layers.norm import AddNorm
-
 
 @triton.jit
 def _load_x(
@@ -47,55 +45,22 @@ def _load_x(
 
 
 @triton.jit
-def _added_row(x_row, res_row, k, k_mask):
-    """(x + residual)[k] rounded to the model dtype, as the residual stream's add rounds."""
-    x = tl.load(x_row + k, mask=k_mask, other=0.0)
-    r = tl.load(res_row + k, mask=k_mask, other=0.0)
-    return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-
-
-@triton.jit
 def _skinny_row_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, N, K, x_stride, w_stride, out_stride,
-    res_ptr, res_out_ptr, norm_w_ptr, eps, res_stride, res_out_stride,
-    SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    """One program per (BLOCK_N output features, row). ADD_NORM: the input is RMSNorm(x + residual) with
-    weight norm_w (as fused_triton's add + RMSNorm computes it); the row's programs each take its sum of
-    squares first (from L2: the row is a few KB, the weight tile dominates), and program 0 stores x +
-    residual at res_out (a separate buffer: the others still read the residual)."""
+    """One program per (BLOCK_N output features, row)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1)
     n_mask = n < N
     x_row = x_ptr + row.to(tl.int64) * x_stride
     w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
-    rstd = 0.0
-    if ADD_NORM:
-        res_row = res_ptr + row.to(tl.int64) * res_stride
-        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k_start in range(0, K, BLOCK_K):
-            k = k_start + tl.arange(0, BLOCK_K)
-            h = _added_row(x_row, res_row, k, k < K)
-            if tl.program_id(0) == 0:
-                tl.store(res_out_ptr + row.to(tl.int64) * res_out_stride + k, h, mask=k < K)
-            hf = h.to(tl.float32)
-            squares += hf * hf
-        rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         k = k_start + tl.arange(0, BLOCK_K)
         k_mask = k < K
-        if ADD_NORM:
-            h = _added_row(x_row, res_row, k, k_mask)
-            g = tl.load(norm_w_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-            if UNIT_OFFSET:  # Gemma: (1 + w) times the float32 normalised value, rounded once
-                xk = (h.to(tl.float32) * rstd * (1.0 + g)).to(h.dtype).to(tl.float32)
-            else:
-                normed = (h.to(tl.float32) * rstd).to(h.dtype).to(tl.float32)
-                xk = (g * normed).to(h.dtype).to(tl.float32)
-        else:
-            xk = _load_x(x_row, k, k_mask, K, SILU_MUL, EVEN_K).to(tl.float32)
+        xk = _load_x(x_row, k, k_mask, K, SILU_MUL, EVEN_K).to(tl.float32)
         if EVEN_N and EVEN_K:
             w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
         else:
@@ -191,58 +156,14 @@ def skinny_linear(
         raise ValueError(f"weight must be 2-d, got {tuple(weight.shape)}")
     n, k = weight.shape
     _check(x, weight, bias, 2 * k if silu_mul else k)
-    return _launch(x, weight, bias, silu_mul, None, None, config or default_config(n, num_sms))
-
-
-def skinny_add_norm_linear(
-    x: torch.Tensor,
-    norm: AddNorm,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    config: SkinnyConfig | None = None,
-    num_sms: int = 132,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) @ weight^T (+ bias), x + residual): a decoder layer's residual add and norm
-    folded into the one-row matmul after them, the input normalised and rounded as the separate add +
-    RMSNorm kernel does. The new residual is a fresh tensor; `norm.residual` is left as it was."""
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-d, got {tuple(weight.shape)}")
-    n, k = weight.shape
-    _check(x, weight, bias, k)
-    residual = norm.residual
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
-        shown = f"{tuple(residual.shape)} {residual.dtype}"
-        raise ValueError(f"residual {shown} does not match x {tuple(x.shape)} {x.dtype}")
-    if norm.weight.shape != (k,) or norm.weight.stride(0) != 1:
-        raise ValueError(f"norm weight {tuple(norm.weight.shape)} does not fit {k} input features")
-    res_out = torch.empty_like(x)
-    out = _launch(x, weight, bias, False, norm, res_out, config or default_config(n, num_sms))
-    return out, res_out
-
-
-def _launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    silu_mul: bool,
-    norm: AddNorm | None,
-    res_out: torch.Tensor | None,
-    cfg: SkinnyConfig,
-) -> torch.Tensor:
-    n, k = weight.shape
     rows = x.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
-        if norm is not None and res_out is not None:
-            torch.add(x, norm.residual, out=res_out)
         return out
-    residual = x if norm is None else norm.residual
+    cfg = config or default_config(n, num_sms)
     _skinny_row_kernel[(triton.cdiv(n, cfg.block_n), rows)](
         x, weight, weight if bias is None else bias, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        residual, x if res_out is None else res_out, weight if norm is None else norm.weight,
-        0.0 if norm is None else norm.eps, residual.stride(0), 0 if res_out is None else res_out.stride(0),
-        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, ADD_NORM=norm is not None,
-        UNIT_OFFSET=norm is not None and norm.unit_offset, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -46,8 +46,8 @@ class Gemma2Attention(LlamaAttention):
 
 
 class Gemma2MLP(LlamaMLP):
-    def down(self, gate_up: torch.Tensor, reduce: bool) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_and_mul(gate_up, self.fused), reduce)
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x), self.fused), reduce)
 
 
 class Gemma2DecoderLayer(nn.Module):
@@ -77,14 +77,13 @@ class Gemma2DecoderLayer(nn.Module):
         (the same additions, in the same order)."""
         if residual is None:
             residual = hidden
-            hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        else:  # each add + norm may fold into the matmul after it, which then returns a new residual
-            hidden, residual = self.self_attn.forward_add_norm(
-                hidden, residual, self.input_layernorm, cos, sin, kv_cache, meta
-            )
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
         hidden = self.post_attention_layernorm(hidden)
-        hidden, residual = self.mlp.forward_add_norm(hidden, residual, self.pre_feedforward_layernorm)
-        return self.post_feedforward_layernorm(hidden), residual
+        hidden = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
     def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:
         for norm in (

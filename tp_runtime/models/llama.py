@@ -20,7 +20,6 @@ from tp_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_runtime.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
-    ResidualNorm,
     RowParallelLinear,
     TritonMatmul,
     use_matmul,
@@ -51,13 +50,12 @@ class LlamaAttention(nn.Module):
         self.window: int | None = cfg.sliding_window
         self.softcap: float | None = None
 
-    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The QKV projection's output -> q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim],
-        before rotary."""
-        n = qkv.shape[0]
+    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim], before rotary."""
+        n = hidden.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         return (
             q.view(n, self.num_heads, self.head_dim),
             k.view(n, self.num_kv_heads, self.head_dim),
@@ -74,34 +72,8 @@ class LlamaAttention(nn.Module):
         reduce: bool = True,
     ) -> torch.Tensor:
         """`reduce=False`: the output projection's partial sum on this rank (see reduce_add_norm)."""
-        return self._attend(self.qkv_proj(hidden), cos, sin, kv_cache, meta, reduce)
-
-    def forward_add_norm(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor,
-        norm: ResidualNorm,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward(norm(hidden + residual)), hidden + residual), the add and norm folded into the QKV
-        projection where its Matmul can (ColumnParallelLinear.forward_add_norm)."""
-        qkv, residual = self.qkv_proj.forward_add_norm(hidden, residual, norm)
-        return self._attend(qkv, cos, sin, kv_cache, meta, True), residual
-
-    def _attend(
-        self,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        reduce: bool,
-    ) -> torch.Tensor:
-        n = qkv.shape[0]
-        q, k, v = self.split_qkv(qkv)
+        n = hidden.shape[0]
+        q, k, v = self.project_qkv(hidden)
         if self.fused:
             from tp_runtime.layers.fused_triton import rotary_and_cache_
 
@@ -142,19 +114,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, tp, dtype, device)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x), reduce)
-
-    def forward_add_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: ResidualNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward(norm(x + residual)), x + residual), the add and norm folded into the gate/up
-        projection where its Matmul can."""
-        gate_up, residual = self.gate_up_proj.forward_add_norm(x, residual, norm)
-        return self.down(gate_up, True), residual
-
-    def down(self, gate_up: torch.Tensor, reduce: bool) -> torch.Tensor:
-        """The down projection of the activation of the merged gate|up output."""
-        return self.down_proj(gate_up, reduce, silu_mul=True)
+        return self.down_proj(self.gate_up_proj(x), reduce, silu_mul=True)
 
     def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:
         h, i = self.config.hidden_size, self.config.intermediate_size
@@ -216,20 +176,13 @@ class LlamaDecoderLayer(nn.Module):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
-            hidden = self.self_attn(hidden, cos, sin, kv_cache, meta, reduce=not partial)
-        elif partial:
+        else:
             hidden = reduce_add_norm(self.tp, self.input_layernorm, hidden, residual, partial)
-            hidden = self.self_attn(hidden, cos, sin, kv_cache, meta, reduce=False)
-        else:  # the add + norm may fold into the next matmul, which then returns a new residual
-            hidden, residual = self.self_attn.forward_add_norm(
-                hidden, residual, self.input_layernorm, cos, sin, kv_cache, meta
-            )
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta, reduce=not partial)
+        hidden = reduce_add_norm(self.tp, self.post_attention_layernorm, hidden, residual, partial)
         if partial:
-            hidden = reduce_add_norm(self.tp, self.post_attention_layernorm, hidden, residual, partial)
             return cast(LlamaMLP, self.mlp)(hidden, reduce=False), residual
-        if isinstance(self.mlp, LlamaMLP):
-            return self.mlp.forward_add_norm(hidden, residual, self.post_attention_layernorm)
-        return self.mlp(self.post_attention_layernorm(hidden, residual)), residual
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):

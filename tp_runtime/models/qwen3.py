@@ -26,8 +26,8 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = HeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, fused)
         self.k_norm = HeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, fused)
 
-    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().split_qkv(qkv)
+    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project_qkv(hidden)
         return self.q_norm(q), self.k_norm(k), v
 
     def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:

@@ -10,14 +10,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.worker import inputs as inputs_module
-from tp_runtime.worker.cuda_graphs import batch_buckets, block_buckets
-from tp_runtime.worker.inputs import EagerBatch, GraphDecodeBatch
+from tp_runtime.worker.cuda_graphs import DecodeGraphs, batch_buckets, block_buckets
+from tp_runtime.worker.inputs import EagerBatch, GraphDecodeBatch, InputBuilder, _Layout
 
 
 def test_buckets_cover_every_size() -> None:
@@ -97,13 +98,15 @@ def test_short_prefill_chunks_run_as_graph_rows(
     with LLM(model_dir, device="cpu", dtype="float32", cuda_graphs="padded", block_size=4,
              max_num_batched_tokens=16) as llm:  # fmt: skip
         builder = llm.engine.executor.worker.runner.inputs  # type: ignore[attr-defined]
-        prepare, graph_prefill_rows, eager_prefills = builder.prepare, [], []
+        prepare, graph_chunks, eager_prefills = builder.prepare, [], []
 
         def spy(so: Any) -> Any:
             step = prepare(so)
             if isinstance(step.model, GraphDecodeBatch):
-                rows = step.model.batch_rows
-                graph_prefill_rows.append(len(rows) - len(set(rows.tolist())))
+                rows, positions = step.model.batch_rows, step.model.positions
+                for row in set(rows.tolist()):
+                    if (rows == row).sum() > 1:  # (first position, whether the chunk samples)
+                        graph_chunks.append((int(positions[rows == row].min()), row in step.sample_rows))
             elif isinstance(step.model, EagerBatch) and step.model.meta.prefills:
                 eager_prefills.append(len(step.model.meta.prefills))
             return step
@@ -114,7 +117,88 @@ def test_short_prefill_chunks_run_as_graph_rows(
             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
             use_tqdm=False,
         )
-    assert any(graph_prefill_rows), "no prefill chunk ran on the decode-graph path"
+    # Fresh and continuation chunks, and chunks that do not finish their prompt, on the graph path.
+    assert any(start == 0 for start, _ in graph_chunks), graph_chunks
+    assert any(start > 0 for start, _ in graph_chunks), graph_chunks
+    assert any(not samples for _, samples in graph_chunks), graph_chunks
     assert eager_prefills, "no prefill chunk was too long for the decode-graph path"
     want = hf_greedy(model_dir, prompts, 12, attn_implementation=attn_implementation)
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_graph_rows_equal_the_eager_path_when_sampling(make_checkpoint: Callable[..., Path]) -> None:
+    """Seeded sampling with top-k/top-p, penalties, min_tokens and logprobs: the same tokens and logprobs
+    whether short chunks run as decode-graph rows or eagerly (SDPA over the prompt's own keys)."""
+    model_dir = make_checkpoint("LlamaForCausalLM")
+    prompts = _prompts(5)
+    options = dict(
+        temperature=0.9, top_k=40, top_p=0.9, max_tokens=10, min_tokens=4, logprobs=2, presence_penalty=0.5,
+        frequency_penalty=0.3, repetition_penalty=1.2,
+    )  # fmt: skip
+    params = [SamplingParams(seed=7 + i, **options) for i in range(len(prompts))]
+    results, graph_steps = {}, []
+    for mode in ("off", "padded"):
+        with LLM(model_dir, device="cpu", dtype="float32", cuda_graphs=mode, block_size=4,
+                 max_num_batched_tokens=16) as llm:  # fmt: skip
+            builder = llm.engine.executor.worker.runner.inputs  # type: ignore[attr-defined]
+            prepare = builder.prepare
+
+            def spy(so: Any, prepare: Any = prepare) -> Any:
+                step = prepare(so)
+                chunked = max(so.num_scheduled_tokens) > 1
+                graph_steps.append(isinstance(step.model, GraphDecodeBatch) and chunked)
+                return step
+
+            builder.prepare = spy
+            results[mode] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert any(graph_steps), "no chunk ran on the decode-graph path"
+    for eager, graph in zip(results["off"], results["padded"], strict=True):
+        want, got = eager.outputs[0], graph.outputs[0]
+        assert got.token_ids == want.token_ids
+        assert want.logprobs is not None and got.logprobs is not None
+        for w, g in zip(want.logprobs, got.logprobs, strict=True):
+            assert set(w) == set(g)
+            assert all(abs(w[t].logprob - g[t].logprob) < 1e-4 for t in w)
+
+
+def _layout(decode_lens: list[int], chunks: list[tuple[int, int]]) -> _Layout:
+    """A step's layout: decoding sequences (context after the step), then (computed, tokens) chunks."""
+    computed = np.array([n - 1 for n in decode_lens] + [c for c, _ in chunks], dtype=np.int64)
+    n = np.array([1] * len(decode_lens) + [k for _, k in chunks], dtype=np.int64)
+    ends = np.cumsum(n)
+    starts = ends - n
+    seq = np.repeat(np.arange(len(n)), n)
+    positions = computed[seq] + np.arange(int(ends[-1])) - starts[seq]
+    return _Layout(
+        rows=np.arange(len(n)), n=n, num_decode=len(decode_lens), computed=computed, seq_lens=computed + n,
+        starts=starts, ends=ends, token_rows=seq, positions=positions,
+    )  # fmt: skip
+
+
+def test_which_steps_with_chunks_the_graphs_take() -> None:
+    """Short chunks only (tokens x (context + tokens) <= 16384), padded to at most 128 rows or the decode
+    rows' own bucket, and never at the cost of the decode rows' split-KV programs (an H200's split rule)."""
+    from tp_runtime.layers.attention import TritonAttention
+
+    attention = TritonAttention(num_kv_heads=8, block_size=16, num_sms=132, split_kv=True)
+    graphs = DecodeGraphs(
+        lambda *args: torch.zeros(0), block_size=16, max_batch=256, max_blocks=2048, trash_slot=0,
+        device=torch.device("cpu"), capture=False, token_feed=torch.zeros(256, dtype=torch.int64),
+        attention=attention,
+    )  # fmt: skip
+    builder = InputBuilder.__new__(InputBuilder)
+    builder.attention = attention
+
+    def takes(decode_lens: list[int], chunks: list[tuple[int, int]]) -> bool:
+        return builder._graphs_take(_layout(decode_lens, chunks), graphs)
+
+    assert takes([], [(0, 32)]) and takes([], [(0, 128)]) and not takes([], [(0, 129)])
+    assert takes([], [(1008, 16)]) and not takes([], [(1009, 16)])  # 16 x 1024 keys, then more
+    assert takes([], [(0, 60), (0, 60)]) and not takes([], [(0, 70), (0, 70)])  # 120 rows, 140 rows
+    assert takes([40] * 100, [(0, 10)])  # 110 rows: the decode rows' bucket of 112
+    assert not takes([40] * 100, [(0, 100)])  # 200 rows: past 128 and the decode rows' 112
+    assert not takes([40] * 200, [(0, 40)])  # 240 rows: past both 128 and the decode rows' 208
+    assert takes([40] * 3, [(0, 30)])  # 33 rows at a short context keep the splits of 3 rows
+    assert not takes([32768], [(0, 31)])  # 32 rows would leave the 32K context one split of 8 programs
+    assert takes([40] * 256, [])  # a pure decode step of the largest bucket
+    assert not takes([40] * 256, [(0, 2)])  # more rows than the largest graph

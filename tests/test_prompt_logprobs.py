@@ -2,8 +2,8 @@
 
 As vLLM returns them: one entry per prompt token, None for the first; each a dict holding the prompt token
 (with its rank) and the k most likely tokens, logprobs of the raw model output. Prompts prefill in chunks
-over several steps (a 16-token budget), are preempted and recomputed mid-prefill, and ride along as
-1-token chunks of decode-graph steps; at TP=1 and TP=2.
+over several steps (a 16-token budget), are preempted and recomputed mid-prefill, and run as rows of
+decode-graph steps (1-token chunks beside decodes, and short chunks a row per token); at TP=1 and TP=2.
 """
 
 from __future__ import annotations
@@ -123,3 +123,32 @@ def test_one_token_chunks_on_the_decode_graph_path(model_dir: Path, hf_model: An
         outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert any(on_graph_path), "no prompt-logprob chunk ran on the decode-graph path"
     check(hf_model, prompts[3], outs[3].prompt_logprobs, 3)
+
+
+def test_short_chunks_on_the_decode_graph_path(model_dir: Path, hf_model: Any) -> None:
+    """Short prompts chunked by an 8-token budget run a row per token on the (padded) decode-graph path,
+    fresh and continuation chunks alike; their prompt logprobs equal HF's."""
+    engine = LLM(
+        model_dir, dtype="float32", device="cpu", cuda_graphs="padded", max_num_batched_tokens=8,
+        max_num_seqs=16, max_model_len=64,
+    )  # fmt: skip
+    builder = engine.engine.executor.worker.runner.inputs  # type: ignore[attr-defined]
+    prepare, chunk_starts = builder.prepare, []
+
+    def spy(so: Any) -> Any:
+        inputs = prepare(so)
+        if isinstance(inputs.model, GraphDecodeBatch) and inputs.prompt_logprobs is not None:
+            rows, positions = inputs.model.batch_rows, inputs.model.positions
+            for row in set(rows.tolist()):
+                if (rows == row).sum() > 1:
+                    chunk_starts.append(int(positions[rows == row].min()))
+        return inputs
+
+    builder.prepare = spy
+    prompts = random_prompts((5, 13, 20), VOCAB, seed=35)
+    with engine:
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+        outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert 0 in chunk_starts and any(start > 0 for start in chunk_starts), chunk_starts
+    for prompt, out in zip(prompts, outs, strict=True):
+        check(hf_model, prompt, out.prompt_logprobs, 2)

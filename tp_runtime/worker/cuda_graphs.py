@@ -81,6 +81,12 @@ class DecodeGraphs:
     def supports(self, num_rows: int) -> bool:
         return num_rows <= self.batch_sizes[-1]
 
+    def padded_shape(self, num_rows: int, max_seq_len: int) -> tuple[int, int]:
+        """The (rows, blocks) graph that runs a step of `num_rows` rows whose longest context is
+        `max_seq_len` tokens."""
+        blocks = -(-max_seq_len // self.block_size)
+        return self._bucket(self.batch_sizes, num_rows), self._bucket(self.block_sizes, blocks)
+
     @staticmethod
     def _bucket(sizes: list[int], n: int) -> int:
         return next(s for s in sizes if s >= n)
@@ -115,8 +121,7 @@ class DecodeGraphs:
     def run(self, step: GraphDecodeBatch) -> torch.Tensor:
         """Logits [num_rows, vocab] of one step."""
         n = len(step.input_ids)
-        rows = self._bucket(self.batch_sizes, n)
-        blocks = self._bucket(self.block_sizes, int(-(-step.seq_lens.max() // self.block_size)))
+        rows, blocks = self.padded_shape(n, int(step.seq_lens.max()))
         used = min(blocks, step.block_tables.shape[1])
         if self._staging_free is not None:
             self._staging_free.synchronize()  # long done in steady state: it ran before the last forward

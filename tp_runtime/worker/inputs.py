@@ -54,10 +54,13 @@ class EagerBatch:
 
 
 # A prefill chunk's rows on the decode graphs each read their context's keys, so a chunk goes there only
-# while tokens x context stays below this many keys (per KV head): a 128-token prompt, or 16 tokens after
-# 1024. Such a chunk run eagerly is bound by the host's kernel launches (about 0.5 ms per layer); a longer
-# one is bound by its matmuls either way, and its rows would re-read a long context many times.
+# while its tokens x (context + tokens) stay within this many keys (per KV head): a 128-token prompt, or
+# 16 tokens after 1008. Such a chunk run eagerly is bound by the host's kernel launches (about 0.5 ms per
+# layer); a longer one is bound by its matmuls either way, and its rows would re-read a long context.
 GRAPH_PREFILL_MAX_KEYS = 16384
+# And a step with chunks pads to at most this many rows, or to the bucket its decode rows take anyway: the
+# graphs it captures are ones decode steps use too, each holding [rows, vocab] logits.
+GRAPH_PREFILL_MAX_ROWS = 128
 
 
 @dataclass
@@ -149,7 +152,7 @@ class InputBuilder:
         plan = self._plan_prompt_logprobs(t) if batch.prompt_logprob_reqs else None
         model: EagerBatch | GraphDecodeBatch
         graphs = self.decode_graphs
-        if graphs is not None and graphs.supports(len(input_ids)) and self._short_chunks(t):
+        if graphs is not None and self._graphs_take(t, graphs):
             blocks = int(-(-t.seq_lens.max() // bs))
             model = GraphDecodeBatch(
                 input_ids=input_ids, positions=t.positions, slots=slots,
@@ -199,11 +202,28 @@ class InputBuilder:
             positions=computed[token_seq] + (np.arange(int(ends[-1])) - starts[token_seq]),
         )  # fmt: skip
 
-    @staticmethod
-    def _short_chunks(t: _Layout) -> bool:
-        """Whether every prefill chunk of the step may run as decode-graph rows (GRAPH_PREFILL_MAX_KEYS)."""
+    def _graphs_take(self, t: _Layout, graphs: DecodeGraphs) -> bool:
+        """Whether the step runs on the decode graphs: a pure decode step that fits them, or a step whose
+        prefill chunks are short (GRAPH_PREFILL_MAX_KEYS), padded to a bucket that GRAPH_PREFILL_MAX_ROWS
+        or its decode rows allow, that leaves its decode rows as many split-KV programs as alone."""
+        num_rows = len(t.positions)
+        if not graphs.supports(num_rows):
+            return False
+        if t.num_decode == len(t.rows):
+            return True
         chunks = slice(t.num_decode, None)
-        return bool((t.n[chunks] * t.seq_lens[chunks] <= GRAPH_PREFILL_MAX_KEYS).all())
+        if not (t.n[chunks] * t.seq_lens[chunks] <= GRAPH_PREFILL_MAX_KEYS).all():
+            return False
+        rows, blocks = graphs.padded_shape(num_rows, int(t.seq_lens.max()))
+        if not t.num_decode:
+            return rows <= GRAPH_PREFILL_MAX_ROWS
+        decode_rows, _ = graphs.padded_shape(t.num_decode, 1)
+        if rows > max(GRAPH_PREFILL_MAX_ROWS, decode_rows):
+            return False
+        # More rows may cut each context into fewer splits: a long decode context would then run on
+        # fewer programs than it would alone.
+        splits = self.attention.num_decode_splits
+        return splits(rows, blocks) >= splits(decode_rows, blocks)
 
     def _attention_metadata(self, t: _Layout, slots: np.ndarray) -> AttentionMetadata:
         bs = self.block_size

@@ -257,59 +257,59 @@ def rotary_and_cache_(
 
 
 @triton.jit
-def _silu_and_mul_kernel(
-    gate_up_ptr, out_ptr, in_stride, out_stride, n_cols, BLOCK: tl.constexpr
-):  # fmt: skip
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    gate = tl.load(gate_up_ptr + row * in_stride + cols, mask=mask, other=0.0)
-    up = tl.load(gate_up_ptr + row * in_stride + n_cols + cols, mask=mask, other=0.0)
+def silu_mul_value(gate, up):
+    """silu(gate) * up in the model dtype of `gate`: F.silu rounds to the model dtype before the mul."""
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # F.silu rounds to the model dtype before the mul
-    out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-    tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    rows, width = gate_up.shape
-    n_cols = width // 2
-    out = torch.empty((rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
-    block = 1024
-    if rows:
-        _silu_and_mul_kernel[(rows, triton.cdiv(n_cols, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), n_cols, BLOCK=block
-        )
-    return out
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
 
 
 @triton.jit
-def _gelu_tanh_and_mul_kernel(
-    gate_up_ptr, out_ptr, in_stride, out_stride, n_cols, BLOCK: tl.constexpr
+def _gelu_tanh_mul_value(gate, up):
+    """gelu_tanh(gate) * up in the model dtype of `gate`, F.gelu rounding before the mul.
+    0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3): no cancellation near
+    1 + tanh(u) = 0, and no tanh (libdevice's does not run in the interpreter). More exact than PyTorch's
+    formula where the gate is very negative (there 1 + tanh(u) cancels)."""
+    g = gate.to(tl.float32)
+    u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    e = tl.exp(tl.minimum(-2.0 * u, 80.0))  # capped: no inf (the result is ~0 there either way)
+    act = (g / (1.0 + e)).to(gate.dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
+def _gated_act_and_mul_kernel(
+    gate_up_ptr, out_ptr, in_stride, out_stride, n_cols, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     gate = tl.load(gate_up_ptr + row * in_stride + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * in_stride + n_cols + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    # 0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3): no cancellation
-    # near 1 + tanh(u) = 0, and no tanh (libdevice's does not run in the interpreter).
-    # More exact than PyTorch's formula where the gate is very negative (there 1 + tanh(u) cancels).
-    u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-    e = tl.exp(tl.minimum(-2.0 * u, 80.0))  # capped: no inf (the result is ~0 there either way)
-    act = (g / (1.0 + e)).to(gate.dtype)  # F.gelu rounds to the model dtype before the mul
-    out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    if GELU_TANH:
+        out = _gelu_tanh_mul_value(gate, up)
+    else:
+        out = silu_mul_value(gate, up)
     tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
 
 
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def _gated_act_and_mul(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     rows, width = gate_up.shape
     n_cols = width // 2
     out = torch.empty((rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     if rows:
-        _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(n_cols, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), n_cols, BLOCK=block
+        _gated_act_and_mul_kernel[(rows, triton.cdiv(n_cols, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), n_cols, GELU_TANH=gelu_tanh, BLOCK=block
         )
     return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of the merged [rows, 2 * n] gate|up output."""
+    return _gated_act_and_mul(gate_up, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate, tanh approximation) * up of the merged [rows, 2 * n] gate|up output."""
+    return _gated_act_and_mul(gate_up, gelu_tanh=True)

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_runtime.layers.fused_triton import silu_mul_value
+
 
 @triton.jit
 def _load_x(
@@ -38,9 +40,7 @@ def _load_x(
             up = tl.load(x_row + K + k)
         else:
             up = tl.load(x_row + K + k, mask=k_mask, other=0.0)
-        g = gate.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-        gate = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+        gate = silu_mul_value(gate, up)
     return gate
 
 

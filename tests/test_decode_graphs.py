@@ -195,10 +195,12 @@ def test_which_steps_with_chunks_the_graphs_take() -> None:
     assert takes([], [(0, 32)]) and takes([], [(0, 128)]) and not takes([], [(0, 129)])
     assert takes([], [(1008, 16)]) and not takes([], [(1009, 16)])  # 16 x 1024 keys, then more
     assert takes([], [(0, 60), (0, 60)]) and not takes([], [(0, 70), (0, 70)])  # 120 rows, 140 rows
-    assert takes([40] * 100, [(0, 10)])  # 110 rows: the decode rows' bucket of 112
+    assert takes([40] * 200, [(0, 5)])  # 205 rows: past 128, but in the decode rows' own bucket of 208
     assert not takes([40] * 100, [(0, 100)])  # 200 rows: past 128 and the decode rows' 112
     assert not takes([40] * 200, [(0, 40)])  # 240 rows: past both 128 and the decode rows' 208
-    assert takes([40] * 3, [(0, 30)])  # 33 rows at a short context keep the splits of 3 rows
-    assert not takes([32768], [(0, 31)])  # 32 rows would leave the 32K context one split of 8 programs
+    assert takes([4096] * 40, [(0, 8)])  # 48 rows at 4K keep the splits of the 40 decode rows
+    assert not takes([32768], [(0, 31)])  # 32 rows would cut the 32K context from 32 splits to 2
+    # The decode rows are held to the splits of their own shape, not to the chunk's longer context.
+    assert takes([50], [(0, 100)]) and takes([20], [(1008, 16)])
     assert takes([40] * 256, [])  # a pure decode step of the largest bucket
     assert not takes([40] * 256, [(0, 2)])  # more rows than the largest graph

@@ -217,13 +217,13 @@ class InputBuilder:
         rows, blocks = graphs.padded_shape(num_rows, int(t.seq_lens.max()))
         if not t.num_decode:
             return rows <= GRAPH_PREFILL_MAX_ROWS
-        decode_rows, _ = graphs.padded_shape(t.num_decode, 1)
+        decode_rows, decode_blocks = graphs.padded_shape(t.num_decode, int(t.seq_lens[: t.num_decode].max()))
         if rows > max(GRAPH_PREFILL_MAX_ROWS, decode_rows):
             return False
         # More rows may cut each context into fewer splits: a long decode context would then run on
-        # fewer programs than it would alone.
+        # fewer programs than in a step of its own.
         splits = self.attention.num_decode_splits
-        return splits(rows, blocks) >= splits(decode_rows, blocks)
+        return splits(rows, blocks) >= splits(decode_rows, decode_blocks)
 
     def _attention_metadata(self, t: _Layout, slots: np.ndarray) -> AttentionMetadata:
         bs = self.block_size

@@ -144,6 +144,35 @@ def hf_logprobs(model_dir: Path, prompt: list[int], continuation: list[int]) -> 
     return logits.float().log_softmax(-1)
 
 
+def record_steps(llm: Any) -> list[Any]:
+    """Every step's StepInputs of an in-process engine, appended as its input builder makes them."""
+    builder = llm.engine.executor.worker.runner.inputs
+    prepare, steps = builder.prepare, []
+
+    def recording(so: Any) -> Any:
+        inputs = prepare(so)
+        steps.append(inputs)
+        return inputs
+
+    builder.prepare = recording
+    return steps
+
+
+def graph_chunks(inputs: Any) -> list[tuple[int, bool]]:
+    """(first position, whether it samples) of each prefill chunk of more than one token that a step ran as
+    decode-graph rows; [] for an eager step."""
+    from tp_runtime.worker.inputs import GraphDecodeBatch
+
+    if not isinstance(inputs.model, GraphDecodeBatch):
+        return []
+    rows, positions = inputs.model.batch_rows, inputs.model.positions
+    return [
+        (int(positions[rows == row].min()), row in inputs.sample_rows)
+        for row in sorted(set(rows.tolist()))
+        if (rows == row).sum() > 1
+    ]
+
+
 def random_prompts(lengths: tuple[int, ...], vocab: int, seed: int = 1234) -> list[list[int]]:
     """Random prompt ids from a fixed generator, avoiding the special ids 0-2 (pad, bos, eos)."""
     g = torch.Generator().manual_seed(seed)

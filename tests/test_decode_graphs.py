@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import graph_chunks, hf_greedy, record_steps
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.worker import inputs as inputs_module
 from tp_runtime.worker.cuda_graphs import DecodeGraphs, batch_buckets, block_buckets
-from tp_runtime.worker.inputs import EagerBatch, GraphDecodeBatch, InputBuilder, _Layout
+from tp_runtime.worker.inputs import EagerBatch, InputBuilder, _Layout
 
 
 def test_buckets_cover_every_size() -> None:
@@ -97,30 +97,18 @@ def test_short_prefill_chunks_run_as_graph_rows(
     prompts = _prompts(5)
     with LLM(model_dir, device="cpu", dtype="float32", cuda_graphs="padded", block_size=4,
              max_num_batched_tokens=16) as llm:  # fmt: skip
-        builder = llm.engine.executor.worker.runner.inputs  # type: ignore[attr-defined]
-        prepare, graph_chunks, eager_prefills = builder.prepare, [], []
-
-        def spy(so: Any) -> Any:
-            step = prepare(so)
-            if isinstance(step.model, GraphDecodeBatch):
-                rows, positions = step.model.batch_rows, step.model.positions
-                for row in set(rows.tolist()):
-                    if (rows == row).sum() > 1:  # (first position, whether the chunk samples)
-                        graph_chunks.append((int(positions[rows == row].min()), row in step.sample_rows))
-            elif isinstance(step.model, EagerBatch) and step.model.meta.prefills:
-                eager_prefills.append(len(step.model.meta.prefills))
-            return step
-
-        builder.prepare = spy
+        steps = record_steps(llm)
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
             use_tqdm=False,
         )
+    chunks = [chunk for step in steps for chunk in graph_chunks(step)]
+    eager_prefills = [s for s in steps if isinstance(s.model, EagerBatch) and s.model.meta.prefills]
     # Fresh and continuation chunks, and chunks that do not finish their prompt, on the graph path.
-    assert any(start == 0 for start, _ in graph_chunks), graph_chunks
-    assert any(start > 0 for start, _ in graph_chunks), graph_chunks
-    assert any(not samples for _, samples in graph_chunks), graph_chunks
+    assert any(start == 0 for start, _ in chunks), chunks
+    assert any(start > 0 for start, _ in chunks), chunks
+    assert any(not samples for _, samples in chunks), chunks
     assert eager_prefills, "no prefill chunk was too long for the decode-graph path"
     want = hf_greedy(model_dir, prompts, 12, attn_implementation=attn_implementation)
     assert [o.outputs[0].token_ids for o in outs] == want
@@ -136,22 +124,13 @@ def test_graph_rows_equal_the_eager_path_when_sampling(make_checkpoint: Callable
         frequency_penalty=0.3, repetition_penalty=1.2,
     )  # fmt: skip
     params = [SamplingParams(seed=7 + i, **options) for i in range(len(prompts))]
-    results, graph_steps = {}, []
+    results, steps = {}, []
     for mode in ("off", "padded"):
         with LLM(model_dir, device="cpu", dtype="float32", cuda_graphs=mode, block_size=4,
                  max_num_batched_tokens=16) as llm:  # fmt: skip
-            builder = llm.engine.executor.worker.runner.inputs  # type: ignore[attr-defined]
-            prepare = builder.prepare
-
-            def spy(so: Any, prepare: Any = prepare) -> Any:
-                step = prepare(so)
-                chunked = max(so.num_scheduled_tokens) > 1
-                graph_steps.append(isinstance(step.model, GraphDecodeBatch) and chunked)
-                return step
-
-            builder.prepare = spy
+            steps = record_steps(llm)
             results[mode] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert any(graph_steps), "no chunk ran on the decode-graph path"
+    assert any(graph_chunks(step) for step in steps), "no chunk ran on the decode-graph path"
     for eager, graph in zip(results["off"], results["padded"], strict=True):
         want, got = eager.outputs[0], graph.outputs[0]
         assert got.token_ids == want.token_ids

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import hf_greedy, random_prompts
+from conftest import graph_chunks, hf_greedy, random_prompts, record_steps
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.outputs import Logprob
@@ -105,22 +105,14 @@ def test_one_token_chunks_on_the_decode_graph_path(model_dir: Path, hf_model: An
         model_dir, dtype="float32", device="cpu", cuda_graphs="padded", max_num_batched_tokens=4,
         max_num_seqs=4, max_model_len=64,
     )  # fmt: skip
-    builder = engine.engine.executor.worker.runner.inputs  # type: ignore[attr-defined]
-    prepare, on_graph_path = builder.prepare, []
-
-    def spy(so: Any) -> Any:
-        inputs = prepare(so)
-        graph_step = isinstance(inputs.model, GraphDecodeBatch)
-        on_graph_path.append(graph_step and inputs.prompt_logprobs is not None)
-        return inputs
-
-    builder.prepare = spy
+    steps = record_steps(engine)
     prompts = random_prompts((1, 1, 1, 20), VOCAB, seed=33)
     with engine:
         params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3 + [
             SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
         ]
         outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    on_graph_path = [isinstance(i.model, GraphDecodeBatch) and i.prompt_logprobs is not None for i in steps]
     assert any(on_graph_path), "no prompt-logprob chunk ran on the decode-graph path"
     check(hf_model, prompts[3], outs[3].prompt_logprobs, 3)
 
@@ -132,23 +124,12 @@ def test_short_chunks_on_the_decode_graph_path(model_dir: Path, hf_model: Any) -
         model_dir, dtype="float32", device="cpu", cuda_graphs="padded", max_num_batched_tokens=8,
         max_num_seqs=16, max_model_len=64,
     )  # fmt: skip
-    builder = engine.engine.executor.worker.runner.inputs  # type: ignore[attr-defined]
-    prepare, chunk_starts = builder.prepare, []
-
-    def spy(so: Any) -> Any:
-        inputs = prepare(so)
-        if isinstance(inputs.model, GraphDecodeBatch) and inputs.prompt_logprobs is not None:
-            rows, positions = inputs.model.batch_rows, inputs.model.positions
-            for row in set(rows.tolist()):
-                if (rows == row).sum() > 1:
-                    chunk_starts.append(int(positions[rows == row].min()))
-        return inputs
-
-    builder.prepare = spy
+    steps = record_steps(engine)
     prompts = random_prompts((5, 13, 20), VOCAB, seed=35)
     with engine:
         params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
         outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    chunk_starts = [start for i in steps if i.prompt_logprobs is not None for start, _ in graph_chunks(i)]
     assert 0 in chunk_starts and any(start > 0 for start in chunk_starts), chunk_starts
     for prompt, out in zip(prompts, outs, strict=True):
         check(hf_model, prompt, out.prompt_logprobs, 2)

@@ -210,6 +210,62 @@ def test_stop_strings_and_stop_tokens_stream_the_same_text(
             assert token_ids[-1] == stop_token and text == decoded
 
 
+def byte_level_tokenizer(extra: list[bytes]) -> Any:
+    """A byte-level BPE tokenizer: one token per byte (id 3 + byte), then the multi-byte tokens `extra`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # GPT-2's byte -> character map: printable bytes stand for themselves, the others move past 255.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    chars = {b: chr(b) for b in printable}
+    chars.update({b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in chars)})
+    assert set(chars.values()) == set(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({chars[b]: 3 + b for b in range(256)})
+    for token in extra:
+        vocab["".join(chars[b] for b in token)] = len(vocab)
+    vocab.update({f"<pad{i}>": i for i in range(len(vocab), VOCAB)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_whose_last_token_begins_a_character(model_config: Any, include: bool) -> None:
+    """The token that completes "STOP" also holds the first two bytes of "€": the incremental text holds
+    it back, so the stop string is found only once the request ends (by max_tokens, by EOS, or when the
+    next token completes the character); the text must stop there in every case, streamed or not."""
+    tokenizer = byte_level_tokenizer([b"P\xe2\x82"])
+    p_euro = 259
+    eos = tokenizer.eos_token_id
+    head = [3 + b for b in b"ab STO"] + [p_euro]
+    assert tokenizer.decode(head) == "ab STO" + "P\ufffd"  # the character is incomplete
+    cases = [  # (generated ids, max_tokens)
+        (head, len(head)),  # max_tokens ends the request on the stop string's last token
+        ([*head, eos], 20),  # EOS right after it
+        ([*head, 3 + 0xAC, *(3 + b for b in b"zz")], 20),  # the next token completes the "€"
+    ]
+    for ids, max_tokens in cases:
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        want = full[: full.index("STOP") + (4 if include else 0)]  # brute force over the whole text
+        engine = make_engine(model_config, tokenizer, ScriptedExecutor(text_script(ids, len(PROMPT))))
+        params = SamplingParams(
+            temperature=0, max_tokens=max_tokens, stop="STOP", include_stop_str_in_output=include
+        )
+        streamed, whole = engine.add_request(PROMPT, params, stream=True), engine.add_request(PROMPT, params)
+        outputs = run_all(engine)
+        text, token_ids = joined(outputs[str(streamed)])
+        [final] = outputs[str(whole)]
+        last = outputs[str(streamed)][-1].outputs[0]
+        for got_text, out in ((text, last), (final.outputs[0].text, final.outputs[0])):
+            assert got_text == want, (ids, got_text)
+            assert (out.finish_reason, out.stop_reason) == ("stop", "STOP"), ids
+        assert token_ids == final.outputs[0].token_ids == ids[: len(token_ids)]
+
+
 def closed_form(req_id: int, position: int) -> int:
     return 3 + (req_id * 7919 + position * 104729) % (VOCAB - 3)
 

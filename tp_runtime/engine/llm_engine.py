@@ -395,33 +395,54 @@ class LLMEngine:
 
     def _check_stop(self, req: Request) -> str | None:
         params = req.params
-        token = req.output_token_ids[-1]
-        num_out = len(req.output_token_ids)
+        ids = req.output_token_ids
+        token = ids[-1]
+        num_out = len(ids)
         num_known = len(req.prompt_token_ids) + num_out
+        state = self._text_states.get(req.req_id)
+        if state is None or not state.stop_strings:
+            state = None
+        searching = num_out >= params.min_tokens  # stop strings count from min_tokens on
         if token in req.stop_ids and num_out >= params.min_tokens:
+            # A stop string that the incremental text held back (its last token also begins a character)
+            # came first: the stop token's text is not part of the output either way.
+            if state is not None and searching and self._find_stop_string(req, state, self._decode(ids[:-1])):
+                return "stop"
             if params.stop_token_ids and token in params.stop_token_ids:
                 req.stop_reason = token
             return "stop"
-        state = self._text_states.get(req.req_id)
-        if state is not None and state.stop_strings:
-            before = len(state.detok.text)
-            if state.detok.step(req.output_token_ids) and num_out >= params.min_tokens:
-                text = state.detok.text
-                start = max(0, before - state.hold)  # a stop string may end in the new text
-                # The earliest match wins (the text must hold no stop string), the first listed on a tie.
-                stops = state.stop_strings
-                found = [(idx, i) for i, s in enumerate(stops) if (idx := text.find(s, start)) >= 0]
-                if found:
-                    idx, i = min(found)
-                    stop = stops[i]
-                    req.stop_reason = stop
-                    if params.include_stop_str_in_output:
-                        idx += len(stop)
-                    req.stop_text = text[:idx]
-                    return "stop"
+        if state is not None:
+            searched = state.detok.text
+            if state.detok.step(ids) and searching and self._find_stop_string(req, state, searched=searched):
+                return "stop"
         if num_out >= params.max_tokens or num_known >= self.config.model.max_model_len:
+            # The text the detokenizer still holds back is final now: it may complete a stop string.
+            if state is not None and searching and self._find_stop_string(req, state, self._decode(ids)):
+                return "stop"
             return "length"
         return None
+
+    def _find_stop_string(
+        self, req: Request, state: _TextState, text: str | None = None, searched: str | None = None
+    ) -> bool:
+        """Look for the request's stop strings in `text` (default: the detokenizer's text; else the decoded
+        output, or all but its stop token) where they may end past `searched` (default: the detokenizer's
+        text), what earlier steps searched. On a match set the request's stop reason and final text. The
+        earliest match wins (the text before it holds no stop string), the first listed on a tie."""
+        text = state.detok.text if text is None else text
+        searched = state.detok.text if searched is None else searched
+        start = max(0, len(searched) - state.hold)
+        stops = state.stop_strings
+        found = [(idx, i) for i, s in enumerate(stops) if (idx := text.find(s, start)) >= 0]
+        if not found:
+            return False
+        idx, i = min(found)
+        stop = stops[i]
+        req.stop_reason = stop
+        if req.params.include_stop_str_in_output:
+            idx += len(stop)
+        req.stop_text = text[:idx]
+        return True
 
     def abort_request(self, req_id: int) -> RequestOutput | None:
         """End a request wherever it is (waiting, running, in a step in flight) and free its KV blocks;

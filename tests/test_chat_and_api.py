@@ -190,3 +190,44 @@ def test_progress_bar_shows_output_tokens_per_second(llm: LLM, capsys: pytest.Ca
     err = capsys.readouterr().err
     rates = [float(r) for r in re.findall(r"output ([0-9.]+) tok/s", err)]
     assert rates and rates[-1] > 0, err
+
+
+def test_chat_content_parts_render_as_their_text(llm: LLM) -> None:
+    """OpenAI-style text content parts are joined into the message's text (the server's rule); other
+    kinds of parts are refused, not rendered as a Python repr into the prompt."""
+    plain = [{"role": "user", "content": "What is the capital of France?"}]
+    pieces = [{"type": "text", "text": "What is the "}, {"type": "text", "text": "capital of France?"}]
+    parts = [{"role": "user", "content": pieces}]
+    [want] = llm.chat(plain, GREEDY, use_tqdm=False)
+    [got] = llm.chat(parts, GREEDY, use_tqdm=False)
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    not_text = [{"role": "user", "content": 5}]
+    for bad, match in ((image, "only text content parts"), (not_text, "content must be")):
+        with pytest.raises(InvalidRequestError, match=match):
+            llm.chat(bad, GREEDY, use_tqdm=False)
+
+
+def test_prompt_forms_and_open_ended_max_tokens(llm: LLM, model_dir: Path) -> None:
+    """A text prompt as vLLM's {"prompt": ...} dict and token ids as numpy ints give what the plain forms
+    give; max_tokens=None generates up to max_model_len, as HF's greedy continuation does."""
+    np = pytest.importorskip("numpy")
+    text = "The capital of France is"
+    [plain] = llm.generate(text, GREEDY, use_tqdm=False)
+    [as_dict] = llm.generate({"prompt": text}, GREEDY, use_tqdm=False)
+    ids = plain.prompt_token_ids
+    numpy_ids = list(np.array(ids, dtype=np.int64))
+    [as_numpy] = llm.generate({"prompt_token_ids": numpy_ids}, GREEDY, use_tqdm=False)
+    for out in (as_dict, as_numpy):
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(InvalidRequestError, match=r"got a dict with keys \['text'\]"):
+        llm.generate({"text": text}, GREEDY, use_tqdm=False)
+    max_len = llm.engine.config.model.max_model_len
+    open_ended = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    [result] = llm.generate(text, open_ended, use_tqdm=False)
+    out = result.outputs[0]
+    assert len(ids) + len(out.token_ids) == max_len and out.finish_reason == "length"
+    assert out.token_ids == hf_greedy(model_dir, [ids], max_len - len(ids))[0]
+    with pytest.raises(InvalidRequestError, match="ignore_eos must be True or False"):
+        SamplingParams(ignore_eos="yes")  # type: ignore[arg-type]

@@ -266,6 +266,24 @@ def test_a_stop_string_whose_last_token_begins_a_character(model_config: Any, in
         assert token_ids == final.outputs[0].token_ids == ids[: len(token_ids)]
 
 
+def test_eos_from_the_tokenizer_when_the_configs_name_none(
+    make_checkpoint: Callable[..., Path], tokenizer: Any
+) -> None:
+    """A checkpoint whose config.json (and generation config) give no eos_token_id: the tokenizer's EOS
+    ends generation, unless ignore_eos."""
+    config = build_model_config(make_checkpoint(seed=3, eos_token_id=None), max_model_len=128)
+    assert config.eos_token_ids == ()
+    eos = tokenizer.eos_token_id
+    script = [7, 8, eos, 9, 10, 11]
+    engine = make_engine(config, tokenizer, ScriptedExecutor(text_script(script, len(PROMPT))))
+    stops = engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=6))
+    runs_on = engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    outputs = run_all(engine)
+    [stopped], [ran_on] = outputs[str(stops)], outputs[str(runs_on)]
+    assert (stopped.outputs[0].token_ids, stopped.outputs[0].finish_reason) == ([7, 8, eos], "stop")
+    assert (ran_on.outputs[0].token_ids, ran_on.outputs[0].finish_reason) == (script, "length")
+
+
 def closed_form(req_id: int, position: int) -> int:
     return 3 + (req_id * 7919 + position * 104729) % (VOCAB - 3)
 

@@ -25,7 +25,7 @@ class SamplingParams:
     top_k: int = -1  # -1 or 0: disabled
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until max_model_len
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     stop: str | list[str] | None = None
@@ -60,9 +60,10 @@ class SamplingParams:
             raise bad(f"top_k must be -1 or 0 (disabled) or a positive int below 2**63, got {self.top_k!r}")
         if not is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad(f"min_p must be a number in [0, 1], got {self.min_p!r}")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad(f"max_tokens must be an int >= 1 or None (to max_model_len), got {self.max_tokens!r}")
+        max_tokens = math.inf if self.max_tokens is None else self.max_tokens
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= max_tokens:
             raise bad(
                 f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
             )
@@ -82,9 +83,9 @@ class SamplingParams:
         # Workers hold it as float32: it must stay a positive finite number there too.
         if not is_real(rep) or not _FLOAT32_TINY <= rep <= _FLOAT32_MAX:
             raise bad(f"repetition_penalty must be a number > 0 (1 disables it), got {rep!r}")
-        include = self.include_stop_str_in_output
-        if not isinstance(include, bool):
-            raise bad(f"include_stop_str_in_output must be True or False, got {include!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.stop_token_ids is not None and (
             not isinstance(self.stop_token_ids, (list, tuple))
             or not all(is_int(t) and t >= 0 for t in self.stop_token_ids)

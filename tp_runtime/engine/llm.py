@@ -24,6 +24,26 @@ PromptType = str | dict[str, Any]
 ChatMessage = dict[str, Any]
 
 
+def chat_content_text(content: Any, index: int) -> str:
+    """A chat message's content as the text the template gets: a string (None: empty), or OpenAI-style
+    content parts of which only text parts ({"type": "text", "text": ...}) are supported, joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, (list, tuple)):
+        raise InvalidRequestError(
+            f"message {index}: content must be a string or a list of content parts, got {_preview(content)}"
+        )
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequestError(
+                f"message {index}: only text content parts ({{'type': 'text', 'text': ...}}) are supported, "
+                f"got {kind!r}"
+            )
+        parts.append(part["text"])
+    return "".join(parts)
+
 
 class LLM:
     """Offline batch inference: `LLM(model=PATH, tensor_parallel_size=N).generate(prompts, params)`.
@@ -102,8 +122,14 @@ class LLM:
             return prompt, self._encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), prompt["prompt_token_ids"]
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
+            return self._prompt_ids(prompt["prompt"])
+        got = type(prompt).__name__
+        if isinstance(prompt, dict):
+            got = f"a dict with keys {sorted(map(str, prompt))}"
         raise InvalidRequestError(
-            f"a prompt must be a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}"
+            "a prompt must be a str or a dict with 'prompt_token_ids' (a list of ints) or 'prompt' (a str), "
+            f"got {got}"
         )
 
     def generate(
@@ -142,6 +168,15 @@ class LLM:
                     f"conversation {i} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
                     f"got {_preview(conv)}"
                 )
+        # Content parts become the text the template renders (as the server does).
+        conversations = [
+            [
+                m if m.get("content") is None or isinstance(m["content"], str)
+                else {**m, "content": chat_content_text(m["content"], j)}
+                for j, m in enumerate(conv)
+            ]
+            for conv in conversations
+        ]
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 f"the tokenizer of {self.config.model.path} has no chat template; pass chat_template= "

@@ -9,6 +9,7 @@ add, their logprobs; `finished` on the last), else one when it finishes, with th
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -115,6 +116,10 @@ class LLMEngine:
             )
         self.scheduler = Scheduler(config, self.num_kv_blocks)
         self.eos_token_ids = set(config.model.eos_token_ids)
+        tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+        if not self.eos_token_ids and isinstance(tokenizer_eos, int):
+            # A checkpoint whose configs name no EOS: the tokenizer's ends generation (as in vLLM).
+            self.eos_token_ids.add(tokenizer_eos)
         self._next_req_id = 0
         self._decode = _make_decode(tokenizer)
         self._text_states: dict[int, _TextState] = {}
@@ -137,9 +142,9 @@ class LLMEngine:
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty; give at least one token")
         for t in prompt_ids:
-            if isinstance(t, bool) or not isinstance(t, int):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):  # numpy ints are Integral
                 raise InvalidRequestError(f"prompt token ids must be ints, got {t!r}")
-            if not 0 <= t < vocab:
+            if not 0 <= int(t) < vocab:
                 raise InvalidRequestError(f"prompt token id {t} is outside the vocabulary [0, {vocab})")
         max_len = self.config.model.max_model_len
         if len(prompt_ids) >= max_len:
@@ -147,7 +152,7 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}; shorten the prompt "
                 "or raise max_model_len (a prompt must leave room for at least one generated token)"
             )
-        return list(prompt_ids)
+        return [int(t) for t in prompt_ids]
 
     def check_request(self, prompt_ids: Any, params: Any) -> list[int]:
         """The checks `add_request` makes, without adding anything (they read only the configuration, so
@@ -415,7 +420,7 @@ class LLMEngine:
             searched = state.detok.text
             if state.detok.step(ids) and searching and self._find_stop_string(req, state, searched=searched):
                 return "stop"
-        if num_out >= params.max_tokens or num_known >= self.config.model.max_model_len:
+        if num_out >= req.max_tokens or num_known >= self.config.model.max_model_len:
             # The text the detokenizer still holds back is final now: it may complete a stop string.
             if state is not None and searching and self._find_stop_string(req, state, self._decode(ids)):
                 return "stop"

@@ -15,6 +15,7 @@ placeholders already reach max_tokens or max_model_len is not scheduled again.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -64,6 +65,12 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    @property
+    def max_tokens(self) -> int | float:
+        """Outputs after which the request ends (max_tokens=None: none; max_model_len ends it)."""
+        limit = self.params.max_tokens
+        return math.inf if limit is None else limit
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
@@ -110,7 +117,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_placeholders and (
-                len(req.output_token_ids) + req.num_placeholders >= req.params.max_tokens
+                len(req.output_token_ids) + req.num_placeholders >= req.max_tokens
                 or req.num_tokens >= self.max_model_len
             ):
                 i += 1  # its last token is being sampled; the request ends when it arrives

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tp_runtime.engine.async_engine import describe_failure
+from tp_runtime.engine.llm import chat_content_text
 from tp_runtime.engine.llm_engine import IncrementalDetokenizer
 from tp_runtime.errors import InvalidRequestError, TPRuntimeError
 from tp_runtime.outputs import CompletionOutput, Logprob
@@ -109,18 +110,11 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
 
 
 def text_content(content: Any, index: int) -> str:
-    """A chat message's content as text: a string, or text content parts joined."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise bad_request(
-                f"message {index}: only text content parts ({{'type': 'text', 'text': ...}}) are supported, "
-                f"got type {part.get('type')!r}", "messages",
-            )  # fmt: skip
-        parts.append(part["text"])
-    return "".join(parts)
+    """A chat message's content as text: a string, or text content parts joined (LLM.chat's rule)."""
+    try:
+        return chat_content_text(content, index)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), "messages") from None
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:

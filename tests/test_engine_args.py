@@ -117,8 +117,10 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("gpu_memory_utilization", 0.0, "in (0, 1]"),
     ("cpu_kv_cache_gib", 0.0, "more than 0"),
     ("cpu_kv_cache_gib", float("nan"), "nan"),
-    ("step_timeout_s", -1.0, "more than 0"),
+    ("step_timeout_s", -1.0, "must be in (0, 3.1536e+07]"),
+    ("step_timeout_s", float("inf"), "must be in (0, 3.1536e+07], got inf"),
     ("step_timeout_s", "300", "must be a number"),
+    ("startup_timeout_s", 1e15, "must be in (0, 3.1536e+07]"),
     ("executor", "threads", "one of auto, inprocess, multiprocess, torchrun"),
     ("all_reduce", "mpi", "one of auto, nccl, symm_mem"),
     ("async_scheduling", 1, "True or False"),
@@ -154,7 +156,7 @@ def test_cli_error_names_the_flag() -> None:
     with pytest.raises(ConfigError, match=r"^argument --block-size: must be a power of two"):
         EngineArgs.check_cli(args)
     args = _parser().parse_args(["--step-timeout", "0"])
-    with pytest.raises(ConfigError, match=r"^argument --step-timeout: must be more than 0, got 0"):
+    with pytest.raises(ConfigError, match=r"^argument --step-timeout: must be in \(0, 3.1536e\+07\], got 0"):
         EngineArgs.from_cli(args, model="m")
 
 

@@ -135,6 +135,7 @@ def test_bad_dtype(checkpoint: Path, dtype: str) -> None:
         ("cuda_graphs", "on", "cuda_graphs must be one of auto, off, padded; got 'on'"),
         ("all_reduce", "fast", "all_reduce must be one of auto, nccl, symm_mem; got 'fast'"),
         ("async_scheduling", "yes", "async_scheduling must be True or False"),
+        ("all_reduce", "symm_mem", "all_reduce='symm_mem' needs device='cuda' (device is 'cpu')"),
     ],
 )
 def test_bad_engine_option(checkpoint: Path, option: str, value: str, message: str) -> None:

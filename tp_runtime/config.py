@@ -88,6 +88,10 @@ class ModelConfig:
         return float(base**-0.5)
 
 
+# The longest step or start-up timeout (a year): anything longer means "never" and overflows a timedelta.
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -124,10 +128,11 @@ class ParallelConfig:
             )
         if self.executor not in ("auto", "inprocess", "multiprocess", "torchrun"):
             raise ConfigError(f"executor must be auto|inprocess|multiprocess|torchrun, got {self.executor!r}")
-        if self.step_timeout_s <= 0:
-            raise ConfigError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
-        if self.startup_timeout_s <= 0:
-            raise ConfigError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        for name in ("step_timeout_s", "startup_timeout_s"):
+            value = getattr(self, name)
+            # Bounded: the workers hand it to torch.distributed as a timedelta.
+            if not 0 < value <= MAX_TIMEOUT_S:
+                raise ConfigError(f"{name} must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {value}")
 
 
 @dataclass(frozen=True)
@@ -198,6 +203,10 @@ class EngineConfig:
             )
         kernels = {"attention_backend": self.attention_backend, "fused_kernels": self.fused_kernels}
         uses_triton = [name for name, value in kernels.items() if value.startswith("triton")]
+        if self.parallel.all_reduce == "symm_mem" and self.device != "cuda":
+            raise ConfigError(
+                f"all_reduce='symm_mem' needs device='cuda' (device is {self.device!r}); use 'auto' or 'nccl'"
+            )
         if uses_triton and self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ConfigError(
                 f"{uses_triton[0]}={kernels[uses_triton[0]]!r} needs a CUDA device (device is "

@@ -27,6 +27,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from functools import cache
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from tp_runtime.config import MAX_TIMEOUT_S
 from tp_runtime.errors import ConfigError
 from tp_runtime.models_catalog import DEFAULT_MODEL, resolve_model_name
 
@@ -137,12 +138,18 @@ class EngineArgs:
         ),
     )
     step_timeout_s: float = field(
-        default=300.0, metadata=meta(help="seconds a step may take", flag="--step-timeout", above=0.0)
+        default=300.0,
+        metadata=meta(
+            help="seconds a step may take", flag="--step-timeout", above=0.0, at_most=MAX_TIMEOUT_S
+        ),
     )
     startup_timeout_s: float = field(
         default=600.0,
         metadata=meta(
-            help="seconds the ranks may take to start and load the model", flag="--startup-timeout", above=0.0
+            help="seconds the ranks may take to start and load the model",
+            flag="--startup-timeout",
+            above=0.0,
+            at_most=MAX_TIMEOUT_S,
         ),
     )
     executor: ExecutorKind = field(

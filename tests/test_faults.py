@@ -254,6 +254,31 @@ def test_worker_exception_reaches_driver_with_remote_traceback(
     assert_engine_closed(llm)
 
 
+def test_an_error_reply_from_a_rank_that_then_exits_keeps_its_traceback() -> None:
+    """A rank that reports an error and exits of it (a failed start-up, say) is named by its error and
+    traceback, however soon its exit shows; a different rank's death still comes first (it broke the
+    collectives the reporting rank failed in)."""
+    from types import SimpleNamespace
+
+    from tp_runtime.executor.remote import RemoteWorkers
+    from tp_runtime.messages import WorkerReply
+
+    class ExitedRank(RemoteWorkers):
+        def __init__(self, dead: int) -> None:
+            super().__init__(SimpleNamespace(watchdog=SimpleNamespace(late=dict)), [1, 2], 0.0)  # type: ignore[arg-type]
+            self.dead = dead
+
+        def _check_processes(self, settle_s: float) -> None:
+            raise WorkerDiedError(self.dead, "exit code 1")
+
+    reply = WorkerReply(rank=1, call_id=3, kind="error", error="Traceback (...)\nValueError: truncated file")
+    with pytest.raises(WorkerError, match="worker rank 1 raised an exception:\nTraceback") as info:
+        ExitedRank(dead=1)._handle(1, reply, None)
+    assert "truncated file" in info.value.remote_traceback
+    with pytest.raises(WorkerDiedError, match="worker rank 2 died: exit code 1"):
+        ExitedRank(dead=2)._handle(1, reply, None)
+
+
 def test_fault_injection_is_refused_without_the_variable(
     checkpoint: Path, start_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,6 +12,7 @@ from tp_runtime.errors import (
     EngineClosedError,
     ProtocolError,
     StepTimeoutError,
+    WorkerDiedError,
     WorkerError,
 )
 from tp_runtime.executor.base import CLOSED_MESSAGE
@@ -142,10 +143,17 @@ class RemoteWorkers:
         if reply.rank != sender:
             raise ProtocolError(f"a reply signed by rank {sender} says it comes from rank {reply.rank}")
         if reply.kind == "error":
+            error = WorkerError(reply.rank, reply.error or "(no traceback)")
             # A rank that died takes its peers' collectives down with it; name the dead rank, not the
-            # survivor whose all-reduce failed.
-            self.check_alive(settle_s=self.settle_s)
-            raise WorkerError(reply.rank, reply.error or "(no traceback)")
+            # survivor whose all-reduce failed. A rank that reported an error and then exited died of it:
+            # its traceback says why.
+            try:
+                self.check_alive(settle_s=self.settle_s)
+            except WorkerDiedError as died:
+                if died.rank == reply.rank:
+                    raise error from None
+                raise
+            raise error
         if reply.kind == "output":
             self._accept_output(reply)
             return

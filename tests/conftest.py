@@ -108,15 +108,16 @@ def hf_greedy(
     max_new_tokens: int,
     suppress_eos: bool = False,
     attn_implementation: str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> list[list[int]]:
-    """HF transformers' greedy continuation of each prompt (one at a time, no padding), float32.
+    """HF transformers' greedy continuation of each prompt (one at a time, no padding), in `dtype`.
 
     It never stops early: with suppress_eos EOS is masked out (pair with SamplingParams(min_tokens=N)),
     otherwise EOS may be generated and generation goes on (pair with SamplingParams(ignore_eos=True)).
     `attn_implementation`: e.g. "eager" for Gemma 2's soft-capped attention (SDPA drops the soft-cap).
     """
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation=attn_implementation
+        model_dir, dtype=dtype, attn_implementation=attn_implementation
     ).eval()
     if not suppress_eos:
         model.generation_config.eos_token_id = None

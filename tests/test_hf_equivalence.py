@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import assert_same_tokens, hf_greedy, hf_logprobs
 from conftest import random_prompts as shared_random_prompts
 
@@ -110,6 +111,16 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-no-window": ("MistralForCausalLM", {"sliding_window": None}),
     "mistral-window-8": ("MistralForCausalLM", {"sliding_window": 8}),
     "qwen2-qkv-bias": ("Qwen2ForCausalLM", {}),
+    # use_sliding_window windows the layers from max_window_layers on: here all of them, or none.
+    "qwen2-window-every-layer": (
+        "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}
+    ),
+    "qwen2-window-no-layer": (
+        "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}
+    ),
+    # Config keys these families' transformers classes ignore: no biases.
+    "mistral-ignores-bias-keys": ("MistralForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+    "qwen2-ignores-mlp-bias": ("Qwen2ForCausalLM", {"mlp_bias": True}),
     "rope-linear": (ARCH, {"rope_parameters": ROPE_LINEAR}),
     # The transformers 4.x key, converted by transformers 5 into rope_parameters on load.
     "rope-linear-legacy-rope_scaling": (ARCH, {"rope_scaling": {"type": "linear", "factor": 2.0}}),
@@ -127,6 +138,17 @@ def test_greedy_matches_hf(name: str, make_checkpoint: Callable[..., Path]) -> N
     with make_llm(model_dir) as llm:
         got = generate_ids(llm, prompts, greedy())
     assert_same_tokens(got, reference(model_dir, prompts, MAX_TOKENS), prompts)
+
+
+def test_row_parallel_biases_round_as_hf_in_bfloat16(make_checkpoint: Callable[..., Path]) -> None:
+    """At one rank the output and down projections add their bias inside the matmul, rounded once with
+    the product as nn.Linear does, so bfloat16 greedy tokens equal HF's bfloat16 tokens."""
+    model_dir = make_checkpoint(ARCH, attention_bias=True, mlp_bias=True)
+    prompts = random_prompts(PROMPT_LENS)
+    with LLM(model=model_dir, dtype="bfloat16", device="cpu", seed=0) as llm:
+        got = generate_ids(llm, prompts, greedy())
+    want = hf_greedy(model_dir, prompts, MAX_TOKENS, dtype=torch.bfloat16)
+    assert_same_tokens(got, want, prompts)
 
 
 def test_rope_dynamic_scaling_path_matches_hf(make_checkpoint: Callable[..., Path]) -> None:

@@ -563,6 +563,47 @@ def test_checkpoint_missing_an_expert_is_config_error(
         loader.load_weights(model, str(broken), torch.float32)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_weights_that_do_not_fit_the_config_are_config_errors(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, tp: int
+) -> None:
+    """A rank reads only its slice, so a tensor of another size than the config gives could load part of
+    itself; transformers refuses such a checkpoint, and so must the loader, on every rank."""
+    model_dir = make_checkpoint(seed=4, num_key_value_heads=4)
+    cases = {  # what goes wrong -> (config.json change, tensor change)
+        "fewer KV heads in the config": ({"num_key_value_heads": 2}, {}),
+        "a narrower MLP in the config": ({"intermediate_size": 96}, {}),
+        "a one-element norm": ({}, {"model.norm.weight": torch.ones(1)}),
+    }
+    for i, (config_change, tensor_change) in enumerate(cases.values()):
+        broken = tmp_path / f"broken{i}"
+        shutil.copytree(model_dir, broken)
+        config = json.loads((broken / "config.json").read_text())
+        (broken / "config.json").write_text(json.dumps({**config, **config_change}))
+        tensors = {**load_file(str(model_dir / "model.safetensors")), **tensor_change}
+        save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+        cfg = build_model_config(broken, dtype="float32", device="cpu")
+        for rank in range(tp):
+            model = model_class(cfg.architecture)(cfg, TPGroup(rank, tp), torch.float32, torch.device("cpu"))
+            wrong_shape = r"has shape \[\d+(, \d+)?\] but the model's config.json gives"
+            with pytest.raises(ConfigError, match=wrong_shape):
+                loader.load_weights(model, str(broken), torch.float32)
+
+
+def test_which_safetensors_files_are_read(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """As transformers: model.safetensors alone when there is no index (a stray consolidated copy beside
+    it is not read); the index's files otherwise, all of which must be there."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(make_checkpoint(seed=4), model_dir)
+    stray = {"layers.0.attention.wq.weight": torch.zeros(2, 2)}
+    save_file(stray, str(model_dir / "consolidated.safetensors"))
+    assert loader.safetensors_files(str(model_dir)) == [str(model_dir / "model.safetensors")]
+    index = {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"names weight files that are not in .*model-00001-of-00002"):
+        loader.safetensors_files(str(model_dir))
+
+
 # ----------------------------------------------------------------------------- config
 
 

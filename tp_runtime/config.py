@@ -375,7 +375,7 @@ def build_model_config(
     specific: dict[str, Any] = {
         "qkv_bias": False,
         "o_proj_bias": False,
-        "mlp_bias": bool(getattr(hf, "mlp_bias", False)),
+        "mlp_bias": False,  # Llama's adapter reads mlp_bias: the other families' HF classes ignore it
         "sliding_window": None,
         **adapted,
     }

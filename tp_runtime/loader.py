@@ -36,7 +36,17 @@ def safetensors_files(model_dir: str) -> list[str]:
     index = Path(model_dir) / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        return sorted({str(Path(model_dir) / f) for f in weight_map.values()})
+        files = sorted({str(Path(model_dir) / f) for f in weight_map.values()})
+        absent = [os.path.basename(f) for f in files if not os.path.isfile(f)]
+        if absent:
+            raise ConfigError(
+                f"{index} names weight files that are not in {model_dir}: {', '.join(absent[:4])}; "
+                "download the whole checkpoint"
+            )
+        return files
+    single = Path(model_dir) / "model.safetensors"
+    if single.is_file():  # as transformers: other *.safetensors beside it (a consolidated copy) are not read
+        return [str(single)]
     files = sorted(str(p) for p in Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ConfigError(
@@ -49,7 +59,8 @@ def safetensors_files(model_dir: str) -> list[str]:
 def load_weights(model: CausalLM, model_dir: str, dtype: torch.dtype) -> None:
     """Fill every parameter of `model` from the checkpoint; missing or unknown tensors are errors."""
     # By checkpoint name, not by parameter: a fused or stacked parameter (q/k/v, experts) takes many.
-    missing = dict(model.checkpoint_shapes())
+    expected = dict(model.checkpoint_shapes())
+    missing = dict(expected)
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
@@ -57,8 +68,16 @@ def load_weights(model: CausalLM, model_dir: str, dtype: torch.dtype) -> None:
                     targets = list(model.checkpoint_targets(name))
                 except KeyError:
                     raise ConfigError(f"{os.path.basename(path)} holds unexpected tensor {name!r}") from None
+                tensor = CheckpointTensor(handle, name, dtype)
+                # Each rank reads only its slice, so a tensor of the wrong size could load part of itself.
+                if name in expected and tensor.shape != tuple(expected[name]):
+                    raise ConfigError(
+                        f"{os.path.basename(path)}: tensor {name!r} has shape {list(tensor.shape)} but the "
+                        f"model's config.json gives {list(expected[name])}; the config does not match the "
+                        "weights"
+                    )
                 for param, shard_id in targets:
-                    param.weight_loader(param, CheckpointTensor(handle, name, dtype), shard_id)  # type: ignore[attr-defined]
+                    param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
                 missing.pop(name, None)
     if missing:
         names = sorted(missing)

@@ -281,13 +281,16 @@ class RowParallelLinear(nn.Module):
         projection), computed inside the matmul where the Matmul can."""
         if not reduce and self.bias is not None:
             raise ValueError("internal: a row-parallel layer with a bias must reduce its output")
+        # One rank: the bias goes into the matmul, rounded once with the product as nn.Linear does; more
+        # ranks: added once, after the sum.
+        bias = self.bias if self.tp.world_size == 1 else None
         if silu_mul:
-            y = self.matmul.silu_mul_linear(x, self.weight, None)
+            y = self.matmul.silu_mul_linear(x, self.weight, bias)
         else:
-            y = self.matmul.linear(x, self.weight, None)
+            y = self.matmul.linear(x, self.weight, bias)
         if not reduce:
             return y
         y = self.tp.all_reduce(y)
-        if self.bias is not None:
+        if self.bias is not None and bias is None:
             y = y + self.bias
         return y

@@ -321,14 +321,26 @@ class LlamaForCausalLM(nn.Module):
 
 def llama_config(hf: Any) -> dict[str, Any]:
     bias = bool(getattr(hf, "attention_bias", False))
-    return {"qkv_bias": bias, "o_proj_bias": bias}
+    return {"qkv_bias": bias, "o_proj_bias": bias, "mlp_bias": bool(getattr(hf, "mlp_bias", False))}
 
 
 def mistral_config(hf: Any) -> dict[str, Any]:
-    return {**llama_config(hf), "sliding_window": getattr(hf, "sliding_window", None)}
+    # transformers' Mistral has no biases, whatever attention_bias / mlp_bias its config carries.
+    return {"sliding_window": getattr(hf, "sliding_window", None)}
+
+
+def uniform_sliding_window(hf: Any) -> int | None:
+    """The sliding window of every layer from transformers' `layer_types` (Qwen2 and Qwen3 window the
+    layers from max_window_layers on, with use_sliding_window); the runner has one window for every
+    layer, so all or none."""
+    kinds = set(getattr(hf, "layer_types", None) or ["full_attention"])
+    if kinds not in ({"full_attention"}, {"sliding_attention"}):
+        raise ConfigError(
+            f"{type(hf).__name__} with sliding-window attention on some layers only (use_sliding_window "
+            "with 0 < max_window_layers < num_hidden_layers) is not supported"
+        )
+    return int(hf.sliding_window) if kinds == {"sliding_attention"} else None
 
 
 def qwen2_config(hf: Any) -> dict[str, Any]:
-    if getattr(hf, "use_sliding_window", False):
-        raise ConfigError("Qwen2 checkpoints with use_sliding_window=true are not supported")
-    return {"qkv_bias": True, "o_proj_bias": False}
+    return {"qkv_bias": True, "o_proj_bias": False, "sliding_window": uniform_sliding_window(hf)}

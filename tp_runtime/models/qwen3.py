@@ -9,10 +9,9 @@ import torch
 
 from tp_runtime.config import ModelConfig
 from tp_runtime.distributed import TPGroup
-from tp_runtime.errors import ConfigError
 from tp_runtime.layers.norm import HeadRMSNorm
 from tp_runtime.models.interface import CheckpointEntry
-from tp_runtime.models.llama import LlamaAttention, LlamaForCausalLM
+from tp_runtime.models.llama import LlamaAttention, LlamaForCausalLM, uniform_sliding_window
 
 
 class Qwen3Attention(LlamaAttention):
@@ -41,14 +40,5 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 def qwen3_config(hf: Any) -> dict[str, Any]:
-    # transformers windows the layers from max_window_layers on (use_sliding_window); the runner has one
-    # window for every layer, so all or none.
-    kinds = set(getattr(hf, "layer_types", None) or ["full_attention"])
-    if kinds not in ({"full_attention"}, {"sliding_attention"}):
-        raise ConfigError(
-            f"{type(hf).__name__} with sliding-window attention on some layers only (use_sliding_window "
-            "with 0 < max_window_layers < num_hidden_layers) is not supported"
-        )
     bias = bool(getattr(hf, "attention_bias", False))  # q/k/v and o alike, as in transformers
-    window = hf.sliding_window if kinds == {"sliding_attention"} else None
-    return {"qkv_bias": bias, "o_proj_bias": bias, "sliding_window": window}
+    return {"qkv_bias": bias, "o_proj_bias": bias, "sliding_window": uniform_sliding_window(hf)}

@@ -84,6 +84,39 @@ def test_torchrun_two_nodes_on_one_host(tp_model: Path, tmp_path: Path) -> None:
     assert "->" not in worker_out  # only the driver's node prints
 
 
+def test_torchrun_ranks_with_different_engine_arguments_are_refused(tp_model: Path) -> None:
+    """Two 'nodes' whose engine arguments differ (the seed here, which alone would make sampled tokens
+    differ between ranks) both fail at start-up with a ConfigError naming the setting."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["generate", "--model", str(tp_model), "--max-tokens", "4", "--device", "cpu",
+            "--dtype", "float32", *PROMPTS[:1]]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    node_args = f"--nnodes 2 --master-addr 127.0.0.1 --master-port {port} --node-rank"
+    nodes = [
+        subprocess.Popen(
+            ["bash", "scripts/launch_tp.sh", "1", *args, "--seed", str(node)],
+            cwd=REPO,
+            text=True,
+            env={**env, "TORCHRUN_ARGS": f"{node_args} {node}"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert all(node.returncode != 0 for node in nodes), outputs
+    assert "were given different engine arguments" in outputs[0], outputs[0][-3000:]
+    assert "differ from rank 0's on some rank: seed)" in outputs[0], outputs[0][-3000:]
+
+
 @pytest.mark.parametrize(("tp", "async_scheduling"), [(1, True), (2, True), (2, False)])
 def test_bench_latency_writes_every_field(tmp_path: Path, tp: int, async_scheduling: bool) -> None:
     out = tmp_path / "latency.json"

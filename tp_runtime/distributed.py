@@ -799,11 +799,15 @@ class TPGroup:
         return torch.cat(out.chunk(self.world_size, dim=0), dim=-1)
 
     def all_reduce_min_int(self, value: int, device: torch.device) -> int:
-        if self.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=device)
+        return self.all_reduce_min_ints([value], device)[0]
+
+    def all_reduce_min_ints(self, values: list[int], device: torch.device) -> list[int]:
+        """The smallest of each value over the ranks (every rank passes as many)."""
+        if self.world_size == 1 or not values:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t.item())
+        return [int(v) for v in t.tolist()]
 
     def broadcast_bytes(self, data: bytes | None, device: torch.device, max_len: int = 4096) -> bytes:
         """Rank 0's bytes on every rank (used to share socket addresses under torchrun)."""

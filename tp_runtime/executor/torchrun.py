@@ -3,6 +3,7 @@ ranks > 0 run the worker loop and connect to rank 0."""
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import ipaddress
 import os
@@ -15,6 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
 from tp_runtime.config import EngineConfig, torchrun_rank
@@ -127,6 +129,8 @@ class TorchrunExecutor:
             self._check_open()
             self.remote.check_alive()
             self.remote.poll_errors()
+            # Steps never wait in RemoteWorkers._serve here, which drains the broadcast socket: do it now.
+            self.channel.discard_inbound()
             self.remote.broadcast(ExecuteModel(so))
             self.last_step_timings = {"encode_broadcast": time.perf_counter() - t0}
             self.pending.add(self._local(lambda: self.worker.execute_model(so)))
@@ -162,6 +166,7 @@ class TorchrunExecutor:
             self._check_open()
             self.remote.check_alive()
             self.remote.poll_errors()
+            self.channel.discard_inbound()
 
         self._guarded(run)
 
@@ -264,6 +269,16 @@ def _join(config: EngineConfig, make_driver: bool) -> tuple[Worker, TorchrunExec
     broadcast_addr, results_addr, heartbeat_addr, nonce_hex, check_hex = (
         worker.tp.broadcast_bytes(payload, worker.device).decode().split("\n")
     )
+    # Every rank must run the engine rank 0's driver schedules for: other engine arguments on one rank
+    # (a seed, a dtype, a block size) would give wrong tokens or a hang, never an error.
+    differs = _differing_settings(config, worker)
+    if differs:
+        if executor is not None:
+            executor.channel.close()
+        raise ConfigError(
+            f"the ranks of this torchrun job were given different engine arguments (settings that differ "
+            f"from rank 0's on some rank: {', '.join(differs)}); pass the same arguments to every rank"
+        )
     key = derive_job_key(secret, bytes.fromhex(nonce_hex))
     same_key = hmac.compare_digest(key_check(key), bytes.fromhex(check_hex))
     if worker.tp.all_reduce_min_int(int(same_key), worker.device) == 0:
@@ -276,6 +291,34 @@ def _join(config: EngineConfig, make_driver: bool) -> tuple[Worker, TorchrunExec
     worker.load_model()
     addresses = WorkerAddresses(broadcast_addr, results_addr, key, heartbeat_addr, message_limits(config)[0])
     return worker, executor, addresses
+
+
+def _comparable_config(config: EngineConfig) -> bytes:
+    """The engine configuration as every rank must hold it: all of it but the model's folder, which may
+    sit at another path on each host."""
+    return msgspec.json.encode(dataclasses.replace(config, model=dataclasses.replace(config.model, path="")))
+
+
+def _settings(decoded: Any, prefix: str = "") -> dict[str, Any]:
+    """A decoded configuration as dotted setting name -> value."""
+    if not isinstance(decoded, dict):
+        return {prefix: decoded}
+    out: dict[str, Any] = {}
+    for key, value in decoded.items():
+        out.update(_settings(value, f"{prefix}.{key}"))
+    return out
+
+
+def _differing_settings(config: EngineConfig, worker: Worker) -> list[str]:
+    """The settings (dotted names) in which some rank's configuration differs from rank 0's; the same
+    list on every rank."""
+    encoded = _comparable_config(config)
+    rank0 = _settings(msgspec.json.decode(worker.tp.broadcast_bytes(encoded, worker.device, 1 << 20)))
+    mine = _settings(msgspec.json.decode(encoded))
+    names = sorted(rank0)
+    agree = [int(n in mine and mine[n] == rank0[n]) for n in names]
+    same = worker.tp.all_reduce_min_ints(agree, worker.device)
+    return [n.lstrip(".") for n, ok in zip(names, same, strict=True) if not ok]
 
 
 def connect_torchrun_driver(config: EngineConfig) -> TorchrunExecutor:

@@ -299,6 +299,53 @@ def test_fault_injection_is_refused_without_the_variable(
     assert_engine_closed(llm)
 
 
+_TORCHRUN_RANK1_FAILS = """
+import sys
+from tp_runtime import LLM, SamplingParams, run_torchrun_worker
+from tp_runtime.config import torchrun_rank
+from tp_runtime.worker.worker import Worker
+
+options = dict(tensor_parallel_size=2, device="cpu", dtype="float32", step_timeout_s=120.0)
+if torchrun_rank():
+    steps = 0
+    execute = Worker.execute_model
+
+    def failing(self, so):
+        global steps
+        steps += 1
+        if steps == 3:
+            raise RuntimeError("injected failure in rank 1's third step")
+        return execute(self, so)
+
+    Worker.execute_model = failing
+    run_torchrun_worker(sys.argv[1], **options)
+else:
+    llm = LLM(sys.argv[1], **options)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    llm.generate({"prompt_token_ids": [1, 5, 6]}, params, use_tqdm=False)
+    print("NOT REACHED: generate returned", flush=True)
+"""
+
+
+def test_torchrun_rank_failing_mid_step_ends_the_job(checkpoint: Path, tmp_path: Path) -> None:
+    """Under torchrun rank 0 runs its own worker in-process, so when rank 1 fails inside a step, rank 0 is
+    blocked in a collective with it and cannot read rank 1's report. Rank 1 prints its error and exits, and
+    the job ends at once (torchrun stops the other ranks; across hosts rank 0's watchdog sees rank 1 gone),
+    instead of after the step timeout (120 s)."""
+    script = tmp_path / "job.py"
+    script.write_text(_TORCHRUN_RANK1_FAILS)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(script), str(checkpoint)]  # fmt: skip
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "NOT REACHED" not in output, output[-3000:]
+    assert time.monotonic() - t0 < 60, output[-3000:]
+    assert "rank 1 failed" in output and "injected failure in rank 1's third step" in output, output[-3000:]
+
+
 # ----------------------------------------------------------------------------- (c) the driver is killed
 _DRIVER_SCRIPT = """
 import sys, time

@@ -361,11 +361,19 @@ class _Replies:
 
 
 def _serve(
-    worker: Worker, rank: int, sub: zmq.Socket[bytes], reader: FrameReader, replies: _Replies, spin_s: float
+    worker: Worker,
+    rank: int,
+    sub: zmq.Socket[bytes],
+    reader: FrameReader,
+    replies: _Replies,
+    spin_s: float,
+    exit_on_error: bool = False,
 ) -> None:
     """Execute the driver's messages until Shutdown. Frames that fail authentication are dropped (and logged,
     rate-limited); an error, an authentic frame that is not a valid message included, is reported to the
-    driver, and the worker keeps serving."""
+    driver, and the worker keeps serving; with `exit_on_error` (a torchrun rank > 0, whose driver may be
+    blocked in a collective with it and cannot read the report) the process prints it and exits, which
+    the driver's watchdog sees."""
     greeted = False
     while True:
         data = recv_spinning(sub, spin_s, -1)
@@ -400,7 +408,12 @@ def _serve(
             elif not isinstance(message, Flush):
                 raise ProtocolError(f"unexpected driver message {type(message).__name__}")
         except Exception:
-            replies.send(call_id, "error", error=traceback.format_exc())
+            report = traceback.format_exc()
+            replies.send(call_id, "error", error=report)
+            if exit_on_error:
+                print(f"tp-runtime: error: rank {rank} failed:\n{report}", file=sys.stderr, flush=True)
+                time.sleep(0.5)  # let the report leave (a driver that is not blocked reads it)
+                os._exit(1)  # no clean-up: this rank's queued collectives may never complete
 
 
 def run_worker_loop(
@@ -413,7 +426,8 @@ def run_worker_loop(
     worker: Worker | None = None,
     exit_if_driver_leaves: bool = False,
 ) -> None:
-    """Main loop of a worker process. `worker` is given when the caller already initialised it (torchrun)."""
+    """Main loop of a worker process. `worker` is given when the caller already initialised it (torchrun);
+    `exit_if_driver_leaves` (torchrun ranks > 0) also ends the process on an error (see _serve)."""
     if parent_conn is not None:
         threading.Thread(target=_exit_when_parent_dies, args=(parent_conn, addresses), daemon=True).start()
     if worker is None and init_method is not None:
@@ -442,7 +456,8 @@ def run_worker_loop(
         )  # fmt: skip
         heartbeats.start()
 
-    _serve(worker, rank, sub, reader, replies, config.parallel.spin_wait_s)
+    spin_s = config.parallel.spin_wait_s
+    _serve(worker, rank, sub, reader, replies, spin_s, exit_on_error=exit_if_driver_leaves)
     stop_heartbeats.set()  # before anything slow: a torchrun rank must not take the driver's exit for a death
     if heartbeats is not None:
         heartbeats.join()

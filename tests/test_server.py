@@ -411,6 +411,11 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
         ({"model": NAME, "prompt": [1, 2, 99999]}, "outside the vocabulary"),
         ({"model": NAME, "prompt": "hi", "echo": True}, "echo is not supported"),
         ({"model": NAME, "prompt": ""}, "prompt is empty"),
+        # JSON types are taken as they are: true is no token id or count, "3" no number.
+        ({"model": NAME, "prompt": [True, False]}, "prompt"),
+        ({"model": NAME, "prompt": "hi", "n": True}, "n"),
+        ({"model": NAME, "prompt": "hi", "max_tokens": "3"}, "max_tokens"),
+        ({"model": NAME, "prompt": "hi", "stream_options": {"include_usage": True}}, "with stream=true"),
     ]
     for body, message in cases:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()

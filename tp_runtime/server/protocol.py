@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict: a JSON true is not the integer 1, nor "3" the integer 3 (an int is still a valid float).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):

@@ -426,6 +426,17 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
     assert "messages is empty" in error["message"]
     error = _error(httpx.post(chat, json={"messages": MESSAGES, "logprobs": False, "top_logprobs": 2}), 400)
     assert error["param"] == "top_logprobs"
+    # Errors name the request's own fields, and a limit the server sets by its own flag.
+    for fields, param, fragment in (
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs=21 exceeds this server's"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "top_logprobs must be"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be"),
+    ):
+        error = _error(httpx.post(chat, json={"messages": MESSAGES, **fields}), 400)
+        assert (error["param"], fragment in error["message"]) == (param, True), (fields, error)
+    assert "--max-logprobs" in _error(httpx.post(url, json={"prompt": "hi", "logprobs": 21}), 400)["message"]
+    error = _error(httpx.post(url, json={"prompt": [5] * 600, "max_tokens": 4}), 400)
+    assert error["param"] == "prompt"
     _error(httpx.get(f"{server1.url}/v1/nothing-here"), 404)
     # The server is unharmed.
     assert (

@@ -206,13 +206,13 @@ class _Context:
         # The template writes the special tokens (BOS...) itself.
         return self.encode(str(text), False, "messages")
 
-    def max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
+    def max_tokens(self, requested: int | None, prompt_len: int, param: str, prompt_param: str) -> int:
         """The output budget, with vLLM's messages for a request that does not fit the context."""
         limit = self.max_model_len
         if prompt_len >= limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, your request has "
-                f"{prompt_len} input tokens. Please reduce the length of the input messages.", param,
+                f"{prompt_len} input tokens. Please reduce the length of the input messages.", prompt_param,
             )  # fmt: skip
         if requested is None:
             return limit - prompt_len
@@ -226,10 +226,17 @@ class _Context:
 
     def engine_requests(
         self, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None, param: str,
-        logprobs: int | None,
+        logprobs: int | None, logprobs_param: str, prompt_param: str,
     ) -> _EngineRequests:  # fmt: skip
         """Check every prompt and the sampling options; one engine request per prompt and sample (choice
-        index = prompt index * n + sample index)."""
+        index = prompt index * n + sample index). `param`, `logprobs_param`, `prompt_param`: the request's
+        names of the output budget, the number of top logprobs and the prompt, for error messages."""
+        limit = self.engine.engine.config.max_logprobs
+        if logprobs is not None and logprobs > limit:
+            raise bad_request(
+                f"{logprobs_param}={logprobs} exceeds this server's maximum of {limit}; ask for fewer (the "
+                "server's --max-logprobs sets the maximum)", logprobs_param,
+            )  # fmt: skip
         unsupported = body.unsupported()
         if unsupported:
             raise bad_request(f"{unsupported} is not supported by this server", unsupported)
@@ -239,8 +246,10 @@ class _Context:
                 "n",
             )
         requests = []
+        names = {"max_tokens": param, "logprobs": logprobs_param}
         for ids in prompts:
-            params = sampling_params(body, self.max_tokens(max_tokens, len(ids), param), logprobs)
+            budget = self.max_tokens(max_tokens, len(ids), param, prompt_param)
+            params = sampling_params(body, budget, logprobs, names)
             try:
                 ids = self.engine.engine.check_request(ids, child_params(params, 0))
             except InvalidRequestError as exc:
@@ -251,7 +260,9 @@ class _Context:
     def prepare_completion(self, raw: bytes) -> tuple[CompletionRequest, _EngineRequests, int]:
         body = self.parse(CompletionRequest, raw)
         prompts = self.completion_prompts(body.prompt)
-        requests = self.engine_requests(body, prompts, body.max_tokens, "max_tokens", body.logprobs)
+        requests = self.engine_requests(
+            body, prompts, body.max_tokens, "max_tokens", body.logprobs, "logprobs", "prompt"
+        )
         return body, requests, sum(map(len, prompts))
 
     def prepare_chat(self, raw: bytes) -> tuple[ChatCompletionRequest, _EngineRequests, int]:
@@ -262,7 +273,8 @@ class _Context:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return body, self.engine_requests(body, [ids], max_tokens, param, logprobs), len(ids)
+        requests = self.engine_requests(body, [ids], max_tokens, param, logprobs, "top_logprobs", "messages")
+        return body, requests, len(ids)
 
     # --------------------------------------------------------------------------------- the event loop's
     def submit(self, requests: _EngineRequests, num_prompt_tokens: int) -> RequestStream:

@@ -117,8 +117,12 @@ def text_content(content: Any, index: int) -> str:
         raise bad_request(str(exc), "messages") from None
 
 
-def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """The request's options; one left out (None) takes the engine's default."""
+def sampling_params(
+    body: SamplingFields, max_tokens: int, logprobs: int | None, names: dict[str, str] | None = None
+) -> SamplingParams:
+    """The request's options; one left out (None) takes the engine's default. `names`: the request's own
+    name of an option that SamplingParams names otherwise (chat's top_logprobs, max_completion_tokens),
+    for the error message and its param."""
 
     def given(value: Any, default: Any) -> Any:
         return default if value is None else value
@@ -144,8 +148,9 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None)
         )
     except InvalidRequestError as exc:
         message = str(exc).removeprefix("invalid SamplingParams: ")
-        field = message.split(" ", 1)[0]  # the message names the option first
-        raise bad_request(message, field if field in type(body).model_fields else None) from None
+        field, rest = message.split(" ", 1)  # the message names the option first
+        field = (names or {}).get(field, field)
+        raise bad_request(f"{field} {rest}", field if field in type(body).model_fields else None) from None
 
 
 # ------------------------------------------------------------------------------------- server-sent events

@@ -221,6 +221,10 @@ def test_prompt_forms_and_open_ended_max_tokens(llm: LLM, model_dir: Path) -> No
     [as_numpy] = llm.generate({"prompt_token_ids": numpy_ids}, GREEDY, use_tqdm=False)
     for out in (as_dict, as_numpy):
         assert out.prompt_token_ids == ids and out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert all(type(t) is int for t in as_numpy.prompt_token_ids)
+    # In a batch, an error names the prompt it is about (nothing of the batch runs).
+    with pytest.raises(InvalidRequestError, match=r"^prompt 1: prompt token id 999 is outside the vocab"):
+        llm.generate([text, {"prompt_token_ids": [1, 999]}], GREEDY, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match=r"got a dict with keys \['text'\]"):
         llm.generate({"text": text}, GREEDY, use_tqdm=False)
     max_len = llm.engine.config.model.max_model_len

@@ -233,12 +233,18 @@ class LLM:
                 f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
                 "give one, or one per prompt"
             )
-        # Tokenize and validate everything before the first request enters the engine.
-        for params in params_list:
-            self.engine.validate_params(params)
-        encoded = [self._prompt_ids(p) for p in prompts]
-        for _, ids in encoded:
-            self.engine._validate_prompt(ids)
+        # Tokenize and validate everything before the first request enters the engine; in a batch the
+        # error says which prompt (or its SamplingParams) it is about.
+        encoded: list[tuple[str | None, list[int]]] = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            try:
+                self.engine.validate_params(params)
+                text, ids = self._prompt_ids(prompt)
+                encoded.append((text, self.engine._validate_prompt(ids)))
+            except InvalidRequestError as exc:
+                if len(prompts) == 1:
+                    raise
+                raise InvalidRequestError(f"prompt {i}: {exc}") from None
         owners: dict[str, tuple[int, int]] = {}  # engine request id -> (prompt index, sample index)
         try:
             for i, ((_, ids), params) in enumerate(zip(encoded, params_list, strict=True)):

@@ -40,7 +40,7 @@ from test_faults import alive, describe, kill_quietly, spawned_children, wait_go
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.config import CacheConfig, EngineConfig, SchedulerConfig, build_model_config
-from tp_runtime.errors import EngineClosedError, ProtocolError, StepTimeoutError, TPRuntimeError
+from tp_runtime.errors import ConfigError, EngineClosedError, ProtocolError, StepTimeoutError, TPRuntimeError
 from tp_runtime.ipc import message_limits
 from tp_runtime.messages import (
     CachedRequests,
@@ -424,6 +424,46 @@ def test_ipc_sockets_are_private_and_removed(fresh_llm: Callable[..., LLM]) -> N
     ]
     llm.shutdown()
     assert not folder.exists()
+
+
+def test_a_temporary_folder_too_deep_for_sockets_is_a_config_error(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unix socket paths hold at most 107 bytes: a deep TMPDIR is refused with advice, before any worker
+    starts, and leaves no folder behind."""
+    import tempfile
+
+    deep = tmp_path / ("d" * 90)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with pytest.raises(ConfigError, match="set TMPDIR to a shorter folder"):
+        LLM(checkpoint, tensor_parallel_size=2, device="cpu", dtype="float32", executor="multiprocess")
+    assert list(deep.iterdir()) == []
+
+
+_FORK_SCRIPT = """
+import os, sys
+from tp_runtime import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", dtype="float32", executor="multiprocess")
+folder = llm.engine.executor.ipc_dir
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a normal exit runs the atexit hooks this child inherited
+os.waitpid(pid, 0)
+params = SamplingParams(max_tokens=3, ignore_eos=True)
+out = llm.generate({"prompt_token_ids": [1, 5, 6]}, params, use_tqdm=False)[0].outputs[0].token_ids
+print("FOLDER", os.path.isdir(folder), "TOKENS", len(out), flush=True)
+"""
+
+
+def test_a_forked_child_leaves_the_engine_alone(checkpoint: Path) -> None:
+    """A process forked from the driver that exits normally does not shut down the driver's engine (its
+    inherited exit hook used to remove the driver's socket folder)."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, str(checkpoint)], env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and "FOLDER True TOKENS 3" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------- authentic nonsense

@@ -16,6 +16,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from tp_runtime.config import EngineConfig
 from tp_runtime.errors import (
+    ConfigError,
     StepTimeoutError,
     TPRuntimeError,
     WorkerDiedError,
@@ -262,8 +263,18 @@ class DriverChannel:
         self.ctx.destroy(linger=0)
 
 
+# The longest path of a Unix socket (sun_path holds 108 bytes with the terminating NUL).
+_MAX_IPC_PATH = 107
+
+
 def ipc_channel(folder: str, key: bytes, max_reply_bytes: int) -> DriverChannel:
     tag = uuid.uuid4().hex[:8]
+    longest = f"{folder}/heartbeat-{tag}"
+    if len(longest.encode()) > _MAX_IPC_PATH:
+        raise ConfigError(
+            f"the engine's sockets go in the temporary folder {folder}, whose paths would be longer than "
+            f"{_MAX_IPC_PATH} bytes (a Unix socket's limit); set TMPDIR to a shorter folder, e.g. /tmp"
+        )
     return DriverChannel(
         f"ipc://{folder}/bcast-{tag}", f"ipc://{folder}/results-{tag}", f"ipc://{folder}/heartbeat-{tag}",
         key, max_reply_bytes,

@@ -78,7 +78,10 @@ class LLM:
         self._lock = threading.RLock()  # serializes generate/chat callers (see the class doc)
         self._closed = False
         # Shut the workers down at interpreter exit even if the user never calls shutdown().
-        self._atexit = weakref.WeakMethod(self.shutdown)
+        # Not in a process forked from this one, which inherits the hook and this object: the engine
+        # and its folder are not the child's to shut down.
+        self._owner_pid = os.getpid()
+        self._atexit = weakref.WeakMethod(self._shutdown_if_owner)
         atexit.register(_shutdown_at_exit, self._atexit)
 
     def __enter__(self) -> LLM:
@@ -92,9 +95,13 @@ class LLM:
             self._closed = True
             self.engine.shutdown()
 
+    def _shutdown_if_owner(self) -> None:
+        if os.getpid() == getattr(self, "_owner_pid", None):
+            self.shutdown()
+
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            self.shutdown()
+            self._shutdown_if_owner()
 
     def get_tokenizer(self) -> Any:
         """The Hugging Face tokenizer the engine encodes prompts and decodes outputs with."""

@@ -152,7 +152,11 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.ipc_dir = tempfile.mkdtemp(prefix="tp-runtime-")  # 0700: only this user reaches the sockets
-        self.channel = ipc_channel(self.ipc_dir, secrets.token_bytes(32), message_limits(config)[1])
+        try:
+            self.channel = ipc_channel(self.ipc_dir, secrets.token_bytes(32), message_limits(config)[1])
+        except BaseException:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            raise
         self.workers = _SpawnedWorkers(config, self.channel)
         self._shut_down = False
         self.last_step_timings: dict[str, float] = {}

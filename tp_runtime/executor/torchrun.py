@@ -79,7 +79,11 @@ class TorchrunExecutor:
             # Every rank is on this host: ipc sockets in a 0700 folder, which no other user can reach
             # (a loopback TCP port would let any local user subscribe to the broadcasts and read them).
             self.ipc_dir = tempfile.mkdtemp(prefix="tp-runtime-")
-            self.channel = ipc_channel(self.ipc_dir, key, message_limits(config)[1])
+            try:
+                self.channel = ipc_channel(self.ipc_dir, key, message_limits(config)[1])
+            except BaseException:
+                shutil.rmtree(self.ipc_dir, ignore_errors=True)
+                raise
         else:
             addr = f"tcp://{host}:0"
             self.channel = DriverChannel(addr, addr, addr, key, message_limits(config)[1])

@@ -410,6 +410,10 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
         ({"model": NAME, "prompt": "hi", "stop": [""]}, "stop must be"),
         ({"model": NAME, "prompt": [1, 2, 99999]}, "outside the vocabulary"),
         ({"model": NAME, "prompt": "hi", "echo": True}, "echo is not supported"),
+        # vLLM extensions this server does not serve are refused, not silently ignored.
+        ({"model": NAME, "prompt": "hi", "prompt_logprobs": 2}, "prompt_logprobs is not supported"),
+        ({"model": NAME, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json is not supported"),
+        ({"model": NAME, "prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens is not"),
         ({"model": NAME, "prompt": ""}, "prompt is empty"),
         # JSON types are taken as they are: true is no token id or count, "3" no number.
         ({"model": NAME, "prompt": [True, False]}, "prompt"),

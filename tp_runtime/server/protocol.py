@@ -44,10 +44,22 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # refused unless empty
+    # vLLM extensions this server does not serve: refused when given, rather than silently ignored.
+    prompt_logprobs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    skip_special_tokens: bool = True  # the text always leaves special tokens out
 
     def unsupported(self) -> str | None:
         """The first field set that the server cannot honour, as `name`, else None."""
-        return "logit_bias" if self.logit_bias else None
+        if self.logit_bias:
+            return "logit_bias"
+        for name in ("prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return None if self.skip_special_tokens else "skip_special_tokens"
 
 
 class CompletionRequest(SamplingFields):

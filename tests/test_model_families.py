@@ -666,6 +666,24 @@ def test_qwen3_window_on_some_layers_is_config_error(make_checkpoint: Callable[.
         make_llm(model_dir, 1)
 
 
+def test_sliding_layer_types_without_a_window_attend_to_everything() -> None:
+    """layer_types that say "sliding" with no sliding_window (use_sliding_window=false, or a null window):
+    transformers attends to the whole context, and so do Qwen2 and Qwen3 here."""
+    from tp_runtime.models.llama import qwen2_config
+    from tp_runtime.models.qwen3 import qwen3_config
+
+    sliding = ["sliding_attention"] * 2
+    qwen2 = transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=False, layer_types=sliding)
+    qwen3 = transformers.Qwen3Config(num_hidden_layers=2, sliding_window=None, layer_types=sliding)
+    configs = [(qwen2_config, qwen2), (qwen3_config, qwen3)]
+    for adapter, hf in configs:
+        assert adapter(hf)["sliding_window"] is None, type(hf).__name__
+    windowed = transformers.Qwen3Config(
+        num_hidden_layers=2, use_sliding_window=True, sliding_window=8, layer_types=sliding
+    )
+    assert qwen3_config(windowed)["sliding_window"] == 8
+
+
 def test_gemma2_unsupported_settings_are_config_errors(make_checkpoint: Callable[..., Path]) -> None:
     model_dir = make_checkpoint("Gemma2ForCausalLM", num_hidden_layers=1, hidden_activation="gelu")
     with pytest.raises(ConfigError, match="hidden_activation 'gelu' is not supported"):

@@ -117,6 +117,26 @@ def test_torchrun_ranks_with_different_engine_arguments_are_refused(tp_model: Pa
     assert "differ from rank 0's on some rank: seed)" in outputs[0], outputs[0][-3000:]
 
 
+def test_ranks_compare_their_configurations_but_not_host_local_settings() -> None:
+    """What the ranks of a torchrun job compare: not the model's folder nor the driver's host (each node
+    names rank 0 by its own MASTER_ADDR), everything else."""
+    import dataclasses
+
+    from tp_runtime.engine.args import EngineArgs
+    from tp_runtime.executor.torchrun import _comparable_config
+
+    base = EngineArgs(model="tiny-llama-tp", device="cpu").create_engine_config()
+    same = dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, path="/elsewhere/model"),
+        parallel=dataclasses.replace(base.parallel, driver_host="node0.cluster"),
+    )
+    assert _comparable_config(same) == _comparable_config(base)
+    for changed in (dataclasses.replace(base, seed=1), dataclasses.replace(base.cache, block_size=8)):
+        config = changed if hasattr(changed, "model") else dataclasses.replace(base, cache=changed)
+        assert _comparable_config(config) != _comparable_config(base)
+
+
 @pytest.mark.parametrize(("tp", "async_scheduling"), [(1, True), (2, True), (2, False)])
 def test_bench_latency_writes_every_field(tmp_path: Path, tp: int, async_scheduling: bool) -> None:
     out = tmp_path / "latency.json"

@@ -299,8 +299,14 @@ def _join(config: EngineConfig, make_driver: bool) -> tuple[Worker, TorchrunExec
 
 def _comparable_config(config: EngineConfig) -> bytes:
     """The engine configuration as every rank must hold it: all of it but the model's folder, which may
-    sit at another path on each host."""
-    return msgspec.json.encode(dataclasses.replace(config, model=dataclasses.replace(config.model, path="")))
+    sit at another path on each host, and the driver's host, which each node names by its own
+    MASTER_ADDR (only rank 0 binds it)."""
+    local = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, path=""),
+        parallel=dataclasses.replace(config.parallel, driver_host=""),
+    )
+    return msgspec.json.encode(local)
 
 
 def _settings(decoded: Any, prefix: str = "") -> dict[str, Any]:

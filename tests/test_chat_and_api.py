@@ -193,10 +193,10 @@ def test_progress_bar_shows_output_tokens_per_second(llm: LLM, capsys: pytest.Ca
 
 
 def test_chat_content_parts_render_as_their_text(llm: LLM) -> None:
-    """OpenAI-style text content parts are joined into the message's text (the server's rule); other
-    kinds of parts are refused, not rendered as a Python repr into the prompt."""
-    plain = [{"role": "user", "content": "What is the capital of France?"}]
-    pieces = [{"type": "text", "text": "What is the "}, {"type": "text", "text": "capital of France?"}]
+    """OpenAI-style text content parts become the message's text, one per line (vLLM's rule, and the
+    server's); other kinds of parts are refused, not rendered as a Python repr into the prompt."""
+    plain = [{"role": "user", "content": "What is the capital\nof France?"}]
+    pieces = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]
     parts = [{"role": "user", "content": pieces}]
     [want] = llm.chat(plain, GREEDY, use_tqdm=False)
     [got] = llm.chat(parts, GREEDY, use_tqdm=False)

@@ -442,6 +442,8 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
     error = _error(httpx.post(url, json={"prompt": [5] * 600, "max_tokens": 4}), 400)
     assert error["param"] == "prompt"
     _error(httpx.get(f"{server1.url}/v1/nothing-here"), 404)
+    # An empty stream_options without stream is no request for anything (as vLLM takes it).
+    assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "stream_options": {}}).status_code == 200
     # The server is unharmed.
     assert (
         client.completions.create(model=NAME, prompt="hi", max_tokens=2).choices[0].finish_reason == "length"

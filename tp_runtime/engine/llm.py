@@ -26,7 +26,8 @@ ChatMessage = dict[str, Any]
 
 def chat_content_text(content: Any, index: int) -> str:
     """A chat message's content as the text the template gets: a string (None: empty), or OpenAI-style
-    content parts of which only text parts ({"type": "text", "text": ...}) are supported, joined."""
+    content parts of which only text parts ({"type": "text", "text": ...}) are supported, one per line
+    (as vLLM joins them)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, (list, tuple)):
@@ -42,7 +43,7 @@ def chat_content_text(content: Any, index: int) -> str:
                 f"got {kind!r}"
             )
         parts.append(part["text"])
-    return "".join(parts)
+    return "\n".join(parts)
 
 
 class LLM:
@@ -242,10 +243,14 @@ class LLM:
             )
         # Tokenize and validate everything before the first request enters the engine; in a batch the
         # error says which prompt (or its SamplingParams) it is about.
+        shared = isinstance(sampling_params, SamplingParams)
+        if shared:
+            self.engine.validate_params(sampling_params)  # about no one prompt
         encoded: list[tuple[str | None, list[int]]] = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
             try:
-                self.engine.validate_params(params)
+                if not shared:
+                    self.engine.validate_params(params)
                 text, ids = self._prompt_ids(prompt)
                 encoded.append((text, self.engine._validate_prompt(ids)))
             except InvalidRequestError as exc:

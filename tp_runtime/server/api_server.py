@@ -153,7 +153,7 @@ class _Context:
         except pydantic.ValidationError as exc:
             message, param = validation_message(exc.errors())
             raise bad_request(message, param) from None
-        if body.stream_options is not None and not body.stream:
+        if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
         if body.model is not None and body.model != self.model_name:
             raise APIError(

@@ -110,7 +110,7 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
 
 
 def text_content(content: Any, index: int) -> str:
-    """A chat message's content as text: a string, or text content parts joined (LLM.chat's rule)."""
+    """A chat message's content as text: a string, or text content parts, one per line (LLM.chat's rule)."""
     try:
         return chat_content_text(content, index)
     except InvalidRequestError as exc:

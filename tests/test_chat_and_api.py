@@ -209,6 +209,22 @@ def test_chat_content_parts_render_as_their_text(llm: LLM) -> None:
             llm.chat(bad, GREEDY, use_tqdm=False)
 
 
+def test_chat_template_kwargs_are_template_variables(llm: LLM, model_dir: Path) -> None:
+    """chat_template_kwargs reach the template as variables (Qwen3's enable_thinking works this way): the
+    prompt is the tokenizer's own rendering with them, the reply HF's greedy continuation."""
+    template = "{% if greeting is defined %}{{ greeting }}\n{% endif %}" + TEMPLATE
+    conv = CONVERSATIONS[0]
+    [out] = llm.chat(conv, GREEDY, chat_template=template, chat_template_kwargs={"greeting": "Bonjour"},
+                     use_tqdm=False)  # fmt: skip
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    want = hf_chat_ids(tok, conv, chat_template=template, add_generation_prompt=True, greeting="Bonjour")
+    assert out.prompt_token_ids == want and out.prompt is not None and out.prompt.startswith("Bonjour\n<s>")
+    assert out.outputs[0].token_ids == hf_greedy(model_dir, [want], GREEDY.max_tokens)[0]
+    for bad, match in (({"tokenize": True}, "may not set tokenize"), (["x"], "must be a dict")):
+        with pytest.raises(InvalidRequestError, match=match):
+            llm.chat(conv, GREEDY, chat_template_kwargs=bad, use_tqdm=False)  # type: ignore[arg-type]
+
+
 def test_prompt_forms_and_open_ended_max_tokens(llm: LLM, model_dir: Path) -> None:
     """A text prompt as vLLM's {"prompt": ...} dict and token ids as numpy ints give what the plain forms
     give; max_tokens=None generates up to max_model_len, as HF's greedy continuation does."""

@@ -667,8 +667,9 @@ def test_qwen3_window_on_some_layers_is_config_error(make_checkpoint: Callable[.
 
 
 def test_sliding_layer_types_without_a_window_attend_to_everything() -> None:
-    """layer_types that say "sliding" with no sliding_window (use_sliding_window=false, or a null window):
-    transformers attends to the whole context, and so do Qwen2 and Qwen3 here."""
+    """layer_types that say "sliding" with no sliding_window (use_sliding_window=false, or a null window)
+    give no window: Qwen2 and Qwen3 attend to the whole context (as vLLM reads such a config; transformers
+    fails in its forward), not a TypeError at start-up."""
     from tp_runtime.models.llama import qwen2_config
     from tp_runtime.models.qwen3 import qwen3_config
 

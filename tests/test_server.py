@@ -46,6 +46,7 @@ from tp_runtime.server.api_server import build_app
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = (
+    "{% if greeting is defined %}{{ greeting }}\n{% endif %}"  # a variable for chat_template_kwargs
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
@@ -269,6 +270,15 @@ def test_chat_matches_llm_chat(served: tuple[Server, LLM]) -> None:
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.outputs[0].text
     assert chunks[-1].choices[0].finish_reason == ref.outputs[0].finish_reason
+    # chat_template_kwargs (vLLM's extension) as LLM.chat takes them.
+    variables = {"greeting": "Bonjour"}
+    [ref] = llm.chat(MESSAGES, greedy(20), chat_template_kwargs=variables, use_tqdm=False)
+    out = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=20, temperature=0,  # type: ignore[arg-type]
+        extra_body={"chat_template_kwargs": variables},
+    )  # fmt: skip
+    assert out.choices[0].message.content == ref.outputs[0].text
+    assert out.usage is not None and out.usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
 def test_logprobs_in_openai_shapes(server1: Server, llm1: LLM) -> None:
@@ -414,6 +424,8 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
         ({"model": NAME, "prompt": "hi", "prompt_logprobs": 2}, "prompt_logprobs is not supported"),
         ({"model": NAME, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json is not supported"),
         ({"model": NAME, "prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens is not"),
+        ({"model": NAME, "prompt": "hi", "structured_outputs": {"json": {}}}, "structured_outputs is not"),
+        ({"model": NAME, "prompt": "hi", "use_beam_search": True}, "use_beam_search is not"),
         ({"model": NAME, "prompt": ""}, "prompt is empty"),
         # JSON types are taken as they are: true is no token id or count, "3" no number.
         ({"model": NAME, "prompt": [True, False]}, "prompt"),
@@ -439,6 +451,9 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
         error = _error(httpx.post(chat, json={"messages": MESSAGES, **fields}), 400)
         assert (error["param"], fragment in error["message"]) == (param, True), (fields, error)
     assert "--max-logprobs" in _error(httpx.post(url, json={"prompt": "hi", "logprobs": 21}), 400)["message"]
+    reserved = {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}}
+    error = _error(httpx.post(chat, json=reserved), 400)
+    assert error["param"] == "chat_template_kwargs" and "may not set tokenize" in error["message"]
     error = _error(httpx.post(url, json={"prompt": [5] * 600, "max_tokens": 4}), 400)
     assert error["param"] == "prompt"
     _error(httpx.get(f"{server1.url}/v1/nothing-here"), 404)

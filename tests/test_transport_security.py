@@ -448,7 +448,8 @@ llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", dtype="float32", ex
 folder = llm.engine.executor.ipc_dir
 pid = os.fork()
 if pid == 0:
-    sys.exit(0)  # a normal exit runs the atexit hooks this child inherited
+    with llm:  # leaving a with block calls shutdown(), and a normal exit the inherited exit hooks
+        sys.exit(0)
 os.waitpid(pid, 0)
 params = SamplingParams(max_tokens=3, ignore_eos=True)
 out = llm.generate({"prompt_token_ids": [1, 5, 6]}, params, use_tqdm=False)[0].outputs[0].token_ids
@@ -457,8 +458,8 @@ print("FOLDER", os.path.isdir(folder), "TOKENS", len(out), flush=True)
 
 
 def test_a_forked_child_leaves_the_engine_alone(checkpoint: Path) -> None:
-    """A process forked from the driver that exits normally does not shut down the driver's engine (its
-    inherited exit hook used to remove the driver's socket folder)."""
+    """A process forked from the driver that exits normally, here from inside a `with LLM` block, does not
+    shut down the driver's engine (its inherited exit hook removed the driver's socket folder)."""
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, str(checkpoint)], env=env, capture_output=True,

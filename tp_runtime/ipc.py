@@ -263,8 +263,8 @@ class DriverChannel:
         self.ctx.destroy(linger=0)
 
 
-# The longest path of a Unix socket (sun_path holds 108 bytes with the terminating NUL).
-_MAX_IPC_PATH = 107
+# The longest path of a Unix socket on this platform (libzmq's limit: sun_path less its NUL).
+_MAX_IPC_PATH = getattr(zmq, "IPC_PATH_MAX_LEN", 103)
 
 
 def ipc_channel(folder: str, key: bytes, max_reply_bytes: int) -> DriverChannel:

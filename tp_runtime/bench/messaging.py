@@ -171,7 +171,11 @@ def round_trips(tp: int, steps: int, spin_wait_s: float) -> dict[str, float]:
 
     ipc_dir = tempfile.mkdtemp(prefix="tp-runtime-bench-")
     max_bytes = 64 << 20  # far above the largest message here (the prefill step, ~45 KB)
-    channel = ipc_channel(ipc_dir, secrets.token_bytes(32), max_bytes)
+    try:
+        channel = ipc_channel(ipc_dir, secrets.token_bytes(32), max_bytes)
+    except BaseException:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        raise
     ctx = mp.get_context("spawn")
     procs, pipes = [], []
     addresses = WorkerAddresses(

@@ -24,6 +24,29 @@ PromptType = str | dict[str, Any]
 ChatMessage = dict[str, Any]
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs may not override.
+_TEMPLATE_ARGUMENTS = frozenset(
+    {"conversation", "messages", "chat_template", "add_generation_prompt", "continue_final_message",
+     "tokenize", "return_dict", "tools", "documents"}
+)  # fmt: skip
+
+
+def template_variables(chat_template_kwargs: Any) -> dict[str, Any]:
+    """Extra variables for the chat template (e.g. Qwen3's enable_thinking), checked."""
+    if chat_template_kwargs is None:
+        return {}
+    kwargs = chat_template_kwargs
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        got = _preview(kwargs)
+        raise InvalidRequestError(f"chat_template_kwargs must be a dict of template variables, got {got}")
+    reserved = sorted(_TEMPLATE_ARGUMENTS & chat_template_kwargs.keys())
+    if reserved:
+        raise InvalidRequestError(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: those are arguments of their own"
+        )
+    return dict(chat_template_kwargs)
+
+
 def chat_content_text(content: Any, index: int) -> str:
     """A chat message's content as the text the template gets: a string (None: empty), or OpenAI-style
     content parts of which only text parts ({"type": "text", "text": ...}) are supported, one per line
@@ -79,10 +102,10 @@ class LLM:
         self._lock = threading.RLock()  # serializes generate/chat callers (see the class doc)
         self._closed = False
         # Shut the workers down at interpreter exit even if the user never calls shutdown().
-        # Not in a process forked from this one, which inherits the hook and this object: the engine
-        # and its folder are not the child's to shut down.
+        # A process forked from this one inherits this object, its exit hook and its finalizer: the
+        # engine and its socket folder are not the child's to shut down (see shutdown).
         self._owner_pid = os.getpid()
-        self._atexit = weakref.WeakMethod(self._shutdown_if_owner)
+        self._atexit = weakref.WeakMethod(self.shutdown)
         atexit.register(_shutdown_at_exit, self._atexit)
 
     def __enter__(self) -> LLM:
@@ -92,17 +115,15 @@ class LLM:
         self.shutdown()
 
     def shutdown(self) -> None:
-        if not getattr(self, "_closed", True):
+        """Stop the workers and free the engine; a no-op when already shut down, and in a process forked
+        from this one (the engine is its parent's)."""
+        if not getattr(self, "_closed", True) and os.getpid() == self._owner_pid:
             self._closed = True
             self.engine.shutdown()
 
-    def _shutdown_if_owner(self) -> None:
-        if os.getpid() == getattr(self, "_owner_pid", None):
-            self.shutdown()
-
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            self._shutdown_if_owner()
+            self.shutdown()
 
     def get_tokenizer(self) -> Any:
         """The Hugging Face tokenizer the engine encodes prompts and decodes outputs with."""
@@ -157,10 +178,13 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to a list of
         them, rendered with the tokenizer's chat template (or `chat_template`, a Jinja string) as vLLM's
-        `LLM.chat` does; one RequestOutput per conversation, whose prompt is the rendered text."""
+        `LLM.chat` does; one RequestOutput per conversation, whose prompt is the rendered text.
+        `chat_template_kwargs`: extra template variables (e.g. Qwen3's enable_thinking)."""
+        variables = template_variables(chat_template_kwargs)
         if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
             conversations: list[Any] = [messages]
         elif isinstance(messages, (list, tuple)) and messages:
@@ -196,7 +220,7 @@ class LLM:
                 try:
                     text = self.tokenizer.apply_chat_template(
                         list(conv), chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                        continue_final_message=continue_final_message, tokenize=False,
+                        continue_final_message=continue_final_message, tokenize=False, **variables,
                     )  # fmt: skip
                 except Exception as exc:
                     raise InvalidRequestError(

@@ -339,7 +339,7 @@ def uniform_sliding_window(hf: Any) -> int | None:
             f"{type(hf).__name__} with sliding-window attention on some layers only (use_sliding_window "
             "with 0 < max_window_layers < num_hidden_layers) is not supported"
         )
-    window = getattr(hf, "sliding_window", None)  # None: transformers attends to the whole context
+    window = getattr(hf, "sliding_window", None)  # None: the whole context (vLLM's reading; HF fails)
     return int(window) if kinds == {"sliding_attention"} and window is not None else None
 
 

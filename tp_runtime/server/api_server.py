@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from tp_runtime.engine.async_engine import AsyncLLMEngine, RequestStream
+from tp_runtime.engine.llm import template_variables
 from tp_runtime.engine.llm_engine import child_params
 from tp_runtime.errors import EngineClosedError, InvalidRequestError, TPRuntimeError
 from tp_runtime.outputs import CompletionOutput
@@ -196,9 +197,13 @@ class _Context:
                 message["name"] = m.name
             messages.append(message)
         try:
+            variables = template_variables(body.chat_template_kwargs)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), "chat_template_kwargs") from None
+        try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
+                continue_final_message=body.continue_final_message, **variables,
             )  # fmt: skip
         except Exception as exc:
             problem = f"the chat template failed: {type(exc).__name__}: {exc}"

@@ -22,6 +22,12 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+_REFUSED_EXTENSIONS = (
+    "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+)  # fmt: skip
+
+
 class SamplingFields(_Request):
     """What completions and chat completions share. None means the engine's default."""
 
@@ -50,15 +56,22 @@ class SamplingFields(_Request):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    structured_outputs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    use_beam_search: bool = False
     skip_special_tokens: bool = True  # the text always leaves special tokens out
 
     def unsupported(self) -> str | None:
         """The first field set that the server cannot honour, as `name`, else None."""
         if self.logit_bias:
             return "logit_bias"
-        for name in ("prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        for name in _REFUSED_EXTENSIONS:
             if getattr(self, name) is not None:
                 return name
+        if self.use_beam_search:
+            return "use_beam_search"
         return None if self.skip_special_tokens else "skip_special_tokens"
 
 
@@ -98,6 +111,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None  # refused unless empty
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's)
 
     def unsupported(self) -> str | None:
         if self.tools:

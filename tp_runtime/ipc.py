@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -267,17 +269,24 @@ class DriverChannel:
 _MAX_IPC_PATH = getattr(zmq, "IPC_PATH_MAX_LEN", 103)
 
 
-def ipc_channel(folder: str, key: bytes, max_reply_bytes: int) -> DriverChannel:
-    tag = uuid.uuid4().hex[:8]
-    longest = f"{folder}/heartbeat-{tag}"
-    if len(longest.encode()) > _MAX_IPC_PATH:
-        raise ConfigError(
-            f"the engine's sockets go in the temporary folder {folder}, whose paths would be longer than "
-            f"{_MAX_IPC_PATH} bytes (a Unix socket's limit); set TMPDIR to a shorter folder, e.g. /tmp"
-        )
-    return DriverChannel(
-        f"ipc://{folder}/bcast-{tag}", f"ipc://{folder}/results-{tag}", f"ipc://{folder}/heartbeat-{tag}",
-        key, max_reply_bytes,
-    )  # fmt: skip
+def ipc_channel(key: bytes, max_reply_bytes: int, prefix: str = "tp-runtime-") -> tuple[str, DriverChannel]:
+    """A driver channel on ipc sockets in a fresh private (0700) temporary folder, which only this user
+    reaches; returns the folder (the caller removes it at shutdown) and the channel. A failure removes it."""
+    folder = tempfile.mkdtemp(prefix=prefix)
+    try:
+        tag = uuid.uuid4().hex[:8]
+        longest = f"{folder}/heartbeat-{tag}"
+        if len(longest.encode()) > _MAX_IPC_PATH:
+            raise ConfigError(
+                f"the engine's sockets go in the temporary folder {folder}, whose paths would be longer than "
+                f"{_MAX_IPC_PATH} bytes (a Unix socket's limit); set TMPDIR to a shorter folder, e.g. /tmp"
+            )
+        return folder, DriverChannel(
+            f"ipc://{folder}/bcast-{tag}", f"ipc://{folder}/results-{tag}", f"ipc://{folder}/heartbeat-{tag}",
+            key, max_reply_bytes,
+        )  # fmt: skip
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 

@@ -17,7 +17,6 @@ import multiprocessing as mp
 import pickle
 import secrets
 import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -169,13 +168,8 @@ def round_trips(tp: int, steps: int, spin_wait_s: float) -> dict[str, float]:
     from tp_runtime.ipc import ipc_channel
     from tp_runtime.worker.worker import WorkerAddresses
 
-    ipc_dir = tempfile.mkdtemp(prefix="tp-runtime-bench-")
     max_bytes = 64 << 20  # far above the largest message here (the prefill step, ~45 KB)
-    try:
-        channel = ipc_channel(ipc_dir, secrets.token_bytes(32), max_bytes)
-    except BaseException:
-        shutil.rmtree(ipc_dir, ignore_errors=True)
-        raise
+    ipc_dir, channel = ipc_channel(secrets.token_bytes(32), max_bytes, prefix="tp-runtime-bench-")
     ctx = mp.get_context("spawn")
     procs, pipes = [], []
     addresses = WorkerAddresses(

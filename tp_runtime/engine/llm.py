@@ -35,16 +35,16 @@ def template_variables(chat_template_kwargs: Any) -> dict[str, Any]:
     """Extra variables for the chat template (e.g. Qwen3's enable_thinking), checked."""
     if chat_template_kwargs is None:
         return {}
-    kwargs = chat_template_kwargs
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        got = _preview(kwargs)
+    given = chat_template_kwargs
+    if not isinstance(given, dict) or not all(isinstance(k, str) for k in given):
+        got = _preview(given)
         raise InvalidRequestError(f"chat_template_kwargs must be a dict of template variables, got {got}")
-    reserved = sorted(_TEMPLATE_ARGUMENTS & chat_template_kwargs.keys())
+    reserved = sorted(_TEMPLATE_ARGUMENTS & given.keys())
     if reserved:
         raise InvalidRequestError(
             f"chat_template_kwargs may not set {', '.join(reserved)}: those are arguments of their own"
         )
-    return dict(chat_template_kwargs)
+    return dict(given)
 
 
 def chat_content_text(content: Any, index: int) -> str:

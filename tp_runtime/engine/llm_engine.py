@@ -404,38 +404,38 @@ class LLMEngine:
         token = ids[-1]
         num_out = len(ids)
         num_known = len(req.prompt_token_ids) + num_out
+        searching = num_out >= params.min_tokens  # stops count from min_tokens on
         state = self._text_states.get(req.req_id)
         if state is None or not state.stop_strings:
             state = None
-        searching = num_out >= params.min_tokens  # stop strings count from min_tokens on
-        if token in req.stop_ids and num_out >= params.min_tokens:
+        # Stop strings are searched in the text past what earlier steps searched (the incremental text).
+        searched = state.detok.text if state is not None else ""
+        if token in req.stop_ids and searching:
             # A stop string that the incremental text held back (its last token also begins a character)
             # came first: the stop token's text is not part of the output either way.
-            if state is not None and searching and self._find_stop_string(req, state, self._decode(ids[:-1])):
+            if state is not None and self._find_stop_string(req, state, self._decode(ids[:-1]), searched):
                 return "stop"
             if params.stop_token_ids and token in params.stop_token_ids:
                 req.stop_reason = token
             return "stop"
-        if state is not None:
-            searched = state.detok.text
-            if state.detok.step(ids) and searching and self._find_stop_string(req, state, searched=searched):
+        if state is not None and state.detok.step(ids) and searching:
+            if self._find_stop_string(req, state, state.detok.text, searched):
                 return "stop"
+            searched = state.detok.text
         if num_out >= req.max_tokens or num_known >= self.config.model.max_model_len:
             # The text the detokenizer still holds back is final now: it may complete a stop string.
-            if state is not None and searching and self._find_stop_string(req, state, self._decode(ids)):
-                return "stop"
+            if state is not None and searching:
+                stopped = self._find_stop_string(req, state, self._decode(ids), searched)
+                if stopped:
+                    return "stop"
             return "length"
         return None
 
-    def _find_stop_string(
-        self, req: Request, state: _TextState, text: str | None = None, searched: str | None = None
-    ) -> bool:
-        """Look for the request's stop strings in `text` (default: the detokenizer's text; else the decoded
-        output, or all but its stop token) where they may end past `searched` (default: the detokenizer's
-        text), what earlier steps searched. On a match set the request's stop reason and final text. The
-        earliest match wins (the text before it holds no stop string), the first listed on a tie."""
-        text = state.detok.text if text is None else text
-        searched = state.detok.text if searched is None else searched
+    def _find_stop_string(self, req: Request, state: _TextState, text: str, searched: str) -> bool:
+        """Look for the request's stop strings in `text` (a prefix of the output's text, or all of it) where
+        they may end past `searched`, the text earlier steps searched. On a match set the request's stop
+        reason and final text. The earliest match wins (the text before it holds no stop string), the first
+        listed on a tie."""
         start = max(0, len(searched) - state.hold)
         stops = state.stop_strings
         found = [(idx, i) for i, s in enumerate(stops) if (idx := text.find(s, start)) >= 0]

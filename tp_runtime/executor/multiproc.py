@@ -10,7 +10,6 @@ import shutil
 import site
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -151,12 +150,7 @@ class _SpawnedWorkers(RemoteWorkers):
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.ipc_dir = tempfile.mkdtemp(prefix="tp-runtime-")  # 0700: only this user reaches the sockets
-        try:
-            self.channel = ipc_channel(self.ipc_dir, secrets.token_bytes(32), message_limits(config)[1])
-        except BaseException:
-            shutil.rmtree(self.ipc_dir, ignore_errors=True)
-            raise
+        self.ipc_dir, self.channel = ipc_channel(secrets.token_bytes(32), message_limits(config)[1])
         self.workers = _SpawnedWorkers(config, self.channel)
         self._shut_down = False
         self.last_step_timings: dict[str, float] = {}

@@ -10,7 +10,6 @@ import os
 import secrets
 import shutil
 import socket
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -78,12 +77,7 @@ class TorchrunExecutor:
         if host == _ONE_HOST:
             # Every rank is on this host: ipc sockets in a 0700 folder, which no other user can reach
             # (a loopback TCP port would let any local user subscribe to the broadcasts and read them).
-            self.ipc_dir = tempfile.mkdtemp(prefix="tp-runtime-")
-            try:
-                self.channel = ipc_channel(self.ipc_dir, key, message_limits(config)[1])
-            except BaseException:
-                shutil.rmtree(self.ipc_dir, ignore_errors=True)
-                raise
+            self.ipc_dir, self.channel = ipc_channel(key, message_limits(config)[1])
         else:
             addr = f"tcp://{host}:0"
             self.channel = DriverChannel(addr, addr, addr, key, message_limits(config)[1])

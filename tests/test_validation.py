@@ -156,3 +156,29 @@ def test_logprobs_beyond_max_logprobs_say_what_to_raise(llm: LLM, name: str) -> 
         llm.generate(PROBE, SamplingParams(max_tokens=2, **{name: limit + 1}), use_tqdm=False)
     out = llm.generate(PROBE, SamplingParams(max_tokens=2, **{name: limit}), use_tqdm=False)[0]
     assert out.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("prompt", "error"),
+    [
+        ([1, True], "prompt token ids must be ints, got True"),
+        ([1, 2.0], "prompt token ids must be ints, got 2.0"),
+        ([1, "7"], "prompt token ids must be ints, got '7'"),
+        ([3, -1, 2], r"prompt token id -1 is outside the vocabulary \[0, "),
+        ([3, 2, 10**6], "prompt token id 1000000 is outside the vocabulary"),
+        ([3, 2, 10**30], "prompt token id 1000000000000000000000000000000 is outside the vocabulary"),
+        (["numpy", 10**6], "prompt token id 1000000 is outside the vocabulary"),
+        ("3 4", "prompt_token_ids must be a list of ints, got str"),
+        ([], "the prompt is empty"),
+    ],
+)
+def test_prompt_token_ids_are_checked_one_by_one(llm: LLM, prompt: Any, error: str) -> None:
+    """Every id is an int (numpy ints too, bools not) inside the vocabulary; the error names the first bad
+    one, whether the prompt holds plain ints (checked in bulk) or other integer types."""
+    import numpy as np
+
+    if prompt and prompt[0] == "numpy":
+        prompt = [np.int64(5), np.int32(prompt[1])]
+    with pytest.raises(InvalidRequestError, match=error):
+        llm.engine.check_request(prompt, SamplingParams())
+    assert llm.engine.check_request((np.int16(4), 5, np.uint8(6)), SamplingParams()) == [4, 5, 6]

@@ -375,14 +375,16 @@ def test_torch_attention_per_layer_window_and_softcap(
     q = {name: torch.randn(new_tokens[name], heads, d, generator=g) for name in lens}
     order = list(lens)  # decode first, as the runner lays out a step
     starts = {name: sum(new_tokens[n] for n in order[: order.index(name)]) for name in order}
-    meta = AttentionMetadata(
-        backend=TorchAttention(), slot_mapping=torch.zeros(0, dtype=torch.int64), num_decode_tokens=1,
-        decode_block_tables=tables["decode"][None], decode_seq_lens=torch.tensor([lens["decode"]]),
-    )  # fmt: skip
+    prefills = []
     for name in order[1:]:
         n, start = new_tokens[name], starts[name]
         table = torch.zeros(0, dtype=torch.int64) if name == "fresh-no-table" else tables[name]
-        meta.prefills.append(PrefillChunk(start, start + n, lens[name] - n, table))
+        prefills.append(PrefillChunk(start, start + n, lens[name] - n, table))
+    decode = dict(
+        backend=TorchAttention(), slot_mapping=torch.zeros(0, dtype=torch.int64), num_decode_tokens=1,
+        decode_block_tables=tables["decode"][None], decode_seq_lens=torch.tensor([lens["decode"]]),
+    )  # fmt: skip
+    meta = AttentionMetadata(**decode, prefills=prefills)  # type: ignore[arg-type]
     step_k = torch.cat([keys[name][lens[name] - new_tokens[name] :] for name in order])
     step_v = torch.cat([values[name][lens[name] - new_tokens[name] :] for name in order])
     scale = 0.3
@@ -401,11 +403,43 @@ def test_torch_attention_per_layer_window_and_softcap(
         )
         torch.testing.assert_close(sliced, out, rtol=0, atol=1e-6)
     # Decode alone (the decode-only fast path).
-    meta.prefills, meta.num_decode_tokens = [], 1
+    alone_meta = AttentionMetadata(**decode)  # type: ignore[arg-type]
     alone = paged_attention(
-        q["decode"], step_k[:1], step_v[:1], k_cache, v_cache, meta, scale, window, softcap
+        q["decode"], step_k[:1], step_v[:1], k_cache, v_cache, alone_meta, scale, window, softcap
     )
     torch.testing.assert_close(alone, out[:1], rtol=0, atol=0)
+
+
+def test_fresh_prompts_attend_in_batches() -> None:
+    """Fresh prompts of a step are attended in batches (longest first, each prompt at least 7/8 of its
+    batch's longest, padded on the right): each prompt's output against a float64 brute force over its own
+    keys, with a decode row first; equal back-to-back prompts form a view batch, others a gathered one."""
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, d, bs = 6, 2, 12, 4
+    lengths = [5, 5, 5, 12, 11, 3, 12, 1, 7, 6]
+    starts = [1 + sum(lengths[:i]) for i in range(len(lengths))]  # after the decode row
+    total = 1 + sum(lengths)
+    q = torch.randn(total, heads, d, generator=g)
+    k = torch.randn(total, kv_heads, d, generator=g)
+    v = torch.randn(total, kv_heads, d, generator=g)
+    k_cache = 100 * torch.randn(8, bs, kv_heads, d, generator=g)  # stale slots must not leak in
+    v_cache = 100 * torch.randn(8, bs, kv_heads, d, generator=g)
+    no_table = torch.zeros(0, dtype=torch.int64)
+    meta = AttentionMetadata(
+        backend=TorchAttention(), slot_mapping=torch.zeros(0, dtype=torch.int64), num_decode_tokens=1,
+        decode_block_tables=torch.tensor([[3, 5]]), decode_seq_lens=torch.tensor([6]),
+        prefills=[PrefillChunk(s, s + n, 0, no_table) for s, n in zip(starts, lengths, strict=True)],
+    )  # fmt: skip
+    plan = [(b.lengths, b.gather is None) for b in meta.fresh_batches]
+    views = [([7], True), ([6], True), ([5, 5, 5], True), ([3], True), ([1], True)]
+    assert plan == [([12, 12, 11], False), *views]
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.3, None, None)
+    for s, n in zip(starts, lengths, strict=True):
+        want = _brute_attention(q[s : s + n], k[s : s + n], v[s : s + n], torch.arange(n), None, 0.3, None)
+        torch.testing.assert_close(out[s : s + n].double(), want, rtol=1e-5, atol=1e-5)
+    keys, values = k_cache[[3, 5]].flatten(0, 1), v_cache[[3, 5]].flatten(0, 1)
+    want = _brute_attention(q[:1], keys[:6], values[:6], torch.tensor([5]), None, 0.3, None)
+    torch.testing.assert_close(out[:1].double(), want, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- the MoE layer alone

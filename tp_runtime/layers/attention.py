@@ -11,8 +11,10 @@ Backends:
 - `TritonAttention` (CUDA; CPU tensors under TRITON_INTERPRET=1): split-KV paged decode that reads the
   cache blocks in place, splitting each context across programs when the batch alone cannot fill the
   GPU; continuation prefill chunks run a paged prefill kernel.
-Either way, a fresh prompt with no sliding window and no soft-cap attends to its own keys with causal SDPA
-(no cache read).
+Either way, fresh prompts (nothing cached before them) in a layer with no sliding window and no soft-cap
+attend to their own keys with causal SDPA (no cache read), batched: prompts of similar length run as one
+[prompts, heads, longest, d] call (`FreshPromptBatch`), which fills the GPU where one call per prompt would
+not (eight 1000-token prompts: 155 us in one call against 355 us in eight on an H200).
 
 The sliding window and the attention logit soft-cap (scores -> cap * tanh(scores / cap), before masking,
 as Gemma 2) are properties of the layer, which passes them to `paged_attention`: layers of one model may
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -38,6 +41,64 @@ class PrefillChunk:
 
 
 @dataclass
+class FreshPromptBatch:
+    """Fresh prompts attended in one causal SDPA call as a [prompts, heads, max_len, d] batch, each padded on
+    the right to the longest. The padding is exact under the causal mask: a query never sees the keys after
+    it, and the padding's own query rows are dropped."""
+
+    max_len: int
+    starts: list[int]  # each prompt's first token in the step's batch
+    lengths: list[int]
+    # [prompts * max_len] the batch token behind each padded row; None when the prompts have one length and
+    # lie back to back in the batch, so the padded batch is a view of it.
+    gather: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None  # [sum(lengths)] the prompts' tokens in the step's batch...
+    padded_rows: torch.Tensor | None = None  # ... and each one's row in the padded batch
+
+
+# A prompt joins a fresh-prompt batch while it is at least this share of the batch's longest prompt, so
+# padding adds at most 1 / FRESH_BATCH_MIN_FILL**2 - 1 (31 %) to a prompt's attention work.
+FRESH_BATCH_MIN_FILL = 7 / 8
+
+
+def fresh_prompt_batches(chunks: list[PrefillChunk], device: torch.device) -> list[FreshPromptBatch]:
+    """The step's fresh chunks (context_len 0), every one in exactly one batch: longest first, each batch
+    taking prompts while they reach FRESH_BATCH_MIN_FILL of its first."""
+    fresh = sorted(
+        ((c.end - c.start, c.start) for c in chunks if c.context_len == 0), key=lambda f: -f[0]
+    )  # stable: equal lengths keep their batch order, so back-to-back prompts stay a view
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        # Pageable memory: the driver stages the copy before returning, so the array may go at once.
+        return torch.from_numpy(array).to(device, non_blocking=True)
+
+    batches = []
+    i = 0
+    while i < len(fresh):
+        longest = fresh[i][0]
+        j = i + 1
+        while j < len(fresh) and fresh[j][0] >= FRESH_BATCH_MIN_FILL * longest:
+            j += 1
+        lengths = [n for n, _ in fresh[i:j]]
+        starts = [s for _, s in fresh[i:j]]
+        batch = FreshPromptBatch(max_len=longest, starts=starts, lengths=lengths)
+        back_to_back = all(s == starts[0] + k * longest for k, s in enumerate(starts))
+        if min(lengths) != longest or not back_to_back:
+            offsets = np.arange(longest)
+            first = np.asarray(starts)[:, None]
+            batch.gather = to_device((first + np.minimum(offsets, np.asarray(lengths)[:, None] - 1)).ravel())
+            batch.tokens = to_device(
+                np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
+            )
+            batch.padded_rows = to_device(
+                np.concatenate([np.arange(k * longest, k * longest + n) for k, n in enumerate(lengths)])
+            )
+        batches.append(batch)
+        i = j
+    return batches
+
+
+@dataclass
 class AttentionMetadata:
     backend: AttentionBackend
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each token's key/value
@@ -46,6 +107,11 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [num_decode] context length after this step
     decode_num_splits: int = 1  # split-KV programs per (sequence, KV head), fixed per batch shape
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # The prefills with context_len 0, batched; made here so that every fresh chunk is in one.
+    fresh_batches: list[FreshPromptBatch] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fresh_batches = fresh_prompt_batches(self.prefills, self.slot_mapping.device)
 
 
 class AttentionBackend(Protocol):
@@ -291,13 +357,17 @@ def paged_attention(
     out = torch.empty_like(q)
     if num_decode:
         out[:num_decode] = backend.decode(q[:num_decode], k_cache, v_cache, meta, scale, window, softcap)
+    own_keys_only = window is None and softcap is None
+    if own_keys_only:
+        # Fresh prompts attend only to their own keys here (the fastest SDPA, no cache read).
+        for batch in meta.fresh_batches:
+            _fresh_batch_attention(q, k, v, batch, scale, out)
     for chunk in meta.prefills:
-        q_chunk = q[chunk.start : chunk.end]
         fresh = chunk.context_len == 0
-        if fresh and window is None and softcap is None:
-            # A fresh prompt: its own keys are all it attends to (the fastest SDPA, no cache read).
-            chunk_out = _own_keys_attention(q_chunk, k, v, chunk, None, scale, None)
-        elif fresh and chunk.block_table.numel() == 0:
+        if fresh and own_keys_only:
+            continue  # in a fresh-prompt batch above
+        q_chunk = q[chunk.start : chunk.end]
+        if fresh and chunk.block_table.numel() == 0:
             # A fresh prompt the runner gave no block table (its config has no sliding window, or the
             # memory-profiling run): its own keys, with this layer's window and soft-cap.
             chunk_out = _own_keys_attention(q_chunk, k, v, chunk, window, scale, softcap)
@@ -305,6 +375,29 @@ def paged_attention(
             chunk_out = backend.prefill(q_chunk, k_cache, v_cache, chunk, window, scale, softcap)
         out[chunk.start : chunk.end] = chunk_out
     return out
+
+
+def _fresh_batch_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: FreshPromptBatch, scale: float,
+    out: torch.Tensor,
+) -> None:  # fmt: skip
+    """Causal SDPA of a batch of fresh prompts over their own keys, written into their rows of `out`."""
+    n, length = len(batch.starts), batch.max_len
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [tokens, heads, d] -> [prompts, heads, max_len, d]
+        if batch.gather is None:
+            x = x[batch.starts[0] : batch.starts[0] + n * length]
+        else:
+            x = x.index_select(0, batch.gather)
+        return x.view(n, length, *x.shape[1:]).transpose(1, 2)
+
+    attended = _sdpa(padded(q), padded(k), padded(v), None, scale).transpose(1, 2)
+    if batch.gather is None:
+        out[batch.starts[0] : batch.starts[0] + n * length].view(attended.shape).copy_(attended)
+    else:
+        assert batch.tokens is not None and batch.padded_rows is not None, "internal: batch indices missing"
+        rows = attended.reshape(n * length, *attended.shape[2:]).index_select(0, batch.padded_rows)
+        out.index_copy_(0, batch.tokens, rows)
 
 
 def _own_keys_attention(

@@ -227,8 +227,18 @@ class InputBuilder:
 
     def _attention_metadata(self, t: _Layout, slots: np.ndarray) -> AttentionMetadata:
         bs = self.block_size
+        prefills = []
+        for i in range(t.num_decode, len(t.rows)):
+            if t.computed[i] == 0 and self.sliding_window is None:
+                table = self._empty  # a fresh prompt attends to its own keys only
+            else:
+                table = self._to_device(self.batch.block_table[t.rows[i], : -(-t.seq_lens[i] // bs)])
+            prefills.append(PrefillChunk(
+                start=int(t.starts[i]), end=int(t.ends[i]), context_len=int(t.computed[i]), block_table=table,
+            ))  # fmt: skip
         meta = AttentionMetadata(
             backend=self.attention, slot_mapping=self._to_device(slots), num_decode_tokens=t.num_decode,
+            prefills=prefills,
         )  # fmt: skip
         if t.num_decode:
             d_lens = t.seq_lens[: t.num_decode]
@@ -237,14 +247,6 @@ class InputBuilder:
             meta.decode_block_tables = self._to_device(tables)
             meta.decode_seq_lens = self._to_device(d_lens)
             meta.decode_num_splits = self.attention.num_decode_splits(t.num_decode, blocks)
-        for i in range(t.num_decode, len(t.rows)):
-            if t.computed[i] == 0 and self.sliding_window is None:
-                table = self._empty  # a fresh prompt attends to its own keys only
-            else:
-                table = self._to_device(self.batch.block_table[t.rows[i], : -(-t.seq_lens[i] // bs)])
-            meta.prefills.append(PrefillChunk(
-                start=int(t.starts[i]), end=int(t.ends[i]), context_len=int(t.computed[i]), block_table=table,
-            ))  # fmt: skip
         return meta
 
     def _fed_input_ids(self, input_ids: np.ndarray, feed: np.ndarray) -> torch.Tensor:

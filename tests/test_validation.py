@@ -166,6 +166,8 @@ def test_logprobs_beyond_max_logprobs_say_what_to_raise(llm: LLM, name: str) -> 
         ([1, "7"], "prompt token ids must be ints, got '7'"),
         ([3, -1, 2], r"prompt token id -1 is outside the vocabulary \[0, "),
         ([3, 2, 10**6], "prompt token id 1000000 is outside the vocabulary"),
+        ([5, -1, 2.0], r"prompt token id -1 is outside the vocabulary \[0, "),
+        ([5, 2.0, -1], "prompt token ids must be ints, got 2.0"),
         ([3, 2, 10**30], "prompt token id 1000000000000000000000000000000 is outside the vocabulary"),
         (["numpy", 10**6], "prompt token id 1000000 is outside the vocabulary"),
         ("3 4", "prompt_token_ids must be a list of ints, got str"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -141,25 +141,26 @@ class LLMEngine:
             )
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty; give at least one token")
-        if set(map(type, prompt_ids)) == {int}:
-            # Plain ints (bool is a subclass, not this type), checked in C: a long prompt's ids one at a
-            # time in Python would hold up the step that follows by milliseconds.
-            prompt_ids = list(prompt_ids)
+        plain_ints = set(map(type, prompt_ids)) == {int}
+        if plain_ints:
+            # Plain ints (bool is a subclass, not this type), their range checked in C: a long prompt's ids
+            # one at a time in Python would hold up the step that follows by milliseconds.
+            in_vocab = min(prompt_ids) >= 0 and max(prompt_ids) < vocab
+            suspects: Sequence[Any] = () if in_vocab else [next(t for t in prompt_ids if not 0 <= t < vocab)]
         else:
-            for t in prompt_ids:
-                if isinstance(t, bool) or not isinstance(t, numbers.Integral):  # numpy ints are Integral
-                    raise InvalidRequestError(f"prompt token ids must be ints, got {t!r}")
-            prompt_ids = [int(t) for t in prompt_ids]
-        if not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:
-            t = next(t for t in prompt_ids if not 0 <= t < vocab)
-            raise InvalidRequestError(f"prompt token id {t} is outside the vocabulary [0, {vocab})")
+            suspects = prompt_ids
+        for t in suspects:  # the first bad id, whatever is wrong with it
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):  # numpy ints are Integral
+                raise InvalidRequestError(f"prompt token ids must be ints, got {t!r}")
+            if not 0 <= int(t) < vocab:
+                raise InvalidRequestError(f"prompt token id {t} is outside the vocabulary [0, {vocab})")
         max_len = self.config.model.max_model_len
         if len(prompt_ids) >= max_len:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}; shorten the prompt "
                 "or raise max_model_len (a prompt must leave room for at least one generated token)"
             )
-        return prompt_ids
+        return list(prompt_ids) if plain_ints else [int(t) for t in prompt_ids]
 
     def check_request(self, prompt_ids: Any, params: Any) -> list[int]:
         """The checks `add_request` makes, without adding anything (they read only the configuration, so

@@ -3,7 +3,8 @@
 `AttentionMetadata` is built once per step by the model runner (or the decode graphs) and shared by every
 layer; it carries the backend object the runner chose at start-up. Keys/values of the step are written into
 their cache slots before attention runs. Decode tokens (one query per sequence) come first in the batch and
-run as one batched call; each prefill chunk runs its own call, so no sequence is padded to another's length.
+run as one batched call; a continuation chunk (one with context in the cache) runs its own call, and fresh
+prompts run in batches of similar lengths (below).
 
 Backends:
 - `TorchAttention` (any device): decode gathers each sequence's blocks and runs one SDPA, query heads

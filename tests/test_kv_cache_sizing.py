@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
+from collections.abc import Callable
+from pathlib import Path
 
+import pytest
+import torch
+import transformers
+from conftest import hf_greedy
+
+from tp_runtime import LLM, SamplingParams
 from tp_runtime.worker.kv_sizing import CPU_KV_CACHE_RAM_SHARE, available_memory_bytes, cpu_kv_cache_blocks
+from tp_runtime.worker.model_runner import largest_prefill_chunks
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -48,3 +56,30 @@ def test_available_memory_is_plausible() -> None:
     available = available_memory_bytes()
     assert 64 * MIB < available < 1 << 50
     assert 0.0 < CPU_KV_CACHE_RAM_SHARE <= 0.5
+
+
+def test_memory_profile_runs_the_largest_prefill(make_checkpoint: Callable[..., Path]) -> None:
+    """The GPU sizes its KV cache from a forward of the largest step the scheduler can give: prompts of
+    max_model_len tokens filling max_num_batched_tokens (at most max_num_seqs of them, several in one
+    attention batch). Its logits are a real forward's (HF's for the same prompt), and the engine's own cache
+    is untouched by it."""
+    assert largest_prefill_chunks(200, 8, 64) == [(0, 64), (64, 128), (128, 192), (192, 200)]
+    assert largest_prefill_chunks(200, 2, 64) == [(0, 64), (64, 128)]
+    assert largest_prefill_chunks(8192, 256, 32768) == [(0, 8192)]
+    path = make_checkpoint()
+    sizes = dict(max_model_len=64, max_num_batched_tokens=200, max_num_seqs=8)
+    llm = LLM(path, device="cpu", dtype="float32", **sizes)
+    try:
+        prompt = [3, 17, 42, 5, 9]
+        greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        before = llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0].outputs[0].token_ids
+        logits = llm.engine.executor.worker.runner.run_largest_prefill()  # type: ignore[attr-defined]
+        # Its last 8 rows are the last prompt's 8 tokens (all id 0).
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            want = hf(torch.zeros(1, 8, dtype=torch.int64)).logits[0]
+        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+        after = llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0].outputs[0].token_ids
+        assert after == before == hf_greedy(path, [prompt], 6, suppress_eos=True)[0]
+    finally:
+        llm.shutdown()

@@ -46,6 +46,15 @@ def pick_kernels(backend: str, device: torch.device) -> str:
     return "triton" if importlib.util.find_spec("triton") is not None else "torch"
 
 
+def largest_prefill_chunks(
+    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
+) -> list[tuple[int, int]]:
+    """Token ranges of the largest prefill a step can hold: max_model_len-long prompts (the last one
+    shorter) filling max_num_batched_tokens, at most max_num_seqs of them."""
+    num_tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len)
+    return [(start, min(start + max_model_len, num_tokens)) for start in range(0, num_tokens, max_model_len)]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: CausalLM, device: torch.device, rank: int) -> None:
         self.config = config
@@ -121,29 +130,41 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_peak_memory(self) -> int:
         """Run the largest prefill a step can hold once and return the peak device memory in bytes."""
-        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
-        self.kv_caches = [
-            (torch.zeros(1, self.block_size, self.model.num_local_kv_heads, self.config.model.head_dim,
-                         dtype=self.model.dtype, device=self.device),) * 2
-            for _ in range(self.config.model.num_layers)
-        ]  # fmt: skip
-
         torch.cuda.reset_peak_memory_stats(self.device)
+        self.run_largest_prefill()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    @torch.inference_mode()
+    def run_largest_prefill(self) -> torch.Tensor:
+        """One forward of the largest prefill step, into a one-block cache: fresh prompts of max_model_len
+        tokens filling max_num_batched_tokens (their attention runs in batches, so several full-length
+        prompts are in one call), and the logits of as many rows as a step samples."""
+        sched, cfg = self.config.scheduler, self.config.model
+        kv_caches = self.kv_caches  # none before the cache is sized
+        self.kv_caches = [
+            (torch.zeros(1, self.block_size, self.model.num_local_kv_heads, cfg.head_dim,
+                         dtype=self.model.dtype, device=self.device),) * 2
+            for _ in range(cfg.num_layers)
+        ]  # fmt: skip
+        chunks = largest_prefill_chunks(sched.max_num_batched_tokens, sched.max_num_seqs, cfg.max_model_len)
+        num_tokens = chunks[-1][1]
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
+        positions = torch.cat([torch.arange(end - start, device=self.device) for start, end in chunks])
         slots = positions % self.block_size
         no_blocks = torch.zeros(0, dtype=torch.int64, device=self.device)
         meta = AttentionMetadata(
             backend=self.attention, slot_mapping=slots, num_decode_tokens=0,
-            prefills=[PrefillChunk(start=0, end=num_tokens, context_len=0, block_table=no_blocks)],
+            prefills=[PrefillChunk(start, end, 0, no_blocks) for start, end in chunks],
         )  # fmt: skip
-        hidden = self.model(ids, positions, self.kv_caches, meta)
-        self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler.max_num_seqs) :])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        self.kv_caches = []
-        torch.cuda.empty_cache()
-        return int(peak)
+        try:
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+            # As many sampled rows as a step can have.
+            return self.model.compute_logits(hidden[-min(num_tokens, sched.max_num_seqs) :])
+        finally:
+            self.kv_caches = kv_caches
 
     # ----------------------------------------------------------------- step
     @torch.inference_mode()

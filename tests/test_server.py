@@ -324,6 +324,41 @@ def test_logprobs_in_openai_shapes(server1: Server, llm1: LLM) -> None:
         assert entry.logprob <= entry.top_logprobs[0].logprob + 1e-6
 
 
+def test_echo_gives_the_prompt_and_its_logprobs(server1: Server, llm1: LLM) -> None:
+    """echo (what lm-evaluation-harness asks for log-likelihoods): each choice's text begins with its prompt
+    (a string as given, token ids decoded), and its logprobs with the prompt tokens' (None for the first),
+    equal to LLM.generate's prompt_logprobs; plain, streamed, and for every sample of n."""
+    [ref] = llm1.generate(PROMPTS[0], greedy(2, logprobs=1, prompt_logprobs=1), use_tqdm=False)
+    ids, gen = ref.prompt_token_ids, ref.outputs[0]
+    assert ref.prompt_logprobs is not None and gen.logprobs is not None
+    want = [None, *(ref.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i)]
+    want += [position[t].logprob for t, position in zip(gen.token_ids, gen.logprobs, strict=True)]
+    client = server1.client()
+    options: dict[str, Any] = dict(model=NAME, max_tokens=2, temperature=0, echo=True)
+    out = client.completions.create(prompt=PROMPTS[0], logprobs=1, **options)
+    [choice] = out.choices
+    assert choice.text == PROMPTS[0] + gen.text
+    lp = choice.logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want[1:]) and len(lp.token_logprobs) == len(ids) + 2
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(choice.text)
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])  # the token itself and the top one
+    assert out.usage is not None and out.usage.completion_tokens == 2
+
+    text, streamed = "", []
+    for chunk in client.completions.create(prompt=PROMPTS[0], logprobs=1, stream=True, **options):
+        text += chunk.choices[0].text
+        streamed += chunk.choices[0].logprobs.token_logprobs if chunk.choices[0].logprobs else []  # type: ignore[operator]
+    assert text == choice.text and streamed[0] is None and streamed[1:] == pytest.approx(want[1:])
+
+    # Token ids echo as their text; without logprobs there are none; every sample of n echoes.
+    out = client.completions.create(prompt=ids, n=2, seed=3, **{**options, "temperature": 0.8})
+    decoded = llm1.get_tokenizer().decode(ids, skip_special_tokens=True)
+    assert [c.text[: len(decoded)] for c in out.choices] == [decoded, decoded]
+    assert all(c.logprobs is None for c in out.choices)
+
+
 def test_32_concurrent_streaming_clients(server2: Server, llm2: LLM) -> None:
     prompts = [f"Client {i} asks about item {i * 7 % 13}" for i in range(32)]
     refs = llm2.generate(prompts, greedy(16), use_tqdm=False)
@@ -419,7 +454,6 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
         ({"model": NAME, "prompt": "hi", "logprobs": 50}, "logprobs=50 exceeds"),
         ({"model": NAME, "prompt": "hi", "stop": [""]}, "stop must be"),
         ({"model": NAME, "prompt": [1, 2, 99999]}, "outside the vocabulary"),
-        ({"model": NAME, "prompt": "hi", "echo": True}, "echo is not supported"),
         # vLLM extensions this server does not serve are refused, not silently ignored.
         ({"model": NAME, "prompt": "hi", "prompt_logprobs": 2}, "prompt_logprobs is not supported"),
         ({"model": NAME, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json is not supported"),

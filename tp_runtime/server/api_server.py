@@ -29,7 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import pydantic
@@ -262,13 +262,27 @@ class _Context:
             requests += [(ids, child_params(params, j)) for j in range(params.n)]
         return requests
 
-    def prepare_completion(self, raw: bytes) -> tuple[CompletionRequest, _EngineRequests, int]:
+    def prepare_completion(
+        self, raw: bytes
+    ) -> tuple[CompletionRequest, _EngineRequests, int, list[str] | None]:
+        """The request, its engine requests, its prompt tokens and, with echo, each choice's prompt text
+        (as given, or its token ids decoded)."""
         body = self.parse(CompletionRequest, raw)
         prompts = self.completion_prompts(body.prompt)
         requests = self.engine_requests(
             body, prompts, body.max_tokens, "max_tokens", body.logprobs, "logprobs", "prompt"
         )
-        return body, requests, sum(map(len, prompts))
+        echoes = None
+        if body.echo:
+            given = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+            texts = [
+                text if isinstance(text, str) else self.tokenizer.decode(ids, skip_special_tokens=True)
+                for text, ids in zip(given if len(given) == len(prompts) else [None], prompts, strict=True)
+            ]
+            echoes = [texts[k // body.n] for k in range(len(requests))]
+            if body.logprobs is not None:  # every sample's choice shows its prompt's logprobs
+                requests = [(ids, replace(params, prompt_logprobs=body.logprobs)) for ids, params in requests]
+        return body, requests, sum(map(len, prompts)), echoes
 
     def prepare_chat(self, raw: bytes) -> tuple[ChatCompletionRequest, _EngineRequests, int]:
         body = self.parse(ChatCompletionRequest, raw)
@@ -323,7 +337,7 @@ class _Run:
         async for index, out in self.stream:
             c = out.outputs[0]
             self.observe(index, c, out.finished)
-            yield self.fmt.piece(index, c, out.finished)
+            yield self.fmt.piece(index, c, out.finished, out.prompt_logprobs)
 
     def observe(self, index: int, out: CompletionOutput, finished: bool) -> None:
         now = time.monotonic()
@@ -528,9 +542,11 @@ def build_app(
         arrival = time.monotonic()
         ctx.authorize(request)
         ctx.check_available()
-        prepared = await asyncio.to_thread(ctx.prepare_completion, await ctx.read_body(request))
-        fmt = CompletionFormat(prepared[0], len(prepared[1]), tokenizer)
-        return await _serve(ctx, request, prepared, fmt, arrival)
+        body, requests, num_prompt_tokens, echoes = await asyncio.to_thread(
+            ctx.prepare_completion, await ctx.read_body(request)
+        )
+        fmt = CompletionFormat(body, [ids for ids, _ in requests], tokenizer, echoes)
+        return await _serve(ctx, request, (body, requests, num_prompt_tokens), fmt, arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -231,7 +231,11 @@ class Format:
 
     id_prefix = ""
 
-    def piece(self, index: int, out: CompletionOutput, finished: bool) -> Piece:
+    def piece(
+        self, index: int, out: CompletionOutput, finished: bool,
+        prompt_logprobs: list[dict[int, Logprob] | None] | None = None,
+    ) -> Piece:  # fmt: skip
+        """`prompt_logprobs`: the request's, on its first output when it asked for them."""
         logprobs, count = self.logprobs(index, out, finished)
         return Piece(
             index=index, text=out.text, logprobs=logprobs, num_logprobs=count, finished=finished,
@@ -274,19 +278,70 @@ def _joined(pieces: list[Piece]) -> tuple[str, str | None, int | str | None]:
     return "".join(p.text for p in pieces), *finish
 
 
+# A completions logprobs entry: the token's text, its logprob, its text's offset, the top tokens' logprobs
+# (logprob and top are None for a prompt's first token).
+_Entry = tuple[str, float | None, int, dict[str, float] | None]
+
+
 class CompletionFormat(Format):
     """/v1/completions: choices with `text`, the legacy logprobs (`tokens`, `token_logprobs`,
     `top_logprobs` by token text, `text_offset`)."""
 
     id_prefix = "cmpl-"
 
-    def __init__(self, body: CompletionRequest, num_choices: int, tokenizer: Any) -> None:
+    def __init__(
+        self, body: CompletionRequest, prompts: list[list[int]], tokenizer: Any,
+        echoes: list[str] | None = None,
+    ) -> None:  # fmt: skip
+        """`prompts`: each choice's prompt token ids; `echoes`: with echo, each choice's prompt text, which
+        its text begins with (and its logprobs with the prompt tokens', the first one's None)."""
+        num_choices = len(prompts)
         self.top = body.logprobs
+        self._tokenizer = tokenizer
+        self._prompts = prompts
+        self._echoes = echoes
+        self._echoed = [False] * num_choices
         asked = num_choices if body.logprobs is not None else 0
         self._offsets = [TextOffsets(tokenizer) for _ in range(asked)]
         # Per choice, its tokens' entries (token, logprob, offset, top) not sent yet.
-        self._held: list[list[tuple[str, float, int, dict[str, float]]]] = [[] for _ in range(asked)]
+        self._held: list[list[_Entry]] = [[] for _ in range(asked)]
         self._emitted = [0] * num_choices  # length of each choice's text so far
+        self._base = [0] * num_choices  # where its generated text begins (after an echoed prompt)
+
+    def piece(
+        self, index: int, out: CompletionOutput, finished: bool,
+        prompt_logprobs: list[dict[int, Logprob] | None] | None = None,
+    ) -> Piece:  # fmt: skip
+        echoed = ""
+        if self._echoes is not None and not self._echoed[index]:  # the choice's first piece
+            self._echoed[index] = True
+            echoed = self._echoes[index]
+            self._emitted[index] = self._base[index] = len(echoed)
+            if self.top is not None:
+                self._hold_prompt(index, echoed, prompt_logprobs)
+        piece = super().piece(index, out, finished)
+        piece.text = echoed + piece.text
+        return piece
+
+    def _hold_prompt(
+        self, index: int, echoed: str, prompt_logprobs: list[dict[int, Logprob] | None] | None
+    ) -> None:
+        offsets = TextOffsets(self._tokenizer)
+        for i, token_id in enumerate(self._prompts[index]):
+            offset = min(offsets.next(token_id), len(echoed))
+            position = None
+            if prompt_logprobs is not None and i < len(prompt_logprobs):
+                position = prompt_logprobs[i]
+            if position is None:  # the first prompt token: nothing before it predicts it
+                self._held[index].append((str(self._tokenizer.decode([token_id])), None, offset, None))
+            else:
+                self._held[index].append(self._entry(token_id, position, offset))
+
+    def _entry(self, token_id: int, position: dict[int, Logprob], offset: int) -> _Entry:
+        chosen = position[token_id]
+        entries = [chosen, *(lp for lp in _ranked(position, self.top or 0) if lp is not chosen)]
+        top = {lp.decoded_token or "": _clamp(lp.logprob) for lp in entries}
+        return chosen.decoded_token or "", _clamp(chosen.logprob), offset, top
 
     def logprobs(self, index: int, out: CompletionOutput, finished: bool) -> tuple[Any, int]:
         """A token's entry goes out once its text has begun to appear: held back with the text the engine
@@ -294,13 +349,11 @@ class CompletionFormat(Format):
         self._emitted[index] += len(out.text)
         if self.top is None:
             return None, 0
-        offsets = [self._offsets[index].next(token_id) for token_id in out.token_ids]
+        base = self._base[index]
+        offsets = [base + self._offsets[index].next(token_id) for token_id in out.token_ids]
         held = self._held[index]
         for token_id, position, offset in zip(out.token_ids, out.logprobs or [], offsets, strict=False):
-            chosen = position[token_id]
-            entries = [chosen, *(lp for lp in _ranked(position, self.top) if lp is not chosen)]
-            top = {lp.decoded_token or "": _clamp(lp.logprob) for lp in entries}
-            held.append((chosen.decoded_token or "", _clamp(chosen.logprob), offset, top))
+            held.append(self._entry(token_id, position, offset))
         emitted = self._emitted[index]
         ready = len(held) if finished else sum(1 for entry in held if entry[2] < emitted)
         result = CompletionLogprobs()

@@ -80,13 +80,11 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions; None: up to the context length
     logprobs: int | None = None  # the top tokens to return per position, besides the sampled one
-    echo: bool = False
+    echo: bool = False  # each choice's text (and logprobs) begins with its prompt's
     suffix: str | None = None
     best_of: int | None = None
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo"
         if self.suffix:
             return "suffix"
         if self.best_of is not None and self.best_of != self.n:

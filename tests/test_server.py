@@ -352,6 +352,16 @@ def test_echo_gives_the_prompt_and_its_logprobs(server1: Server, llm1: LLM) -> N
         streamed += chunk.choices[0].logprobs.token_logprobs if chunk.choices[0].logprobs else []  # type: ignore[operator]
     assert text == choice.text and streamed[0] is None and streamed[1:] == pytest.approx(want[1:])
 
+    # max_tokens 0: the prompt alone.
+    prompt_only = {**options, "max_tokens": 0}
+    for stream in (False, True):
+        chunks = client.completions.create(prompt=PROMPTS[0], logprobs=1, stream=stream, **prompt_only)
+        for chunk in chunks if stream else [chunks]:  # type: ignore[union-attr]
+            [only] = chunk.choices  # type: ignore[union-attr]
+            assert only.text == PROMPTS[0] and only.finish_reason == "length" and only.logprobs is not None
+            assert only.logprobs.token_logprobs == pytest.approx(want[: len(ids)])
+        assert stream or chunks.usage.completion_tokens == 0  # type: ignore[union-attr]
+
     # Token ids echo as their text; without logprobs there are none; every sample of n echoes.
     out = client.completions.create(prompt=ids, n=2, seed=3, **{**options, "temperature": 0.8})
     decoded = llm1.get_tokenizer().decode(ids, skip_special_tokens=True)

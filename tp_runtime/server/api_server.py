@@ -269,8 +269,11 @@ class _Context:
         (as given, or its token ids decoded)."""
         body = self.parse(CompletionRequest, raw)
         prompts = self.completion_prompts(body.prompt)
+        # echo with max_tokens 0 (the prompt alone, as vLLM serves it): the engine makes one token that the
+        # response leaves out (CompletionFormat.prompt_only).
+        max_tokens = 1 if body.echo and body.max_tokens == 0 else body.max_tokens
         requests = self.engine_requests(
-            body, prompts, body.max_tokens, "max_tokens", body.logprobs, "logprobs", "prompt"
+            body, prompts, max_tokens, "max_tokens", body.logprobs, "logprobs", "prompt"
         )
         echoes = None
         if body.echo:
@@ -336,6 +339,9 @@ class _Run:
         """The engine's outputs as they come, each as a piece of its choice (and counted in the metrics)."""
         async for index, out in self.stream:
             c = out.outputs[0]
+            if self.fmt.prompt_only:
+                finish = None if c.finish_reason is None else "length"
+                c = replace(c, text="", token_ids=[], logprobs=None, finish_reason=finish, stop_reason=None)
             self.observe(index, c, out.finished)
             yield self.fmt.piece(index, c, out.finished, out.prompt_logprobs)
 

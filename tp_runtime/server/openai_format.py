@@ -230,6 +230,7 @@ class Format:
     """One endpoint's shapes: the response id's prefix, its choices, chunks and responses."""
 
     id_prefix = ""
+    prompt_only = False  # the choices are their echoed prompts alone: the engine's output is left out
 
     def piece(
         self, index: int, out: CompletionOutput, finished: bool,
@@ -296,6 +297,7 @@ class CompletionFormat(Format):
         """`prompts`: each choice's prompt token ids; `echoes`: with echo, each choice's prompt text, which
         its text begins with (and its logprobs with the prompt tokens', the first one's None)."""
         num_choices = len(prompts)
+        self.prompt_only = echoes is not None and body.max_tokens == 0
         self.top = body.logprobs
         self._tokenizer = tokenizer
         self._prompts = prompts

@@ -369,6 +369,44 @@ def test_echo_gives_the_prompt_and_its_logprobs(server1: Server, llm1: LLM) -> N
     assert all(c.logprobs is None for c in out.choices)
 
 
+def test_prompt_logprobs_extension(server1: Server, llm1: LLM) -> None:
+    """vLLM's prompt_logprobs: per prompt position (the first null) the prompt token's logprob and the top
+    ones, token ids as keys, equal to LLM.generate's; on every choice of completions (each its prompt's),
+    at the top of a chat response; with echo and more logprobs, only as many as prompt_logprobs asks."""
+
+    def expected(ref: Any, top: int) -> list[Any]:
+        out: list[Any] = [None]
+        for i, position in enumerate(ref.prompt_logprobs[1:], 1):
+            token = ref.prompt_token_ids[i]
+            kept = {t: lp for t, lp in position.items() if t == token or (lp.rank or 0) <= top}
+            out.append({str(t): pytest.approx(lp.logprob) for t, lp in kept.items()})
+        return out
+
+    refs = llm1.generate(PROMPTS[:2], greedy(2, prompt_logprobs=2), use_tqdm=False)
+    url = f"{server1.url}/v1/completions"
+    body: dict[str, Any] = {"model": NAME, "prompt": PROMPTS[:2], "max_tokens": 2, "temperature": 0, "n": 2}
+    body["prompt_logprobs"] = 2
+    got = httpx.post(url, json=body, timeout=60).json()
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    for choice in got["choices"]:
+        ref = refs[choice["index"] // 2]
+        prompt_lps = choice["prompt_logprobs"]
+        assert [p and {t: e["logprob"] for t, e in p.items()} for p in prompt_lps] == expected(ref, 2)
+        assert all(e["decoded_token"] is not None for p in prompt_lps[1:] for e in p.values())
+    body = {**body, "n": 1, "prompt_logprobs": 0, "echo": True, "logprobs": 3}
+    first = httpx.post(url, json=body, timeout=60).json()["choices"][0]
+    prompt_lps = first["prompt_logprobs"]
+    assert [p and {t: e["logprob"] for t, e in p.items()} for p in prompt_lps] == expected(refs[0], 0)
+    assert max(len(top) for top in first["logprobs"]["top_logprobs"][1:]) >= 3  # echo's own 3
+    plain = httpx.post(url, json={**body, "prompt_logprobs": None}, timeout=60).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+
+    [ref] = llm1.chat(MESSAGES, greedy(2, prompt_logprobs=1), use_tqdm=False)
+    body = {"model": NAME, "messages": MESSAGES, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+    got = httpx.post(f"{server1.url}/v1/chat/completions", json=body, timeout=60).json()
+    assert [p and {t: e["logprob"] for t, e in p.items()} for p in got["prompt_logprobs"]] == expected(ref, 1)
+
+
 def test_32_concurrent_streaming_clients(server2: Server, llm2: LLM) -> None:
     prompts = [f"Client {i} asks about item {i * 7 % 13}" for i in range(32)]
     refs = llm2.generate(prompts, greedy(16), use_tqdm=False)
@@ -465,7 +503,9 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
         ({"model": NAME, "prompt": "hi", "stop": [""]}, "stop must be"),
         ({"model": NAME, "prompt": [1, 2, 99999]}, "outside the vocabulary"),
         # vLLM extensions this server does not serve are refused, not silently ignored.
-        ({"model": NAME, "prompt": "hi", "prompt_logprobs": 2}, "prompt_logprobs is not supported"),
+        ({"model": NAME, "prompt": "hi", "prompt_logprobs": 50}, "prompt_logprobs=50 exceeds"),
+        ({"model": NAME, "prompt": "hi", "prompt_logprobs": 1, "stream": True}, "not available with stream"),
+        ({"model": NAME, "prompt": "hi", "prompt_logprobs": -1}, "prompt_logprobs must be"),
         ({"model": NAME, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json is not supported"),
         ({"model": NAME, "prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens is not"),
         ({"model": NAME, "prompt": "hi", "structured_outputs": {"json": {}}}, "structured_outputs is not"),

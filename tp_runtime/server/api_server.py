@@ -231,17 +231,22 @@ class _Context:
 
     def engine_requests(
         self, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None, param: str,
-        logprobs: int | None, logprobs_param: str, prompt_param: str,
+        logprobs: int | None, logprobs_param: str, prompt_param: str, prompt_logprobs: int | None = None,
     ) -> _EngineRequests:  # fmt: skip
         """Check every prompt and the sampling options; one engine request per prompt and sample (choice
         index = prompt index * n + sample index). `param`, `logprobs_param`, `prompt_param`: the request's
-        names of the output budget, the number of top logprobs and the prompt, for error messages."""
+        names of the output budget, the number of top logprobs and the prompt, for error messages;
+        `prompt_logprobs`: the top logprobs every sample's request computes per prompt position (None:
+        none)."""
         limit = self.engine.engine.config.max_logprobs
-        if logprobs is not None and logprobs > limit:
-            raise bad_request(
-                f"{logprobs_param}={logprobs} exceeds this server's maximum of {limit}; ask for fewer (the "
-                "server's --max-logprobs sets the maximum)", logprobs_param,
-            )  # fmt: skip
+        for name, count in ((logprobs_param, logprobs), ("prompt_logprobs", body.prompt_logprobs)):
+            if count is not None and count > limit:
+                raise bad_request(
+                    f"{name}={count} exceeds this server's maximum of {limit}; ask for fewer (the server's "
+                    "--max-logprobs sets the maximum)", name,
+                )  # fmt: skip
+        if body.prompt_logprobs is not None and body.stream:
+            raise bad_request("prompt_logprobs is not available with stream", "prompt_logprobs")
         unsupported = body.unsupported()
         if unsupported:
             raise bad_request(f"{unsupported} is not supported by this server", unsupported)
@@ -254,12 +259,13 @@ class _Context:
         names = {"max_tokens": param, "logprobs": logprobs_param}
         for ids in prompts:
             budget = self.max_tokens(max_tokens, len(ids), param, prompt_param)
-            params = sampling_params(body, budget, logprobs, names)
+            params = sampling_params(body, budget, logprobs, names, prompt_logprobs)
             try:
                 ids = self.engine.engine.check_request(ids, child_params(params, 0))
             except InvalidRequestError as exc:
                 raise bad_request(str(exc)) from None
-            requests += [(ids, child_params(params, j)) for j in range(params.n)]
+            children = [child_params(params, j) for j in range(params.n)]
+            requests += [(ids, replace(child, prompt_logprobs=prompt_logprobs)) for child in children]
         return requests
 
     def prepare_completion(
@@ -272,8 +278,11 @@ class _Context:
         # echo with max_tokens 0 (the prompt alone, as vLLM serves it): the engine makes one token that the
         # response leaves out (CompletionFormat.prompt_only).
         max_tokens = 1 if body.echo and body.max_tokens == 0 else body.max_tokens
+        # Echo with logprobs shows the prompt tokens' too.
+        wanted = [body.prompt_logprobs, body.logprobs if body.echo else None]
+        prompt_logprobs = max((k for k in wanted if k is not None), default=None)
         requests = self.engine_requests(
-            body, prompts, max_tokens, "max_tokens", body.logprobs, "logprobs", "prompt"
+            body, prompts, max_tokens, "max_tokens", body.logprobs, "logprobs", "prompt", prompt_logprobs
         )
         echoes = None
         if body.echo:
@@ -283,8 +292,6 @@ class _Context:
                 for text, ids in zip(given if len(given) == len(prompts) else [None], prompts, strict=True)
             ]
             echoes = [texts[k // body.n] for k in range(len(requests))]
-            if body.logprobs is not None:  # every sample's choice shows its prompt's logprobs
-                requests = [(ids, replace(params, prompt_logprobs=body.logprobs)) for ids, params in requests]
         return body, requests, sum(map(len, prompts)), echoes
 
     def prepare_chat(self, raw: bytes) -> tuple[ChatCompletionRequest, _EngineRequests, int]:
@@ -295,7 +302,9 @@ class _Context:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        requests = self.engine_requests(body, [ids], max_tokens, param, logprobs, "top_logprobs", "messages")
+        requests = self.engine_requests(
+            body, [ids], max_tokens, param, logprobs, "top_logprobs", "messages", body.prompt_logprobs
+        )
         return body, requests, len(ids)
 
     # --------------------------------------------------------------------------------- the event loop's

@@ -38,6 +38,8 @@ from tp_runtime.server.protocol import (
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
+    PromptLogprob,
+    PromptLogprobs,
     SamplingFields,
     TopLogprob,
     UsageInfo,
@@ -118,8 +120,9 @@ def text_content(content: Any, index: int) -> str:
 
 
 def sampling_params(
-    body: SamplingFields, max_tokens: int, logprobs: int | None, names: dict[str, str] | None = None
-) -> SamplingParams:
+    body: SamplingFields, max_tokens: int, logprobs: int | None, names: dict[str, str] | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:  # fmt: skip
     """The request's options; one left out (None) takes the engine's default. `names`: the request's own
     name of an option that SamplingParams names otherwise (chat's top_logprobs, max_completion_tokens),
     for the error message and its param."""
@@ -142,6 +145,7 @@ def sampling_params(
             ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=given(body.presence_penalty, 0.0),
             frequency_penalty=given(body.frequency_penalty, 0.0),
             repetition_penalty=given(body.repetition_penalty, 1.0),
@@ -219,6 +223,7 @@ class Piece:
     finished: bool
     finish_reason: str | None
     stop_reason: int | str | None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, on a choice's first piece when asked for
 
     def worth_sending(self) -> bool:
         """Whether a stream sends it: text held back (an incomplete character, a possible stop string)
@@ -231,18 +236,40 @@ class Format:
 
     id_prefix = ""
     prompt_only = False  # the choices are their echoed prompts alone: the engine's output is left out
+    prompt_top: int | None = None  # the request's prompt_logprobs (vLLM's), None when not asked for
 
     def piece(
         self, index: int, out: CompletionOutput, finished: bool,
         prompt_logprobs: list[dict[int, Logprob] | None] | None = None,
     ) -> Piece:  # fmt: skip
-        """`prompt_logprobs`: the request's, on its first output when it asked for them."""
+        """`prompt_logprobs`: the engine request's, on its first output when it computed them."""
         logprobs, count = self.logprobs(index, out, finished)
         return Piece(
             index=index, text=out.text, logprobs=logprobs, num_logprobs=count, finished=finished,
             finish_reason=out.finish_reason if finished else None,
             stop_reason=out.stop_reason if finished else None,
+            prompt_logprobs=self._prompt_entries(prompt_logprobs),
         )  # fmt: skip
+
+    def _prompt_entries(
+        self, prompt_logprobs: list[dict[int, Logprob] | None] | None
+    ) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs: per position the prompt's token (the engine's first entry) and those
+        ranked within the request's count (the engine may have computed more, for echo)."""
+        top = self.prompt_top
+        if top is None or prompt_logprobs is None:
+            return None
+
+        def entry(lp: Logprob) -> PromptLogprob:
+            return PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+
+        return [
+            None if position is None else {
+                token_id: entry(lp) for i, (token_id, lp) in enumerate(position.items())
+                if i == 0 or (lp.rank is not None and lp.rank <= top)
+            }
+            for position in prompt_logprobs
+        ]  # fmt: skip
 
     def logprobs(self, index: int, out: CompletionOutput, finished: bool) -> tuple[Any, int]:
         """The logprobs the output brings (maybe none: empty) and for how many tokens; (None, 0) when the
@@ -298,6 +325,7 @@ class CompletionFormat(Format):
         its text begins with (and its logprobs with the prompt tokens', the first one's None)."""
         num_choices = len(prompts)
         self.prompt_only = echoes is not None and body.max_tokens == 0
+        self.prompt_top = body.prompt_logprobs
         self.top = body.logprobs
         self._tokenizer = tokenizer
         self._prompts = prompts
@@ -321,7 +349,7 @@ class CompletionFormat(Format):
             self._emitted[index] = self._base[index] = len(echoed)
             if self.top is not None:
                 self._hold_prompt(index, echoed, prompt_logprobs)
-        piece = super().piece(index, out, finished)
+        piece = super().piece(index, out, finished, prompt_logprobs)
         piece.text = echoed + piece.text
         return piece
 
@@ -382,9 +410,11 @@ class CompletionFormat(Format):
                 if piece.logprobs is not None:
                     for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
                         getattr(logprobs, name).extend(getattr(piece.logprobs, name))
+        prompt_logprobs = next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None)
         return CompletionChoice(
-            index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason
-        )
+            index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason,
+            prompt_logprobs=prompt_logprobs,
+        )  # fmt: skip
 
     def response(
         self, ident: str, created: int, model: str, choices: list[Any], usage: UsageInfo | None
@@ -400,6 +430,17 @@ class ChatFormat(Format):
 
     def __init__(self, body: ChatCompletionRequest) -> None:
         self.top = (body.top_logprobs or 0) if body.logprobs else None
+        self.prompt_top = body.prompt_logprobs
+        self._prompt_logprobs: PromptLogprobs | None = None  # the prompt's (all choices share it)
+
+    def piece(
+        self, index: int, out: CompletionOutput, finished: bool,
+        prompt_logprobs: list[dict[int, Logprob] | None] | None = None,
+    ) -> Piece:  # fmt: skip
+        piece = super().piece(index, out, finished, prompt_logprobs)
+        if piece.prompt_logprobs is not None:
+            self._prompt_logprobs = piece.prompt_logprobs
+        return piece
 
     def logprobs(self, index: int, out: CompletionOutput, finished: bool) -> tuple[Any, int]:
         if self.top is None:
@@ -443,7 +484,10 @@ class ChatFormat(Format):
     def response(
         self, ident: str, created: int, model: str, choices: list[Any], usage: UsageInfo | None
     ) -> ChatCompletionResponse:
-        return ChatCompletionResponse(id=ident, created=created, model=model, choices=choices, usage=usage)
+        return ChatCompletionResponse(
+            id=ident, created=created, model=model, choices=choices, usage=usage,
+            prompt_logprobs=self._prompt_logprobs,
+        )  # fmt: skip
 
     def chunk(
         self, ident: str, created: int, model: str, choices: list[Any], usage: UsageInfo | None

@@ -1,6 +1,7 @@
 """Request and response bodies of the OpenAI API (completions, chat completions, models, errors), as
 pydantic models. Requests take OpenAI's fields plus vLLM's sampling extensions (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output); unknown fields
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, prompt_logprobs);
+unknown fields
 are ignored, as OpenAI does. Fields the server cannot honour are declared so that it can refuse them
 with a 400 rather than ignore them (see `unsupported`)."""
 
@@ -23,7 +24,7 @@ class StreamOptions(_Request):
 
 
 _REFUSED_EXTENSIONS = (
-    "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
     "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
 )  # fmt: skip
 
@@ -50,8 +51,9 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # refused unless empty
+    # vLLM's: per prompt token, its logprob and the top ones (the first token's null); not with stream.
+    prompt_logprobs: int | None = None
     # vLLM extensions this server does not serve: refused when given, rather than silently ignored.
-    prompt_logprobs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -138,12 +140,36 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry of one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (the first None), token id -> its entry: the prompt's token and the top ones.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def _without(name: str, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` without field `name` when it is null (an extension field only present when asked for)."""
+    if data.get(name, 0) is None:
+        del data[name]
+    return data
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
+
+    @model_serializer(mode="wrap")
+    def _without_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without("prompt_logprobs", handler(self))
 
 
 class CompletionResponse(BaseModel):
@@ -189,6 +215,11 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
+
+    @model_serializer(mode="wrap")
+    def _without_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without("prompt_logprobs", handler(self))
 
 
 class DeltaMessage(BaseModel):

@@ -178,14 +178,12 @@ class ModelRunner:
         inputs = self.inputs.prepare(so)
         t_prep = time.perf_counter()
         forward_start = self._now_event(timings)
-        logits, prompt_logits, rows_dev = self._forward(inputs)
+        logits, prompt_packed, rows_dev = self._forward(inputs)
         sampled = None
         if inputs.sampling is not None:
             sampled = self._sample(logits, inputs.sampling, inputs.sample_rows, rows_dev)
         plan = inputs.prompt_logprobs
-        prompt = None
-        if plan is not None and prompt_logits is not None and self.rank == 0:
-            prompt = (pack_prompt_logprobs(prompt_logits, plan), plan)
+        prompt = None if plan is None or prompt_packed is None else (prompt_packed, plan)
         forward_end = self._now_event(timings)
         t_dispatch = time.perf_counter()
 
@@ -219,8 +217,8 @@ class ModelRunner:
         return pending
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Logits of the rows that sample, logits of the planned prompt positions (None: no plan), and the
-        sampling rows' batch rows on the device."""
+        """Logits of the rows that sample, the planned prompt positions' logprobs packed (rank 0; None
+        elsewhere and without a plan), and the sampling rows' batch rows on the device."""
         plan = inputs.prompt_logprobs
         step = inputs.model
         if isinstance(step, GraphDecodeBatch):
@@ -229,18 +227,32 @@ class ModelRunner:
             all_logits = graphs.run(step)
             rows = graphs.batch_rows(len(step.input_ids))
             # Short prefill chunks run a row per token: their rows' logits are the prompt positions'.
-            prompt_logits = None if plan is None else all_logits[plan.token_indices]
+            prompt = None
+            if plan is not None and self.rank == 0:
+                prompt = pack_prompt_logprobs(all_logits[plan.token_indices], plan.targets, plan.max_k)
             if inputs.logits_indices is None:
-                return all_logits, prompt_logits, rows
+                return all_logits, prompt, rows
             # Only a chunk's last row samples, and only when the chunk finishes its prompt.
-            return all_logits[inputs.logits_indices], prompt_logits, rows[inputs.logits_indices]
+            return all_logits[inputs.logits_indices], prompt, rows[inputs.logits_indices]
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
-        prompt_logits = None
-        if plan is not None:  # every rank: the vocab-parallel head all-gathers
-            prompt_logits = self.model.compute_logits(hidden.index_select(0, plan.token_indices))
+        prompt = None if plan is None else self._prompt_logprobs(hidden, plan)
         if inputs.logits_indices is not None:
             hidden = hidden.index_select(0, inputs.logits_indices)
-        return self.model.compute_logits(hidden), prompt_logits, step.sample_rows
+        return self.model.compute_logits(hidden), prompt, step.sample_rows
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, plan: PromptLogprobPlan) -> torch.Tensor | None:
+        """The planned prompt positions' logprobs, packed on rank 0, their full-vocabulary logits made
+        max_num_seqs rows at a time: no more at once than a step's sampled rows, which the memory profile
+        counts (a long prompt's every position would not fit it). Every rank runs the LM head, whose
+        vocab-parallel form all-gathers."""
+        rows = self.config.scheduler.max_num_seqs
+        packed = []
+        for start in range(0, len(plan.token_indices), rows):
+            part = slice(start, start + rows)
+            logits = self.model.compute_logits(hidden.index_select(0, plan.token_indices[part]))
+            if self.rank == 0:
+                packed.append(pack_prompt_logprobs(logits, plan.targets[part], plan.max_k))
+        return torch.cat(packed) if packed else None
 
     def _sample(
         self, logits: torch.Tensor, sampling: SamplingBatch, rows: np.ndarray, rows_dev: torch.Tensor

@@ -17,16 +17,16 @@ from tp_runtime.worker.inputs import PromptLogprobPlan
 from tp_runtime.worker.sampler import SamplerOutput
 
 
-def pack_prompt_logprobs(logits: torch.Tensor, plan: PromptLogprobPlan) -> torch.Tensor:
-    """Raw-logit logprobs of the planned prompt positions, packed for one copy (float64 holds every id
-    exactly): [prompt token, its rank, its logprob, top-k ids, top-k logprobs]."""
+def pack_prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, max_k: int) -> torch.Tensor:
+    """Raw-logit logprobs of prompt positions (`targets`: the token each predicts), packed for one copy
+    (float64 holds every id exactly): [prompt token, its rank, its logprob, top-k ids, top-k logprobs]."""
     logprobs = logits.float().log_softmax(dim=-1)
-    targets = plan.targets.unsqueeze(1)
+    targets = targets.unsqueeze(1)
     target_lp = logprobs.gather(1, targets)
     ranks = (logprobs > target_lp).sum(dim=-1, keepdim=True) + 1
     columns = [targets, ranks, target_lp]
-    if plan.max_k:
-        top_lp, top_ids = logprobs.topk(plan.max_k, dim=-1)
+    if max_k:
+        top_lp, top_ids = logprobs.topk(max_k, dim=-1)
         columns += [top_ids, top_lp]
     return torch.cat([c.double() for c in columns], dim=1)
 

@@ -325,9 +325,10 @@ def test_logprobs_in_openai_shapes(server1: Server, llm1: LLM) -> None:
 
 
 def test_echo_gives_the_prompt_and_its_logprobs(server1: Server, llm1: LLM) -> None:
-    """echo (what lm-evaluation-harness asks for log-likelihoods): each choice's text begins with its prompt
-    (a string as given, token ids decoded), and its logprobs with the prompt tokens' (None for the first),
-    equal to LLM.generate's prompt_logprobs; plain, streamed, and for every sample of n."""
+    """echo (what lm-evaluation-harness asks for log-likelihoods): each choice's text begins with its
+    prompt (a string as given, token ids decoded with their special tokens), and its logprobs with the
+    prompt tokens' (None for the first), equal to LLM.generate's prompt_logprobs; plain, streamed, and
+    for every sample of n."""
     [ref] = llm1.generate(PROMPTS[0], greedy(2, logprobs=1, prompt_logprobs=1), use_tqdm=False)
     ids, gen = ref.prompt_token_ids, ref.outputs[0]
     assert ref.prompt_logprobs is not None and gen.logprobs is not None
@@ -352,6 +353,15 @@ def test_echo_gives_the_prompt_and_its_logprobs(server1: Server, llm1: LLM) -> N
         streamed += chunk.choices[0].logprobs.token_logprobs if chunk.choices[0].logprobs else []  # type: ignore[operator]
     assert text == choice.text and streamed[0] is None and streamed[1:] == pytest.approx(want[1:])
 
+    # A prompt that spells a special token: each prompt token's offset is where its text is in the echo
+    # (the BOS the tokenizer added is not in it: offset 0).
+    spelled = "</s>" + PROMPTS[0]
+    lp = client.completions.create(prompt=spelled, logprobs=0, **options).choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.text_offset is not None
+    assert lp.tokens[1] == "</s>" and lp.text_offset[:2] == [0, 0]
+    spans = zip(lp.tokens[1:-2], lp.text_offset[1:-2], strict=True)
+    assert all(spelled[offset:].startswith(token) for token, offset in spans)
+
     # max_tokens 0: the prompt alone.
     prompt_only = {**options, "max_tokens": 0}
     for stream in (False, True):
@@ -362,9 +372,11 @@ def test_echo_gives_the_prompt_and_its_logprobs(server1: Server, llm1: LLM) -> N
             assert only.logprobs.token_logprobs == pytest.approx(want[: len(ids)])
         assert stream or chunks.usage.completion_tokens == 0  # type: ignore[union-attr]
 
-    # Token ids echo as their text; without logprobs there are none; every sample of n echoes.
+    # Token ids echo as their text, special tokens included (as vLLM echoes them); without logprobs there
+    # are none; every sample of n echoes.
     out = client.completions.create(prompt=ids, n=2, seed=3, **{**options, "temperature": 0.8})
-    decoded = llm1.get_tokenizer().decode(ids, skip_special_tokens=True)
+    decoded = llm1.get_tokenizer().decode(ids, skip_special_tokens=False)
+    assert decoded.startswith("<s>")
     assert [c.text[: len(decoded)] for c in out.choices] == [decoded, decoded]
     assert all(c.logprobs is None for c in out.choices)
 
@@ -506,6 +518,8 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
         ({"model": NAME, "prompt": "hi", "prompt_logprobs": 50}, "prompt_logprobs=50 exceeds"),
         ({"model": NAME, "prompt": "hi", "prompt_logprobs": 1, "stream": True}, "not available with stream"),
         ({"model": NAME, "prompt": "hi", "prompt_logprobs": -1}, "prompt_logprobs must be"),
+        ({"model": NAME, "prompt": "hi", "prompt_logprobs": -1, "echo": True, "logprobs": 3}, "must be"),
+        ({"model": NAME, "prompt": "hi", "echo": True, "max_tokens": 0, "min_tokens": 2}, "min_tokens=2"),
         ({"model": NAME, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json is not supported"),
         ({"model": NAME, "prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens is not"),
         ({"model": NAME, "prompt": "hi", "structured_outputs": {"json": {}}}, "structured_outputs is not"),

@@ -232,14 +232,17 @@ class _Context:
     def engine_requests(
         self, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None, param: str,
         logprobs: int | None, logprobs_param: str, prompt_param: str, prompt_logprobs: int | None = None,
+        prompt_logprobs_per_sample: bool = False,
     ) -> _EngineRequests:  # fmt: skip
         """Check every prompt and the sampling options; one engine request per prompt and sample (choice
         index = prompt index * n + sample index). `param`, `logprobs_param`, `prompt_param`: the request's
         names of the output budget, the number of top logprobs and the prompt, for error messages;
-        `prompt_logprobs`: the top logprobs every sample's request computes per prompt position (None:
-        none)."""
+        `prompt_logprobs`: the top logprobs per prompt position that a prompt's first sample computes (or
+        every sample, with `prompt_logprobs_per_sample`); None: none."""
         limit = self.engine.engine.config.max_logprobs
         for name, count in ((logprobs_param, logprobs), ("prompt_logprobs", body.prompt_logprobs)):
+            if count is not None and count < 0:
+                raise bad_request(f"{name} must be None or an int >= 0, got {count}", name)
             if count is not None and count > limit:
                 raise bad_request(
                     f"{name}={count} exceeds this server's maximum of {limit}; ask for fewer (the server's "
@@ -264,8 +267,9 @@ class _Context:
                 ids = self.engine.engine.check_request(ids, child_params(params, 0))
             except InvalidRequestError as exc:
                 raise bad_request(str(exc)) from None
-            children = [child_params(params, j) for j in range(params.n)]
-            requests += [(ids, replace(child, prompt_logprobs=prompt_logprobs)) for child in children]
+            for j in range(params.n):
+                wanted = prompt_logprobs if j == 0 or prompt_logprobs_per_sample else None
+                requests.append((ids, replace(child_params(params, j), prompt_logprobs=wanted)))
         return requests
 
     def prepare_completion(
@@ -277,18 +281,26 @@ class _Context:
         prompts = self.completion_prompts(body.prompt)
         # echo with max_tokens 0 (the prompt alone, as vLLM serves it): the engine makes one token that the
         # response leaves out (CompletionFormat.prompt_only).
-        max_tokens = 1 if body.echo and body.max_tokens == 0 else body.max_tokens
-        # Echo with logprobs shows the prompt tokens' too.
-        wanted = [body.prompt_logprobs, body.logprobs if body.echo else None]
-        prompt_logprobs = max((k for k in wanted if k is not None), default=None)
+        prompt_only = body.echo and body.max_tokens == 0
+        if prompt_only and body.min_tokens:
+            raise bad_request(f"min_tokens={body.min_tokens} exceeds max_tokens=0", "min_tokens")
+        # Echo with logprobs shows the prompt tokens' too, in every choice from its first piece on.
+        echo_logprobs = body.logprobs if body.echo else None
+        wanted = [k for k in (body.prompt_logprobs, echo_logprobs) if k is not None]
         requests = self.engine_requests(
-            body, prompts, max_tokens, "max_tokens", body.logprobs, "logprobs", "prompt", prompt_logprobs
-        )
+            body, prompts, 1 if prompt_only else body.max_tokens, "max_tokens", body.logprobs, "logprobs",
+            "prompt", max(wanted, default=None), prompt_logprobs_per_sample=echo_logprobs is not None,
+        )  # fmt: skip
+        if prompt_only:  # the one token made is left out: nothing may end it but its count
+            requests = [
+                (ids, replace(params, ignore_eos=True, stop=None, stop_token_ids=None))
+                for ids, params in requests
+            ]
         echoes = None
         if body.echo:
             given = body.prompt if isinstance(body.prompt, list) else [body.prompt]
             texts = [
-                text if isinstance(text, str) else self.tokenizer.decode(ids, skip_special_tokens=True)
+                text if isinstance(text, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
                 for text, ids in zip(given if len(given) == len(prompts) else [None], prompts, strict=True)
             ]
             echoes = [texts[k // body.n] for k in range(len(requests))]

@@ -191,13 +191,14 @@ class TextOffsets:
     """Where each generated token's text starts in its choice's text, for the completions `text_offset`:
     the length of the text the tokens before it decode to, as the engine's incremental detokenizer makes
     it (not the sum of the tokens decoded one by one: the bytes of a character split across tokens make
-    one character, though each such token alone decodes to U+FFFD; special tokens add nothing; a
-    SentencePiece word's leading space counts). Text the engine holds back (a possible stop string) counts
-    where it will appear; offsets past the end of the choice's final text (a stop string cut it) are
-    clamped by the caller."""
+    one character, though each such token alone decodes to U+FFFD; special tokens add nothing unless
+    `with_special_tokens`, as for an echoed prompt; a SentencePiece word's leading space counts). Text the
+    engine holds back (a possible stop string) counts where it will appear; offsets past the end of the
+    choice's final text (a stop string cut it) are clamped by the caller."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self._detok = IncrementalDetokenizer(lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)))
+    def __init__(self, tokenizer: Any, with_special_tokens: bool = False) -> None:
+        skip = not with_special_tokens
+        self._detok = IncrementalDetokenizer(lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip)))
         self._ids: list[int] = []
 
     def next(self, token_id: int) -> int:
@@ -326,6 +327,8 @@ class CompletionFormat(Format):
         num_choices = len(prompts)
         self.prompt_only = echoes is not None and body.max_tokens == 0
         self.prompt_top = body.prompt_logprobs
+        self._samples = body.n  # choice index = prompt index * n + sample index
+        self._prompt_logprobs: dict[int, PromptLogprobs] = {}  # by prompt: its first sample computes them
         self.top = body.logprobs
         self._tokenizer = tokenizer
         self._prompts = prompts
@@ -351,14 +354,21 @@ class CompletionFormat(Format):
                 self._hold_prompt(index, echoed, prompt_logprobs)
         piece = super().piece(index, out, finished, prompt_logprobs)
         piece.text = echoed + piece.text
+        if piece.prompt_logprobs is not None:
+            self._prompt_logprobs[index // self._samples] = piece.prompt_logprobs
         return piece
 
     def _hold_prompt(
         self, index: int, echoed: str, prompt_logprobs: list[dict[int, Logprob] | None] | None
     ) -> None:
-        offsets = TextOffsets(self._tokenizer)
-        for i, token_id in enumerate(self._prompts[index]):
-            offset = min(offsets.next(token_id), len(echoed))
+        # The prompt's text with its special tokens, as its token ids echo; a string prompt echoes as given,
+        # which lacks those the tokenizer added in front (a BOS): its offsets start after them.
+        ids = self._prompts[index]
+        decoded = str(self._tokenizer.decode(ids, skip_special_tokens=False))
+        shift = len(decoded) - len(echoed) if decoded.endswith(echoed) else 0
+        offsets = TextOffsets(self._tokenizer, with_special_tokens=True)
+        for i, token_id in enumerate(ids):
+            offset = min(max(offsets.next(token_id) - shift, 0), len(echoed))
             position = None
             if prompt_logprobs is not None and i < len(prompt_logprobs):
                 position = prompt_logprobs[i]
@@ -410,7 +420,7 @@ class CompletionFormat(Format):
                 if piece.logprobs is not None:
                     for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
                         getattr(logprobs, name).extend(getattr(piece.logprobs, name))
-        prompt_logprobs = next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None)
+        prompt_logprobs = self._prompt_logprobs.get(index // self._samples)
         return CompletionChoice(
             index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason,
             prompt_logprobs=prompt_logprobs,

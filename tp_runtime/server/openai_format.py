@@ -361,14 +361,19 @@ class CompletionFormat(Format):
     def _hold_prompt(
         self, index: int, echoed: str, prompt_logprobs: list[dict[int, Logprob] | None] | None
     ) -> None:
-        # The prompt's text with its special tokens, as its token ids echo; a string prompt echoes as given,
-        # which lacks those the tokenizer added in front (a BOS): its offsets start after them.
-        ids = self._prompts[index]
-        decoded = str(self._tokenizer.decode(ids, skip_special_tokens=False))
-        shift = len(decoded) - len(echoed) if decoded.endswith(echoed) else 0
-        offsets = TextOffsets(self._tokenizer, with_special_tokens=True)
+        # Offsets in the prompt's text with its special tokens (as its token ids echo), except the special
+        # tokens in front that the echo lacks: a string prompt echoes as given, without the BOS the
+        # tokenizer added, so they sit at 0 and the rest count from there.
+        tokenizer, ids = self._tokenizer, self._prompts[index]
+        special = set(tokenizer.all_special_ids)
+        added = 0
+        while added < len(ids) and ids[added] in special:
+            if echoed.startswith(str(tokenizer.decode([ids[added]]))):
+                break
+            added += 1
+        offsets = TextOffsets(tokenizer, with_special_tokens=True)
         for i, token_id in enumerate(ids):
-            offset = min(max(offsets.next(token_id) - shift, 0), len(echoed))
+            offset = 0 if i < added else min(offsets.next(token_id), len(echoed))
             position = None
             if prompt_logprobs is not None and i < len(prompt_logprobs):
                 position = prompt_logprobs[i]

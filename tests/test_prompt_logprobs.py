@@ -133,3 +133,25 @@ def test_short_chunks_on_the_decode_graph_path(model_dir: Path, hf_model: Any) -
     assert 0 in chunk_starts and any(start > 0 for start in chunk_starts), chunk_starts
     for prompt, out in zip(prompts, outs, strict=True):
         check(hf_model, prompt, out.prompt_logprobs, 2)
+
+
+def test_long_chunks_make_their_logits_in_slices(
+    model_dir: Path, hf_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk's prompt-logprob logits are made `logits_rows` rows at a time (here 3, a short last slice
+    included): the slices join in order and equal HF's."""
+    from tp_runtime.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "MIN_LOGITS_ROWS", 1)
+    calls: list[int] = []
+    engine = LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=32, max_num_seqs=3)
+    runner = engine.engine.executor.worker.runner  # type: ignore[attr-defined]
+    head = runner.model.compute_logits
+    monkeypatch.setattr(runner.model, "compute_logits", lambda h: calls.append(len(h)) or head(h))
+    prompts = random_prompts((30, 11), VOCAB, seed=35)
+    with engine:
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+        outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert runner.logits_rows == 3 and max(calls) == 3 and 2 in calls
+    for prompt, out in zip(prompts, outs, strict=True):
+        check(hf_model, prompt, out.prompt_logprobs, 2)

@@ -282,7 +282,7 @@ class _Context:
         # echo with max_tokens 0 (the prompt alone, as vLLM serves it): the engine makes one token that the
         # response leaves out (CompletionFormat.prompt_only).
         prompt_only = body.echo and body.max_tokens == 0
-        if prompt_only and body.min_tokens:
+        if prompt_only and body.min_tokens > 0:
             raise bad_request(f"min_tokens={body.min_tokens} exceeds max_tokens=0", "min_tokens")
         # Echo with logprobs shows the prompt tokens' too, in every choice from its first piece on.
         echo_logprobs = body.logprobs if body.echo else None

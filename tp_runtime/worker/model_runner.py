@@ -46,6 +46,11 @@ def pick_kernels(backend: str, device: torch.device) -> str:
     return "triton" if importlib.util.find_spec("triton") is not None else "torch"
 
 
+# Prompt-logprob logits are made at least this many rows at a time (and the memory profile makes as many),
+# so that a small max_num_seqs does not turn a long prompt into thousands of LM-head calls.
+MIN_LOGITS_ROWS = 256
+
+
 def largest_prefill_chunks(
     max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
 ) -> list[tuple[int, int]]:
@@ -161,8 +166,8 @@ class ModelRunner:
         )  # fmt: skip
         try:
             hidden = self.model(ids, positions, self.kv_caches, meta)
-            # As many sampled rows as a step can have.
-            return self.model.compute_logits(hidden[-min(num_tokens, sched.max_num_seqs) :])
+            # As many rows as a step's logits take at once: its sampled rows, or a slice of prompt logprobs.
+            return self.model.compute_logits(hidden[-min(num_tokens, self.logits_rows) :])
         finally:
             self.kv_caches = kv_caches
 
@@ -240,12 +245,18 @@ class ModelRunner:
             hidden = hidden.index_select(0, inputs.logits_indices)
         return self.model.compute_logits(hidden), prompt, step.sample_rows
 
+    @property
+    def logits_rows(self) -> int:
+        """The most rows whose full-vocabulary logits a step makes at once (the memory profile makes as
+        many): its sampled rows, at most max_num_seqs, or a slice of prompt logprobs."""
+        sched = self.config.scheduler
+        return min(max(sched.max_num_seqs, MIN_LOGITS_ROWS), sched.max_num_batched_tokens)
+
     def _prompt_logprobs(self, hidden: torch.Tensor, plan: PromptLogprobPlan) -> torch.Tensor | None:
         """The planned prompt positions' logprobs, packed on rank 0, their full-vocabulary logits made
-        max_num_seqs rows at a time: no more at once than a step's sampled rows, which the memory profile
-        counts (a long prompt's every position would not fit it). Every rank runs the LM head, whose
-        vocab-parallel form all-gathers."""
-        rows = self.config.scheduler.max_num_seqs
+        `logits_rows` rows at a time, which the memory profile counts (a long prompt's every position at
+        once would not fit it). Every rank runs the LM head, whose vocab-parallel form all-gathers."""
+        rows = self.logits_rows
         packed = []
         for start in range(0, len(plan.token_indices), rows):
             part = slice(start, start + rows)

@@ -372,6 +372,20 @@ def test_echo_gives_the_prompt_and_its_logprobs(server1: Server, llm1: LLM) -> N
             assert only.logprobs.token_logprobs == pytest.approx(want[: len(ids)])
         assert stream or chunks.usage.completion_tokens == 0  # type: ignore[union-attr]
 
+    # n samples: every choice shows its prompt's logprobs (plain: computed once, by the first sample).
+    for stream in (False, True):
+        chunks = client.completions.create(
+            prompt=[PROMPTS[0], PROMPTS[1]], logprobs=1, n=2, seed=5, stream=stream,
+            **{**options, "temperature": 0.8},
+        )  # fmt: skip
+        token_logprobs: dict[int, list[Any]] = {}
+        for chunk in chunks if stream else [chunks]:  # type: ignore[union-attr]
+            for c in chunk.choices:  # type: ignore[union-attr]
+                token_logprobs.setdefault(c.index, []).extend(c.logprobs.token_logprobs or [])
+        assert sorted(token_logprobs) == [0, 1, 2, 3]
+        assert all(token_logprobs[i][: len(ids)] == pytest.approx(want[: len(ids)]) for i in (0, 1))
+        assert token_logprobs[2][:2] == token_logprobs[3][:2] and token_logprobs[2][0] is None
+
     # Token ids echo as their text, special tokens included (as vLLM echoes them); without logprobs there
     # are none; every sample of n echoes.
     out = client.completions.create(prompt=ids, n=2, seed=3, **{**options, "temperature": 0.8})

@@ -284,12 +284,14 @@ class _Context:
         prompt_only = body.echo and body.max_tokens == 0
         if prompt_only and body.min_tokens > 0:
             raise bad_request(f"min_tokens={body.min_tokens} exceeds max_tokens=0", "min_tokens")
-        # Echo with logprobs shows the prompt tokens' too, in every choice from its first piece on.
+        # Echo with logprobs shows the prompt tokens' too; a stream, in every choice's first chunk, so there
+        # each sample computes them (else the prompt's first sample does, for all its choices).
         echo_logprobs = body.logprobs if body.echo else None
         wanted = [k for k in (body.prompt_logprobs, echo_logprobs) if k is not None]
+        per_sample = echo_logprobs is not None and body.stream
         requests = self.engine_requests(
             body, prompts, 1 if prompt_only else body.max_tokens, "max_tokens", body.logprobs, "logprobs",
-            "prompt", max(wanted, default=None), prompt_logprobs_per_sample=echo_logprobs is not None,
+            "prompt", max(wanted, default=None), prompt_logprobs_per_sample=per_sample,
         )  # fmt: skip
         if prompt_only:  # the one token made is left out: nothing may end it but its count
             requests = [

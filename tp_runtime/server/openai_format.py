@@ -328,7 +328,10 @@ class CompletionFormat(Format):
         self.prompt_only = echoes is not None and body.max_tokens == 0
         self.prompt_top = body.prompt_logprobs
         self._samples = body.n  # choice index = prompt index * n + sample index
-        self._prompt_logprobs: dict[int, PromptLogprobs] = {}  # by prompt: its first sample computes them
+        self._stream = body.stream
+        # By prompt, what its first sample computed: vLLM's shape, and (echo, not streamed) the engine's.
+        self._prompt_logprobs: dict[int, PromptLogprobs] = {}
+        self._raw_prompt_logprobs: dict[int, list[dict[int, Logprob] | None]] = {}
         self.top = body.logprobs
         self._tokenizer = tokenizer
         self._prompts = prompts
@@ -350,17 +353,22 @@ class CompletionFormat(Format):
             self._echoed[index] = True
             echoed = self._echoes[index]
             self._emitted[index] = self._base[index] = len(echoed)
-            if self.top is not None:
-                self._hold_prompt(index, echoed, prompt_logprobs)
+            if self.top is not None and self._stream:  # every sample computed them (else: in `choice`)
+                self._held[index] += self._echoed_entries(index, prompt_logprobs)
         piece = super().piece(index, out, finished, prompt_logprobs)
         piece.text = echoed + piece.text
         if piece.prompt_logprobs is not None:
             self._prompt_logprobs[index // self._samples] = piece.prompt_logprobs
+        if prompt_logprobs is not None:
+            self._raw_prompt_logprobs[index // self._samples] = prompt_logprobs
         return piece
 
-    def _hold_prompt(
-        self, index: int, echoed: str, prompt_logprobs: list[dict[int, Logprob] | None] | None
-    ) -> None:
+    def _echoed_entries(
+        self, index: int, prompt_logprobs: list[dict[int, Logprob] | None] | None
+    ) -> list[_Entry]:
+        """The logprobs entries of choice `index`'s echoed prompt tokens."""
+        assert self._echoes is not None, "internal: echo entries without echo"
+        echoed = self._echoes[index]
         # Offsets in the prompt's text with its special tokens (as its token ids echo), except the special
         # tokens in front that the echo lacks: a string prompt echoes as given, without the BOS the
         # tokenizer added, so they sit at 0 and the rest count from there.
@@ -372,15 +380,17 @@ class CompletionFormat(Format):
                 break
             added += 1
         offsets = TextOffsets(tokenizer, with_special_tokens=True)
+        entries: list[_Entry] = []
         for i, token_id in enumerate(ids):
             offset = 0 if i < added else min(offsets.next(token_id), len(echoed))
             position = None
             if prompt_logprobs is not None and i < len(prompt_logprobs):
                 position = prompt_logprobs[i]
             if position is None:  # the first prompt token: nothing before it predicts it
-                self._held[index].append((str(self._tokenizer.decode([token_id])), None, offset, None))
+                entries.append((str(tokenizer.decode([token_id])), None, offset, None))
             else:
-                self._held[index].append(self._entry(token_id, position, offset))
+                entries.append(self._entry(token_id, position, offset))
+        return entries
 
     def _entry(self, token_id: int, position: dict[int, Logprob], offset: int) -> _Entry:
         chosen = position[token_id]
@@ -421,6 +431,13 @@ class CompletionFormat(Format):
         logprobs = None
         if self.top is not None:
             logprobs = CompletionLogprobs()
+            if self._echoes is not None and not self._stream:  # the prompt's first sample computed them
+                raw = self._raw_prompt_logprobs.get(index // self._samples)
+                for token, logprob, offset, top in self._echoed_entries(index, raw):
+                    logprobs.tokens.append(token)
+                    logprobs.token_logprobs.append(logprob)
+                    logprobs.text_offset.append(offset)
+                    logprobs.top_logprobs.append(top)
             for piece in pieces:
                 if piece.logprobs is not None:
                     for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):

@@ -355,12 +355,13 @@ def test_echo_gives_the_prompt_and_its_logprobs(server1: Server, llm1: LLM) -> N
 
     # A prompt that spells a special token: each prompt token's offset is where its text is in the echo
     # (the BOS the tokenizer added is not in it: offset 0).
-    spelled = "</s>" + PROMPTS[0]
-    lp = client.completions.create(prompt=spelled, logprobs=0, **options).choices[0].logprobs
-    assert lp is not None and lp.tokens is not None and lp.text_offset is not None
-    assert lp.tokens[1] == "</s>" and lp.text_offset[:2] == [0, 0]
-    spans = zip(lp.tokens[1:-2], lp.text_offset[1:-2], strict=True)
-    assert all(spelled[offset:].startswith(token) for token, offset in spans)
+    for special in ("</s>", "<s>"):  # the second: the BOS both spelled and added by the tokenizer
+        spelled = special + PROMPTS[0]
+        lp = client.completions.create(prompt=spelled, logprobs=0, **options).choices[0].logprobs
+        assert lp is not None and lp.tokens is not None and lp.text_offset is not None
+        assert lp.tokens[:2] == ["<s>", special] and lp.text_offset[:2] == [0, 0]
+        spans = zip(lp.tokens[1:-2], lp.text_offset[1:-2], strict=True)
+        assert all(spelled[offset:].startswith(token) for token, offset in spans)
 
     # max_tokens 0: the prompt alone.
     prompt_only = {**options, "max_tokens": 0}
@@ -533,7 +534,7 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
         ({"model": NAME, "prompt": "hi", "prompt_logprobs": 1, "stream": True}, "not available with stream"),
         ({"model": NAME, "prompt": "hi", "prompt_logprobs": -1}, "prompt_logprobs must be"),
         ({"model": NAME, "prompt": "hi", "prompt_logprobs": -1, "echo": True, "logprobs": 3}, "must be"),
-        ({"model": NAME, "prompt": "hi", "echo": True, "max_tokens": 0, "min_tokens": 2}, "min_tokens=2"),
+        ({"model": NAME, "prompt": "hi", "echo": True, "max_tokens": 0, "min_tokens": 2}, "must be 0"),
         ({"model": NAME, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json is not supported"),
         ({"model": NAME, "prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens is not"),
         ({"model": NAME, "prompt": "hi", "structured_outputs": {"json": {}}}, "structured_outputs is not"),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import time
@@ -52,6 +53,7 @@ from tp_runtime.server.openai_format import (
     APIError,
     ChatFormat,
     CompletionFormat,
+    Echo,
     Format,
     Piece,
     bad_request,
@@ -274,7 +276,7 @@ class _Context:
 
     def prepare_completion(
         self, raw: bytes
-    ) -> tuple[CompletionRequest, _EngineRequests, int, list[str] | None]:
+    ) -> tuple[CompletionRequest, _EngineRequests, int, list[Echo] | None]:
         """The request, its engine requests, its prompt tokens and, with echo, each choice's prompt text
         (as given, or its token ids decoded)."""
         body = self.parse(CompletionRequest, raw)
@@ -282,8 +284,8 @@ class _Context:
         # echo with max_tokens 0 (the prompt alone, as vLLM serves it): the engine makes one token that the
         # response leaves out (CompletionFormat.prompt_only).
         prompt_only = body.echo and body.max_tokens == 0
-        if prompt_only and body.min_tokens > 0:
-            raise bad_request(f"min_tokens={body.min_tokens} exceeds max_tokens=0", "min_tokens")
+        if prompt_only and body.min_tokens != 0:
+            raise bad_request(f"min_tokens must be 0 with max_tokens=0, got {body.min_tokens}", "min_tokens")
         # Echo with logprobs shows the prompt tokens' too; a stream, in every choice's first chunk, so there
         # each sample computes them (else the prompt's first sample does, for all its choices).
         echo_logprobs = body.logprobs if body.echo else None
@@ -301,12 +303,20 @@ class _Context:
         echoes = None
         if body.echo:
             given = body.prompt if isinstance(body.prompt, list) else [body.prompt]
-            texts = [
-                text if isinstance(text, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
+            per_prompt = [
+                Echo(text, self.added_in_front) if isinstance(text, str)
+                else Echo(self.tokenizer.decode(ids, skip_special_tokens=False), 0)
                 for text, ids in zip(given if len(given) == len(prompts) else [None], prompts, strict=True)
-            ]
-            echoes = [texts[k // body.n] for k in range(len(requests))]
+            ]  # fmt: skip
+            echoes = [per_prompt[k // body.n] for k in range(len(requests))]
         return body, requests, sum(map(len, prompts)), echoes
+
+    @functools.cached_property
+    def added_in_front(self) -> int:
+        """How many tokens (a BOS) the tokenizer puts in front of a text it encodes."""
+        bare = self.tokenizer("a", add_special_tokens=False)["input_ids"]
+        full = self.tokenizer("a", add_special_tokens=True)["input_ids"]
+        return len(full) - len(bare) if bare and full[-len(bare) :] == bare else 0
 
     def prepare_chat(self, raw: bytes) -> tuple[ChatCompletionRequest, _EngineRequests, int]:
         body = self.parse(ChatCompletionRequest, raw)

@@ -307,6 +307,16 @@ def _joined(pieces: list[Piece]) -> tuple[str, str | None, int | str | None]:
     return "".join(p.text for p in pieces), *finish
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completions choice's echoed prompt: its text (a string prompt as given, token ids decoded with their
+    special tokens) and how many of its tokens, in front, the text lacks (the BOS the tokenizer added to a
+    string prompt)."""
+
+    text: str
+    added_in_front: int
+
+
 # A completions logprobs entry: the token's text, its logprob, its text's offset, the top tokens' logprobs
 # (logprob and top are None for a prompt's first token).
 _Entry = tuple[str, float | None, int, dict[str, float] | None]
@@ -320,9 +330,9 @@ class CompletionFormat(Format):
 
     def __init__(
         self, body: CompletionRequest, prompts: list[list[int]], tokenizer: Any,
-        echoes: list[str] | None = None,
+        echoes: list[Echo] | None = None,
     ) -> None:  # fmt: skip
-        """`prompts`: each choice's prompt token ids; `echoes`: with echo, each choice's prompt text, which
+        """`prompts`: each choice's prompt token ids; `echoes`: with echo, each choice's prompt, whose text
         its text begins with (and its logprobs with the prompt tokens', the first one's None)."""
         num_choices = len(prompts)
         self.prompt_only = echoes is not None and body.max_tokens == 0
@@ -332,6 +342,7 @@ class CompletionFormat(Format):
         # By prompt, what its first sample computed: vLLM's shape, and (echo, not streamed) the engine's.
         self._prompt_logprobs: dict[int, PromptLogprobs] = {}
         self._raw_prompt_logprobs: dict[int, list[dict[int, Logprob] | None]] = {}
+        self._echo_entries: dict[int, list[_Entry]] = {}  # by prompt (not streamed): built once
         self.top = body.logprobs
         self._tokenizer = tokenizer
         self._prompts = prompts
@@ -351,7 +362,7 @@ class CompletionFormat(Format):
         echoed = ""
         if self._echoes is not None and not self._echoed[index]:  # the choice's first piece
             self._echoed[index] = True
-            echoed = self._echoes[index]
+            echoed = self._echoes[index].text
             self._emitted[index] = self._base[index] = len(echoed)
             if self.top is not None and self._stream:  # every sample computed them (else: in `choice`)
                 self._held[index] += self._echoed_entries(index, prompt_logprobs)
@@ -368,17 +379,10 @@ class CompletionFormat(Format):
     ) -> list[_Entry]:
         """The logprobs entries of choice `index`'s echoed prompt tokens."""
         assert self._echoes is not None, "internal: echo entries without echo"
-        echoed = self._echoes[index]
-        # Offsets in the prompt's text with its special tokens (as its token ids echo), except the special
-        # tokens in front that the echo lacks: a string prompt echoes as given, without the BOS the
-        # tokenizer added, so they sit at 0 and the rest count from there.
+        echoed, added = self._echoes[index].text, self._echoes[index].added_in_front
+        # Offsets in the prompt's text with its special tokens (as its token ids echo), but for the tokens
+        # in front that the echo lacks (a string prompt's BOS): they sit at 0, the rest count from there.
         tokenizer, ids = self._tokenizer, self._prompts[index]
-        special = set(tokenizer.all_special_ids)
-        added = 0
-        while added < len(ids) and ids[added] in special:
-            if echoed.startswith(str(tokenizer.decode([ids[added]]))):
-                break
-            added += 1
         offsets = TextOffsets(tokenizer, with_special_tokens=True)
         entries: list[_Entry] = []
         for i, token_id in enumerate(ids):
@@ -432,8 +436,11 @@ class CompletionFormat(Format):
         if self.top is not None:
             logprobs = CompletionLogprobs()
             if self._echoes is not None and not self._stream:  # the prompt's first sample computed them
-                raw = self._raw_prompt_logprobs.get(index // self._samples)
-                for token, logprob, offset, top in self._echoed_entries(index, raw):
+                prompt = index // self._samples
+                if prompt not in self._echo_entries:
+                    raw = self._raw_prompt_logprobs.get(prompt)
+                    self._echo_entries[prompt] = self._echoed_entries(index, raw)
+                for token, logprob, offset, top in self._echo_entries[prompt]:
                     logprobs.tokens.append(token)
                     logprobs.token_logprobs.append(logprob)
                     logprobs.text_offset.append(offset)

@@ -73,12 +73,16 @@ def test_memory_profile_runs_the_largest_prefill(make_checkpoint: Callable[..., 
         prompt = [3, 17, 42, 5, 9]
         greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         before = llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0].outputs[0].token_ids
-        logits = llm.engine.executor.worker.runner.run_largest_prefill()  # type: ignore[attr-defined]
-        # Its last 8 rows are the last prompt's 8 tokens (all id 0).
+        runner = llm.engine.executor.worker.runner  # type: ignore[attr-defined]
+        logits = runner.run_largest_prefill()
+        # As many rows as a step's logits take at once (the whole step here), the prompts all id 0: the
+        # last 8 rows are the last prompt's, the 64 before them a full-length prompt's.
+        assert logits.shape[0] == runner.logits_rows == 200
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         with torch.no_grad():
-            want = hf(torch.zeros(1, 8, dtype=torch.int64)).logits[0]
-        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+            want = hf(torch.zeros(1, 64, dtype=torch.int64)).logits[0]
+        torch.testing.assert_close(logits[-8:], want[:8], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits[-72:-8], want, rtol=1e-4, atol=1e-4)
         after = llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0].outputs[0].token_ids
         assert after == before == hf_greedy(path, [prompt], 6, suppress_eos=True)[0]
     finally:

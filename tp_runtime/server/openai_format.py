@@ -322,6 +322,15 @@ class Echo:
 _Entry = tuple[str, float | None, int, dict[str, float] | None]
 
 
+def _add_entries(logprobs: CompletionLogprobs, entries: list[_Entry], text_length: int) -> None:
+    """Append entries to the legacy logprobs' columns, offsets clamped to the text's length."""
+    for token, logprob, offset, top in entries:
+        logprobs.tokens.append(token)
+        logprobs.token_logprobs.append(logprob)
+        logprobs.text_offset.append(min(offset, text_length))
+        logprobs.top_logprobs.append(top)
+
+
 class CompletionFormat(Format):
     """/v1/completions: choices with `text`, the legacy logprobs (`tokens`, `token_logprobs`,
     `top_logprobs` by token text, `text_offset`)."""
@@ -416,11 +425,7 @@ class CompletionFormat(Format):
         emitted = self._emitted[index]
         ready = len(held) if finished else sum(1 for entry in held if entry[2] < emitted)
         result = CompletionLogprobs()
-        for text, logprob, offset, top in held[:ready]:
-            result.tokens.append(text)
-            result.token_logprobs.append(logprob)
-            result.text_offset.append(min(offset, emitted))  # a stop string cut the text short
-            result.top_logprobs.append(top)
+        _add_entries(result, held[:ready], emitted)  # a stop string may have cut the text short
         del held[:ready]
         return result, ready
 
@@ -440,11 +445,7 @@ class CompletionFormat(Format):
                 if prompt not in self._echo_entries:
                     raw = self._raw_prompt_logprobs.get(prompt)
                     self._echo_entries[prompt] = self._echoed_entries(index, raw)
-                for token, logprob, offset, top in self._echo_entries[prompt]:
-                    logprobs.tokens.append(token)
-                    logprobs.token_logprobs.append(logprob)
-                    logprobs.text_offset.append(offset)
-                    logprobs.top_logprobs.append(top)
+                _add_entries(logprobs, self._echo_entries[prompt], len(self._echoes[index].text))
             for piece in pieces:
                 if piece.logprobs is not None:
                     for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):

@@ -146,7 +146,7 @@ class ModelRunner:
     def run_largest_prefill(self) -> torch.Tensor:
         """One forward of the largest prefill step, into a one-block cache: fresh prompts of max_model_len
         tokens filling max_num_batched_tokens (their attention runs in batches, so several full-length
-        prompts are in one call), and the logits of as many rows as a step samples."""
+        prompts are in one call), and the logits of `logits_rows` rows, the most a step makes at once."""
         sched, cfg = self.config.scheduler, self.config.model
         kv_caches = self.kv_caches  # none before the cache is sized
         self.kv_caches = [

@@ -58,7 +58,7 @@ def test_available_memory_is_plausible() -> None:
     assert 0.0 < CPU_KV_CACHE_RAM_SHARE <= 0.5
 
 
-def test_memory_profile_runs_the_largest_prefill(make_checkpoint: Callable[..., Path]) -> None:
+def test_memory_profile_runs_the_largest_step(make_checkpoint: Callable[..., Path]) -> None:
     """The GPU sizes its KV cache from a forward of the largest step the scheduler can give: prompts of
     max_model_len tokens filling max_num_batched_tokens (at most max_num_seqs of them, several in one
     attention batch). Its logits are a real forward's (HF's for the same prompt), and the engine's own cache
@@ -83,6 +83,18 @@ def test_memory_profile_runs_the_largest_prefill(make_checkpoint: Callable[..., 
             want = hf(torch.zeros(1, 64, dtype=torch.int64)).logits[0]
         torch.testing.assert_close(logits[-8:], want[:8], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(logits[-72:-8], want, rtol=1e-4, atol=1e-4)
+        # Then what a step allocates after its forward: the sampler on max_num_seqs rows with every option
+        # on (top-k 2 among them), max_logprobs (20) logprobs of the raw logits, the engine's noise untouched.
+        noise_state = runner.sampler._engine_generator.get_state()
+        sampled = runner.run_largest_sampling(logits)
+        assert torch.equal(runner.sampler._engine_generator.get_state(), noise_state)
+        top2 = logits[:8].topk(2, dim=-1).indices
+        assert sampled.token_ids.shape == (8,)
+        assert (top2 == sampled.token_ids.unsqueeze(1)).any(dim=1).all()
+        raw = logits[:8].log_softmax(dim=-1)
+        assert sampled.logprobs is not None and sampled.logprobs.shape == (8, 21)
+        torch.testing.assert_close(sampled.logprobs[:, 1:], raw.topk(20, dim=-1).values)
+        torch.testing.assert_close(sampled.logprobs[:, 0], raw[torch.arange(8), sampled.token_ids])
         after = llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0].outputs[0].token_ids
         assert after == before == hf_greedy(path, [prompt], 6, suppress_eos=True)[0]
     finally:

@@ -28,7 +28,7 @@ from tp_runtime.messages import SchedulerOutput
 from tp_runtime.worker.cuda_graphs import DecodeGraphs
 from tp_runtime.worker.inputs import GraphDecodeBatch, InputBuilder, PromptLogprobPlan, StepInputs
 from tp_runtime.worker.outputs import HostTransfer, PendingOutput, pack_prompt_logprobs, start_host_transfer
-from tp_runtime.worker.persistent_batch import PersistentBatch
+from tp_runtime.worker.persistent_batch import PenaltyState, PersistentBatch
 from tp_runtime.worker.sampler import Sampler, SamplerOutput, SamplingBatch
 
 if TYPE_CHECKING:  # any model class behind the interface; the runner knows no architecture
@@ -81,8 +81,8 @@ class ModelRunner:
         self.inputs = InputBuilder(
             self.batch, self.block_size, self.attention, mc.sliding_window, mc.vocab_size, device
         )
-        fused = pick_kernels(config.fused_kernels, device) == "triton"
-        self.sampler = Sampler(device, config.seed, fused=fused)
+        self._fused_sampling = pick_kernels(config.fused_kernels, device) == "triton"
+        self.sampler = Sampler(device, config.seed, fused=self._fused_sampling)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphs | None = None
         # Benchmark switch (set by a control call): wait for the sampled ids before the bookkeeping, the
@@ -134,9 +134,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_peak_memory(self) -> int:
-        """Run the largest prefill a step can hold once and return the peak device memory in bytes."""
+        """Run the largest prefill a step can hold, then the largest sampling, once and return the peak
+        device memory in bytes."""
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.run_largest_prefill()
+        self.run_largest_sampling(self.run_largest_prefill())
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
@@ -170,6 +171,33 @@ class ModelRunner:
             return self.model.compute_logits(hidden[-min(num_tokens, self.logits_rows) :])
         finally:
             self.kv_caches = kv_caches
+
+    @torch.inference_mode()
+    def run_largest_sampling(self, logits: torch.Tensor) -> SamplerOutput:
+        """What a step allocates after its forward, at its largest, on the largest prefill's `logits`: one
+        slice of prompt logprobs packed with max_logprobs top entries, then the sampler on as many rows as
+        a step samples with every option that takes memory (penalties with their per-row token state,
+        min-p, top-k, top-p, a seeded row, max_logprobs logprobs). A sampler of its own draws the noise,
+        so the engine's random stream is untouched."""
+        sched, k = self.config.scheduler, self.config.max_logprobs
+        pack_prompt_logprobs(logits, torch.zeros(len(logits), dtype=torch.int64, device=self.device), k)
+        rows = min(sched.max_num_seqs, sched.max_num_batched_tokens, len(logits))
+        penalties = self.batch.penalties
+        if penalties is None:  # made when the first penalized request arrives: counted here
+            penalties = PenaltyState(len(self.batch.token_feed), self.batch.vocab_size, self.device)
+
+        def full(value: float) -> torch.Tensor:
+            return torch.full((rows,), value, dtype=torch.float32, device=self.device)
+
+        rows_dev = torch.arange(rows, device=self.device)
+        sampling = SamplingBatch(
+            temperature=full(1.0), greedy=rows_dev < 0, all_greedy=False,
+            top_k=torch.full_like(rows_dev, min(2, logits.shape[1])),
+            top_p=full(0.9), min_p=full(0.1), row_seeds={0: 0}, max_num_logprobs=k,
+            repetition_penalty=full(1.1), presence_penalty=full(0.1), frequency_penalty=full(0.1),
+        )  # fmt: skip
+        sampler = Sampler(self.device, 0, fused=self._fused_sampling)
+        return sampler(logits[:rows].float(), penalties.for_rows(sampling, rows_dev))
 
     # ----------------------------------------------------------------- step
     @torch.inference_mode()

@@ -18,6 +18,7 @@ head_dim) each change HF's greedy tokens, and its final cap the logprobs (checke
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -440,6 +441,13 @@ def test_fresh_prompts_attend_in_batches() -> None:
     keys, values = k_cache[[3, 5]].flatten(0, 1), v_cache[[3, 5]].flatten(0, 1)
     want = _brute_attention(q[:1], keys[:6], values[:6], torch.tensor([5]), None, 0.3, None)
     torch.testing.assert_close(out[:1].double(), want, rtol=1e-5, atol=1e-5)
+    # A windowed layer attends each fresh prompt alone: a step whose layers all window never batches them.
+    windowed_meta = dataclasses.replace(meta)
+    out = paged_attention(q, k, v, k_cache, v_cache, windowed_meta, 0.3, 4, None)
+    assert "fresh_batches" not in vars(windowed_meta)
+    for s, n in zip(starts, lengths, strict=True):
+        want = _brute_attention(q[s : s + n], k[s : s + n], v[s : s + n], torch.arange(n), 4, 0.3, None)
+        torch.testing.assert_close(out[s : s + n].double(), want, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- the MoE layer alone

@@ -26,6 +26,7 @@ compute the scores explicitly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -108,11 +109,12 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [num_decode] context length after this step
     decode_num_splits: int = 1  # split-KV programs per (sequence, KV head), fixed per batch shape
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # The prefills with context_len 0, batched; made here so that every fresh chunk is in one.
-    fresh_batches: list[FreshPromptBatch] = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.fresh_batches = fresh_prompt_batches(self.prefills, self.slot_mapping.device)
+    @cached_property
+    def fresh_batches(self) -> list[FreshPromptBatch]:
+        """The prefills with context_len 0, batched (every fresh chunk in one); made by the first layer
+        that asks, so a model whose layers all window or soft-cap never builds them."""
+        return fresh_prompt_batches(self.prefills, self.slot_mapping.device)
 
 
 class AttentionBackend(Protocol):

@@ -106,6 +106,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("dtype", "float64", "one of auto, float32, bfloat16, float16"),
     ("device", "gpu", "one of auto, cpu, cuda"),
     ("seed", -1, "at least 0"),
+    ("seed", 2**63, "at most"),  # the sampler's generators take a signed 64-bit seed
     ("max_model_len", 0, "at least 1"),
     ("max_num_seqs", 0, "at least 1"),
     ("max_num_seqs", None, "must be given"),

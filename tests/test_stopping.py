@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import transformers
-from conftest import hf_greedy
+from conftest import hf_greedy, hf_logprobs
 
 from tp_runtime import LLM, SamplingParams
 
@@ -58,6 +58,23 @@ def test_stop_token_ids_wait_for_min_tokens(llm: LLM, reference: list[int]) -> N
     stop = reference[0]
     out = _greedy(llm, ignore_eos=True, stop_token_ids=[stop], min_tokens=5)
     assert len(out.token_ids) >= 5 and stop not in out.token_ids[:5]  # type: ignore[attr-defined]
+
+
+def test_min_tokens_leaves_the_logprobs_raw(llm: LLM, model_dir: Path, reference: list[int]) -> None:
+    """While min_tokens holds back the stop tokens they cannot be sampled, but the logprobs stay the raw
+    model's (HF's log-softmax over the whole vocabulary): the masked token keeps its rank and mass."""
+    stop = reference[0]  # the greedy first token: rank 1 of the raw distribution
+    out = _greedy(llm, ignore_eos=True, stop_token_ids=[stop], min_tokens=3, logprobs=2)
+    tokens = out.token_ids  # type: ignore[attr-defined]
+    assert tokens[0] != stop
+    want = hf_logprobs(model_dir, PROMPT, tokens)  # [len(tokens), vocab]
+    for i, position in enumerate(out.logprobs):  # type: ignore[attr-defined]
+        top = want[i].topk(2)
+        for rank, (value, token) in enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True)):
+            assert position[token].rank == rank + 1
+            assert position[token].logprob == pytest.approx(value, abs=1e-4)
+        assert position[tokens[i]].logprob == pytest.approx(want[i, tokens[i]].item(), abs=1e-4)
+    assert stop in out.logprobs[0] and out.logprobs[0][stop].rank == 1  # type: ignore[attr-defined]
 
 
 def test_stop_string(llm: LLM, model_dir: Path, reference: list[int]) -> None:

@@ -108,6 +108,7 @@ def test_stop_token_id_beyond_vocab_quotes_the_value(llm: LLM, token: int) -> No
         ("repetition_penalty", float("inf")),
         ("repetition_penalty", 1e-40),  # zero once the workers hold it as float32
         ("repetition_penalty", 1e39),  # infinite as float32
+        ("temperature", 1e39),  # infinite as float32: masked logits / inf would be NaN
         ("repetition_penalty", None),
         ("prompt_logprobs", -1),
         ("prompt_logprobs", 1.5),
@@ -127,6 +128,16 @@ def test_invalid_new_fields_quote_the_value(field: str, value: Any) -> None:
 def test_penalty_edges_are_accepted(llm: LLM) -> None:
     for kwargs in ({"presence_penalty": 2}, {"frequency_penalty": -2.0}, {"repetition_penalty": 1e-6}):
         assert len(ids(llm, SamplingParams(max_tokens=3, ignore_eos=True, **kwargs))[0]) == 3
+
+
+def test_largest_temperature_still_holds_back_stop_tokens(llm: LLM) -> None:
+    """The largest float32 temperature samples (near uniformly) and min_tokens still masks EOS."""
+    eos = llm.engine.eos_token_ids
+    params = SamplingParams(temperature=3.4e38, seed=1, max_tokens=8, min_tokens=8, stop_token_ids=[7, 8])
+    (out,) = llm.generate({"prompt_token_ids": [1, 57, 201, 33]}, params, use_tqdm=False)
+    tokens = out.outputs[0].token_ids
+    assert len(tokens) == 8 and out.outputs[0].finish_reason == "length"
+    assert not set(tokens) & (set(eos) | {7, 8})
 
 
 # ----------------------------------------------------------------------------- prompts

@@ -52,8 +52,10 @@ class SamplingParams:
         def is_real(v: object) -> bool:
             return (is_int(v) or isinstance(v, float)) and math.isfinite(v)  # type: ignore[arg-type]
 
-        if not is_real(self.temperature) or self.temperature < 0:
-            raise bad(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
+        # Workers hold it as float32: it must stay finite there too.
+        if not is_real(self.temperature) or not 0 <= self.temperature <= _FLOAT32_MAX:
+            got = self.temperature
+            raise bad(f"temperature must be a number in [0, {_FLOAT32_MAX:g}] (0 means greedy), got {got!r}")
         if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or not -1 <= self.top_k < _INT64_END:

@@ -94,7 +94,10 @@ class EngineArgs:
         ),
     )
     device: Device = field(default="auto", metadata=meta(help="auto: CUDA when there is a GPU"))
-    seed: int = field(default=0, metadata=meta(help="seed of the dummy weights and of sampling", at_least=0))
+    seed: int = field(
+        default=0,
+        metadata=meta(help="seed of the dummy weights and of sampling", at_least=0, at_most=2**63 - 1),
+    )
     max_model_len: int | None = field(
         default=None,
         metadata=meta(

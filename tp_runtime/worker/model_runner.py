@@ -177,8 +177,8 @@ class ModelRunner:
         """What a step allocates after its forward, at its largest, on the largest prefill's `logits`: one
         slice of prompt logprobs packed with max_logprobs top entries, then the sampler on as many rows as
         a step samples with every option that takes memory (penalties with their per-row token state,
-        min-p, top-k, top-p, a seeded row, max_logprobs logprobs). A sampler of its own draws the noise,
-        so the engine's random stream is untouched."""
+        min-p, top-k, top-p, a seeded row, max_logprobs logprobs, min_tokens' stop ids masked in a copy).
+        A sampler of its own draws the noise, so the engine's random stream is untouched."""
         sched, k = self.config.scheduler, self.config.max_logprobs
         pack_prompt_logprobs(logits, torch.zeros(len(logits), dtype=torch.int64, device=self.device), k)
         rows = min(sched.max_num_seqs, sched.max_num_batched_tokens, len(logits))
@@ -197,7 +197,9 @@ class ModelRunner:
             repetition_penalty=full(1.1), presence_penalty=full(0.1), frequency_penalty=full(0.1),
         )  # fmt: skip
         sampler = Sampler(self.device, 0, fused=self._fused_sampling)
-        return sampler(logits[:rows].float(), penalties.for_rows(sampling, rows_dev))
+        raw = logits[:rows].float()
+        masked = raw.clone()  # as _mask_stop_tokens makes while a row's min_tokens holds back its stop ids
+        return sampler(masked, penalties.for_rows(sampling, rows_dev), raw=raw)
 
     # ----------------------------------------------------------------- step
     @torch.inference_mode()
@@ -297,25 +299,30 @@ class ModelRunner:
         self, logits: torch.Tensor, sampling: SamplingBatch, rows: np.ndarray, rows_dev: torch.Tensor
     ) -> SamplerOutput:
         """Sample the rows' next tokens and keep them on the device as the rows' next inputs."""
-        logits = logits.float()
-        self._mask_stop_tokens(logits, rows)
+        raw = logits.float()
+        logits = self._mask_stop_tokens(raw, rows)
         penalties = self.batch.penalties if sampling.penalized else None
         if penalties is not None:
             sampling = penalties.for_rows(sampling, rows_dev)
-        sampled = self.sampler(logits, sampling)
+        sampled = self.sampler(logits, sampling, raw=raw)
         if penalties is not None:
             penalties.count(rows_dev, sampled.token_ids)
         self.batch.feed(rows, rows_dev, sampled.token_ids)
         return sampled
 
-    def _mask_stop_tokens(self, logits: torch.Tensor, rows: np.ndarray) -> None:
-        """Before min_tokens outputs exist, EOS and stop_token_ids cannot be sampled."""
+    def _mask_stop_tokens(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """Before min_tokens outputs exist, EOS and stop_token_ids cannot be sampled: the logits with them
+        at -inf (a copy where any is masked; the logprobs are the unmasked logits')."""
         batch = self.batch
         pending = np.flatnonzero(batch.num_output[rows] < batch.min_tokens[rows])
+        masked = logits
         for i in pending.tolist():
             stop_ids = batch.stop_token_ids[rows[i]]
             if stop_ids:
-                logits[i, stop_ids] = float("-inf")
+                if masked is logits:
+                    masked = logits.clone()
+                masked[i, stop_ids] = float("-inf")
+        return masked
 
     def _start_transfer(
         self,

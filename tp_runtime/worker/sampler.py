@@ -142,8 +142,13 @@ class Sampler:
 
             self._race_argmax = sampling_triton.race_argmax
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        raw = logits = logits.float()
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, raw: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """Sample from `logits`; logprobs are those of `raw` (the model's logits before any masking; by
+        default `logits`)."""
+        logits = logits.float()
+        raw = logits if raw is None else raw.float()
         if batch.output_counts is not None:
             logits = apply_penalties(logits, batch)
         if batch.all_greedy:

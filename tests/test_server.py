@@ -43,6 +43,7 @@ from tp_runtime.engine.async_engine import AsyncLLMEngine
 from tp_runtime.errors import WorkerError
 from tp_runtime.presets import build_preset_tokenizer
 from tp_runtime.server.api_server import build_app
+from tp_runtime.server.openai_format import TextOffsets, TokenBytes
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = (
@@ -317,7 +318,11 @@ def test_logprobs_in_openai_shapes(server1: Server, llm1: LLM) -> None:
     content = out.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and [e.logprob for e in content] == pytest.approx(want)
     for entry in content:
-        assert len(entry.top_logprobs) == 3 and entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 3 and entry.bytes
+        if "\ufffd" in entry.token:  # part of a character: its own bytes (test_chat_logprob_bytes_...)
+            assert entry.bytes != list(entry.token.encode()) and all(0 <= b < 256 for b in entry.bytes)
+        else:
+            assert entry.bytes == list(entry.token.encode())
         assert [t.logprob for t in entry.top_logprobs] == sorted(
             (t.logprob for t in entry.top_logprobs), reverse=True
         )
@@ -564,6 +569,11 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
         error = _error(httpx.post(chat, json={"messages": MESSAGES, **fields}), 400)
         assert (error["param"], fragment in error["message"]) == (param, True), (fields, error)
     assert "--max-logprobs" in _error(httpx.post(url, json={"prompt": "hi", "logprobs": 21}), 400)["message"]
+    error = _error(httpx.post(chat, json={"messages": MESSAGES, "tool_choice": "required"}), 400)
+    assert error["param"] == "tool_choice" and "tool_choice is not supported" in error["message"]
+    for choice in ("none", "auto", None):  # no tools: the model answers in text either way
+        ok = httpx.post(chat, json={"messages": MESSAGES, "tool_choice": choice, "max_tokens": 2, "n": None})
+        assert ok.status_code == 200, (choice, ok.text)
     reserved = {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}}
     error = _error(httpx.post(chat, json=reserved), 400)
     assert error["param"] == "chat_template_kwargs" and "may not set tokenize" in error["message"]
@@ -969,3 +979,99 @@ def test_text_offsets_point_into_the_text(scripted_config: Any, byte_tokenizer: 
 
     with InProcess(scripted_config, byte_tokenizer, executor) as served:
         asyncio.run(main(served))
+
+
+def test_text_offsets_count_bytes_that_never_make_a_character(byte_tokenizer: Any) -> None:
+    """A byte that begins a character no later token completes stays U+FFFD in the text: the tokens after
+    it start one character later. Against a brute force: token i starts where the decode of the tokens
+    before it stops agreeing with the whole text (a character they begin counts once complete)."""
+    tok = byte_tokenizer
+
+    def encode(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    split = encode("ϝ")
+    assert len(split) == 2  # the byte-level tokenizer splits it
+    ids = encode("ab") + split[:1] + encode("cd") + split + encode("e") + split[1:] + encode("f")
+    text = tok.decode(ids)
+    assert text.count("\ufffd") == 2 and "ϝ" in text
+    offsets = TextOffsets(tok)
+    got = [offsets.next(t) for t in ids]
+    want = []
+    for i in range(len(ids)):
+        before = tok.decode(ids[:i])
+        same = 0
+        while same < len(before) and before[same] == text[same]:
+            same += 1
+        want.append(same)
+    assert got == want
+
+
+def test_chat_logprob_bytes_rebuild_split_characters(byte_tokenizer: Any) -> None:
+    """Chat logprobs' `bytes` are each token's own UTF-8 bytes: joined over a text whose characters are
+    split across tokens they give its UTF-8 (a token holding part of a character is U+FFFD as text). A
+    SentencePiece byte token (<0xCF>) is its byte."""
+    ids = byte_tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    token_bytes = TokenBytes(byte_tokenizer)
+    pieces = [token_bytes(i, byte_tokenizer.decode([i])) for i in ids]
+    assert any("\ufffd" in byte_tokenizer.decode([i]) for i in ids)
+    assert bytes(b for piece in pieces for b in piece) == TEXT.encode("utf-8")
+
+    class ByteFallback:
+        def convert_ids_to_tokens(self, token_id: int) -> str:
+            return {7: "<0xCF>", 8: "<0x9D>"}.get(token_id, "▁word")
+
+    sentencepiece = TokenBytes(ByteFallback())
+    assert sentencepiece(7, "\ufffd") + sentencepiece(8, "\ufffd") == list("ϝ".encode())
+    assert sentencepiece(9, " word") == list(b" word")
+
+
+def test_null_means_the_default_and_big_bad_requests_stay_cheap(
+    scripted_config: Any, byte_tokenizer: Any
+) -> None:
+    """OpenAI's nullable fields may be sent as null (the default); a body whose long list is of the wrong
+    type gets a short message; a request for too many choices is refused before any prompt is tokenized."""
+    counting = _CountingTokenizer(byte_tokenizer)
+    executor = ScriptedExecutor(closed_form)
+    nulls = dict.fromkeys(("n", "stream", "echo", "logprobs", "min_tokens", "ignore_eos"))
+
+    async def main(served: InProcess) -> None:
+        async with served.client() as client:
+            ok = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, **nulls})
+            assert ok.status_code == 200, ok.text
+            (choice,) = ok.json()["choices"]
+            assert choice["logprobs"] is None and not choice["text"].startswith("Hi")
+            stream = {"prompt": "Hi", "max_tokens": 2, "stream": True}
+            stream["stream_options"] = {"include_usage": None}
+            events = _events(await client.post("/v1/completions", json=stream))
+            assert events[-1] == "[DONE]" and all(e.get("usage") is None for e in events[:-1])
+            error = _error(await client.post("/v1/completions", json={"prompt": None}), 400)
+            assert error["param"] == "prompt"
+            wrong = await client.post("/v1/completions", json={"prompt": [0.5] * 200_000})
+            error = _error(wrong, 400)
+            assert "is none of the types" in error["message"] and len(error["message"]) < 400
+            bad_stops = {"prompt": "x", "stop": [1] * 10_000}
+            error = _error(await client.post("/v1/completions", json=bad_stops), 400)
+            assert len(error["message"]) < 400
+            counting.calls = 0
+            error = _error(await client.post("/v1/completions", json={"prompt": ["x"] * 129}), 400)
+            assert "129 choices" in error["message"] and counting.calls == 0
+            error = _error(await client.post("/v1/completions", json={"prompt": ["x"] * 2, "n": 65}), 400)
+            assert "130 choices" in error["message"] and counting.calls == 0
+
+    with InProcess(scripted_config, byte_tokenizer, executor, front_tokenizer=counting) as served:
+        asyncio.run(main(served))
+
+
+class _CountingTokenizer:
+    """The front end's tokenizer, counting its encodes."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, text: str, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inner(text, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

@@ -60,6 +60,23 @@ class IncrementalDetokenizer:
         self.text += piece
         return piece
 
+    def held_chars_kept(self, ids: list[int], next_id: int) -> int:
+        """Of the text held back after `ids` (waiting on a character its tokens began), the characters
+        that `next_id` releases unchanged: none while the text still waits (it ends in U+FFFD), else those
+        before the character next_id completes, if any (bytes that never made a character stay U+FFFD)."""
+        start, read = self._prefix_offset, self._read_offset
+        if len(ids) <= read:
+            return 0
+        after = self._decode([*ids[start:], next_id])
+        if after.endswith("\ufffd"):
+            return 0
+        prefix = self._decode(ids[start:read]) if read > start else ""
+        before = self._decode(ids[start:])
+        same = 0
+        while same < min(len(before), len(after)) and before[same] == after[same]:
+            same += 1
+        return max(0, same - len(prefix))
+
 
 @dataclass
 class _TextState:

@@ -85,6 +85,13 @@ _Body = TypeVar("_Body", bound=SamplingFields)
 _EngineRequests = list[tuple[list[int], SamplingParams]]
 
 
+def check_choices(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_CHOICES:
+        raise bad_request(
+            f"the request asks for {num_prompts * n} choices (prompts x n); at most {MAX_CHOICES}", "n"
+        )
+
+
 def default_max_body_bytes(max_model_len: int) -> int:
     """The largest request body taken: room for a prompt of max_model_len tokens many times over (as
     escaped JSON text or as token ids), within [1, 8] MiB."""
@@ -255,11 +262,7 @@ class _Context:
         unsupported = body.unsupported()
         if unsupported:
             raise bad_request(f"{unsupported} is not supported by this server", unsupported)
-        if len(prompts) * body.n > MAX_CHOICES:
-            raise bad_request(
-                f"the request asks for {len(prompts) * body.n} choices (prompts x n); at most {MAX_CHOICES}",
-                "n",
-            )
+        check_choices(len(prompts), body.n)
         requests = []
         names = {"max_tokens": param, "logprobs": logprobs_param}
         for ids in prompts:
@@ -280,6 +283,9 @@ class _Context:
         """The request, its engine requests, its prompt tokens and, with echo, each choice's prompt text
         (as given, or its token ids decoded)."""
         body = self.parse(CompletionRequest, raw)
+        # Before any prompt is tokenized: a request for too many choices is refused at no cost.
+        many = isinstance(body.prompt, list) and not all(isinstance(p, int) for p in body.prompt)
+        check_choices(len(body.prompt) if many else 1, body.n)
         prompts = self.completion_prompts(body.prompt)
         # echo with max_tokens 0 (the prompt alone, as vLLM serves it): the engine makes one token that the
         # response leaves out (CompletionFormat.prompt_only).
@@ -593,7 +599,7 @@ def build_app(
         ctx.authorize(request)
         ctx.check_available()
         prepared = await asyncio.to_thread(ctx.prepare_chat, await ctx.read_body(request))
-        return await _serve(ctx, request, prepared, ChatFormat(prepared[0]), arrival)
+        return await _serve(ctx, request, prepared, ChatFormat(prepared[0], ctx.tokenizer), arrival)
 
     def begin_drain(grace_s: float) -> None:
         ctx.draining = True

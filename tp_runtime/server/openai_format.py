@@ -10,6 +10,7 @@ choice.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -88,9 +89,19 @@ def error_body(info: ErrorInfo) -> dict[str, Any]:
     return ErrorResponse(error=info).model_dump()
 
 
+# A validation message names at most this many problems, each value quoted to at most this many characters.
+MAX_PROBLEMS = 5
+MAX_QUOTED = 80
+
+
+def _quoted(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= MAX_QUOTED else text[: MAX_QUOTED - 3] + "..."
+
+
 def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
-    """pydantic's errors about a request body (locations from the body's root) as one message, and the
-    first field named."""
+    """pydantic's errors about a request body (locations from the body's root) as one short message, and
+    the first field named."""
     if any(e.get("type") == "json_invalid" for e in errors):
         return "the request body is not valid JSON", None
     by_field: dict[str, list[Any]] = {}
@@ -99,13 +110,17 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
         by_field.setdefault(loc[0] if loc else "body", []).append((loc, e))
     problems = []
     for name, found in by_field.items():
-        if len(found) > 1 and all(len(loc) == 2 for loc, _ in found):  # every branch of a union failed
+        branches = {loc[1] for loc, _ in found if len(loc) >= 2}
+        if len(found) > 1 and all(len(loc) >= 2 for loc, _ in found) and len(branches) == len(found):
+            # Every branch of a union failed (each at the field or at its first bad element).
             kinds = ", ".join(loc[1] for loc, _ in found)
-            value = found[0][1].get("input")
-            problems.append(f"{name}: {value!r} is none of the types it takes ({kinds})")
+            value = _quoted(found[0][1].get("input"))
+            problems.append(f"{name}: {value} is none of the types it takes ({kinds})")
         else:
             problems += [f"{'.'.join(loc) or 'body'}: {e.get('msg')}" for loc, e in found]
-    return "; ".join(problems), next((n for n in by_field if n != "body"), None)
+    more = len(problems) - MAX_PROBLEMS
+    message = "; ".join(problems[:MAX_PROBLEMS]) + (f"; and {more} more" if more > 0 else "")
+    return message, next((n for n in by_field if n != "body"), None)
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -181,10 +196,46 @@ def _clamp(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
-def _ranked(position: dict[int, Logprob], top: int) -> list[Logprob]:
-    """The `top` likeliest tokens at a position, by rank (the sampled one among them when it is)."""
-    return sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top),
-                  key=lambda lp: lp.rank or 0)  # fmt: skip
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character each byte is written as, mapped back."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+class TokenBytes:
+    """A token's own UTF-8 bytes, for chat logprobs' `bytes` (clients join them to rebuild characters
+    split across tokens). A token that decodes to whole characters is their bytes; one that holds part of
+    a character (it decodes to U+FFFD) is read from its vocabulary entry: a SentencePiece byte token
+    (<0xCF>) or a byte-level BPE piece."""
+
+    _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._alphabet: dict[str, int] | None = None
+
+    def __call__(self, token_id: int, text: str) -> list[int]:
+        if "\ufffd" not in text or self._tokenizer is None:
+            return list(text.encode("utf-8"))
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return list(text.encode("utf-8"))
+        byte_token = self._BYTE_TOKEN.fullmatch(piece)
+        if byte_token:
+            return [int(byte_token[1], 16)]
+        if self._alphabet is None:
+            self._alphabet = _byte_level_alphabet()
+        if piece and all(char in self._alphabet for char in piece):
+            return [self._alphabet[char] for char in piece]
+        return list(text.encode("utf-8"))
+
+
+def _ranked(position: dict[int, Logprob], top: int) -> list[tuple[int, Logprob]]:
+    """The `top` likeliest tokens at a position with their ids, by rank (the sampled one among them when
+    it is)."""
+    ranked = [(tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= top]
+    return sorted(ranked, key=lambda entry: entry[1].rank or 0)
 
 
 class TextOffsets:
@@ -202,7 +253,9 @@ class TextOffsets:
         self._ids: list[int] = []
 
     def next(self, token_id: int) -> int:
-        offset = len(self._detok.text)  # complete characters only: a split one counts once complete
+        # Complete characters only: a split one counts once complete. Held-back text that this token does
+        # not complete (bytes that never make a character, U+FFFD in the text) counts as it stands.
+        offset = len(self._detok.text) + self._detok.held_chars_kept(self._ids, token_id)
         self._ids.append(token_id)
         self._detok.step(self._ids)
         return offset
@@ -407,7 +460,7 @@ class CompletionFormat(Format):
 
     def _entry(self, token_id: int, position: dict[int, Logprob], offset: int) -> _Entry:
         chosen = position[token_id]
-        entries = [chosen, *(lp for lp in _ranked(position, self.top or 0) if lp is not chosen)]
+        entries = [chosen, *(lp for tid, lp in _ranked(position, self.top or 0) if tid != token_id)]
         top = {lp.decoded_token or "": _clamp(lp.logprob) for lp in entries}
         return chosen.decoded_token or "", _clamp(chosen.logprob), offset, top
 
@@ -468,10 +521,11 @@ class ChatFormat(Format):
 
     id_prefix = "chatcmpl-"
 
-    def __init__(self, body: ChatCompletionRequest) -> None:
+    def __init__(self, body: ChatCompletionRequest, tokenizer: Any) -> None:
         self.top = (body.top_logprobs or 0) if body.logprobs else None
         self.prompt_top = body.prompt_logprobs
         self._prompt_logprobs: PromptLogprobs | None = None  # the prompt's (all choices share it)
+        self._token_bytes = TokenBytes(tokenizer)
 
     def piece(
         self, index: int, out: CompletionOutput, finished: bool,
@@ -486,14 +540,14 @@ class ChatFormat(Format):
         if self.top is None:
             return None, 0
 
-        def entry(lp: Logprob) -> TopLogprob:
+        def entry(token_id: int, lp: Logprob) -> TopLogprob:
             text = lp.decoded_token or ""
-            return TopLogprob(token=text, logprob=_clamp(lp.logprob), bytes=list(text.encode("utf-8")))
+            return TopLogprob(token=text, logprob=_clamp(lp.logprob), bytes=self._token_bytes(token_id, text))
 
         content = []
         for token_id, position in zip(out.token_ids, out.logprobs or [], strict=bool(out.logprobs)):
-            chosen = entry(position[token_id])
-            ranked = [entry(lp) for lp in _ranked(position, self.top)]
+            chosen = entry(token_id, position[token_id])
+            ranked = [entry(tid, lp) for tid, lp in _ranked(position, self.top)]
             content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=ranked))
         return ChatLogprobs(content=content), len(content)
 

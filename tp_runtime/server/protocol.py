@@ -6,16 +6,48 @@ refuse them with a 400 rather than ignore them (see `unsupported`)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import functools
+import typing
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 # ------------------------------------------------------------------------------------------ requests
+
+_T = TypeVar("_T")
+# A request's lists stop at their first bad element: one error, however long the list (a million bad ids
+# would otherwise make a million errors per branch of a union, seconds of work and a huge message).
+Items = Annotated[list[_T], Field(fail_fast=True)]
 
 
 class _Request(BaseModel):
     # Strict: a JSON true is not the integer 1, nor "3" the integer 3 (an int is still a valid float).
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's optional fields are nullable ("boolean or null"): a null where the field holds no None
+        (n, stream, echo, ...) means its default, as clients that send every field unset write them."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in _non_null_defaults(cls)}
+
+
+@functools.cache
+def _non_null_defaults(model: type[BaseModel]) -> frozenset[str]:
+    """The optional fields of a request model that do not take None (a null there means the default)."""
+    return frozenset(
+        name for name, f in model.model_fields.items()
+        if not f.is_required() and f.annotation is not Any and type(None) not in typing.get_args(f.annotation)
+    )  # fmt: skip
 
 
 class StreamOptions(_Request):
@@ -38,8 +70,8 @@ class SamplingFields(_Request):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | Items[str] | None = None
+    stop_token_ids: Items[int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -78,7 +110,7 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     # A string, a list of strings, a list of token ids, or a list of such lists (one choice per prompt).
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | Items[str] | Items[int] | Items[Items[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions; None: up to the context length
     logprobs: int | None = None  # the top tokens to return per position, besides the sampled one
     echo: bool = False  # each choice's text (and logprobs) begins with its prompt's
@@ -96,25 +128,28 @@ class CompletionRequest(SamplingFields):
 class ChatMessage(_Request):
     role: str
     # A string, or content parts of which only {"type": "text", "text": ...} are supported.
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Items[dict[str, Any]] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: Items[ChatMessage]
     max_tokens: int | None = None  # None: up to the context length
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False
     top_logprobs: int | None = None  # with logprobs: the top tokens to return per position
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[dict[str, Any]] | None = None  # refused unless empty
+    tools: Items[dict[str, Any]] | None = None  # refused unless empty
+    tool_choice: Any = None  # only "none" or "auto" (no tools: the model answers in text either way)
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's)
 
     def unsupported(self) -> str | None:
         if self.tools:
             return "tools"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format"
         return super().unsupported()

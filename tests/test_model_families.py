@@ -727,6 +727,25 @@ def test_sliding_layer_types_without_a_window_attend_to_everything() -> None:
     assert qwen3_config(windowed)["sliding_window"] == 8
 
 
+def test_config_without_architectures_or_with_swish_loads(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """transformers loads a config.json with no `architectures` by its model_type, and takes hidden_act
+    "swish" as SiLU: so does the runtime, with HF's tokens."""
+    local = tmp_path / "model"
+    shutil.copytree(make_checkpoint(), local)
+    config = json.loads((local / "config.json").read_text())
+    del config["architectures"]
+    config["hidden_act"] = "swish"
+    (local / "config.json").write_text(json.dumps(config))
+    assert build_model_config(local).architecture == "LlamaForCausalLM"
+    prompts = random_prompts((7, 12), vocab=config["vocab_size"])
+    with LLM(local, device="cpu", dtype="float32") as llm:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_same_tokens([o.outputs[0].token_ids for o in outs], hf_greedy(local, prompts, 8), prompts)
+
+
 def test_gemma2_unsupported_settings_are_config_errors(make_checkpoint: Callable[..., Path]) -> None:
     model_dir = make_checkpoint("Gemma2ForCausalLM", num_hidden_layers=1, hidden_activation="gelu")
     with pytest.raises(ConfigError, match="hidden_activation 'gelu' is not supported"):

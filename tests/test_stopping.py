@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 from conftest import hf_greedy, hf_logprobs
 
@@ -129,6 +130,33 @@ def test_eos_list_from_generation_config(model_dir: Path, reference: list[int], 
         )[0].outputs[0]
     assert out.token_ids == reference[: reference.index(eos) + 1] and out.finish_reason == "stop"
     assert ignored.token_ids == reference
+
+
+def test_generation_config_eos_replaces_config_eos(
+    model_dir: Path, reference: list[int], tmp_path: Path
+) -> None:
+    """As transformers' generate: generation_config.json's eos ids stand alone; config.json's
+    eos_token_id is used only when generation_config.json gives none."""
+    local = tmp_path / "model"
+    shutil.copytree(model_dir, local)
+    config = json.loads((local / "config.json").read_text())
+    early, late = reference[2], next(t for t in reference[3:] if t not in reference[:3])
+    config["eos_token_id"] = early
+    (local / "config.json").write_text(json.dumps(config))
+    (local / "generation_config.json").write_text(json.dumps({"eos_token_id": [late]}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT])
+    want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False,
+                       pad_token_id=0)[0, len(PROMPT) :].tolist()  # fmt: skip
+    assert want == reference[: reference.index(late) + 1]
+    with LLM(local, device="cpu", dtype="float32") as engine:
+        assert engine.engine.eos_token_ids == {late}
+        out = engine.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=N),
+                              use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert out.token_ids == want and out.finish_reason == "stop"
+    (local / "generation_config.json").write_text(json.dumps({"max_new_tokens": 5}))
+    with LLM(local, device="cpu", dtype="float32") as engine:
+        assert engine.engine.eos_token_ids == {early}
 
 
 def test_max_model_len_ends_with_length(model_dir: Path, reference: list[int]) -> None:

@@ -318,6 +318,12 @@ def _rope_config(hf_config: Any, head_dim: int) -> RopeConfig:
     )
 
 
+def _causal_lm_by_model_type() -> dict[str, str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
 def _eos_token_ids(path: str, hf_config: Any) -> tuple[int, ...]:
     ids: list[int] = []
 
@@ -328,10 +334,12 @@ def _eos_token_ids(path: str, hf_config: Any) -> tuple[int, ...]:
             if isinstance(v, int) and v not in ids:
                 ids.append(v)
 
+    # As transformers' generate: generation_config.json's eos ids when it gives any, else config.json's.
     gen_path = Path(path) / "generation_config.json"
     if gen_path.is_file():
         add(json.loads(gen_path.read_text()).get("eos_token_id"))
-    add(getattr(hf_config, "eos_token_id", None))
+    if not ids:
+        add(getattr(hf_config, "eos_token_id", None))
     return tuple(ids)
 
 
@@ -359,7 +367,8 @@ def build_model_config(
     from tp_runtime.models.registry import ARCHITECTURES  # imports torch and the models: only when needed
 
     archs = list(getattr(hf, "architectures", None) or [])
-    arch = archs[0] if archs else ""
+    # No architectures listed: transformers' AutoModelForCausalLM goes by model_type.
+    arch = archs[0] if archs else _causal_lm_by_model_type().get(getattr(hf, "model_type", ""), "")
     if arch not in ARCHITECTURES:
         raise ConfigError(
             f"architecture {arch or '(none)'!r} in {path}/config.json is not supported; "
@@ -370,8 +379,8 @@ def build_model_config(
     # What the architecture decides (biases, sliding window, experts, activation, soft-capping), over
     # these defaults.
     adapted = ARCHITECTURES[arch].config(hf)
-    if "hidden_act" not in adapted and getattr(hf, "hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act {hf.hidden_act!r} is not supported (only silu)")
+    if "hidden_act" not in adapted and getattr(hf, "hidden_act", "silu") not in ("silu", "swish"):
+        raise ConfigError(f"hidden_act {hf.hidden_act!r} is not supported (only silu, alias swish)")
     specific: dict[str, Any] = {
         "qkv_bias": False,
         "o_proj_bias": False,

@@ -32,6 +32,7 @@ from tp_runtime.errors import (
     WorkerDiedError,
     WorkerError,
 )
+from tp_runtime.messages import Shutdown
 from tp_runtime.worker.worker import FAULT_INJECTION_ENV
 
 pytestmark = pytest.mark.slow
@@ -346,28 +347,66 @@ def test_torchrun_rank_failing_mid_step_ends_the_job(checkpoint: Path, tmp_path:
     assert "rank 1 failed" in output and "injected failure in rank 1's third step" in output, output[-3000:]
 
 
+_TORCHRUN_SEEDS_DIFFER = """
+import os, sys
+from tp_runtime import LLM, run_torchrun_worker
+from tp_runtime.config import torchrun_rank
+
+options = dict(tensor_parallel_size=2, device="cpu", dtype="float32", seed=torchrun_rank())
+if torchrun_rank():
+    run_torchrun_worker(sys.argv[1], **options)
+else:
+    LLM(sys.argv[1], **options)
+"""
+
+
+def test_torchrun_start_that_fails_removes_the_drivers_sockets(checkpoint: Path, tmp_path: Path) -> None:
+    """Rank 0 makes the driver's sockets (in a private folder) before the ranks compare their engine
+    arguments; when that start fails (a seed differs here), the folder and its sockets go with it."""
+    script = tmp_path / "job.py"
+    script.write_text(_TORCHRUN_SEEDS_DIFFER)
+    sockets = tmp_path / "tmp"
+    sockets.mkdir()
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1", "TMPDIR": str(sockets)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(script), str(checkpoint)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "differ from rank 0's on some rank: seed" in output, output[-3000:]
+    assert not [p.name for p in sockets.iterdir() if p.name.startswith("tp-runtime-")], output[-2000:]
+
+
 # ----------------------------------------------------------------------------- (c) the driver is killed
 _DRIVER_SCRIPT = """
-import sys, time
+import os, sys, time
 from tp_runtime import LLM
 llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", dtype="float32", executor="multiprocess")
 llm.generate({"prompt_token_ids": [1, 5, 6]}, use_tqdm=False)
-print("PIDS", *llm.engine.executor.worker_pids(), flush=True)
+child = os.fork() if sys.argv[2] == "fork" else -1  # a child of the driver's that outlives it
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+print("PIDS", *llm.engine.executor.worker_pids(), "CHILD", child, flush=True)
 time.sleep(600)
 """
 
 
-def test_killing_the_driver_leaves_no_worker(checkpoint: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("forked", [False, True], ids=["alone", "with-a-forked-child"])
+def test_killing_the_driver_leaves_no_worker(checkpoint: Path, tmp_path: Path, forked: bool) -> None:
+    """The workers leave when the driver dies, also while a process it forked lives on (the child closes
+    the inherited ends of the workers' pipes)."""
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     log = (tmp_path / "driver.log").open("w")
     driver = subprocess.Popen(
-        [sys.executable, "-c", _DRIVER_SCRIPT, str(checkpoint)],
+        [sys.executable, "-c", _DRIVER_SCRIPT, str(checkpoint), "fork" if forked else "alone"],
         stdout=subprocess.PIPE, stderr=log, text=True, env=env,
     )  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in driver.stdout or []], daemon=True).start()
     worker_pids: list[int] = []
+    child = -1
     try:
         try:
             line = lines.get(timeout=TEST_TIMEOUT_S - 30)
@@ -376,8 +415,10 @@ def test_killing_the_driver_leaves_no_worker(checkpoint: Path, tmp_path: Path) -
                 f"the driver never reported its workers; stderr:\n{(tmp_path / 'driver.log').read_text()}"
             )
         assert line.startswith("PIDS "), line
-        worker_pids = [int(p) for p in line.split()[1:]]
+        fields = line.split()
+        worker_pids, child = [int(p) for p in fields[1:-2]], int(fields[-1])
         assert len(worker_pids) == 2 and all(alive(p) for p in worker_pids)
+        assert (child > 0) == forked and (not forked or alive(child))
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait(timeout=10)
         t0 = time.monotonic()
@@ -390,7 +431,40 @@ def test_killing_the_driver_leaves_no_worker(checkpoint: Path, tmp_path: Path) -
         for pid in worker_pids:  # started (indirectly) by this test
             if alive(pid) and is_spawned_worker(pid):
                 kill_quietly(pid)
+        if child > 0:
+            kill_quietly(child)
         log.close()
+
+
+_STOP_IN_LOAD = """
+import os, signal
+if os.environ.get("TP_RUNTIME_TEST_STOP_RANK_IN_LOAD"):
+    from tp_runtime.worker import worker
+
+    load_model = worker.Worker.load_model
+
+    def stopping_load_model(self):
+        if self.rank == int(os.environ["TP_RUNTIME_TEST_STOP_RANK_IN_LOAD"]):
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return load_model(self)
+
+    worker.Worker.load_model = stopping_load_model
+"""
+
+
+def test_a_rank_stopped_while_loading_is_named(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank stopped by a signal before it has answered the start-up greeting (here in its model load) is
+    named as stopped after HEARTBEAT_TIMEOUT_S, not after startup_timeout_s (600 s)."""
+    (tmp_path / "sitecustomize.py").write_text(_STOP_IN_LOAD)  # imported by the spawned workers only
+    paths = [str(tmp_path), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
+    monkeypatch.setenv("TP_RUNTIME_TEST_STOP_RANK_IN_LOAD", "1")
+    stopped = r"rank 1 sent no heartbeat for [\d.]+ s: it is stopped by a signal"
+    with pytest.raises(StepTimeoutError, match=stopped):
+        LLM(checkpoint, tensor_parallel_size=2, device="cpu", dtype="float32", executor="multiprocess",
+            startup_timeout_s=600.0)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- (d) garbage on the sockets
@@ -475,6 +549,37 @@ def test_context_manager_leaves_no_worker(start_llm: Callable[..., LLM]) -> None
     llm.shutdown()
     llm.shutdown()
     with pytest.raises(RuntimeError, match="has been shut down; create a new one"):
+        llm.generate(PROMPT, SHORT, use_tqdm=False)
+
+
+def test_ctrl_c_during_shutdown_kills_the_workers_and_still_cleans_up(start_llm: Callable[..., LLM]) -> None:
+    """A Ctrl-C while the engine shuts down (an impatient second one) does not leave it half done: the
+    workers are killed at once instead of waiting out the grace period (rank 1 is stopped, so it would
+    never leave on its own), every one is reaped, the sockets, their folder and the watchdog are gone, and
+    the interrupt is raised after that. Fired when the Shutdown message goes out."""
+    llm = start_llm()
+    generate_ok(llm)
+    executor = llm.engine.executor
+    workers = executor.workers  # type: ignore[attr-defined]
+    ipc_dir = Path(executor.ipc_dir)  # type: ignore[attr-defined]
+    watchdog = executor.channel.watchdog._thread  # type: ignore[attr-defined]
+    os.kill(workers.procs[1].pid, signal.SIGSTOP)
+    real_broadcast = workers.broadcast
+    pressed: list[bool] = []
+
+    def broadcast(message: Any) -> None:
+        real_broadcast(message)
+        if isinstance(message, Shutdown) and not pressed:
+            pressed.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    workers.broadcast = broadcast
+    with pytest.raises(KeyboardInterrupt):
+        executor.shutdown(grace_s=float(TEST_TIMEOUT_S))
+    assert all(p.returncode is not None for p in workers.procs), "a worker was not reaped"
+    assert not ipc_dir.exists() and not watchdog.is_alive()
+    llm.shutdown()  # a no-op now
+    with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(PROMPT, SHORT, use_tqdm=False)
 
 

@@ -266,6 +266,7 @@ def test_forged_frames_on_the_reply_socket_are_dropped(
     drops_before = channel.reader.drops.total
     limit = channel.pull.getsockopt(zmq.MAXMSGSIZE)
     assert 0 < limit < 64 << 20
+    assert channel.pull.getsockopt(zmq.RCVHWM) <= 16  # what a flooding peer can make the driver hold
 
     def attack(step_id: int) -> None:
         forged = worker_reply_codec().encode(forged_output(step_id, [7] * len(PROMPTS)))

@@ -51,6 +51,8 @@ QUIET_S = 3 * HEARTBEAT_INTERVAL_S
 # torchrun: rank 0's own worker can block inside a collective with a dead or stopped rank, where no error
 # reaches it; the watchdog ends the process this long after it has named the rank.
 _HARD_EXIT_GRACE_S = 2.0
+# Replies queued per connection on the driver's reply socket.
+_REPLIES_QUEUED = 16
 # Peers only send subscription messages to the broadcast socket (1 byte: workers subscribe to everything).
 _BROADCAST_INBOUND_MAX = 64
 
@@ -242,6 +244,10 @@ class DriverChannel:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.MAXMSGSIZE, max_reply_bytes + FRAME_OVERHEAD)
+        # Few messages queued per connection (libzmq's default is 1000 of up to MAXMSGSIZE each): a peer
+        # that floods the socket holds little memory, and a rank's sends wait instead (it has at most a
+        # few replies out: two steps in flight, a control call, an error).
+        self.pull.setsockopt(zmq.RCVHWM, _REPLIES_QUEUED)
         self.broadcast_addr = bind_socket(self.pub, broadcast_addr)
         self.results_addr = bind_socket(self.pull, results_addr)
         self.writer = FrameWriter(driver_message_codec(), key, BROADCAST, DRIVER_ID)

@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import shutil
 import site
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -99,6 +102,9 @@ class _SpawnedWorkers(RemoteWorkers):
                 view = memoryview(frame)
                 while view:  # an unbuffered write may be partial
                     view = view[proc.stdin.write(view) or 0 :]
+        # A process forked from the driver would inherit the pipes' write ends and keep the workers
+        # alive after the driver died: the child closes them (the weak reference: nothing once we are gone).
+        os.register_at_fork(after_in_child=functools.partial(_close_pipes_in_child, weakref.ref(self)))
 
     def _check_processes(self, settle_s: float) -> None:
         deadline = time.monotonic() + settle_s
@@ -123,28 +129,48 @@ class _SpawnedWorkers(RemoteWorkers):
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def stop(self, grace_s: float) -> None:
-        """Wait up to grace_s for workers to leave after the Shutdown message, then SIGTERM, then SIGKILL."""
+    def stop(self, grace_s: float, hurry: threading.Event | None = None) -> None:
+        """Wait up to grace_s for workers to leave after the Shutdown message, then SIGTERM, then SIGKILL;
+        once `hurry` is set, SIGKILL at once. Every process is reaped."""
         self.closed = True
+        hurry = hurry or threading.Event()
         deadline = time.monotonic() + grace_s
         for p in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            _wait(p, deadline, hurry)
         for p in self.procs:
             if p.poll() is None:
                 # A stopped process cannot act on SIGTERM: do not wait for it.
-                p.kill() if _process_state(p.pid) in ("T", "t") else p.terminate()
+                p.kill() if hurry.is_set() or _process_state(p.pid) in ("T", "t") else p.terminate()
+        deadline = time.monotonic() + 2.0
         for p in self.procs:
-            try:
-                p.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
+            if not _wait(p, deadline, hurry):
                 p.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.wait(timeout=2.0)
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=2.0)
         for p in self.procs:
             if p.stdin is not None:
                 with contextlib.suppress(OSError):
                     p.stdin.close()
+
+
+def _close_pipes_in_child(workers: weakref.ref[_SpawnedWorkers]) -> None:
+    spawned = workers()
+    for proc in spawned.procs if spawned is not None else ():
+        if proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+
+
+def _wait(proc: subprocess.Popen[bytes], deadline: float, hurry: threading.Event) -> bool:
+    """Wait for proc to exit until the deadline or until `hurry` is set; whether it exited."""
+    while proc.poll() is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or hurry.is_set():
+            return False
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=min(remaining, 0.05))
+    return True
 
 
 class MultiprocExecutor:
@@ -234,12 +260,33 @@ class MultiprocExecutor:
         return self.workers.pids()
 
     def shutdown(self, grace_s: float = 5.0) -> None:
+        """Stop the workers (grace_s to leave on their own) and remove the sockets and their folder. A
+        Ctrl-C meanwhile (an impatient second one, say) does not cut it short: the step it interrupted runs
+        again in a hurry (the workers are killed at once), the rest follows, and then it is raised."""
         if self._shut_down:
             return
         self._shut_down = True
-        with contextlib.suppress(zmq.ZMQError):
-            self.workers.broadcast(Shutdown())
-        self.workers.stop(grace_s)
-        self.channel.close()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        hurry = threading.Event()
+
+        def say_shutdown() -> None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.workers.broadcast(Shutdown())
+
+        steps: list[Callable[[], object]] = [
+            say_shutdown,
+            lambda: self.workers.stop(grace_s, hurry),
+            self.channel.close,
+            lambda: shutil.rmtree(self.ipc_dir, ignore_errors=True),
+        ]
+        interrupted: KeyboardInterrupt | None = None
+        for step in steps:
+            while True:
+                try:
+                    step()
+                    break
+                except KeyboardInterrupt as exc:
+                    interrupted = exc
+                    hurry.set()
+        if interrupted is not None:
+            raise interrupted
 

@@ -16,7 +16,7 @@ from tp_runtime.errors import (
     WorkerError,
 )
 from tp_runtime.executor.base import CLOSED_MESSAGE
-from tp_runtime.ipc import LIVENESS_POLL_MS, DriverChannel, stalled_error
+from tp_runtime.ipc import HEARTBEAT_TIMEOUT_S, LIVENESS_POLL_MS, DriverChannel, stalled_error
 from tp_runtime.messages import (
     DriverMessage,
     Hello,
@@ -81,6 +81,7 @@ class RemoteWorkers:
         self.arrived: dict[int, ModelRunnerOutput] = {}  # answered, not asked for yet
         self.abandoned: set[int] = set()  # in flight but no longer wanted (their requests were aborted)
         self.answered: deque[int] = deque(maxlen=64)  # to tell a duplicate from a step never sent
+        self.stopped_since: dict[int, float] = {}  # ranks seen stopped by a signal, since when
 
     def _check_processes(self, settle_s: float) -> None:
         """Raise WorkerDiedError for a rank that is gone (waiting up to settle_s for one to go)."""
@@ -101,6 +102,13 @@ class RemoteWorkers:
             if not self._maybe_busy(rank):
                 state = "it is stopped by a signal" if self._stopped(rank) else "it is stopped or hung"
                 raise stalled_error(rank, silent_s, state)
+        # Also before the heartbeats are watched (start-up, the model load): a rank stopped this long.
+        now = time.monotonic()
+        for rank in self.remote_ranks:
+            if not self._stopped(rank):
+                self.stopped_since.pop(rank, None)
+            elif now - self.stopped_since.setdefault(rank, now) >= HEARTBEAT_TIMEOUT_S:
+                raise stalled_error(rank, now - self.stopped_since[rank], "it is stopped by a signal")
 
     def broadcast(self, message: DriverMessage) -> None:
         self.channel.send(message)

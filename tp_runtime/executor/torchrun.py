@@ -182,10 +182,14 @@ class TorchrunExecutor:
             time.sleep(0.2)  # let the shutdown message leave before the socket closes
         except zmq.ZMQError:
             pass
+        self.close_channel()
+        self.worker.shutdown()
+
+    def close_channel(self) -> None:
+        """Close the driver's sockets and watchdog and remove their folder."""
         self.channel.close()
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
-        self.worker.shutdown()
 
 
 _SECRET_HOWTO = (
@@ -264,6 +268,19 @@ def _join(config: EngineConfig, make_driver: bool) -> tuple[Worker, TorchrunExec
         ch = executor.channel
         fields = [ch.broadcast_addr, ch.results_addr, ch.watchdog.address, nonce.hex(), key_check(key).hex()]
         payload = "\n".join(fields).encode()  # ipc paths may hold spaces
+    try:
+        return _agree_and_load(config, worker, executor, payload, secret)
+    except BaseException:
+        if executor is not None:  # its sockets, watchdog and socket folder go with the failed start
+            executor.close_channel()
+        raise
+
+
+def _agree_and_load(
+    config: EngineConfig, worker: Worker, executor: TorchrunExecutor | None, payload: bytes | None,
+    secret: bytes | None,
+) -> tuple[Worker, TorchrunExecutor | None, WorkerAddresses]:  # fmt: skip
+    """_join's rest: every rank takes rank 0's addresses, checks that the ranks agree, and loads the model."""
     broadcast_addr, results_addr, heartbeat_addr, nonce_hex, check_hex = (
         worker.tp.broadcast_bytes(payload, worker.device).decode().split("\n")
     )
@@ -271,8 +288,6 @@ def _join(config: EngineConfig, make_driver: bool) -> tuple[Worker, TorchrunExec
     # (a seed, a dtype, a block size) would give wrong tokens or a hang, never an error.
     differs = _differing_settings(config, worker)
     if differs:
-        if executor is not None:
-            executor.channel.close()
         raise ConfigError(
             f"the ranks of this torchrun job were given different engine arguments (settings that differ "
             f"from rank 0's on some rank: {', '.join(differs)}); pass the same arguments to every rank"
@@ -280,8 +295,6 @@ def _join(config: EngineConfig, make_driver: bool) -> tuple[Worker, TorchrunExec
     key = derive_job_key(secret, bytes.fromhex(nonce_hex))
     same_key = hmac.compare_digest(key_check(key), bytes.fromhex(check_hex))
     if worker.tp.all_reduce_min_int(int(same_key), worker.device) == 0:
-        if executor is not None:
-            executor.channel.close()
         raise ConfigError(
             "the ranks of this torchrun job hold different shared secrets; set the same TP_RUNTIME_SECRET "
             "(or TP_RUNTIME_SECRET_FILE contents) on every node"

@@ -95,6 +95,24 @@ def test_stop_string(llm: LLM, model_dir: Path, reference: list[int]) -> None:
     assert out.finish_reason == "stop" and out.stop_reason == stop  # type: ignore[attr-defined]
 
 
+def test_stop_strings_wait_for_min_tokens(llm: LLM, model_dir: Path, reference: list[int]) -> None:
+    """As vLLM: stop strings are looked for only in the text of the tokens after the first min_tokens, so a
+    stop string completed by token min_tokens + 1 ends the request, one completed by token min_tokens
+    does not (its text is not searched again)."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    texts = [tok.decode(reference[:j], skip_special_tokens=True) for j in range(N + 1)]
+    # A token j (1-based) that adds a character seen nowhere else in the text: the stop string.
+    j, stop = next(
+        (j, c) for j in range(3, N - 2) for c in texts[j][len(texts[j - 1]) :]
+        if texts[j].startswith(texts[j - 1]) and c.strip() and c != "\ufffd" and texts[N].count(c) == 1
+    )  # fmt: skip
+    out = _greedy(llm, ignore_eos=True, stop=[stop], min_tokens=j - 1)
+    assert out.token_ids == reference[:j] and out.finish_reason == "stop"  # type: ignore[attr-defined]
+    out = _greedy(llm, ignore_eos=True, stop=[stop], min_tokens=j)
+    assert out.token_ids == reference and out.finish_reason == "length"  # type: ignore[attr-defined]
+    assert stop in out.text  # type: ignore[attr-defined]
+
+
 def test_the_earliest_stop_string_wins(llm: LLM, model_dir: Path, reference: list[int]) -> None:
     """Two stop strings completed by the same token, the later one listed first: the text ends before the
     earlier one, so it holds neither (as OpenAI's `stop` promises)."""

@@ -429,7 +429,9 @@ class LLMEngine:
         token = ids[-1]
         num_out = len(ids)
         num_known = len(req.prompt_token_ids) + num_out
-        searching = num_out >= params.min_tokens  # stops count from min_tokens on
+        # As vLLM: nothing stops the first min_tokens tokens (their stop ids are masked when sampled), and
+        # stop strings are looked for only in the text of the tokens after them.
+        searching = num_out > params.min_tokens
         state = self._text_states.get(req.req_id)
         if state is None or not state.stop_strings:
             state = None

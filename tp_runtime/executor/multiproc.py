@@ -119,7 +119,7 @@ class _SpawnedWorkers(RemoteWorkers):
             time.sleep(0.02)
 
     def _stopped(self, rank: int) -> bool:
-        return _process_state(self.procs[rank].pid) in ("T", "t")
+        return rank < len(self.procs) and _process_state(self.procs[rank].pid) in ("T", "t")
 
     def _maybe_busy(self, rank: int) -> bool:
         # Silent but running: its main thread may hold the GIL for long (a Triton compile); the step

@@ -94,7 +94,7 @@ def test_config_without_architectures(checkpoint: Path, tmp_path: Path) -> None:
     """No architectures listed: the class transformers would load for the model_type decides (a Llama
     loads, see test_model_families.py); one that is not supported here says so."""
     model = _copy_checkpoint(checkpoint, tmp_path / "m", architectures=None, model_type="gpt2")
-    with pytest.raises(ConfigError, match="architecture 'GPT2LMHeadModel' .* is not supported"):
+    with pytest.raises(ConfigError, match=r"architecture 'GPT2LMHeadModel' .* is not supported"):
         LLM(model, device="cpu")
 
 

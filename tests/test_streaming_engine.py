@@ -624,3 +624,44 @@ def test_describe_failure_is_one_short_line() -> None:
     long = describe_failure(RuntimeError("x" * 500 + "\nsecond line"))
     assert long.startswith("RuntimeError: xxx") and len(long) < 250 and "second" not in long
     assert describe_failure(ValueError()) == "ValueError"
+
+
+def _sentencepiece_style_tokenizer() -> Any:
+    """A Llama-2-style tokenizer: Metaspace words ("▁Paris"), byte fallback, and a decoder that strips the
+    leading space of a text's first word, so a word decoded alone loses its space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([
+        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)
+    ])  # fmt: skip
+    specials = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials, show_progress=False)
+    corpus = [TEXT, "The capital of France is Paris. The capital of Spain is Madrid."]
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_output_text_keeps_the_space_its_first_word_begins_with(model_config: Any) -> None:
+    """A SentencePiece-style decoder drops the leading space of a text's first word; the output is decoded
+    after the prompt's last tokens, so its text is what it adds to the prompt's text, as vLLM and
+    transformers' text-generation pipeline give it: " Paris." after "... is", streamed, whole, and cut by a
+    stop string alike."""
+    tok = _sentencepiece_style_tokenizer()
+    prompt = tok("The capital of France is")["input_ids"]
+    ids = tok(" Paris. The capital of Spain is Madrid.", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids[0]).startswith("▁") and not tok.decode(ids).startswith(" ")
+    prompt_text = tok.decode(prompt, skip_special_tokens=True)
+    want = tok.decode(prompt + ids, skip_special_tokens=True)[len(prompt_text) :]
+    assert want.startswith(" Paris.")
+    engine = make_engine(model_config, tok, ScriptedExecutor(text_script(ids, len(prompt))))
+    plain = SamplingParams(temperature=0, max_tokens=len(ids), ignore_eos=True)
+    stopped = SamplingParams(temperature=0, max_tokens=len(ids), ignore_eos=True, stop="Spain")
+    streamed, whole = engine.add_request(prompt, plain, stream=True), engine.add_request(prompt, plain)
+    cut = engine.add_request(prompt, stopped)
+    outputs = run_all(engine)
+    assert joined(outputs[str(streamed)])[0] == want
+    assert outputs[str(whole)][0].outputs[0].text == want
+    assert outputs[str(cut)][0].outputs[0].text == want[: want.index("Spain")]

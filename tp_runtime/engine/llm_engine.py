@@ -29,34 +29,44 @@ from tp_runtime.sampling_params import SamplingParams
 class IncrementalDetokenizer:
     """The text of a growing list of token ids, a piece at a time (vLLM's incremental detokenization).
 
-    Each call decodes the tokens from the start of the previous piece on, so a decoder that treats the
-    first token of a text specially (SentencePiece's leading space) sees the same context as in the
-    whole text, and keeps what that window adds past the previous piece. A window whose text ends in
-    U+FFFD is held back: its last bytes may begin a character that the next token completes (byte-level
-    BPE splits multi-byte characters). So `text` is always a prefix of `decode(ids)` that later tokens
-    cannot change; only the held-back tail is missing, which the caller takes from a full decode at the
-    end.
+    The text is that of `context + ids` past the text of `context` (the prompt's last tokens): a
+    SentencePiece decoder drops the leading space of a text's first word, so the output decoded alone
+    would lose the space its first token begins with (vLLM and transformers' text-generation pipeline keep
+    it). Each call decodes the tokens from the start of the previous piece on, so the decoder sees the same
+    context as in the whole text, and keeps what that window adds past the previous piece. A window whose
+    text ends in U+FFFD is held back: its last bytes may begin a character that the next token completes
+    (byte-level BPE splits multi-byte characters). So `text` is always a prefix of the output's text that
+    later tokens cannot change; only the held-back tail is missing, which the caller takes from a full
+    decode at the end (`output_text`).
     """
 
-    __slots__ = ("_decode", "_prefix_offset", "_read_offset", "text")
+    __slots__ = ("_context", "_decode", "_prefix_offset", "_read_offset", "text")
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int] = ()) -> None:
         self._decode = decode
+        self._context = list(context)
+        # Offsets into context + ids.
         self._prefix_offset = 0  # start of the previous piece's tokens
-        self._read_offset = 0  # tokens already in `text`
+        self._read_offset = len(self._context)  # tokens already in `text`
         self.text = ""
+
+    def _tokens(self, ids: list[int], start: int, end: int | None = None) -> list[int]:
+        """(context + ids)[start:end], without building the whole list."""
+        skip = len(self._context)
+        head = self._context[start:end] if start < skip else []
+        return head + ids[max(0, start - skip) : None if end is None else max(0, end - skip)]
 
     def step(self, ids: list[int]) -> str:
         """Advance to the output `ids` (the previous ones plus new tokens); returns the text they add."""
-        if len(ids) <= self._read_offset:
+        if len(self._context) + len(ids) <= self._read_offset:
             return ""
         start, read = self._prefix_offset, self._read_offset
-        prefix = self._decode(ids[start:read]) if read > start else ""
-        window = self._decode(ids[start:])
+        prefix = self._decode(self._tokens(ids, start, read)) if read > start else ""
+        window = self._decode(self._tokens(ids, start))
         if len(window) <= len(prefix) or window.endswith("\ufffd"):
             return ""
         piece = window[len(prefix) :]
-        self._prefix_offset, self._read_offset = read, len(ids)
+        self._prefix_offset, self._read_offset = read, len(self._context) + len(ids)
         self.text += piece
         return piece
 
@@ -65,17 +75,30 @@ class IncrementalDetokenizer:
         that `next_id` releases unchanged: none while the text still waits (it ends in U+FFFD), else those
         before the character next_id completes, if any (bytes that never made a character stay U+FFFD)."""
         start, read = self._prefix_offset, self._read_offset
-        if len(ids) <= read:
+        if len(self._context) + len(ids) <= read:
             return 0
-        after = self._decode([*ids[start:], next_id])
+        after = self._decode([*self._tokens(ids, start), next_id])
         if after.endswith("\ufffd"):
             return 0
-        prefix = self._decode(ids[start:read]) if read > start else ""
-        before = self._decode(ids[start:])
+        prefix = self._decode(self._tokens(ids, start, read)) if read > start else ""
+        before = self._decode(self._tokens(ids, start))
         same = 0
         while same < min(len(before), len(after)) and before[same] == after[same]:
             same += 1
         return max(0, same - len(prefix))
+
+
+# The prompt tokens an output's text is decoded after (IncrementalDetokenizer): vLLM's number.
+DECODE_CONTEXT_TOKENS = 5
+
+
+def output_text(decode: Callable[[list[int]], str], prompt: Sequence[int], ids: list[int]) -> str:
+    """The text of output `ids` that follow `prompt`: decoded after the prompt's last tokens and cut after
+    their text (see IncrementalDetokenizer); decoded alone where the two texts do not line up."""
+    context = list(prompt[-DECODE_CONTEXT_TOKENS:])
+    before = decode(context)
+    text = decode(context + ids)
+    return text[len(before) :] if text.startswith(before) else decode(ids)
 
 
 @dataclass
@@ -225,7 +248,7 @@ class LLMEngine:
         if stream or params.stop_strings:
             stops = params.stop_strings
             self._text_states[req_id] = _TextState(
-                IncrementalDetokenizer(self._decode),
+                IncrementalDetokenizer(self._decode, prompt_ids[-DECODE_CONTEXT_TOKENS:]),
                 stream=stream,
                 stop_strings=stops,
                 hold=max(map(len, stops)) - 1 if stops else 0,
@@ -309,7 +332,7 @@ class LLMEngine:
         ids = req.output_token_ids
         if req.finish_reason == "stop" and not req.params.include_stop_str_in_output:
             ids = ids[:-1]  # a stop token (EOS or stop_token_ids): its text is left out, as vLLM does
-        return self._decode(ids)
+        return output_text(self._decode, req.prompt_token_ids, ids)
 
     def _final_output(self, req: Request) -> RequestOutput:
         """A finished request's whole output (the request was not streamed)."""
@@ -440,7 +463,8 @@ class LLMEngine:
         if token in req.stop_ids and searching:
             # A stop string that the incremental text held back (its last token also begins a character)
             # came first: the stop token's text is not part of the output either way.
-            if state is not None and self._find_stop_string(req, state, self._decode(ids[:-1]), searched):
+            text = output_text(self._decode, req.prompt_token_ids, ids[:-1]) if state is not None else ""
+            if state is not None and self._find_stop_string(req, state, text, searched):
                 return "stop"
             if params.stop_token_ids and token in params.stop_token_ids:
                 req.stop_reason = token
@@ -452,7 +476,8 @@ class LLMEngine:
         if num_out >= req.max_tokens or num_known >= self.config.model.max_model_len:
             # The text the detokenizer still holds back is final now: it may complete a stop string.
             if state is not None and searching:
-                stopped = self._find_stop_string(req, state, self._decode(ids), searched)
+                text = output_text(self._decode, req.prompt_token_ids, ids)
+                stopped = self._find_stop_string(req, state, text, searched)
                 if stopped:
                     return "stop"
             return "length"

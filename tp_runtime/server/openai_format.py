@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from tp_runtime.engine.async_engine import describe_failure
 from tp_runtime.engine.llm import chat_content_text
-from tp_runtime.engine.llm_engine import IncrementalDetokenizer
+from tp_runtime.engine.llm_engine import DECODE_CONTEXT_TOKENS, IncrementalDetokenizer
 from tp_runtime.errors import InvalidRequestError, TPRuntimeError
 from tp_runtime.outputs import CompletionOutput, Logprob
 from tp_runtime.sampling_params import SamplingParams
@@ -247,9 +247,12 @@ class TextOffsets:
     engine holds back (a possible stop string) counts where it will appear; offsets past the end of the
     choice's final text (a stop string cut it) are clamped by the caller."""
 
-    def __init__(self, tokenizer: Any, with_special_tokens: bool = False) -> None:
+    def __init__(self, tokenizer: Any, with_special_tokens: bool = False, prompt: Sequence[int] = ()) -> None:
+        """`prompt`: what the tokens follow (a completion's prompt), decoded before them as in the engine."""
         skip = not with_special_tokens
-        self._detok = IncrementalDetokenizer(lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip)))
+        self._detok = IncrementalDetokenizer(
+            lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip)), prompt[-DECODE_CONTEXT_TOKENS:]
+        )
         self._ids: list[int] = []
 
     def next(self, token_id: int) -> int:
@@ -411,7 +414,7 @@ class CompletionFormat(Format):
         self._echoes = echoes
         self._echoed = [False] * num_choices
         asked = num_choices if body.logprobs is not None else 0
-        self._offsets = [TextOffsets(tokenizer) for _ in range(asked)]
+        self._offsets = [TextOffsets(tokenizer, prompt=prompts[i]) for i in range(asked)]
         # Per choice, its tokens' entries (token, logprob, offset, top) not sent yet.
         self._held: list[list[_Entry]] = [[] for _ in range(asked)]
         self._emitted = [0] * num_choices  # length of each choice's text so far

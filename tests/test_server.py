@@ -43,7 +43,7 @@ from tp_runtime.engine.async_engine import AsyncLLMEngine
 from tp_runtime.errors import WorkerError
 from tp_runtime.presets import build_preset_tokenizer
 from tp_runtime.server.api_server import build_app
-from tp_runtime.server.openai_format import TextOffsets, TokenBytes
+from tp_runtime.server.openai_format import CompletionFormat, TextOffsets, TokenBytes
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = (
@@ -1075,3 +1075,38 @@ class _CountingTokenizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def test_formatting_a_response_does_not_block_the_event_loop(
+    scripted_config: Any, byte_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole response is assembled and encoded off the event loop (with echoed prompts and logprobs it
+    can be megabytes): while one is held inside its assembly, /health and other requests are answered."""
+    entered, go = threading.Event(), threading.Event()
+    timed_out: list[bool] = []
+    choice = CompletionFormat.choice
+
+    def held_choice(self: Any, index: int, pieces: Any) -> Any:
+        if self.top is not None:  # the held request is the one that asks for logprobs
+            entered.set()
+            timed_out.append(not go.wait(20))
+        return choice(self, index, pieces)
+
+    monkeypatch.setattr(CompletionFormat, "choice", held_choice)
+    executor = ScriptedExecutor(closed_form)
+
+    async def main(served: InProcess) -> None:
+        async with served.client() as client:
+            held_body = {"prompt": "Hi", "max_tokens": 3, "logprobs": 1, "echo": True}
+            held = asyncio.create_task(client.post("/v1/completions", json=held_body))
+            assert await asyncio.to_thread(entered.wait, 60)
+            assert (await client.get("/health")).status_code == 200
+            other = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+            assert other.status_code == 200 and other.json()["choices"][0]["finish_reason"] == "length"
+            go.set()
+            response = await held
+            assert response.status_code == 200 and response.json()["choices"][0]["text"].startswith("Hi")
+
+    with InProcess(scripted_config, byte_tokenizer, executor) as served:
+        asyncio.run(main(served))
+    assert timed_out == [False], "the held assembly blocked the event loop"

@@ -37,7 +37,6 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -83,6 +82,8 @@ MAX_CHOICES = 128
 _MiB = 1 << 20
 _Body = TypeVar("_Body", bound=SamplingFields)
 _EngineRequests = list[tuple[list[int], SamplingParams]]
+# An engine output with more tokens than this (or with prompt logprobs) is formatted in a worker thread.
+_PIECE_OFF_LOOP_TOKENS = 64
 
 
 def check_choices(num_prompts: int, n: int) -> None:
@@ -382,7 +383,11 @@ class _Run:
                 finish = None if c.finish_reason is None else "length"
                 c = replace(c, text="", token_ids=[], logprobs=None, finish_reason=finish, stop_reason=None)
             self.observe(index, c, out.finished)
-            yield self.fmt.piece(index, c, out.finished, out.prompt_logprobs)
+            if out.prompt_logprobs is not None or len(c.token_ids) > _PIECE_OFF_LOOP_TOKENS:
+                # Much to format (a prompt's logprobs, a long output's): off the event loop.
+                yield await asyncio.to_thread(self.fmt.piece, index, c, out.finished, out.prompt_logprobs)
+            else:
+                yield self.fmt.piece(index, c, out.finished, out.prompt_logprobs)
 
     def observe(self, index: int, out: CompletionOutput, finished: bool) -> None:
         now = time.monotonic()
@@ -412,16 +417,22 @@ class _Run:
             self.ctx.engine.abort(self.stream)
 
 
-async def _response(run: _Run) -> BaseModel:
-    """The whole response, once every choice has finished."""
+async def _response(run: _Run) -> Response:
+    """The whole response, once every choice has finished; assembled and encoded off the event loop (a
+    response with logprobs or echoed prompts can be megabytes)."""
     pieces: list[list[Piece]] = [[] for _ in range(run.num_choices)]
     try:
         async for piece in run.pieces():
             pieces[piece.index].append(piece)
     except TPRuntimeError as exc:  # the engine died under the request
         raise run.ctx.failure(exc) from None
-    choices = [run.fmt.choice(i, p) for i, p in enumerate(pieces)]
-    return run.fmt.response(run.ident, run.created, run.ctx.model_name, choices, run.usage())
+
+    def assemble() -> Response:
+        choices = [run.fmt.choice(i, p) for i, p in enumerate(pieces)]
+        response = run.fmt.response(run.ident, run.created, run.ctx.model_name, choices, run.usage())
+        return JSONResponse(response.model_dump())
+
+    return await asyncio.to_thread(assemble)
 
 
 async def _events(run: _Run, with_usage: bool) -> AsyncGenerator[str, None]:
@@ -505,7 +516,7 @@ async def _serve(
         options = body.stream_options
         return _EventStream(run, with_usage=options is not None and options.include_usage)
     response = await _unless_disconnected(request, run, lambda: _response(run))
-    return Response(status_code=499) if response is None else JSONResponse(response.model_dump())
+    return Response(status_code=499) if response is None else response
 
 
 # ------------------------------------------------------------------------------------------- the app

@@ -35,7 +35,16 @@ import httpx
 import openai
 import pytest
 import transformers
-from test_streaming_engine import PROMPT, TEXT, VOCAB, ScriptedExecutor, closed_form, make_engine, text_script
+from test_streaming_engine import (
+    PROMPT,
+    TEXT,
+    VOCAB,
+    ScriptedExecutor,
+    _sentencepiece_style_tokenizer,
+    closed_form,
+    make_engine,
+    text_script,
+)
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.config import build_model_config
@@ -1023,7 +1032,15 @@ def test_chat_logprob_bytes_rebuild_split_characters(byte_tokenizer: Any) -> Non
 
     sentencepiece = TokenBytes(ByteFallback())
     assert sentencepiece(7, "\ufffd") + sentencepiece(8, "\ufffd") == list("ϝ".encode())
-    assert sentencepiece(9, " word") == list(b" word")
+    assert sentencepiece(9, "word") == list(b" word")  # decoded alone, its word loses the space
+    # A real SentencePiece-style tokenizer (Metaspace words, byte fallback): the bytes rebuild the text
+    # with its words' spaces.
+    sp = _sentencepiece_style_tokenizer()
+    text = " Paris. " + TEXT + " Ωμέγα ✈"  # the last characters are not in its vocabulary: bytes
+    ids = sp(text, add_special_tokens=False)["input_ids"]
+    assert any(sp.convert_ids_to_tokens(i).startswith("<0x") for i in ids)
+    token_bytes = TokenBytes(sp)
+    assert bytes(b for i in ids for b in token_bytes(i, sp.decode([i]))) == text.encode("utf-8")
 
 
 def test_null_means_the_default_and_big_bad_requests_stay_cheap(
@@ -1058,6 +1075,14 @@ def test_null_means_the_default_and_big_bad_requests_stay_cheap(
             assert "129 choices" in error["message"] and counting.calls == 0
             error = _error(await client.post("/v1/completions", json={"prompt": ["x"] * 2, "n": 65}), 400)
             assert "130 choices" in error["message"] and counting.calls == 0
+            chat = {"messages": [{"role": "user", "content": "x"}], "n": 129}  # refused before its template
+            error = _error(await client.post("/v1/chat/completions", json=chat), 400)
+            assert "129 choices" in error["message"] and counting.calls == 0
+            # A dict's bad values are its keys' errors, not a union's branches; their count is capped.
+            bias = {"prompt": "x", "logit_bias": {str(i): "a" for i in range(1000)}}
+            error = _error(await client.post("/v1/completions", json=bias), 400)
+            assert error["message"].startswith("logit_bias.0: Input should be a valid number"), error
+            assert "none of the types" not in error["message"] and len(error["message"]) < 400
 
     with InProcess(scripted_config, byte_tokenizer, executor, front_tokenizer=counting) as served:
         asyncio.run(main(served))

@@ -153,8 +153,8 @@ def test_eos_list_from_generation_config(model_dir: Path, reference: list[int], 
 def test_generation_config_eos_replaces_config_eos(
     model_dir: Path, reference: list[int], tmp_path: Path
 ) -> None:
-    """As transformers' generate: generation_config.json's eos ids stand alone; config.json's
-    eos_token_id is used only when generation_config.json gives none."""
+    """As transformers' generate: generation_config.json's eos ids stand alone. (When it gives none,
+    config.json's eos_token_id is used, where transformers' generate would not stop at all.)"""
     local = tmp_path / "model"
     shutil.copytree(model_dir, local)
     config = json.loads((local / "config.json").read_text())

@@ -665,3 +665,46 @@ def test_output_text_keeps_the_space_its_first_word_begins_with(model_config: An
     assert joined(outputs[str(streamed)])[0] == want
     assert outputs[str(whole)][0].outputs[0].text == want
     assert outputs[str(cut)][0].outputs[0].text == want[: want.index("Spain")]
+
+
+def test_a_prompt_ending_inside_a_character_streams_the_whole_text(model_config: Any, tokenizer: Any) -> None:
+    """A prompt whose last token begins a character the output's first token completes (token-id prompts
+    can): the output is decoded after the prompt's tokens before that byte, so the streamed pieces join
+    into the whole text, with or without a stop string."""
+    first, second = tokenizer("ö", add_special_tokens=False)["input_ids"]
+    prompt = [1, *tokenizer("Kö", add_special_tokens=False)["input_ids"][:-1]]
+    assert prompt[-1] == first
+    ids = [second, *tokenizer("ln ok", add_special_tokens=False)["input_ids"]]
+    want = tokenizer.decode(ids, skip_special_tokens=True)
+    engine = make_engine(model_config, tokenizer, ScriptedExecutor(text_script(ids, len(prompt))))
+    params = [
+        SamplingParams(temperature=0, max_tokens=len(ids), ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=len(ids), ignore_eos=True, stop="zzz"),
+    ]
+    pairs = [(engine.add_request(prompt, p, stream=True), engine.add_request(prompt, p)) for p in params]
+    outputs = run_all(engine)
+    for streamed, whole in pairs:
+        assert joined(outputs[str(streamed)])[0] == outputs[str(whole)][0].outputs[0].text == want
+
+
+def test_a_stop_string_within_the_min_tokens_text_is_not_found(model_config: Any, tokenizer: Any) -> None:
+    """Whatever other stop strings are listed (a longer one widens no search): a stop string that lies
+    wholly in the first min_tokens tokens' text does not end the request, one that ends after it does."""
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"][0] for c in "abcdab"]
+    engine = make_engine(model_config, tokenizer, ScriptedExecutor(text_script(ids, len(PROMPT))))
+    cases = {
+        ("ab",): ("abcd", "stop"),
+        ("ab", "zzzzzz"): ("abcd", "stop"),
+        ("bc",): ("a", "stop"),
+        ("bc", "zzzzzz"): ("a", "stop"),
+    }
+    requests = {}
+    for stops in cases:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, min_tokens=2, stop=list(stops))
+        requests[stops] = engine.add_request(PROMPT, params, stream=True), engine.add_request(PROMPT, params)
+    outputs = run_all(engine)
+    for stops, (text, reason) in cases.items():
+        streamed, whole = requests[stops]
+        final = outputs[str(whole)][0].outputs[0]
+        assert (final.text, final.finish_reason) == (text, reason), stops
+        assert joined(outputs[str(streamed)])[0] == text, stops

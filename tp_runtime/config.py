@@ -334,7 +334,8 @@ def _eos_token_ids(path: str, hf_config: Any) -> tuple[int, ...]:
             if isinstance(v, int) and v not in ids:
                 ids.append(v)
 
-    # As transformers' generate: generation_config.json's eos ids when it gives any, else config.json's.
+    # generation_config.json's eos ids replace config.json's, as in transformers' generate. Where it gives
+    # none (or there is no such file) config.json's stand, which transformers' generate would not use.
     gen_path = Path(path) / "generation_config.json"
     if gen_path.is_file():
         add(json.loads(gen_path.read_text()).get("eos_token_id"))

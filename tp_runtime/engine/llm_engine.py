@@ -92,13 +92,19 @@ class IncrementalDetokenizer:
 DECODE_CONTEXT_TOKENS = 5
 
 
-def output_text(decode: Callable[[list[int]], str], prompt: Sequence[int], ids: list[int]) -> str:
-    """The text of output `ids` that follow `prompt`: decoded after the prompt's last tokens and cut after
-    their text (see IncrementalDetokenizer); decoded alone where the two texts do not line up."""
+def decode_context(decode: Callable[[list[int]], str], prompt: Sequence[int]) -> list[int]:
+    """The prompt tokens an output is decoded after: its last DECODE_CONTEXT_TOKENS, less any at the end
+    that begin a character the output would complete (their text, U+FFFD, would change under the output)."""
     context = list(prompt[-DECODE_CONTEXT_TOKENS:])
-    before = decode(context)
-    text = decode(context + ids)
-    return text[len(before) :] if text.startswith(before) else decode(ids)
+    while context and decode(context).endswith("\ufffd"):
+        context.pop()
+    return context
+
+
+def output_text(decode: Callable[[list[int]], str], context: list[int], ids: list[int]) -> str:
+    """The text of output `ids` after `context` (decode_context): decoded with it and cut after its text, as
+    IncrementalDetokenizer does."""
+    return decode(context + ids)[len(decode(context)) :] if context else decode(ids)
 
 
 @dataclass
@@ -244,11 +250,12 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * (len(prompt_ids) - 1)
         request.stop_ids = frozenset(stop_ids)
+        request.decode_context = decode_context(self._decode, prompt_ids)
         self.scheduler.add(request)
         if stream or params.stop_strings:
             stops = params.stop_strings
             self._text_states[req_id] = _TextState(
-                IncrementalDetokenizer(self._decode, prompt_ids[-DECODE_CONTEXT_TOKENS:]),
+                IncrementalDetokenizer(self._decode, request.decode_context),
                 stream=stream,
                 stop_strings=stops,
                 hold=max(map(len, stops)) - 1 if stops else 0,
@@ -332,7 +339,7 @@ class LLMEngine:
         ids = req.output_token_ids
         if req.finish_reason == "stop" and not req.params.include_stop_str_in_output:
             ids = ids[:-1]  # a stop token (EOS or stop_token_ids): its text is left out, as vLLM does
-        return output_text(self._decode, req.prompt_token_ids, ids)
+        return output_text(self._decode, req.decode_context, ids)
 
     def _final_output(self, req: Request) -> RequestOutput:
         """A finished request's whole output (the request was not streamed)."""
@@ -463,7 +470,7 @@ class LLMEngine:
         if token in req.stop_ids and searching:
             # A stop string that the incremental text held back (its last token also begins a character)
             # came first: the stop token's text is not part of the output either way.
-            text = output_text(self._decode, req.prompt_token_ids, ids[:-1]) if state is not None else ""
+            text = output_text(self._decode, req.decode_context, ids[:-1]) if state is not None else ""
             if state is not None and self._find_stop_string(req, state, text, searched):
                 return "stop"
             if params.stop_token_ids and token in params.stop_token_ids:
@@ -476,7 +483,7 @@ class LLMEngine:
         if num_out >= req.max_tokens or num_known >= self.config.model.max_model_len:
             # The text the detokenizer still holds back is final now: it may complete a stop string.
             if state is not None and searching:
-                text = output_text(self._decode, req.prompt_token_ids, ids)
+                text = output_text(self._decode, req.decode_context, ids)
                 stopped = self._find_stop_string(req, state, text, searched)
                 if stopped:
                     return "stop"
@@ -487,10 +494,14 @@ class LLMEngine:
         """Look for the request's stop strings in `text` (a prefix of the output's text, or all of it) where
         they may end past `searched`, the text earlier steps searched. On a match set the request's stop
         reason and final text. The earliest match wins (the text before it holds no stop string), the first
-        listed on a tie."""
-        start = max(0, len(searched) - state.hold)
+        listed on a tie. A match ending within `searched` was looked for already (or, within the first
+        min_tokens tokens' text, is not one)."""
         stops = state.stop_strings
-        found = [(idx, i) for i, s in enumerate(stops) if (idx := text.find(s, start)) >= 0]
+        found = []
+        for i, stop in enumerate(stops):
+            idx = text.find(stop, max(0, len(searched) + 1 - len(stop)))
+            if idx >= 0:
+                found.append((idx, i))
         if not found:
             return False
         idx, i = min(found)

@@ -57,6 +57,8 @@ class Request:
     num_placeholders: int = 0
     # Token ids that end the request once min_tokens outputs exist (EOS unless ignore_eos, stop ids).
     stop_ids: frozenset[int] = frozenset()
+    # The prompt tokens its output text is decoded after (llm_engine.decode_context).
+    decode_context: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -78,6 +78,10 @@ class _SpawnedWorkers(RemoteWorkers):
     def start(self, init_method: str | None) -> None:
         channel = self.channel
         env = _worker_environment()
+        # A process forked from the driver would inherit the pipes' write ends and keep the workers alive
+        # after the driver died: the child closes them. One hook per engine, which does nothing once the
+        # engine is gone (a weak reference).
+        os.register_at_fork(after_in_child=functools.partial(_close_pipes_in_child, weakref.ref(self)))
         for rank in self.remote_ranks:
             # The key travels only in this frame, over the child's stdin: never on its command line (ps
             # shows that) or in its environment, and never pickled.
@@ -102,9 +106,6 @@ class _SpawnedWorkers(RemoteWorkers):
                 view = memoryview(frame)
                 while view:  # an unbuffered write may be partial
                     view = view[proc.stdin.write(view) or 0 :]
-        # A process forked from the driver would inherit the pipes' write ends and keep the workers
-        # alive after the driver died: the child closes them (the weak reference: nothing once we are gone).
-        os.register_at_fork(after_in_child=functools.partial(_close_pipes_in_child, weakref.ref(self)))
 
     def _check_processes(self, settle_s: float) -> None:
         deadline = time.monotonic() + settle_s

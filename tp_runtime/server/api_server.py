@@ -327,6 +327,7 @@ class _Context:
 
     def prepare_chat(self, raw: bytes) -> tuple[ChatCompletionRequest, _EngineRequests, int]:
         body = self.parse(ChatCompletionRequest, raw)
+        check_choices(1, body.n)  # before the template and the tokenizer run
         ids = self.chat_prompt(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from tp_runtime.engine.async_engine import describe_failure
 from tp_runtime.engine.llm import chat_content_text
-from tp_runtime.engine.llm_engine import DECODE_CONTEXT_TOKENS, IncrementalDetokenizer
+from tp_runtime.engine.llm_engine import IncrementalDetokenizer, decode_context
 from tp_runtime.errors import InvalidRequestError, TPRuntimeError
 from tp_runtime.outputs import CompletionOutput, Logprob
 from tp_runtime.sampling_params import SamplingParams
@@ -110,14 +110,15 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
         by_field.setdefault(loc[0] if loc else "body", []).append((loc, e))
     problems = []
     for name, found in by_field.items():
-        branches = {loc[1] for loc, _ in found if len(loc) >= 2}
-        if len(found) > 1 and all(len(loc) >= 2 for loc, _ in found) and len(branches) == len(found):
+        # pydantic names a union's branches by their types ("str", "list[int]"); a list index or a dict's
+        # key ("5") in that place is an element's error.
+        branches = [loc[1] for loc, _ in found if len(loc) >= 2 and not loc[1].lstrip("-").isdigit()]
+        if len(found) > 1 and len(branches) == len(found) == len(set(branches)):
             # Every branch of a union failed (each at the field or at its first bad element).
-            kinds = ", ".join(loc[1] for loc, _ in found)
             value = _quoted(found[0][1].get("input"))
-            problems.append(f"{name}: {value} is none of the types it takes ({kinds})")
+            problems.append(f"{name}: {value} is none of the types it takes ({', '.join(branches)})")
         else:
-            problems += [f"{'.'.join(loc) or 'body'}: {e.get('msg')}" for loc, e in found]
+            problems += [f"{'.'.join(loc) or 'body'}: {e.get('msg')}" for loc, e in found[:MAX_PROBLEMS]]
     more = len(problems) - MAX_PROBLEMS
     message = "; ".join(problems[:MAX_PROBLEMS]) + (f"; and {more} more" if more > 0 else "")
     return message, next((n for n in by_field if n != "body"), None)
@@ -204,30 +205,32 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 class TokenBytes:
-    """A token's own UTF-8 bytes, for chat logprobs' `bytes` (clients join them to rebuild characters
-    split across tokens). A token that decodes to whole characters is their bytes; one that holds part of
-    a character (it decodes to U+FFFD) is read from its vocabulary entry: a SentencePiece byte token
-    (<0xCF>) or a byte-level BPE piece."""
+    """A token's own UTF-8 bytes, for chat logprobs' `bytes` (clients join them to rebuild the text, with
+    characters split across tokens), read from its vocabulary entry: a byte-level BPE piece, a
+    SentencePiece byte token (<0xCF>) or word ("▁Paris" is " Paris", which decoded alone loses its
+    space); otherwise the bytes of its text."""
 
     _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self._alphabet: dict[str, int] | None = None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        byte_level = backend is not None and "ByteLevel" in repr(backend.decoder)
+        self._alphabet = _byte_level_alphabet() if byte_level else None
 
     def __call__(self, token_id: int, text: str) -> list[int]:
-        if "\ufffd" not in text or self._tokenizer is None:
-            return list(text.encode("utf-8"))
-        piece = self._tokenizer.convert_ids_to_tokens(token_id)
-        if not isinstance(piece, str):
+        """The bytes of `token_id`, whose text (decoded alone) is `text`."""
+        piece = None if self._tokenizer is None else self._tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str) or not piece:
             return list(text.encode("utf-8"))
         byte_token = self._BYTE_TOKEN.fullmatch(piece)
         if byte_token:
             return [int(byte_token[1], 16)]
-        if self._alphabet is None:
-            self._alphabet = _byte_level_alphabet()
-        if piece and all(char in self._alphabet for char in piece):
-            return [self._alphabet[char] for char in piece]
+        if self._alphabet is not None:
+            if all(char in self._alphabet for char in piece):
+                return [self._alphabet[char] for char in piece]
+        elif "▁" in piece:  # SentencePiece's word start: a space the token's text alone loses
+            return list(piece.replace("▁", " ").encode("utf-8"))
         return list(text.encode("utf-8"))
 
 
@@ -250,9 +253,11 @@ class TextOffsets:
     def __init__(self, tokenizer: Any, with_special_tokens: bool = False, prompt: Sequence[int] = ()) -> None:
         """`prompt`: what the tokens follow (a completion's prompt), decoded before them as in the engine."""
         skip = not with_special_tokens
-        self._detok = IncrementalDetokenizer(
-            lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip)), prompt[-DECODE_CONTEXT_TOKENS:]
-        )
+
+        def decode(ids: list[int]) -> str:
+            return str(tokenizer.decode(ids, skip_special_tokens=skip))
+
+        self._detok = IncrementalDetokenizer(decode, decode_context(decode, prompt))
         self._ids: list[int] = []
 
     def next(self, token_id: int) -> int:

@@ -742,7 +742,7 @@ def test_a_peer_leaving_the_heartbeat_socket_does_not_make_a_rank_dead() -> None
     that is not a rank (across hosts the socket is TCP) connects, sends garbage and leaves, and no rank is
     marked closed; a rank whose own connection closes is."""
     from tp_runtime.ipc import Watchdog
-    from tp_runtime.serialize import HEARTBEATS, Signer
+    from tp_runtime.serialize import HEARTBEATS, Signer, secure_client
 
     key = secrets.token_bytes(32)
     ctx = zmq.Context()
@@ -753,6 +753,7 @@ def test_a_peer_leaving_the_heartbeat_socket_does_not_make_a_rank_dead() -> None
         for rank in (1, 2):
             push = ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
+            secure_client(push, watchdog.address, key)
             push.connect(watchdog.address)
             push.send(Signer(key, HEARTBEATS, rank).seal(b""))
             ranks[rank] = push
@@ -772,4 +773,79 @@ def test_a_peer_leaving_the_heartbeat_socket_does_not_make_a_rank_dead() -> None
         assert list(watchdog.closed_at) == [2]
     finally:
         watchdog.stop()
+        ctx.destroy(linger=0)
+
+
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+def _await_event(monitor: zmq.Socket[bytes], events: int, what: str) -> None:
+    from zmq.utils.monitor import parse_monitor_message
+
+    deadline = time.monotonic() + 20
+    while True:
+        assert monitor.poll(max(1, int(1000 * (deadline - time.monotonic())))), f"no {what}"
+        if parse_monitor_message(monitor.recv_multipart())["event"] & events:
+            return
+
+
+@pytest.mark.parametrize("outsider_key", [None, "another job's"], ids=["plain", "wrong-key"])
+def test_tcp_sockets_take_only_peers_holding_the_job_key(outsider_key: str | None) -> None:
+    """On TCP (torchrun across hosts) the driver's sockets run CurveZMQ keyed by the job key: a peer without
+    it fails the handshake, so its frames never reach the reply socket (nothing to verify or queue) and it
+    receives no broadcast (prompts' token ids), while a rank's socket works as on ipc."""
+    from tp_runtime.ipc import DriverChannel
+    from tp_runtime.serialize import secure_client
+
+    key = secrets.token_bytes(32)
+    channel = DriverChannel("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", key, 1 << 20)
+    ctx = zmq.Context()
+    try:
+
+        def outsider(kind: int, address: str) -> zmq.Socket[bytes]:
+            sock = ctx.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            if outsider_key is not None:
+                secure_client(sock, address, secrets.token_bytes(32))
+            return sock
+
+        # The reply socket.
+        monitor = channel.pull.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        stranger = outsider(zmq.PUSH, channel.results_addr)
+        stranger.connect(channel.results_addr)
+        stranger.send(b"\x00garbage", zmq.NOBLOCK)
+        _await_event(monitor, _HANDSHAKE_FAILED, "failed handshake of the outsider")
+        rank = ctx.socket(zmq.PUSH)
+        rank.setsockopt(zmq.LINGER, 0)
+        rank.setsockopt(zmq.MAXMSGSIZE, 64)  # as a worker's: it receives nothing but the handshake
+        secure_client(rank, channel.results_addr, key)
+        rank.connect(channel.results_addr)
+        rank.send(b"a rank's frame")
+        assert channel.pull.poll(20_000) and channel.pull.recv() == b"a rank's frame"
+        assert not channel.pull.poll(0) and channel.reader.drops.total == 0
+        channel.pull.disable_monitor()
+        monitor.close()
+        # The broadcast socket.
+        monitor = channel.pub.get_monitor_socket(_HANDSHAKE_FAILED)
+        spy = outsider(zmq.SUB, channel.broadcast_addr)
+        spy.setsockopt(zmq.SUBSCRIBE, b"")
+        spy.connect(channel.broadcast_addr)
+        _await_event(monitor, _HANDSHAKE_FAILED, "failed handshake of the subscriber")
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        secure_client(sub, channel.broadcast_addr, key)
+        sub.connect(channel.broadcast_addr)
+        assert channel.pub.poll(20_000) and channel.pub.recv() == b"\x01"  # the rank's subscription
+        channel.pub.send(b"prompt token ids")
+        assert sub.poll(20_000) and sub.recv() == b"prompt token ids"
+        assert not spy.poll(0)
+        channel.pub.disable_monitor()
+        monitor.close()
+    finally:
+        channel.close()
         ctx.destroy(linger=0)

@@ -38,6 +38,7 @@ from tp_runtime.serialize import (
     FrameWriter,
     Verifier,
     driver_message_codec,
+    secure_server,
     worker_reply_codec,
 )
 
@@ -104,6 +105,7 @@ class Watchdog:
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, FRAME_OVERHEAD)  # heartbeats are empty frames
+        secure_server(self.sock, address, key)
         self.address = bind_socket(self.sock, address)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.verifier = Verifier(key, HEARTBEATS, "the driver's heartbeat socket")
@@ -248,6 +250,8 @@ class DriverChannel:
         # that floods the socket holds little memory, and a rank's sends wait instead (it has at most a
         # few replies out: two steps in flight, a control call, an error).
         self.pull.setsockopt(zmq.RCVHWM, _REPLIES_QUEUED)
+        secure_server(self.pub, broadcast_addr, key)
+        secure_server(self.pull, results_addr, key)
         self.broadcast_addr = bind_socket(self.pub, broadcast_addr)
         self.results_addr = bind_socket(self.pull, results_addr)
         self.writer = FrameWriter(driver_message_codec(), key, BROADCAST, DRIVER_ID)

@@ -34,8 +34,9 @@ from typing import Generic, TypeVar
 
 import msgspec
 import zmq
+import zmq.utils.z85
 
-from tp_runtime.errors import ProtocolError
+from tp_runtime.errors import ConfigError, ProtocolError
 from tp_runtime.messages import DriverMessage, WorkerReply
 
 T = TypeVar("T")
@@ -97,6 +98,58 @@ def derive_job_key(secret: bytes | None, nonce: bytes) -> bytes:
 def key_check(key: bytes) -> bytes:
     """A value ranks compare to find out whether they hold the same key (reveals nothing about it)."""
     return hmac.digest(key, b"tp-runtime key check", "sha256")
+
+
+# ---------------------------------------------------------------------------------- TCP transport keys
+# On TCP (a torchrun job across hosts, or its ranks on one host as separate "nodes") the driver's sockets
+# are reachable from the network: they also run CurveZMQ, with the driver's key pair derived from the job
+# key. A peer that does not hold the job key cannot complete a handshake, so it can neither read the
+# broadcasts (prompts' token ids) nor queue frames on the driver's sockets. Every frame is still
+# authenticated as on ipc sockets.
+
+
+def _curve_server_keys(key: bytes) -> tuple[bytes, bytes]:
+    """The driver's CURVE (public, secret) key pair, Z85-encoded, derived from the job key."""
+    secret = zmq.utils.z85.encode(hmac.digest(key, b"tp-runtime curve server key", "sha256"))
+    return zmq.curve_public(secret), secret
+
+
+# CurveZMQ's handshake commands (HELLO, WELCOME, INITIATE with metadata, READY) are messages to libzmq's
+# size limit: a socket that otherwise receives nothing (or only tiny frames) must still take these.
+_CURVE_HANDSHAKE_BYTES = 1024
+
+
+def _take_handshake(sock: zmq.Socket[bytes]) -> None:
+    limit = sock.getsockopt(zmq.MAXMSGSIZE)
+    if 0 <= limit < _CURVE_HANDSHAKE_BYTES:
+        sock.setsockopt(zmq.MAXMSGSIZE, _CURVE_HANDSHAKE_BYTES)
+
+
+def _check_curve() -> None:
+    if not zmq.has("curve"):
+        raise ConfigError(
+            "this pyzmq's libzmq has no CURVE security, which the engine's TCP sockets need; install a pyzmq "
+            "wheel built with libsodium (the PyPI wheels are)"
+        )
+
+
+def secure_server(sock: zmq.Socket[bytes], address: str, key: bytes) -> None:
+    """Make a driver socket about to bind `address` a CURVE server when the address is TCP."""
+    if address.startswith("tcp://"):
+        _check_curve()
+        _take_handshake(sock)
+        public, secret = _curve_server_keys(key)
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+        sock.curve_server = True
+
+
+def secure_client(sock: zmq.Socket[bytes], address: str, key: bytes) -> None:
+    """Make a worker socket about to connect to `address` a CURVE client of the driver when it is TCP."""
+    if address.startswith("tcp://"):
+        _check_curve()
+        _take_handshake(sock)
+        sock.curve_serverkey = _curve_server_keys(key)[0]
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
 
 
 # --------------------------------------------------------------------------------------------- frames

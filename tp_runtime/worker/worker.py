@@ -53,6 +53,7 @@ from tp_runtime.serialize import (
     Signer,
     driver_message_codec,
     recv_spinning,
+    secure_client,
     worker_reply_codec,
 )
 from tp_runtime.worker.kv_sizing import CPU_KV_CACHE_RAM_SHARE, available_memory_bytes, cpu_kv_cache_blocks
@@ -288,6 +289,7 @@ def _send_heartbeats(
     push.setsockopt(zmq.LINGER, 0)
     push.setsockopt(zmq.SNDHWM, 4)  # old heartbeats are worthless: never queue many
     push.setsockopt(zmq.MAXMSGSIZE, 64)  # it receives nothing
+    secure_client(push, addresses.heartbeat, addresses.key)
     push.connect(addresses.heartbeat)
     signer = Signer(addresses.key, HEARTBEATS, rank)
     try:
@@ -314,10 +316,12 @@ def _connect(
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.MAXMSGSIZE, addresses.max_broadcast_bytes)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    secure_client(sub, addresses.broadcast, addresses.key)
     sub.connect(addresses.broadcast)
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 2000)
     push.setsockopt(zmq.MAXMSGSIZE, 64)  # it receives nothing
+    secure_client(push, addresses.results, addresses.key)
     push.connect(addresses.results)
     return sub, push
 

@@ -689,7 +689,8 @@ def test_a_prompt_ending_inside_a_character_streams_the_whole_text(model_config:
 
 def test_a_stop_string_within_the_min_tokens_text_is_not_found(model_config: Any, tokenizer: Any) -> None:
     """Whatever other stop strings are listed (a longer one widens no search): a stop string that lies
-    wholly in the first min_tokens tokens' text does not end the request, one that ends after it does."""
+    wholly in the first min_tokens tokens' text does not end the request, one that ends after it does
+    (whole characters here: an unfinished one the detokenizer held back would count as after)."""
     ids = [tokenizer(c, add_special_tokens=False)["input_ids"][0] for c in "abcdab"]
     engine = make_engine(model_config, tokenizer, ScriptedExecutor(text_script(ids, len(PROMPT))))
     cases = {

@@ -120,7 +120,7 @@ _CURVE_HANDSHAKE_BYTES = 1024
 
 
 def _take_handshake(sock: zmq.Socket[bytes]) -> None:
-    limit = sock.getsockopt(zmq.MAXMSGSIZE)
+    limit = int(sock.getsockopt(zmq.MAXMSGSIZE))
     if 0 <= limit < _CURVE_HANDSHAKE_BYTES:
         sock.setsockopt(zmq.MAXMSGSIZE, _CURVE_HANDSHAKE_BYTES)
 

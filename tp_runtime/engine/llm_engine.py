@@ -460,7 +460,8 @@ class LLMEngine:
         num_out = len(ids)
         num_known = len(req.prompt_token_ids) + num_out
         # As vLLM: nothing stops the first min_tokens tokens (their stop ids are masked when sampled), and
-        # stop strings are looked for only in the text of the tokens after them.
+        # stop strings are looked for only where they end past the text those tokens had made (text held
+        # back then, an unfinished character, counts as after it).
         searching = num_out > params.min_tokens
         state = self._text_states.get(req.req_id)
         if state is None or not state.stop_strings:

@@ -73,6 +73,7 @@ from tp_runtime.server.protocol import (
     ModelList,
     SamplingFields,
     UsageInfo,
+    union_fields,
 )
 
 logger = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ class _Context:
         try:
             body = model.model_validate_json(raw)
         except pydantic.ValidationError as exc:
-            message, param = validation_message(exc.errors())
+            message, param = validation_message(exc.errors(), union_fields(model))
             raise bad_request(message, param) from None
         if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")

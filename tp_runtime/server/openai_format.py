@@ -99,9 +99,12 @@ def _quoted(value: Any) -> str:
     return text if len(text) <= MAX_QUOTED else text[: MAX_QUOTED - 3] + "..."
 
 
-def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+def validation_message(
+    errors: Sequence[Any], unions: frozenset[str] = frozenset()
+) -> tuple[str, str | None]:
     """pydantic's errors about a request body (locations from the body's root) as one short message, and
-    the first field named."""
+    the first field named. `unions`: the fields whose type is a union (protocol.union_fields), whose
+    failed branches are named together."""
     if any(e.get("type") == "json_invalid" for e in errors):
         return "the request body is not valid JSON", None
     by_field: dict[str, list[Any]] = {}
@@ -110,15 +113,13 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
         by_field.setdefault(loc[0] if loc else "body", []).append((loc, e))
     problems = []
     for name, found in by_field.items():
-        # pydantic names a union's branches by their types ("str", "list[int]"); a list index or a dict's
-        # key ("5") in that place is an element's error.
-        branches = [loc[1] for loc, _ in found if len(loc) >= 2 and not loc[1].lstrip("-").isdigit()]
-        if len(found) > 1 and len(branches) == len(found) == len(set(branches)):
+        branches = [loc[1] for loc, _ in found if len(loc) >= 2]
+        if name in unions and len(found) > 1 and len(branches) == len(found) == len(set(branches)):
             # Every branch of a union failed (each at the field or at its first bad element).
             value = _quoted(found[0][1].get("input"))
             problems.append(f"{name}: {value} is none of the types it takes ({', '.join(branches)})")
         else:
-            problems += [f"{'.'.join(loc) or 'body'}: {e.get('msg')}" for loc, e in found[:MAX_PROBLEMS]]
+            problems += [f"{'.'.join(loc) or 'body'}: {e.get('msg')}" for loc, e in found]
     more = len(problems) - MAX_PROBLEMS
     message = "; ".join(problems[:MAX_PROBLEMS]) + (f"; and {more} more" if more > 0 else "")
     return message, next((n for n in by_field if n != "body"), None)

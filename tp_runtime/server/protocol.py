@@ -7,6 +7,7 @@ refuse them with a 400 rather than ignore them (see `unsupported`)."""
 from __future__ import annotations
 
 import functools
+import types
 import typing
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -39,6 +40,19 @@ class _Request(BaseModel):
         if not isinstance(data, dict):
             return data
         return {k: v for k, v in data.items() if v is not None or k not in _non_null_defaults(cls)}
+
+
+@functools.cache
+def union_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of a request model whose type is a union of several (None aside): a failed validation
+    reports one error per branch, which a message names together."""
+    unions = set()
+    for name, f in model.model_fields.items():
+        if typing.get_origin(f.annotation) in (typing.Union, types.UnionType):
+            branches = [a for a in typing.get_args(f.annotation) if a is not type(None)]
+            if len(branches) > 1:
+                unions.add(name)
+    return frozenset(unions)
 
 
 @functools.cache

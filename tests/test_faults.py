@@ -392,10 +392,12 @@ time.sleep(600)
 """
 
 
-@pytest.mark.parametrize("forked", [False, True], ids=["alone", "with-a-forked-child"])
-def test_killing_the_driver_leaves_no_worker(checkpoint: Path, tmp_path: Path, forked: bool) -> None:
+@pytest.mark.parametrize("case", ["alone", "with-a-forked-child", "with-a-stopped-worker"])
+def test_killing_the_driver_leaves_no_worker(checkpoint: Path, tmp_path: Path, case: str) -> None:
     """The workers leave when the driver dies, also while a process it forked lives on (the child closes
-    the inherited ends of the workers' pipes)."""
+    the inherited ends of the workers' pipes) and when one is stopped by a signal (it cannot read its
+    pipe: the kernel's parent-death signal kills it)."""
+    forked = case == "with-a-forked-child"
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     log = (tmp_path / "driver.log").open("w")
@@ -419,6 +421,8 @@ def test_killing_the_driver_leaves_no_worker(checkpoint: Path, tmp_path: Path, f
         worker_pids, child = [int(p) for p in fields[1:-2]], int(fields[-1])
         assert len(worker_pids) == 2 and all(alive(p) for p in worker_pids)
         assert (child > 0) == forked and (not forked or alive(child))
+        if case == "with-a-stopped-worker":
+            os.kill(worker_pids[1], signal.SIGSTOP)
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait(timeout=10)
         t0 = time.monotonic()

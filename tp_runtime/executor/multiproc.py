@@ -82,6 +82,11 @@ class _SpawnedWorkers(RemoteWorkers):
         # after the driver died: the child closes them. One hook per engine, which does nothing once the
         # engine is gone (a weak reference).
         os.register_at_fork(after_in_child=functools.partial(_close_pipes_in_child, weakref.ref(self)))
+        # A worker asks the kernel for a signal when its parent dies (process.die_with_parent), which
+        # comes when the thread that spawned it ends: asked for only when that is the main thread, which
+        # lasts as long as the driver (from a short-lived thread it would come early, and then not again).
+        main = threading.current_thread() is threading.main_thread()
+        die_with_parent = os.getpid() if main else None
         for rank in self.remote_ranks:
             # The key travels only in this frame, over the child's stdin: never on its command line (ps
             # shows that) or in its environment, and never pickled.
@@ -90,7 +95,7 @@ class _SpawnedWorkers(RemoteWorkers):
                     config=self.config, rank=rank, local_rank=rank, broadcast=channel.broadcast_addr,
                     results=channel.results_addr, heartbeat=channel.watchdog.address,
                     max_broadcast_bytes=message_limits(self.config)[0], key=channel.key,
-                    init_method=init_method,
+                    init_method=init_method, die_with_parent=die_with_parent,
                 )
             )  # fmt: skip
             # A session of its own: a Ctrl-C at the terminal (SIGINT to the foreground process group)

@@ -15,8 +15,10 @@ worker leaves at once, removing the driver's ipc socket folder (a killed driver 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
+import signal
 import struct
 import sys
 import threading
@@ -41,6 +43,9 @@ class SpawnArgs(msgspec.Struct, frozen=True):
     max_broadcast_bytes: int
     key: bytes
     init_method: str | None
+    # The driver's pid when it spawned the worker from its main thread (which lives as long as the
+    # driver): the worker then asks the kernel for a signal when its parent dies. None: not asked.
+    die_with_parent: int | None = None
 
 
 def encode_spawn_args(args: SpawnArgs) -> bytes:
@@ -85,6 +90,22 @@ def exit_when_driver_dies(fd: int, ipc_folder: str | None) -> None:
     os._exit(1)
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel send this process SIGCONT when its parent dies (Linux): a worker stopped by a signal
+    then resumes, reads its pipe's EOF and leaves as any worker of a killed driver does (removing the
+    socket folder), rather than lingering stopped. A parent already gone: leave now."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGCONT, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
 def main() -> None:
     stdin = sys.stdin.fileno()
     try:
@@ -92,6 +113,8 @@ def main() -> None:
     except (EOFError, OSError, ValueError, msgspec.DecodeError) as exc:
         print(f"tp-runtime worker: bad start-up frame from the driver: {exc}", file=sys.stderr, flush=True)
         os._exit(1)
+    if args.die_with_parent is not None:
+        die_with_parent(args.die_with_parent)
     # Watch the pipe before the slow imports (torch) and the model load.
     threading.Thread(
         target=exit_when_driver_dies, args=(stdin, _ipc_folder(args.broadcast)),

@@ -180,7 +180,11 @@ class ModelRunner:
         min-p, top-k, top-p, a seeded row, max_logprobs logprobs, min_tokens' stop ids masked in a copy).
         A sampler of its own draws the noise, so the engine's random stream is untouched."""
         sched, k = self.config.scheduler, self.config.max_logprobs
-        pack_prompt_logprobs(logits, torch.zeros(len(logits), dtype=torch.int64, device=self.device), k)
+        # Rank 0 packs a step's prompt logprobs and holds them while the step samples.
+        packed = None
+        if self.rank == 0:
+            targets = torch.zeros(len(logits), dtype=torch.int64, device=self.device)
+            packed = pack_prompt_logprobs(logits, targets, k)
         rows = min(sched.max_num_seqs, sched.max_num_batched_tokens, len(logits))
         penalties = self.batch.penalties
         if penalties is None:  # made when the first penalized request arrives: counted here
@@ -199,7 +203,9 @@ class ModelRunner:
         sampler = Sampler(self.device, 0, fused=self._fused_sampling)
         raw = logits[:rows].float()
         masked = raw.clone()  # as _mask_stop_tokens makes while a row's min_tokens holds back its stop ids
-        return sampler(masked, penalties.for_rows(sampling, rows_dev), raw=raw)
+        sampled = sampler(masked, penalties.for_rows(sampling, rows_dev), raw=raw)
+        del packed
+        return sampled
 
     # ----------------------------------------------------------------- step
     @torch.inference_mode()

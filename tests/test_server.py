@@ -588,6 +588,8 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
     assert error["param"] == "chat_template_kwargs" and "may not set tokenize" in error["message"]
     error = _error(httpx.post(url, json={"prompt": [5] * 600, "max_tokens": 4}), 400)
     assert error["param"] == "prompt"
+    error = _error(httpx.post(url, json={"prompt": [1, 2, 99999]}), 400)  # the engine's own prompt check
+    assert error["param"] == "prompt" and "outside the vocabulary" in error["message"]
     _error(httpx.get(f"{server1.url}/v1/nothing-here"), 404)
     # An empty stream_options without stream is no request for anything (as vLLM takes it).
     assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "stream_options": {}}).status_code == 200

@@ -72,14 +72,14 @@ class IncrementalDetokenizer:
 
     def held_chars_kept(self, ids: list[int], next_id: int) -> int:
         """Of the text held back after `ids` (waiting on a character its tokens began), the characters
-        that `next_id` releases unchanged: none while the text still waits (it ends in U+FFFD), else those
-        before the character next_id completes, if any (bytes that never made a character stay U+FFFD)."""
+        that stay as they are with `next_id` after them: those before the character next_id completes or
+        still leaves unfinished (bytes that can no longer make a character stay U+FFFD)."""
         start, read = self._prefix_offset, self._read_offset
         if len(self._context) + len(ids) <= read:
             return 0
         after = self._decode([*self._tokens(ids, start), next_id])
         if after.endswith("\ufffd"):
-            return 0
+            after = after[:-1]  # the last character alone may still be completed by later bytes
         prefix = self._decode(self._tokens(ids, start, read)) if read > start else ""
         before = self._decode(self._tokens(ids, start))
         same = 0

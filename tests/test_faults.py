@@ -396,7 +396,7 @@ time.sleep(600)
 def test_killing_the_driver_leaves_no_worker(checkpoint: Path, tmp_path: Path, case: str) -> None:
     """The workers leave when the driver dies, also while a process it forked lives on (the child closes
     the inherited ends of the workers' pipes) and when one is stopped by a signal (it cannot read its
-    pipe: the kernel's parent-death signal kills it)."""
+    pipe until the kernel's parent-death signal, SIGCONT, resumes it)."""
     forked = case == "with-a-forked-child"
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}

@@ -799,7 +799,7 @@ def test_tcp_sockets_take_only_peers_holding_the_job_key(outsider_key: str | Non
     it fails the handshake, so its frames never reach the reply socket (nothing to verify or queue) and it
     receives no broadcast (prompts' token ids), while a rank's socket works as on ipc."""
     from tp_runtime.ipc import DriverChannel
-    from tp_runtime.serialize import secure_client
+    from tp_runtime.serialize import FRAME_OVERHEAD, secure_client
 
     key = secrets.token_bytes(32)
     channel = DriverChannel("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", key, 1 << 20)
@@ -826,6 +826,9 @@ def test_tcp_sockets_take_only_peers_holding_the_job_key(outsider_key: str | Non
         rank.connect(channel.results_addr)
         rank.send(b"a rank's frame")
         assert channel.pull.poll(20_000) and channel.pull.recv() == b"a rank's frame"
+        largest = b"x" * ((1 << 20) + FRAME_OVERHEAD)  # the largest reply the limit is sized for: CURVE's
+        rank.send(largest)  # own bytes on the wire do not count against it
+        assert channel.pull.poll(20_000) and channel.pull.recv() == largest
         assert not channel.pull.poll(0) and channel.reader.drops.total == 0
         channel.pull.disable_monitor()
         monitor.close()

@@ -148,6 +148,18 @@ def test_killing_flat_script_driver_leaves_no_worker(run_flat_script: Callable[[
     assert not ipc_dir.exists(), "the ipc folder of the killed driver was left behind"
 
 
+def test_a_worker_whose_driver_is_already_gone_leaves_with_its_folder(tmp_path: Path) -> None:
+    """A worker that asks for the parent-death signal after its driver died (a driver killed just after
+    writing the start-up frame) leaves at once, says why, and removes the driver's socket folder."""
+    folder = tmp_path / "tp-runtime-x"
+    folder.mkdir()
+    code = "import sys; from tp_runtime.worker.process import die_with_parent as d; d(0, sys.argv[1])"
+    cmd = [sys.executable, "-c", code, str(folder)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "the driver is gone" in proc.stderr, proc.stderr
+    assert not folder.exists()
+
+
 def test_spawn_args_round_trip(checkpoint: Path) -> None:
     """The start-up frame (msgspec msgpack, not pickle) decodes back into an equal EngineConfig: nested
     configs, tuples (rope frequencies, EOS ids) and the key included."""

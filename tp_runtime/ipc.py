@@ -265,7 +265,8 @@ class DriverChannel:
     def discard_inbound(self) -> None:
         """Read and drop what peers sent to the broadcast socket (subscriptions after start-up, anything
         else). Waits call it at least every LIVENESS_POLL_MS; in between, each call into the socket
-        queues at most RCVHWM more messages of at most _BROADCAST_INBOUND_MAX bytes per peer."""
+        queues at most RCVHWM more messages of at most _BROADCAST_INBOUND_MAX bytes per peer (on TCP, room
+        for CURVE's handshake: serialize.secure_server)."""
         with contextlib.suppress(zmq.Again):
             while True:
                 self.pub.recv(zmq.NOBLOCK)

@@ -11,15 +11,13 @@ only a number above the last one it accepted from that sender: a replayed, dupli
 is dropped like a forged one. A frame that fails any check is dropped and logged (rate-limited); it never
 reaches the msgpack decoder.
 
-Why HMAC and not ZeroMQ's CURVE (`zmq.auth`):
-- there is no key exchange to design: the key travels with the spawn arguments (or is the torchrun secret),
-  whereas CURVE needs a key pair per side, a ZAP handler thread to check clients, and pyzmq built with
-  libsodium;
-- CURVE authenticates connections, not messages: replay and duplicate detection would still need the
-  per-sender sequence numbers above;
-- CURVE also encrypts, which traffic on loopback or an ipc socket in a 0700 folder does not need. The
-  trade-off: across hosts, token ids cross the network in the clear (authenticated, not secret); run
-  multi-node jobs on a private network if that matters.
+Why every frame carries an HMAC, and TCP sockets also run ZeroMQ's CURVE (below):
+- the HMAC needs no key exchange to design: the key travels with the spawn arguments (or is derived from
+  the torchrun secret), and it authenticates messages, which replay and duplicate detection need;
+- ipc sockets sit in a 0700 folder, so only this user reaches them, and need nothing more;
+- on TCP (torchrun across hosts) anyone on the network could otherwise connect: CURVE, with the driver's
+  key pair derived from the job key, turns away a peer that lacks the key at the handshake, before it can
+  read a broadcast (prompts' token ids) or queue a frame for the driver to verify.
 - cost: SHA-256 of the frame plus about 1 µs, per side (SHA-256 runs at ~1.7 GB/s with SHA-NI).
 """
 
@@ -114,18 +112,21 @@ def _curve_server_keys(key: bytes) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret), secret
 
 
-# CurveZMQ's handshake commands (HELLO, WELCOME, INITIATE with metadata, READY) are messages to libzmq's
-# size limit: a socket that otherwise receives nothing (or only tiny frames) must still take these.
+# libzmq's size limit counts what CURVE adds to every message, and applies to its handshake commands
+# (HELLO, WELCOME, INITIATE with metadata, READY): a socket that otherwise receives nothing (or only tiny
+# frames) must still take these.
+_CURVE_MESSAGE_BYTES = 33
 _CURVE_HANDSHAKE_BYTES = 1024
 
 
-def _take_handshake(sock: zmq.Socket[bytes]) -> None:
+def _room_for_curve(sock: zmq.Socket[bytes]) -> None:
     limit = int(sock.getsockopt(zmq.MAXMSGSIZE))
-    if 0 <= limit < _CURVE_HANDSHAKE_BYTES:
-        sock.setsockopt(zmq.MAXMSGSIZE, _CURVE_HANDSHAKE_BYTES)
+    if limit >= 0:
+        sock.setsockopt(zmq.MAXMSGSIZE, max(limit + _CURVE_MESSAGE_BYTES, _CURVE_HANDSHAKE_BYTES))
 
 
-def _check_curve() -> None:
+def check_curve() -> None:
+    """Raise a ConfigError when this pyzmq cannot run CURVE, which TCP sockets need."""
     if not zmq.has("curve"):
         raise ConfigError(
             "this pyzmq's libzmq has no CURVE security, which the engine's TCP sockets need; install a pyzmq "
@@ -136,8 +137,8 @@ def _check_curve() -> None:
 def secure_server(sock: zmq.Socket[bytes], address: str, key: bytes) -> None:
     """Make a driver socket about to bind `address` a CURVE server when the address is TCP."""
     if address.startswith("tcp://"):
-        _check_curve()
-        _take_handshake(sock)
+        check_curve()
+        _room_for_curve(sock)
         public, secret = _curve_server_keys(key)
         sock.curve_publickey, sock.curve_secretkey = public, secret
         sock.curve_server = True
@@ -146,8 +147,8 @@ def secure_server(sock: zmq.Socket[bytes], address: str, key: bytes) -> None:
 def secure_client(sock: zmq.Socket[bytes], address: str, key: bytes) -> None:
     """Make a worker socket about to connect to `address` a CURVE client of the driver when it is TCP."""
     if address.startswith("tcp://"):
-        _check_curve()
-        _take_handshake(sock)
+        check_curve()
+        _room_for_curve(sock)
         sock.curve_serverkey = _curve_server_keys(key)[0]
         sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
 

@@ -12,7 +12,7 @@
 - TorchrunExecutor: torchrun started every rank; rank 0 runs the driver plus its own worker in-process,
   ranks > 0 run the worker loop and connect to rank 0 over TCP.
 
-Transport security (see serialize.py for the frame format and why HMAC rather than CURVE):
+Transport security (see serialize.py for the frame format, its HMAC, and CURVE on TCP):
 - Every frame is authenticated with a per-engine key and numbered per sender; anything else is dropped and
   logged. An authentic reply that makes no sense (a step not in flight, a duplicate, lists of different
   lengths) is a ProtocolError naming the problem.

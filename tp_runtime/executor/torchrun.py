@@ -37,6 +37,7 @@ from tp_runtime.messages import (
     Shutdown,
 )
 from tp_runtime.serialize import (
+    check_curve,
     derive_job_key,
     key_check,
 )
@@ -255,6 +256,8 @@ def _join(config: EngineConfig, make_driver: bool) -> tuple[Worker, TorchrunExec
         )
     secret = torchrun_secret()
     host = torchrun_bind_host(config.parallel.driver_host, world, secret)
+    if host != _ONE_HOST:
+        check_curve()  # every rank, before the process group: the TCP sockets need CURVE
     worker = Worker(config, rank, local_rank)
     worker.init_device("env://")
     executor = None

@@ -93,16 +93,19 @@ def exit_when_driver_dies(fd: int, ipc_folder: str | None) -> None:
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int, ipc_folder: str | None) -> None:
     """Have the kernel send this process SIGCONT when its parent dies (Linux): a worker stopped by a signal
     then resumes, reads its pipe's EOF and leaves as any worker of a killed driver does (removing the
-    socket folder), rather than lingering stopped. A parent already gone: leave now."""
+    socket folder), rather than lingering stopped. A parent already gone: leave now, the same way."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGCONT, 0, 0, 0)
     if os.getppid() != parent_pid:
+        print("tp-runtime worker: the driver is gone; exiting", file=sys.stderr, flush=True)
+        if ipc_folder is not None:
+            shutil.rmtree(ipc_folder, ignore_errors=True)
         os._exit(1)
 
 
@@ -114,7 +117,7 @@ def main() -> None:
         print(f"tp-runtime worker: bad start-up frame from the driver: {exc}", file=sys.stderr, flush=True)
         os._exit(1)
     if args.die_with_parent is not None:
-        die_with_parent(args.die_with_parent)
+        die_with_parent(args.die_with_parent, _ipc_folder(args.broadcast))
     # Watch the pipe before the slow imports (torch) and the model load.
     threading.Thread(
         target=exit_when_driver_dies, args=(stdin, _ipc_folder(args.broadcast)),

@@ -318,12 +318,6 @@ def _rope_config(hf_config: Any, head_dim: int) -> RopeConfig:
     )
 
 
-def _causal_lm_by_model_type() -> dict[str, str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
 def _eos_token_ids(path: str, hf_config: Any) -> tuple[int, ...]:
     ids: list[int] = []
 
@@ -365,11 +359,13 @@ def build_model_config(
     if load_format not in ("auto", "dummy"):
         raise ConfigError(f"load_format must be auto|dummy, got {load_format!r}")
     hf = _load_hf_config(path)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     from tp_runtime.models.registry import ARCHITECTURES  # imports torch and the models: only when needed
 
     archs = list(getattr(hf, "architectures", None) or [])
     # No architectures listed: transformers' AutoModelForCausalLM goes by model_type.
-    arch = archs[0] if archs else _causal_lm_by_model_type().get(getattr(hf, "model_type", ""), "")
+    arch = archs[0] if archs else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf, "model_type", ""), "")
     if arch not in ARCHITECTURES:
         raise ConfigError(
             f"architecture {arch or '(none)'!r} in {path}/config.json is not supported; "

@@ -12,7 +12,12 @@ class ConfigError(ValueError):
 
 
 class InvalidRequestError(ValueError):
-    """A prompt or sampling parameter that cannot be served."""
+    """A prompt or sampling parameter that cannot be served. `field`: the request's field at fault
+    ("prompt"), where one is."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class WorkerDiedError(TPRuntimeError):

@@ -99,8 +99,8 @@ def key_check(key: bytes) -> bytes:
 
 
 # ---------------------------------------------------------------------------------- TCP transport keys
-# On TCP (a torchrun job across hosts, or its ranks on one host as separate "nodes") the driver's sockets
-# are reachable from the network: they also run CurveZMQ, with the driver's key pair derived from the job
+# On TCP (a torchrun job across hosts; ranks all on one host use ipc sockets) the driver's sockets are
+# reachable from the network: they also run CurveZMQ, with the driver's key pair derived from the job
 # key. A peer that does not hold the job key cannot complete a handshake, so it can neither read the
 # broadcasts (prompts' token ids) nor queue frames on the driver's sockets. Every frame is still
 # authenticated as on ipc sockets.

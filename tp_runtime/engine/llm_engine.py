@@ -183,10 +183,10 @@ class LLMEngine:
         vocab = self.config.model.vocab_size
         if not isinstance(prompt_ids, (list, tuple)):
             raise InvalidRequestError(
-                f"prompt_token_ids must be a list of ints, got {type(prompt_ids).__name__}"
+                f"prompt_token_ids must be a list of ints, got {type(prompt_ids).__name__}", "prompt"
             )
         if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty; give at least one token")
+            raise InvalidRequestError("the prompt is empty; give at least one token", "prompt")
         plain_ints = set(map(type, prompt_ids)) == {int}
         if plain_ints:
             # Plain ints (bool is a subclass, not this type), their range checked in C: a long prompt's ids
@@ -197,14 +197,16 @@ class LLMEngine:
             suspects = prompt_ids
         for t in suspects:  # the first bad id, whatever is wrong with it
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):  # numpy ints are Integral
-                raise InvalidRequestError(f"prompt token ids must be ints, got {t!r}")
+                raise InvalidRequestError(f"prompt token ids must be ints, got {t!r}", "prompt")
             if not 0 <= int(t) < vocab:
-                raise InvalidRequestError(f"prompt token id {t} is outside the vocabulary [0, {vocab})")
+                outside = f"prompt token id {t} is outside the vocabulary [0, {vocab})"
+                raise InvalidRequestError(outside, "prompt")
         max_len = self.config.model.max_model_len
         if len(prompt_ids) >= max_len:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}; shorten the prompt "
-                "or raise max_model_len (a prompt must leave room for at least one generated token)"
+                "or raise max_model_len (a prompt must leave room for at least one generated token)",
+                "prompt",
             )
         return list(prompt_ids) if plain_ints else [int(t) for t in prompt_ids]
 

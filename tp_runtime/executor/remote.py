@@ -102,10 +102,11 @@ class RemoteWorkers:
             if not self._maybe_busy(rank):
                 state = "it is stopped by a signal" if self._stopped(rank) else "it is stopped or hung"
                 raise stalled_error(rank, silent_s, state)
-        # Also before the heartbeats are watched (start-up, the model load): a rank stopped this long.
+        # Before its heartbeats are watched (start-up, the model load), a rank stopped this long.
         now = time.monotonic()
+        watched = self.channel.watchdog.watched
         for rank in self.remote_ranks:
-            if not self._stopped(rank):
+            if rank in watched or not self._stopped(rank):
                 self.stopped_since.pop(rank, None)
             elif now - self.stopped_since.setdefault(rank, now) >= HEARTBEAT_TIMEOUT_S:
                 raise stalled_error(rank, now - self.stopped_since[rank], "it is stopped by a signal")

@@ -273,8 +273,7 @@ class _Context:
             try:
                 ids = self.engine.engine.check_request(ids, child_params(params, 0))
             except InvalidRequestError as exc:
-                about_prompt = str(exc).startswith(("prompt", "the prompt"))
-                raise bad_request(str(exc), prompt_param if about_prompt else None) from None
+                raise bad_request(str(exc), prompt_param if exc.field == "prompt" else exc.field) from None
             for j in range(params.n):
                 wanted = prompt_logprobs if j == 0 or prompt_logprobs_per_sample else None
                 requests.append((ids, replace(child_params(params, j), prompt_logprobs=wanted)))

@@ -85,6 +85,11 @@ def exit_when_driver_dies(fd: int, ipc_folder: str | None) -> None:
     with contextlib.suppress(OSError):
         while os.read(fd, 4096):
             pass
+    _leave(ipc_folder)
+
+
+def _leave(ipc_folder: str | None) -> None:
+    """The driver is gone: remove its ipc socket folder and exit at once."""
     if ipc_folder is not None:
         shutil.rmtree(ipc_folder, ignore_errors=True)
     os._exit(1)
@@ -104,9 +109,7 @@ def die_with_parent(parent_pid: int, ipc_folder: str | None) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGCONT, 0, 0, 0)
     if os.getppid() != parent_pid:
         print("tp-runtime worker: the driver is gone; exiting", file=sys.stderr, flush=True)
-        if ipc_folder is not None:
-            shutil.rmtree(ipc_folder, ignore_errors=True)
-        os._exit(1)
+        _leave(ipc_folder)
 
 
 def main() -> None:

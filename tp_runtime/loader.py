@@ -1,35 +1,145 @@
-"""Weight loading from safetensors: memory-mapped, and each rank reads only its own slice."""
+"""Weight loading from safetensors: each rank reads only its own slice.
+
+The files are read with plain reads rather than through a memory map (which is all safetensors' Python API
+offers): the pages of a mapped file count as the process's resident memory until it is closed, so mapping
+a checkpoint while copying it into the model held its weights twice at the peak.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import os
+import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 
 from tp_runtime.errors import ConfigError
 
 if TYPE_CHECKING:
     from tp_runtime.models.interface import CausalLM
 
+# safetensors' dtype names.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+
+
+class SafetensorsFile:
+    """One open safetensors file: its header, and reads of a tensor's bytes (a dim-0 slice reads only its
+    rows)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file: IO[bytes] = open(path, "rb")  # noqa: SIM115 - closed by close() / the with block
+        try:
+            self._entries = self._read_header()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def _bad(self, why: str) -> ConfigError:
+        return ConfigError(
+            f"{self.path} is not a valid safetensors file ({why}); re-download or re-convert it"
+        )
+
+    def _read_header(self) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
+        size = os.fstat(self._file.fileno()).st_size
+        prefix = self._file.read(8)
+        if len(prefix) < 8:
+            raise self._bad("shorter than its 8-byte header length")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(_MAX_HEADER_BYTES, size - 8):
+            raise self._bad(f"header length {header_len} does not fit the file's {size} bytes")
+        try:
+            header = json.loads(self._file.read(header_len))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise self._bad(f"its header is not JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise self._bad("its header is not a JSON object")
+        data_start = 8 + header_len
+        entries = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+                shape = tuple(int(d) for d in info["shape"])
+                begin, end = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise self._bad(f"tensor {name!r} has a bad or unsupported dtype, shape or offsets") from None
+            nbytes = math.prod(shape) * dtype.itemsize
+            if min(shape, default=0) < 0 or end - begin != nbytes or begin < 0 or data_start + end > size:
+                raise self._bad(f"tensor {name!r}'s offsets do not match its shape or the file")
+            entries[name] = (dtype, shape, data_start + begin, data_start + end)
+        return entries
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entries[name][1]
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name`, or only rows [start, start + length) of its first dimension."""
+        dtype, shape, begin, end = self._entries[name]
+        if rows is not None:
+            if min(rows) < 0 or rows[0] + rows[1] > shape[0]:
+                raise IndexError(f"rows {rows} of {name!r} are outside its shape {list(shape)}")
+            row_bytes = (end - begin) // shape[0] if shape[0] else 0
+            begin, shape = begin + rows[0] * row_bytes, (rows[1], *shape[1:])
+            end = begin + rows[1] * row_bytes
+        if end == begin:
+            return torch.empty(shape, dtype=dtype)
+        # An anonymous mapping of its own, unmapped when the tensor goes: buffers from the heap stayed
+        # resident between the parameters they were copied into.
+        staging = mmap.mmap(-1, end - begin)
+        self._file.seek(begin)
+        if self._file.readinto(staging) != end - begin:  # type: ignore[attr-defined]
+            raise self._bad(f"tensor {name!r} is cut short")
+        return torch.frombuffer(staging, dtype=torch.uint8).view(dtype).reshape(shape)
+
 
 class CheckpointTensor:
-    """A tensor in a safetensors file, read lazily and in parts via safetensors' slice API."""
+    """A tensor in a safetensors file, read lazily and in parts, converted to the model's dtype."""
 
-    def __init__(self, handle: Any, name: str, dtype: torch.dtype) -> None:
-        self._slice = handle.get_slice(name)
+    def __init__(self, handle: SafetensorsFile, name: str, dtype: torch.dtype) -> None:
+        self._handle = handle
+        self._name = name
         self._dtype = dtype
-        self.shape: tuple[int, ...] = tuple(self._slice.get_shape())
+        self.shape: tuple[int, ...] = handle.shape(name)
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        index = tuple([slice(None)] * dim + [slice(start, start + length)])
-        return self._slice[index].to(self._dtype)
+        if dim == 0:
+            return self._handle.read(self._name, (start, length)).to(self._dtype)
+        return self._handle.read(self._name).narrow(dim, start, length).to(self._dtype)
 
     def full(self) -> torch.Tensor:
-        return self._slice[:].to(self._dtype)
+        return self._handle.read(self._name).to(self._dtype)
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -62,8 +172,8 @@ def load_weights(model: CausalLM, model_dir: str, dtype: torch.dtype) -> None:
     expected = dict(model.checkpoint_shapes())
     missing = dict(expected)
     for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+        with SafetensorsFile(path) as handle:
+            for name in handle.keys():  # noqa: SIM118 - not a dict
                 try:
                     targets = list(model.checkpoint_targets(name))
                 except KeyError:

@@ -753,3 +753,17 @@ def test_gemma2_unsupported_settings_are_config_errors(make_checkpoint: Callable
     model_dir = make_checkpoint("Gemma2ForCausalLM", num_hidden_layers=1, use_bidirectional_attention=True)
     with pytest.raises(ConfigError, match="use_bidirectional_attention is not supported"):
         make_llm(model_dir, 1)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tp_shape_from_config_json_matches_the_model_config(
+    family: str, family_dir: Callable[[str], Path]
+) -> None:
+    """The command line checks the TP size from config.json before torch is imported: its reading gives
+    the sizes the full model config gives, for every family (dense, MoE on all or some layers)."""
+    from tp_runtime.config import TPShape, read_config_json
+
+    folder = family_dir(family)
+    early = TPShape.of_config_json(read_config_json(folder))
+    assert early == TPShape.of_model(build_model_config(folder, device="cpu"))
+    assert early.sizes() == [tp for tp in range(1, early.num_heads + 1) if early.problem(tp) is None]

@@ -131,6 +131,23 @@ def check_ranges(args: argparse.Namespace) -> None:
             raise ConfigError(f"argument --output-json: folder {folder} does not exist")
 
 
+def check_model_early(args: argparse.Namespace) -> None:
+    """The checks of --model and its TP size that need neither torch nor transformers (so a bad one is
+    refused within a second): the model resolves (a built-in one by its shape, unwritten) and runs at
+    --tensor-parallel-size."""
+    from tp_runtime.config import TPShape, read_config_json
+    from tp_runtime.models_catalog import builtin_shape
+
+    shape = builtin_shape(args.model)
+    if shape is None:
+        shape = read_config_json(resolve_model_arg(args))
+    try:
+        tp_shape = TPShape.of_config_json(shape)
+    except (KeyError, TypeError, ValueError):
+        return  # a config.json without the usual fields: transformers' reading of it, next, says what
+    tp_shape.check(args.tensor_parallel_size)
+
+
 def check_model(args: argparse.Namespace) -> Any:
     """Resolve --model and check it against the TP size, without starting anything; returns the
     ModelConfig."""
@@ -444,6 +461,7 @@ def check_args(args: argparse.Namespace, *, under_torchrun: bool) -> None:
     check_ranges(args)
     if hasattr(args, "model"):  # a command that starts an engine
         EngineArgs.check_cli(args)
+        check_model_early(args)
         args.model_config = check_model(args)
     if args.check is not None:
         args.check(args)

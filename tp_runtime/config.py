@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton_one_split")
 ALL_REDUCE_STRATEGIES = ("auto", "nccl", "symm_mem")
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
+# vLLM's (and torch's) other names of two of them.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
 @dataclass(frozen=True)
@@ -226,26 +229,90 @@ class EngineConfig:
         validate_tensor_parallel(self.model, self.parallel.tensor_parallel_size)
 
 
+@dataclass(frozen=True)
+class TPShape:
+    """The sizes that decide which tensor-parallel sizes a model runs at: attention heads split evenly,
+    KV heads split or replicated evenly, and the MLP widths (dense and per expert) split evenly."""
+
+    num_heads: int
+    num_kv_heads: int
+    dense_intermediate_size: int | None  # None: every layer's feed-forward is sparse MoE
+    moe_intermediate_size: int | None  # None: no MoE layers
+
+    @classmethod
+    def of_model(cls, model: ModelConfig) -> TPShape:
+        return cls(
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
+            dense_intermediate_size=(
+                model.intermediate_size if len(model.moe_layers) < model.num_layers else None
+            ),
+            moe_intermediate_size=model.moe_intermediate_size if model.moe_layers else None,
+        )
+
+    @classmethod
+    def of_config_json(cls, config: Mapping[str, Any]) -> TPShape:
+        """From config.json's fields as read, without transformers (so before torch is imported); the
+        MoE rules are the model adapters' (a test checks that the two agree for every family)."""
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        layers = int(config.get("num_hidden_layers", 1))
+        width = int(config.get("intermediate_size", 0))
+        # transformers writes Qwen3-MoE's expert count as num_experts or as num_local_experts (its alias).
+        experts = config.get("num_experts") or config.get("num_local_experts")
+        if experts and config.get("moe_intermediate_size"):  # Qwen3-MoE: some layers may stay dense
+            only_dense = set(config.get("mlp_only_layers") or [])
+            step = int(config.get("decoder_sparse_step", 1) or 1)
+            dense = any(i in only_dense or (i + 1) % step for i in range(layers))
+            return cls(heads, kv_heads, width if dense else None, int(config["moe_intermediate_size"]))
+        if experts:  # Mixtral: every layer sparse, each expert intermediate_size wide
+            return cls(heads, kv_heads, None, width)
+        return cls(heads, kv_heads, width, None)
+
+    def problem(self, tp: int) -> str | None:
+        """Why the model cannot run at `tp`, or None."""
+        if self.num_heads % tp:
+            return f"does not divide the model's {self.num_heads} attention heads"
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            return f"and the model's {self.num_kv_heads} KV heads do not divide one another"
+        if self.dense_intermediate_size is not None and self.dense_intermediate_size % tp:
+            return f"does not divide the model's MLP width intermediate_size={self.dense_intermediate_size}"
+        if self.moe_intermediate_size is not None and self.moe_intermediate_size % tp:
+            return f"does not divide the experts' intermediate size {self.moe_intermediate_size}"
+        return None
+
+    def sizes(self) -> list[int]:
+        """Every TP size the model runs at (none is larger than its head count)."""
+        return [tp for tp in range(1, self.num_heads + 1) if self.problem(tp) is None]
+
+    def check(self, tp: int) -> None:
+        problem = self.problem(tp)
+        if problem is not None:
+            sizes = ", ".join(str(n) for n in self.sizes())
+            raise ConfigError(
+                f"tensor_parallel_size={tp} {problem}; this model runs at tensor_parallel_size {sizes}"
+            )
+
+
 def validate_tensor_parallel(model: ModelConfig, tp: int) -> None:
-    if model.num_heads % tp:
+    TPShape.of_model(model).check(tp)
+
+
+def read_config_json(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A checkpoint folder's config.json as a dict (no transformers, no torch); ConfigError if it is not
+    one."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
         raise ConfigError(
-            f"tensor_parallel_size={tp} does not divide the model's {model.num_heads} attention heads; "
-            f"use a TP size that divides {model.num_heads}"
+            f"model path {str(path)!r} has no config.json; it is not a Hugging Face checkpoint folder"
         )
-    if model.num_kv_heads % tp and tp % model.num_kv_heads:
-        raise ConfigError(
-            f"tensor_parallel_size={tp} and the model's {model.num_kv_heads} KV heads do not divide one "
-            "another; use a TP size that divides or is a multiple of the KV head count"
-        )
-    if len(model.moe_layers) < model.num_layers and model.intermediate_size % tp:
-        raise ConfigError(
-            f"tensor_parallel_size={tp} does not divide intermediate_size={model.intermediate_size}"
-        )
-    if model.moe_layers and model.moe_intermediate_size % tp:
-        raise ConfigError(
-            f"tensor_parallel_size={tp} does not divide the experts' intermediate size "
-            f"{model.moe_intermediate_size}; use a TP size that divides it"
-        )
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"could not read {file} as JSON ({exc}); check the file") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{file} is not a JSON object; check the file")
+    return config
 
 
 def resolve_device(device: str) -> str:
@@ -266,7 +333,7 @@ def resolve_dtype(dtype: str, config_dtype: str | None, device: str) -> str:
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if dtype != "auto":
-        return dtype
+        return DTYPE_ALIASES.get(dtype, dtype)
     if device == "cpu":
         # Half-precision matmuls on CPU are slow and less exact; float32 is the safe CPU default.
         return "float32"

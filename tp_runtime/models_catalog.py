@@ -9,6 +9,8 @@
   tokenizer (``presets.py``), written once into the cache;
 - ``smollm2-135m``, ``llama-3-8b``, ``llama-3-70b``: model shapes without weights (config and tokenizer
   only), for ``load_format="dummy"``;
+- a Hugging Face Hub id (``org/name``): its snapshot in huggingface_hub's cache, downloaded when the Hub can
+  be reached;
 - ``None`` (the command line without ``--model``): SmolLM2-135M-Instruct when its package is installed
   (``scripts/setup.sh`` installs it), else ``tiny-llama``.
 
@@ -19,8 +21,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from tp_runtime.errors import ConfigError
 
@@ -51,6 +56,42 @@ BUILTIN_MODELS: tuple[BuiltinModel, ...] = (
 _BY_NAME = {m.name: m for m in BUILTIN_MODELS}
 
 
+# A Hugging Face Hub model id, "org/name" (the Hub's own rule for each part).
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+# What a checkpoint needs from a Hub repository: configs, weights, tokenizer and chat template files.
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def _hub_snapshot(repo_id: str) -> str:
+    """The local folder of Hub model `repo_id`: its cached snapshot, downloaded first when the Hub can be
+    reached (huggingface_hub's own cache, $HF_HOME / $HF_HUB_CACHE; $HF_HUB_OFFLINE=1 keeps to it)."""
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    try:
+        return str(huggingface_hub.snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except (errors.RepositoryNotFoundError, errors.GatedRepoError) as exc:
+        raise ConfigError(
+            f"model {repo_id!r}: the Hugging Face Hub has no such model, or it needs a token or access "
+            f"approval ({type(exc).__name__}); check the id, or log in with `hf auth login` / set HF_TOKEN"
+        ) from None
+    except errors.LocalEntryNotFoundError as exc:
+        if isinstance(exc, getattr(errors, "IncompleteSnapshotError", ())):  # huggingface_hub >= 2.4
+            raise ConfigError(f"model {repo_id!r}: {exc}") from None
+        offline = huggingface_hub.constants.HF_HUB_OFFLINE
+        cache = huggingface_hub.constants.HF_HUB_CACHE
+        how = "HF_HUB_OFFLINE is set" if offline else f"the Hub could not be reached ({exc.__cause__ or exc})"
+        raise ConfigError(
+            f"model {repo_id!r} is not a local folder, is not in the Hugging Face cache ({cache}), and "
+            f"{how}; download it where the Hub is reachable (`hf download {repo_id}`), or give a checkpoint "
+            "folder"
+        ) from None
+    except (errors.HfHubHTTPError, OSError, ValueError) as exc:
+        raise ConfigError(
+            f"model {repo_id!r}: the Hugging Face Hub download failed ({type(exc).__name__}: {exc})"
+        ) from None
+
+
 def known_names() -> list[str]:
     """Every built-in model name, the default first."""
     return [m.name for m in BUILTIN_MODELS]
@@ -62,18 +103,27 @@ def smollm2_available() -> bool:
 
 
 def supported_tp_sizes(name: str, candidates: tuple[int, ...] = _TP_SIZES_SHOWN) -> list[int]:
-    """The tensor-parallel sizes among ``candidates`` that built-in model ``name`` runs at: they divide its
-    attention heads and MLP width, and divide or are a multiple of its KV heads (as config.py checks)."""
+    """The tensor-parallel sizes among ``candidates`` that built-in model ``name`` runs at (config.py's
+    rule, from its preset's shape)."""
+    from tp_runtime.config import TPShape
     from tp_runtime.presets import PRESETS
 
-    shape = PRESETS[_BY_NAME[name].preset]
-    heads, kv_heads = int(shape["num_attention_heads"]), int(shape["num_key_value_heads"])
-    width = int(shape["intermediate_size"])
-    return [
-        tp
-        for tp in candidates
-        if heads % tp == 0 and width % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
-    ]
+    sizes = TPShape.of_config_json(PRESETS[_BY_NAME[name].preset]).sizes()
+    return [tp for tp in candidates if tp in sizes]
+
+
+def builtin_shape(model: str | os.PathLike[str] | None) -> Mapping[str, Any] | None:
+    """The config.json fields of built-in model `model` (None: the default), from its preset, without
+    writing it into the cache; None when `model` is not a built-in name (or an existing folder wins)."""
+    from tp_runtime.presets import PRESETS
+
+    if model is None:
+        model = DEFAULT_MODEL if smollm2_available() else FALLBACK_MODEL
+    model = os.fspath(model)
+    builtin = _BY_NAME.get(model)
+    if builtin is None or os.path.isdir(model):
+        return None
+    return PRESETS[builtin.preset]
 
 
 def models_table() -> str:
@@ -109,10 +159,12 @@ def resolve_model_name(model: str | os.PathLike[str] | None, load_format: str = 
     builtin = _BY_NAME.get(model)
     if builtin is None:
         names = ", ".join(known_names())
+        if _HUB_ID.fullmatch(model) and not os.path.exists(model):
+            return _hub_snapshot(model)
         if os.sep in model or model.startswith((".", "~")) or os.path.exists(model):
             raise ConfigError(
                 f"model {model!r} is not a directory; give a checkpoint folder (config.json, safetensors "
-                f"weights, tokenizer) or a built-in model name: {names}"
+                f"weights, tokenizer), a Hugging Face Hub id (org/name) or a built-in model name: {names}"
             )
         raise ConfigError(
             f"model {model!r} is neither a checkpoint folder nor a built-in model name; "

@@ -32,6 +32,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token
     n: int = 1
+    # Samples drawn per prompt, of which the n with the highest cumulative logprob are returned (None: n).
+    best_of: int | None = None
     # vLLM's penalties. repetition_penalty (HF/CTRL style, 1 = off) divides positive logits and multiplies
     # negative ones of every token in the prompt or the output so far; presence_penalty (0 = off) is
     # subtracted from the logit of every token in the output so far and frequency_penalty (0 = off) once
@@ -77,6 +79,14 @@ class SamplingParams:
                 raise bad(f"{name} must be None or an int >= 0, got {value!r}")
         if not is_int(self.n) or self.n < 1:
             raise bad(f"n must be an int >= 1, got {self.n!r}")
+        if self.best_of is not None:
+            if not is_int(self.best_of) or self.best_of < self.n:
+                raise bad(f"best_of must be None or an int >= n={self.n}, got {self.best_of!r}")
+            if self.best_of > 1 and is_real(self.temperature) and self.temperature < GREEDY_EPS:
+                raise bad(
+                    f"best_of={self.best_of} with greedy sampling (temperature 0) would draw the same "
+                    "sample each time; leave best_of out or set temperature > 0"
+                )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not is_real(value) or not -2.0 <= value <= 2.0:
@@ -97,6 +107,11 @@ class SamplingParams:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
                 raise bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+
+    @property
+    def samples(self) -> int:
+        """Samples drawn per prompt: best_of, else n."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def penalized(self) -> bool:

@@ -200,6 +200,8 @@ def print_report(result: dict[str, Any]) -> None:
             print(f"  {name:<26}{b[name] * 1e6:12.1f}")
     if "worker_host_gap" in b and b.get("step_total"):
         print(f"  host gap / step time: {100 * b['worker_host_gap'] / b['step_total']:.2f} %")
+    if result["config"]["device"] != "cuda":
+        return  # a CPU's step is bound by its compute, not by memory bandwidth (the JSON still has it)
     r = result["decode_roofline"]
     print(
         f"\nDecode roofline (per GPU): {r['weight_bytes'] / 1e9:.3f} GB weights + "

@@ -33,7 +33,7 @@ from tp_runtime.models_catalog import DEFAULT_MODEL, resolve_model_name
 
 # Choices of the string options. config.py keeps its own tuples for the engine's checks; a test checks that
 # they agree with these.
-Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16", "half", "float"]  # half, float: vLLM's aliases
 Device = Literal["auto", "cpu", "cuda"]
 LoadFormat = Literal["auto", "dummy"]
 ExecutorKind = Literal["auto", "inprocess", "multiprocess", "torchrun"]
@@ -90,7 +90,7 @@ class EngineArgs:
         default="auto",
         metadata=meta(
             help="weight and activation dtype (auto: float32 on the CPU; on CUDA the checkpoint's 16-bit "
-            "type, else bfloat16)"
+            "type, else bfloat16; half: float16, float: float32)"
         ),
     )
     device: Device = field(default="auto", metadata=meta(help="auto: CUDA when there is a GPU"))

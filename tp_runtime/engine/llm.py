@@ -15,7 +15,7 @@ from tp_runtime.config import (
     EngineConfig,
 )
 from tp_runtime.engine.args import EngineArgs
-from tp_runtime.engine.llm_engine import LLMEngine, child_params
+from tp_runtime.engine.llm_engine import LLMEngine, best_samples, child_params
 from tp_runtime.errors import ConfigError, InvalidRequestError
 from tp_runtime.outputs import RequestOutput
 from tp_runtime.sampling_params import SamplingParams
@@ -284,7 +284,7 @@ class LLM:
         owners: dict[str, tuple[int, int]] = {}  # engine request id -> (prompt index, sample index)
         try:
             for i, ((_, ids), params) in enumerate(zip(encoded, params_list, strict=True)):
-                for j in range(params.n):
+                for j in range(params.samples):
                     owners[str(self.engine.add_request(ids, child_params(params, j)))] = (i, j)
             finished = self._run(len(owners), use_tqdm)
         except BaseException:
@@ -302,6 +302,8 @@ class LLM:
             results[i].outputs.append(completion)
             if out.prompt_logprobs is not None:
                 results[i].prompt_logprobs = out.prompt_logprobs
+        for result, params in zip(results, params_list, strict=True):
+            result.outputs = best_samples(params, result.outputs)
         return results
 
     def _run(self, total: int, use_tqdm: bool) -> list[RequestOutput]:

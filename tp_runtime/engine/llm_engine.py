@@ -122,15 +122,39 @@ class _TextState:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample `index` of an n > 1 request, as one engine request: seed + index (as vLLM), wrapped into the
-    int64 range so that any seed the user may pass works; prompt logprobs come from the first sample
-    only."""
-    if params.n == 1:
-        return params
+    """Sample `index` of an n > 1 (or best_of > 1) request, as one engine request: seed + index (as vLLM),
+    wrapped into the int64 range so that any seed the user may pass works; prompt logprobs come from the
+    first sample only. A best_of sample computes its tokens' logprobs: they rank it."""
+    if params.samples == 1:
+        return replace(params, best_of=None) if params.best_of is not None else params
     seed = params.seed
     if seed is not None:
         seed = (seed + index + 2**63) % 2**64 - 2**63
-    return replace(params, seed=seed, n=1, prompt_logprobs=params.prompt_logprobs if index == 0 else None)
+    logprobs = params.logprobs
+    if params.best_of is not None and logprobs is None:
+        logprobs = 0
+    return replace(
+        params,
+        seed=seed,
+        n=1,
+        best_of=None,
+        logprobs=logprobs,
+        prompt_logprobs=params.prompt_logprobs if index == 0 else None,
+    )
+
+
+def best_samples(params: SamplingParams, samples: list[CompletionOutput]) -> list[CompletionOutput]:
+    """What a prompt returns of its samples (in sample order): all of them, or for best_of the n with the
+    highest cumulative logprob, best first (the first drawn first among equals), numbered 0..n-1; their
+    token logprobs only when the request asked for them."""
+    if params.best_of is None:
+        return samples
+    ranked = sorted(samples, key=lambda c: -(c.cumulative_logprob or 0.0))[: params.n]
+    for index, completion in enumerate(ranked):
+        completion.index = index
+        if params.logprobs is None:
+            completion.logprobs = None
+    return ranked
 
 
 def _make_decode(tokenizer: Any) -> Callable[[list[int]], str]:
@@ -215,9 +239,10 @@ class LLMEngine:
         any thread may call this); returns the prompt ids as a list. Raises InvalidRequestError."""
         prompt_ids = self._validate_prompt(prompt_ids)
         self.validate_params(params)
-        if params.n != 1:
+        if params.samples != 1:
             raise InvalidRequestError(
-                f"an engine request is one sample, got n={params.n}; add one request per sample "
+                f"an engine request is one sample, got n={params.n}, best_of={params.best_of}; add one "
+                "request per sample "
                 "(child_params(params, i))"
             )
         return prompt_ids

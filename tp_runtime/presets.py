@@ -226,6 +226,7 @@ def write_preset_checkpoint(name: str, out_dir: str | Path, *, with_weights: boo
     """
     import torch
     from transformers import GenerationConfig, LlamaForCausalLM
+    from transformers.utils import logging as transformers_logging
 
     config = preset_hf_config(name)
     out = Path(out_dir)
@@ -236,7 +237,15 @@ def write_preset_checkpoint(name: str, out_dir: str | Path, *, with_weights: boo
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = LlamaForCausalLM(config).float()  # float32 even if the caller changed the default dtype
-        model.save_pretrained(out, safe_serialization=True)
+        # Quietly: the command line's one-line errors (and its output) must not carry transformers'
+        # "Writing model shards" bar when a built-in model is written on first use.
+        bars_were_on = transformers_logging.is_progress_bar_enabled()
+        transformers_logging.disable_progress_bar()
+        try:
+            model.save_pretrained(out, safe_serialization=True)
+        finally:
+            if bars_were_on:
+                transformers_logging.enable_progress_bar()
         del model
     config.save_pretrained(out)
     GenerationConfig(bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID).save_pretrained(out)

@@ -226,7 +226,7 @@ def test_tensor_parallel_size_not_dividing_heads(checkpoint: Path, tp: int) -> N
     # 4 attention heads, 2 KV heads, intermediate 128: 3 divides nothing; 8 > 4 heads.
     with pytest.raises(ConfigError, match=f"tensor_parallel_size={tp}.*4 attention heads") as info:
         LLM(checkpoint, device="cpu", tensor_parallel_size=tp)
-    assert "use a TP size that divides 4" in str(info.value)
+    assert "this model runs at tensor_parallel_size 1, 2, 4" in str(info.value)
 
 
 # ----------------------------------------------------------------------------- SamplingParams

@@ -558,25 +558,15 @@ def test_each_rank_holds_its_slice(
     hf = load_file(str(model_dir / "model.safetensors"))
     full_elements = sum(t.numel() for t in hf.values())
     read: list[int] = []
-    original_init = loader.CheckpointTensor.__init__
+    original_read = loader.SafetensorsFile.read
 
-    class CountingSlice:
-        def __init__(self, inner: Any) -> None:
-            self.inner = inner
+    def counting_read(self: loader.SafetensorsFile, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Counts the elements actually read from the file."""
+        out: torch.Tensor = original_read(self, *args, **kwargs)
+        read.append(out.numel())
+        return out
 
-        def get_shape(self) -> list[int]:
-            return list(self.inner.get_shape())
-
-        def __getitem__(self, index: Any) -> torch.Tensor:
-            out: torch.Tensor = self.inner[index]
-            read.append(out.numel())
-            return out
-
-    def counting_init(self: loader.CheckpointTensor, handle: Any, name: str, dtype: torch.dtype) -> None:
-        original_init(self, handle, name, dtype)
-        self._slice = CountingSlice(self._slice)
-
-    monkeypatch.setattr(loader.CheckpointTensor, "__init__", counting_init)
+    monkeypatch.setattr(loader.SafetensorsFile, "read", counting_read)
     for rank in range(tp):
         read.clear()
         model = model_class(arch)(cfg, TPGroup(rank, tp), torch.float32, torch.device("cpu"))

@@ -41,8 +41,8 @@ _MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 
 
 class SafetensorsFile:
-    """One open safetensors file: its header, and reads of a tensor's bytes (a dim-0 slice reads only its
-    rows)."""
+    """One open safetensors file: its header, and reads of a tensor or of a slice of it (only the slice's
+    bytes are read)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -104,24 +104,38 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entries[name][1]
 
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Tensor `name`, or only rows [start, start + length) of its first dimension."""
-        dtype, shape, begin, end = self._entries[name]
-        if rows is not None:
-            if min(rows) < 0 or rows[0] + rows[1] > shape[0]:
-                raise IndexError(f"rows {rows} of {name!r} are outside its shape {list(shape)}")
-            row_bytes = (end - begin) // shape[0] if shape[0] else 0
-            begin, shape = begin + rows[0] * row_bytes, (rows[1], *shape[1:])
-            end = begin + rows[1] * row_bytes
-        if end == begin:
-            return torch.empty(shape, dtype=dtype)
+    def read(self, name: str, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
+        """Tensor `name`, or only [start, start + length) of its dimension `dim`: only those bytes are read
+        (one read per index of the dimensions before `dim`)."""
+        dtype, shape, begin, _ = self._entries[name]
+        if length is None:
+            dim, start, length = 0, 0, shape[0] if shape else 1
+        extent = (shape or (1,))[dim] if 0 <= dim < max(len(shape), 1) else -1
+        if extent < 0 or start < 0 or length < 0 or start + length > extent:
+            raise IndexError(f"[{start}, {start}+{length}) of dim {dim} of {name!r} is outside {list(shape)}")
+        out_shape = (*shape[:dim], length, *shape[dim + 1 :]) if shape else ()
+        nbytes = math.prod(out_shape) * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(out_shape, dtype=dtype)
+        outer = math.prod(shape[:dim])
+        inner = math.prod(shape[dim + 1 :]) * dtype.itemsize
+        row, chunk = (shape[dim] * inner if shape else nbytes), length * inner
         # An anonymous mapping of its own, unmapped when the tensor goes: buffers from the heap stayed
         # resident between the parameters they were copied into.
-        staging = mmap.mmap(-1, end - begin)
-        self._file.seek(begin)
-        if self._file.readinto(staging) != end - begin:  # type: ignore[attr-defined]
-            raise self._bad(f"tensor {name!r} is cut short")
-        return torch.frombuffer(staging, dtype=torch.uint8).view(dtype).reshape(shape)
+        staging = mmap.mmap(-1, nbytes)
+        view = memoryview(staging)
+        fd = self._file.fileno()
+        if chunk == row or outer == 1:  # contiguous in the file
+            pieces = [(view, begin + start * inner)]
+        else:
+            pieces = [
+                (view[i * chunk : (i + 1) * chunk], begin + i * row + start * inner) for i in range(outer)
+            ]
+        for target, offset in pieces:
+            if os.preadv(fd, [target], offset) != len(target):
+                raise self._bad(f"tensor {name!r} is cut short")
+        del view, pieces
+        return torch.frombuffer(staging, dtype=torch.uint8).view(dtype).reshape(out_shape)
 
 
 class CheckpointTensor:
@@ -134,9 +148,7 @@ class CheckpointTensor:
         self.shape: tuple[int, ...] = handle.shape(name)
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        if dim == 0:
-            return self._handle.read(self._name, (start, length)).to(self._dtype)
-        return self._handle.read(self._name).narrow(dim, start, length).to(self._dtype)
+        return self._handle.read(self._name, dim, start, length).to(self._dtype)
 
     def full(self) -> torch.Tensor:
         return self._handle.read(self._name).to(self._dtype)

@@ -937,7 +937,9 @@ def test_key_is_checked_before_the_body_and_the_body_is_capped(
             bad_json = {"content": b"{not json", "headers": {"Content-Type": "application/json"}}
             error = _error(await client.post("/v1/completions", **bad_json), 401)  # type: ignore[arg-type]
             assert error["code"] == "invalid_api_key"
-            error = _error(await client.post("/v1/chat/completions", content=b"x" * 5000), 401)
+            json_type = {"Content-Type": "application/json"}
+            big = {"content": b"x" * 5000, "headers": json_type}
+            error = _error(await client.post("/v1/chat/completions", **big), 401)  # type: ignore[arg-type]
         async with served.client(Authorization="Bearer k") as client:
             error = _error(await client.post("/v1/completions", **bad_json), 400)  # type: ignore[arg-type]
             assert "not valid JSON" in error["message"]
@@ -949,7 +951,7 @@ def test_key_is_checked_before_the_body_and_the_body_is_capped(
                 for _ in range(10):
                     yield b"x" * 1000
 
-            error = _error(await client.post("/v1/completions", content=chunks()), 413)
+            error = _error(await client.post("/v1/completions", content=chunks(), headers=json_type), 413)
             ok = await client.post("/v1/completions", json={"prompt": "x" * 100, "max_tokens": 2})
             assert ok.status_code == 200, ok.text
 

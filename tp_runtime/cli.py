@@ -381,7 +381,9 @@ def build_parser() -> ArgumentParser:
         epilog=MODELS_EPILOG,
     )
     serve_cli.add_serve_arguments(serve)
-    serve.set_defaults(func=serve_cli.serve_main, check=serve_cli.check_serve, per_rank=True)
+    serve.set_defaults(
+        func=serve_cli.serve_main, check=serve_cli.check_serve, check_before_model=True, per_rank=True
+    )
 
     bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -459,11 +461,16 @@ def check_args(args: argparse.Namespace, *, under_torchrun: bool) -> None:
     if under_torchrun and not args.per_rank:
         refuse_once_only(_command_name(args))
     check_ranges(args)
+    # A command's own checks run first when they need no model (serve: its flags, its port), so that they
+    # too answer before torch is imported.
+    check_first = getattr(args, "check_before_model", False)
+    if check_first and args.check is not None:
+        args.check(args)
     if hasattr(args, "model"):  # a command that starts an engine
         EngineArgs.check_cli(args)
         check_model_early(args)
         args.model_config = check_model(args)
-    if args.check is not None:
+    if args.check is not None and not check_first:
         args.check(args)
 
 

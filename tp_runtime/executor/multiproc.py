@@ -25,8 +25,8 @@ from tp_runtime.errors import (
     EngineClosedError,
     WorkerDiedError,
 )
-from tp_runtime.executor.base import CLOSED_MESSAGE, T, size_kv_cache
-from tp_runtime.executor.remote import RemoteWorkers
+from tp_runtime.executor.base import T, size_kv_cache
+from tp_runtime.executor.remote import INTERRUPTED_MESSAGE, RemoteWorkers
 from tp_runtime.ipc import DriverChannel, ipc_channel, message_limits
 from tp_runtime.messages import (
     ControlCall,
@@ -205,10 +205,13 @@ class MultiprocExecutor:
             raise
 
     def _guarded(self, fn: Callable[[], T]) -> T:
-        """Run fn; on any failure shut every worker down before re-raising."""
+        """Run fn; on any failure shut every worker down before re-raising (a Ctrl-C is named by the
+        later calls' EngineClosedError)."""
         try:
             return fn()
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt) and not self._shut_down:
+                self.workers.closed_message = INTERRUPTED_MESSAGE
             # Survivors may be stuck in a collective with the failed rank: do not wait long for them.
             self.shutdown(grace_s=0.5)
             raise
@@ -260,7 +263,7 @@ class MultiprocExecutor:
 
     def _check_open(self) -> None:
         if self._shut_down:
-            raise EngineClosedError(CLOSED_MESSAGE)
+            raise EngineClosedError(self.workers.closed_message)
 
     def worker_pids(self) -> list[int]:
         return self.workers.pids()

@@ -27,6 +27,9 @@ from tp_runtime.serialize import (
     recv_spinning,
 )
 
+# Why an engine closed by a Ctrl-C during a step refuses its next call (RemoteWorkers.closed_message).
+INTERRUPTED_MESSAGE = "the engine was closed by a KeyboardInterrupt (Ctrl-C) during a step; create a new LLM"
+
 
 @dataclass
 class _Expected:
@@ -77,6 +80,7 @@ class RemoteWorkers:
         self.remote_ranks = remote_ranks
         self.spin_wait_s = spin_wait_s
         self.closed = False
+        self.closed_message = CLOSED_MESSAGE  # what a call once closed raises (EngineClosedError)
         self.in_flight: dict[int, None] = {}  # steps sent and not answered yet, oldest first
         self.arrived: dict[int, ModelRunnerOutput] = {}  # answered, not asked for yet
         self.abandoned: set[int] = set()  # in flight but no longer wanted (their requests were aborted)
@@ -96,7 +100,7 @@ class RemoteWorkers:
 
     def check_alive(self, settle_s: float = 0.0) -> None:
         if self.closed:
-            raise EngineClosedError(CLOSED_MESSAGE)
+            raise EngineClosedError(self.closed_message)
         self._check_processes(settle_s)
         for rank, silent_s in self.channel.watchdog.late().items():
             if not self._maybe_busy(rank):

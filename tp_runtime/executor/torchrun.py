@@ -26,8 +26,8 @@ from tp_runtime.errors import (
     WorkerDiedError,
     WorkerError,
 )
-from tp_runtime.executor.base import CLOSED_MESSAGE, PendingSteps, T, size_kv_cache
-from tp_runtime.executor.remote import RemoteWorkers
+from tp_runtime.executor.base import PendingSteps, T, size_kv_cache
+from tp_runtime.executor.remote import INTERRUPTED_MESSAGE, RemoteWorkers
 from tp_runtime.ipc import QUIET_S, DriverChannel, ipc_channel, message_limits
 from tp_runtime.messages import (
     ControlCall,
@@ -103,7 +103,9 @@ class TorchrunExecutor:
     def _guarded(self, fn: Callable[[], T]) -> T:
         try:
             return fn()
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt) and not self._shut_down:
+                self.remote.closed_message = INTERRUPTED_MESSAGE  # named by the later calls' error
             self.shutdown()
             raise
 
@@ -171,7 +173,7 @@ class TorchrunExecutor:
 
     def _check_open(self) -> None:
         if self._shut_down:
-            raise EngineClosedError(CLOSED_MESSAGE)
+            raise EngineClosedError(self.remote.closed_message)
 
     def shutdown(self) -> None:
         if self._shut_down:

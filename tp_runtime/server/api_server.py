@@ -11,9 +11,12 @@ decodes with the engine's) and checking every prompt and option. Back on the loo
 request per prompt and sample to the engine thread and streams what comes back, so a huge prompt stalls
 neither other streams nor /health. Errors have OpenAI's shape, `{"error": {"message", "type", "param",
 "code"}}`: 400 for a bad request, 401 for a missing or wrong key, 404 for an unknown model, 413 for a
-body over the limit, 503 while shutting down, 500 after the engine died (its cause in one line; the full
-traceback is only in the server's log). A client that disconnects, at any point of its response, has its
-requests aborted, which frees their KV blocks.
+body over the limit, 415 for a POST under /v1 whose Content-Type is not application/json (decided from
+the header, before anything else: `text/plain` is what a web page may send cross-origin without a CORS
+preflight), 503 while shutting down, 500 after the engine died (its cause in one line; the full
+traceback is only in the server's log). CORS headers are sent only for the `allowed_origins` given. A
+client that disconnects, at any point of its response, has its requests aborted, which frees their KV
+blocks.
 
 `build_app` returns the app and `begin_drain(grace_s)`, which the runner (`server.runner`) calls when a
 shutdown signal arrives: new requests get 503 and the engine drains, ending the requests still running
@@ -29,7 +32,7 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -38,7 +41,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tp_runtime.engine.async_engine import AsyncLLMEngine, RequestStream
 from tp_runtime.engine.llm import template_variables
@@ -528,6 +532,39 @@ def _error_json(status: int, info: ErrorInfo) -> JSONResponse:
     return JSONResponse(error_body(info), status_code=status)
 
 
+def unsupported_content_type(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The Content-Type of a request whose body is not declared JSON (415; "" when it has none), or None
+    for `application/json` with any parameters (`; charset=utf-8`), in any case. A body with no
+    Content-Type is refused too: a web page can send one cross-origin without a CORS preflight (a
+    `fetch` of a Blob), as FastAPI's own strict_content_type check holds."""
+    for name, value in headers:
+        if name.lower() == b"content-type":
+            text = value.decode("latin-1")
+            return None if text.split(";", 1)[0].strip().lower() == "application/json" else text
+    return ""
+
+
+class _JSONBodiesOnly:
+    """POST under /v1: a body that is not declared JSON gets 415, from its headers alone (the body is not
+    read). The reason: a web page may send `text/plain` (or a form) cross-origin without a CORS preflight,
+    so without this check any site the user visits could drive a local server."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path = scope["path"]
+            given = unsupported_content_type(scope["headers"]) if path.startswith("/v1/") else None
+            if given is not None:
+                what = f"unsupported Content-Type {given[:100]!r}" if given else "no Content-Type"
+                message = f"{what}: send the request body as JSON, with `Content-Type: application/json`"
+                info = ErrorInfo(message=message, type="invalid_request_error", code=415)
+                await _error_json(415, info)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(
     engine: AsyncLLMEngine,
     tokenizer: Any,
@@ -536,13 +573,16 @@ def build_app(
     api_key: str | None = None,
     on_ready: Callable[[], None] | None = None,
     max_body_bytes: int | None = None,
+    allowed_origins: Sequence[str] | None = None,
 ) -> tuple[FastAPI, Callable[[float], None]]:
     """The FastAPI app serving `engine` (started by the caller) under `model_name`. `tokenizer`: the front
     end's own (the engine thread decodes with the engine's). `max_body_bytes`: the largest request body
-    taken (default `default_max_body_bytes`). Returns the app and `begin_drain(grace_s)`, to call on the
-    event loop when the server begins to shut down: new requests get 503 (and /health 503), and the engine
-    lets the requests in flight run for up to `grace_s` seconds, then ends them with finish_reason "abort",
-    so each stream still sends its last chunk and [DONE], and shuts down."""
+    taken (default `default_max_body_bytes`). `allowed_origins`: the web origins that get CORS headers
+    ("*": any; default none: no CORS headers, and a preflight gets 405). Returns the app and
+    `begin_drain(grace_s)`, to call on the event loop when the server begins to shut down: new requests get
+    503 (and /health 503), and the engine lets the requests in flight run for up to `grace_s` seconds, then
+    ends them with finish_reason "abort", so each stream still sends its last chunk and [DONE], and shuts
+    down."""
     max_model_len = engine.engine.config.model.max_model_len
     ctx = _Context(
         engine=engine, tokenizer=tokenizer, model_name=model_name, max_model_len=max_model_len,
@@ -557,6 +597,13 @@ def build_app(
         yield
 
     app = FastAPI(title="tp_runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # The last one added runs first: CORS (its headers on every answer, 415s included), then the check.
+    app.add_middleware(_JSONBodiesOnly)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )  # fmt: skip
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

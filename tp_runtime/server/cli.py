@@ -9,16 +9,45 @@ Nothing heavy is imported before the arguments are checked.
 from __future__ import annotations
 
 import argparse
+import errno
+import json
+import math
 import os
+import socket
 import sys
+from typing import Any
+from urllib.parse import urlsplit
 
 API_KEY_ENV = "TP_RUNTIME_API_KEY"
 DESCRIPTION = (
     "Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, "
-    "/health and /metrics. SIGTERM or Ctrl-C drains: in-flight requests run for up to --shutdown-grace "
-    'seconds, those still running then end with finish_reason "abort", the workers shut down and the '
-    "server exits with status 0."
+    "/health and /metrics. `serve MODEL` is `serve --model MODEL`, as in vLLM. SIGTERM or Ctrl-C drains: "
+    "in-flight requests run for up to --shutdown-grace seconds, those still running then end with "
+    'finish_reason "abort", the workers shut down and the server exits with status 0.'
 )
+DEFAULT_TIMEOUT_HEADERS_S = 5.0
+DEFAULT_MAX_CONNECTIONS = 1024
+
+
+class _ModelTag(argparse.Action):
+    """The optional positional MODEL (`vllm serve MODEL`): stored in `model`, as --model is. Given after
+    a different --model it is an error here; given before one, check_serve finds the conflict."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+        option_string: str | None = None,
+    ) -> None:  # fmt: skip
+        setattr(namespace, self.dest, values)
+        if values is None:  # absent: argparse passes the default
+            return
+        model = getattr(namespace, "model", None)
+        if model is not None and str(model) != values:
+            raise argparse.ArgumentError(self, _conflict(values, model))
+        namespace.model = values
+
+
+def _conflict(tag: Any, model: Any) -> str:
+    return f"the model is given twice, as MODEL {tag!r} and as --model {str(model)!r}; give one of them"
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +55,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from tp_runtime.engine.args import add_engine_arguments
 
     add_engine_arguments(parser)
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", action=_ModelTag,
+        help="the model to serve, as --model takes it: `serve MODEL` is `serve --model MODEL`, as in vLLM "
+        "(default: --model's, else the default model named below)",
+    )  # fmt: skip
     group = parser.add_argument_group("server options")
     group.add_argument(
         "--host",
@@ -53,6 +87,29 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         '"abort") and stops the workers',
     )
     group.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="ORIGINS",
+        help="the web origins that may call the API from a browser (CORS), as a JSON list as vLLM takes "
+        'it (\'["http://localhost:3000"]\') or comma-separated (http://a.example,https://b.example); "*": '
+        "any origin (default: none, no CORS headers at all)",
+    )
+    group.add_argument(
+        "--timeout-headers",
+        type=float,
+        default=DEFAULT_TIMEOUT_HEADERS_S,
+        metavar="SECONDS",
+        help="a request's headers must arrive within this many seconds of the connection opening (or of "
+        "the previous response, on a kept-alive connection); a connection slower than that is closed",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="open connections at most; a connection beyond them gets 503 and is closed (each connection "
+        "takes a file descriptor: see `ulimit -n`)",
+    )
+    group.add_argument(
         "--log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -67,7 +124,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_serve(args: argparse.Namespace) -> None:
-    """The server flags' checks; raises ConfigError naming the flag."""
+    """The server flags' checks, and whether the port is free; raises ConfigError naming the flag."""
+    from tp_runtime.config import torchrun_rank
     from tp_runtime.errors import ConfigError
 
     if args.api_key is None:
@@ -80,6 +138,85 @@ def check_serve(args: argparse.Namespace) -> None:
         raise ConfigError("argument --api-key: must not be empty")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ConfigError("argument --served-model-name: must not be empty")
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and args.model is not None and str(args.model) != tag:
+        raise ConfigError(f"argument MODEL: {_conflict(tag, args.model)}")
+    if isinstance(args.allowed_origins, str):
+        args.allowed_origins = parse_origins(args.allowed_origins)
+    if not (math.isfinite(args.timeout_headers) and args.timeout_headers > 0):
+        raise ConfigError(
+            f"argument --timeout-headers: must be more than 0 seconds, got {args.timeout_headers:g}"
+        )
+    if args.max_connections < 1:
+        raise ConfigError(f"argument --max-connections: must be at least 1, got {args.max_connections}")
+    rank = torchrun_rank()
+    if not rank:  # rank 0 listens; the other ranks (maybe on other hosts) do not
+        check_port_free(args.host, args.port)
+
+
+def parse_origins(value: str) -> list[str]:
+    """--allowed-origins: a JSON list of strings, or origins separated by commas; each `*` or
+    scheme://host[:port], exactly as a browser sends it in its Origin header (no path, no trailing /)."""
+    from tp_runtime.errors import ConfigError
+
+    flag = "argument --allowed-origins"
+    if value.lstrip().startswith("["):
+        try:
+            origins = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{flag}: not a valid JSON list ({exc.msg}): {value!r}") from None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise ConfigError(f"{flag}: a JSON list must hold strings only, got {value!r}")
+        origins = [o.strip() for o in origins]
+    else:
+        origins = [o.strip() for o in value.split(",")]
+    origins = [o for o in origins if o]
+    if not origins:
+        raise ConfigError(f"{flag}: names no origin; leave the flag out for none")
+    for origin in origins:
+        if origin != "*" and not _is_origin(origin):
+            raise ConfigError(
+                f"{flag}: {origin!r} is not an origin; give scheme://host[:port] as a browser sends it "
+                "(e.g. http://localhost:3000: no path, no trailing /), or *"
+            )
+    return origins
+
+
+def _is_origin(text: str) -> bool:
+    try:
+        parts = urlsplit(text)
+        _ = parts.port  # a port that is no number raises ValueError
+    except ValueError:
+        return False
+    return (
+        parts.scheme in ("http", "https") and bool(parts.hostname) and not parts.username
+        and not parts.password and not (parts.path or parts.query or parts.fragment)
+        and not text.endswith(("?", "#"))
+    )  # fmt: skip
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Whether --host/--port can be listened on, tried at once (binding as the server will: SO_REUSEADDR,
+    then closed), rather than after the model loads. Port 0 (any free port) is not tried."""
+    from tp_runtime.errors import ConfigError
+
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"argument --port: port {port} on {host} is already in use; stop what listens there or "
+                    "choose another --port (0: any free port)"
+                ) from None
+            flag = "--port" if exc.errno == errno.EACCES else "--host"
+            raise ConfigError(
+                f"argument {flag}: cannot listen on {host}:{port}: {exc.strerror or exc}"
+            ) from None
 
 
 def serve_main(args: argparse.Namespace) -> None:
@@ -97,7 +234,9 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m tp_runtime.server.cli", description=DESCRIPTION, epilog=cli.MODELS_EPILOG
     )
     add_serve_arguments(parser)
-    parser.set_defaults(command="serve", func=serve_main, check=check_serve, per_rank=True)
+    parser.set_defaults(
+        command="serve", func=serve_main, check=check_serve, check_before_model=True, per_rank=True
+    )
     try:
         args = parser.parse_args(argv)
         cli.check_args(args, under_torchrun=cli.torchrun_rank() is not None)

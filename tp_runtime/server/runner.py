@@ -33,6 +33,7 @@ import uvicorn
 from tp_runtime.engine.async_engine import AsyncLLMEngine
 from tp_runtime.errors import ConfigError
 from tp_runtime.server.api_server import build_app
+from tp_runtime.server.connections import guarded_protocol
 
 # Past the grace period, how long uvicorn waits for the aborted requests' last responses to go out.
 DRAIN_MARGIN_S = 5.0
@@ -169,10 +170,13 @@ def _serve(args: argparse.Namespace, sock: socket.socket, signals: _Signals) -> 
             )
 
         app, begin_drain = build_app(engine, tokenizer, model_name=model_name, api_key=api_key,
-                                     on_ready=ready)  # fmt: skip
+                                     on_ready=ready, allowed_origins=args.allowed_origins)  # fmt: skip
+        # h11, with the header timeout and the connection cap uvicorn lacks (server.connections).
+        protocol = guarded_protocol(args.timeout_headers, args.max_connections)
         uv_config = uvicorn.Config(
             app, host=host, port=port, log_level=args.log_level, access_log=args.access_log,
             timeout_graceful_shutdown=args.shutdown_grace + DRAIN_MARGIN_S, ws="none", lifespan="on",
+            http=protocol,
         )  # fmt: skip
         server = _DrainingServer(uv_config, begin_drain, args.shutdown_grace)
         engine.start()

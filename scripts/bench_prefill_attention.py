@@ -54,6 +54,24 @@ def _triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return paged_prefill_attention(q, k_cache, v_cache, table, 0, HEAD_DIM**-0.5, None)
 
 
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    n = q.shape[0]
+    cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+    return varlen_attn(q, k, v, cu, cu, n, n, scale=HEAD_DIM**-0.5, window_size=(-1, 0), enable_gqa=True)
+
+
+def _flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """aten's varlen FlashAttention forward, which takes fewer KV heads than query heads."""
+    n = q.shape[0]
+    cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu, cu, n, n, 0.0, True, False, scale=HEAD_DIM**-0.5
+    )
+    return out[0]
+
+
 def _inputs(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(n)
     def make(heads: int) -> torch.Tensor:
@@ -80,11 +98,25 @@ def main() -> None:
         "sdpa flash": _sdpa([SDPBackend.FLASH_ATTENTION]),
         "sdpa efficient": _sdpa([SDPBackend.EFFICIENT_ATTENTION]),
         "triton paged prefill": _triton,
+        "aten flash varlen (GQA)": _flash_op,
     }
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+
+        print("varlen_attn:", inspect.signature(varlen_attn))
+        candidates["torch varlen_attn (GQA)"] = _varlen
+    except ImportError as exc:
+        print("no torch.nn.attention.varlen:", exc)
     # Everything compiled and initialised once, at a length no cold pass uses.
     warm = _inputs(40)
-    for fn in candidates.values():
-        fn(*warm)
+    for name, fn in list(candidates.items()):
+        try:
+            fn(*warm)
+        except Exception as exc:  # a candidate this torch lacks
+            print(f"{name}: {type(exc).__name__}: {str(exc)[:200]}")
+            del candidates[name]
     reference = {}
     results = {}
     rng = random.Random(0)

@@ -26,7 +26,9 @@ printf 'torch==%s\ntriton==%s\n' "$torch_version" "$triton_version" > "$work/pin
 python3 -m venv "$work/venv"
 VIRTUAL_ENV=$work/venv TP_RUNTIME_CONSTRAINTS=$work/pins.txt bash scripts/setup.sh --test
 # Local version labels go: the lock's torch==X admits both builds (X+cpu and PyPI's CUDA X).
-"$work/venv/bin/python" -m pip freeze --exclude-editable --disable-pip-version-check |
+# pip list, not freeze: a package installed from a wheel file is NAME==VERSION there too.
+"$work/venv/bin/python" -m pip list --format=freeze --exclude-editable --disable-pip-version-check |
+    grep -v -E '^(pip|setuptools|wheel)==' |
     sed -E 's/^([A-Za-z0-9_.-]+==[^+]+)\+.*/\1/' | LC_ALL=C sort -f > "$work/cpu.txt"
 
 # The CUDA build's own dependencies (cuda-toolkit, nvidia-*), as a fresh resolution from PyPI would pick

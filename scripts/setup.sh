@@ -55,6 +55,7 @@ if [[ -n $wheel ]]; then
         *) die "TP_RUNTIME_TORCH_WHEEL=$wheel is not a CPU wheel of torch $torch_version (torch-$torch_version+cpu-*.whl)" ;;
     esac
     [[ $want != cuda ]] || die "TP_RUNTIME_TORCH=cuda and TP_RUNTIME_TORCH_WHEEL (a CPU wheel) contradict each other; unset one"
+    want=cpu  # a CPU wheel named is the CPU build asked for, GPU or not
 fi
 if [[ $want == auto ]]; then
     if { command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; } ||
@@ -147,6 +148,8 @@ source_used=
 case $want in
     cuda)
         if [[ $have != "$torch_version" ]]; then
+            # An installed CPU build satisfies torch==VERSION: it goes first.
+            [[ -z $have ]] || "$py" -m pip uninstall --disable-pip-version-check -y -q torch
             "${pip[@]}" -c "$lock" "torch==$torch_version"
             source_used=PyPI
         fi
@@ -173,6 +176,7 @@ case $have in
     "") die "torch did not install" ;;
     *) build="CUDA build" ;;
 esac
+[[ $want != cuda || $build == "CUDA build" ]] || die "the CUDA build of torch was asked for, but $have is installed"
 say "torch $have ($build)${source_used:+, from $source_used}"
 
 if [[ $mode == test ]]; then

@@ -271,3 +271,61 @@ def test_best_of_keeps_the_samples_with_the_highest_cumulative_logprob(make_chec
 def test_best_of_errors(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(InvalidRequestError, match=re.escape(message)):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------ the weight reader
+
+
+def _safetensors(path: Path, header: dict[str, object], data_bytes: int) -> Path:
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + data_bytes)  # sparse: reads as zeros
+    return path
+
+
+def test_a_tensor_over_2_gib_reads_whole(tmp_path: Path) -> None:
+    """One preadv returns at most about 2 GiB; a larger tensor (a 72B model's embedding at TP=1) is read in
+    as many calls as it takes, not refused as cut short."""
+    from tp_runtime.loader import SafetensorsFile
+
+    n = (1 << 31) + (1 << 20)
+    header = {"w": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}
+    path = _safetensors(tmp_path / "big.safetensors", header, n)
+    with SafetensorsFile(str(path)) as f:
+        tensor = f.read("w")
+        assert tensor.shape == (n,) and int(tensor[-1]) == 0
+        assert f.read("w", 0, n - 5, 5).shape == (5,)
+
+
+@pytest.mark.parametrize(
+    ("entry", "why"),
+    [
+        ({"dtype": "F32", "shape": [1e400], "data_offsets": [0, 4]}, "non-negative integers"),
+        ({"dtype": "F32", "shape": ["22"], "data_offsets": [0, 16]}, "non-negative integers"),
+        ({"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}, "non-negative integers"),
+        ({"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}, "non-negative integers"),
+        ({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}, "do not match its shape"),
+        ({"dtype": "F32", "shape": [64], "data_offsets": [0, 256]}, "do not match its shape or the file"),
+        ({"dtype": "Q4", "shape": [2], "data_offsets": [0, 1]}, "bad or unsupported dtype"),
+    ],
+)
+def test_a_bad_safetensors_header_is_a_config_error(
+    tmp_path: Path, entry: dict[str, object], why: str
+) -> None:
+    from tp_runtime.loader import SafetensorsFile
+
+    path = _safetensors(tmp_path / "bad.safetensors", {"w": entry}, 16)
+    with pytest.raises(ConfigError, match=f"is not a valid safetensors file .*{why}"):
+        SafetensorsFile(str(path))
+
+
+def test_overlapping_tensors_are_refused(tmp_path: Path) -> None:
+    from tp_runtime.loader import SafetensorsFile
+
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    }
+    with pytest.raises(ConfigError, match="two tensors' data overlap"):
+        SafetensorsFile(str(_safetensors(tmp_path / "overlap.safetensors", header, 16)))

@@ -7,6 +7,7 @@ a checkpoint while copying it into the model held its weights twice at the peak.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import mmap
@@ -88,14 +89,19 @@ class SafetensorsFile:
                 continue
             try:
                 dtype = _SAFETENSORS_DTYPES[info["dtype"]]
-                shape = tuple(int(d) for d in info["shape"])
-                begin, end = (int(x) for x in info["data_offsets"])
+                shape = tuple(info["shape"])
+                begin, end = info["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise self._bad(f"tensor {name!r} has a bad or unsupported dtype, shape or offsets") from None
-            nbytes = math.prod(shape) * dtype.itemsize
-            if min(shape, default=0) < 0 or end - begin != nbytes or begin < 0 or data_start + end > size:
+            numbers = (*shape, begin, end)
+            if not all(type(x) is int and 0 <= x < 1 << 62 for x in numbers):
+                raise self._bad(f"tensor {name!r}'s shape and offsets must be non-negative integers")
+            if end - begin != math.prod(shape) * dtype.itemsize or data_start + end > size:
                 raise self._bad(f"tensor {name!r}'s offsets do not match its shape or the file")
             entries[name] = (dtype, shape, data_start + begin, data_start + end)
+        spans = sorted((begin, end) for _, _, begin, end in entries.values() if end > begin)
+        if any(later[0] < earlier[1] for earlier, later in itertools.pairwise(spans)):
+            raise self._bad("two tensors' data overlap")
         return entries
 
     def keys(self) -> list[str]:
@@ -132,8 +138,12 @@ class SafetensorsFile:
                 (view[i * chunk : (i + 1) * chunk], begin + i * row + start * inner) for i in range(outer)
             ]
         for target, offset in pieces:
-            if os.preadv(fd, [target], offset) != len(target):
-                raise self._bad(f"tensor {name!r} is cut short")
+            done = 0
+            while done < len(target):  # one preadv returns at most about 2 GiB
+                got = os.preadv(fd, [target[done:]], offset + done)
+                if got == 0:
+                    raise self._bad(f"tensor {name!r} is cut short")
+                done += got
         del view, pieces
         return torch.frombuffer(staging, dtype=torch.uint8).view(dtype).reshape(out_shape)
 

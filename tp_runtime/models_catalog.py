@@ -58,8 +58,10 @@ _BY_NAME = {m.name: m for m in BUILTIN_MODELS}
 
 # A Hugging Face Hub model id, "org/name" (the Hub's own rule for each part).
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
-# What a checkpoint needs from a Hub repository: configs, weights, tokenizer and chat template files.
+# What a checkpoint needs from a Hub repository: configs, weights, tokenizer and chat template files, at
+# its top level (fnmatch's * spans folders); a consolidated copy of the weights (Mistral's) is not read.
 _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+_HUB_SKIPPED = ["*/*", "consolidated*"]
 
 
 def _hub_snapshot(repo_id: str) -> str:
@@ -69,11 +71,16 @@ def _hub_snapshot(repo_id: str) -> str:
     from huggingface_hub import errors
 
     try:
-        return str(huggingface_hub.snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+        return str(
+            huggingface_hub.snapshot_download(
+                repo_id, allow_patterns=_HUB_FILES, ignore_patterns=_HUB_SKIPPED
+            )
+        )
     except (errors.RepositoryNotFoundError, errors.GatedRepoError) as exc:
         raise ConfigError(
-            f"model {repo_id!r}: the Hugging Face Hub has no such model, or it needs a token or access "
-            f"approval ({type(exc).__name__}); check the id, or log in with `hf auth login` / set HF_TOKEN"
+            f"model {repo_id!r} is not a local folder, and the Hugging Face Hub has no such model or it "
+            f"needs a token or access approval ({type(exc).__name__}); check the path or the id, or log in "
+            "with `hf auth login` / set HF_TOKEN"
         ) from None
     except errors.LocalEntryNotFoundError as exc:
         if isinstance(exc, getattr(errors, "IncompleteSnapshotError", ())):  # huggingface_hub >= 2.4

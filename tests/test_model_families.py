@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import shutil
@@ -448,6 +449,100 @@ def test_fresh_prompts_attend_in_batches() -> None:
     for s, n in zip(starts, lengths, strict=True):
         want = _brute_attention(q[s : s + n], k[s : s + n], v[s : s + n], torch.arange(n), 4, 0.3, None)
         torch.testing.assert_close(out[s : s + n].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _reference_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
+) -> torch.Tensor:
+    """A varlen kernel's contract, spelled out: each packed sequence causal over its own keys."""
+    bounds = cu.tolist()
+    assert max_len == max(b - a for a, b in itertools.pairwise(bounds))
+    out = torch.empty_like(q)
+    for a, b in itertools.pairwise(bounds):
+        attended = _brute_attention(q[a:b], k[a:b], v[a:b], torch.arange(b - a), None, scale, None)
+        out[a:b] = attended.to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("back_to_back", [True, False])
+def test_fresh_prompts_packed_for_one_varlen_call(back_to_back: bool) -> None:
+    """PackedVarlen (FlashAttention's varlen kernel on CUDA) with a reference kernel: every fresh prompt of
+    the step in one call over the packed tokens, each output against the brute force, around a decode row
+    and (when not back to back) a continuation chunk between them, which the packing must leave out."""
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, d, bs = 6, 2, 12, 4
+    lengths = [5, 12, 1, 7]
+    chunks, starts, row = [], [], 1  # row 0: a decode row
+    for i, n in enumerate(lengths):
+        if not back_to_back and i == 2:
+            chunks.append(PrefillChunk(row, row + 3, 4, torch.tensor([1, 2])))  # a continuation chunk
+            row += 3
+        chunks.append(PrefillChunk(row, row + n, 0, torch.zeros(0, dtype=torch.int64)))
+        starts.append(row)
+        row += n
+    q = torch.randn(row, heads, d, generator=g)
+    k = torch.randn(row, kv_heads, d, generator=g)
+    v = torch.randn(row, kv_heads, d, generator=g)
+    k_cache = torch.randn(8, bs, kv_heads, d, generator=g)
+    v_cache = torch.randn(8, bs, kv_heads, d, generator=g)
+    meta = AttentionMetadata(
+        backend=TorchAttention(attention.PackedVarlen(_reference_varlen)),
+        slot_mapping=torch.zeros(0, dtype=torch.int64), num_decode_tokens=1,
+        decode_block_tables=torch.tensor([[3, 5]]), decode_seq_lens=torch.tensor([6]), prefills=chunks,
+    )  # fmt: skip
+    packed = meta.fresh_packed
+    assert packed.cu_seqlens.tolist() == [0, 5, 17, 18, 25] and packed.max_len == 12
+    assert (packed.rows is None) == back_to_back
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.3, None, None)
+    for s, n in zip(starts, lengths, strict=True):
+        want = _brute_attention(q[s : s + n], k[s : s + n], v[s : s + n], torch.arange(n), None, 0.3, None)
+        torch.testing.assert_close(out[s : s + n].double(), want, rtol=1e-5, atol=1e-5)
+    # The same step through today's padded SDPA batches gives the same rows.
+    padded = dataclasses.replace(meta, backend=TorchAttention())
+    torch.testing.assert_close(paged_attention(q, k, v, k_cache, v_cache, padded, 0.3, None, None), out)
+
+
+def test_large_fresh_steps_run_padded_sdpa() -> None:
+    """PackedVarlen: a step with padded_from_tokens fresh tokens or more runs padded SDPA (cuDNN's plan pays
+    there), a smaller one the varlen call; both give the brute force's rows."""
+    calls: list[int] = []
+
+    def kernel(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return _reference_varlen(*args)
+
+    fresh = attention.PackedVarlen(kernel, padded_from_tokens=20)
+    g = torch.Generator().manual_seed(3)
+
+    def step(lengths: list[int]) -> int:
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        total = sum(lengths)
+        q, k, v = (torch.randn(total, h, 8, generator=g) for h in (4, 2, 2))
+        no_table = torch.zeros(0, dtype=torch.int64)
+        chunks = [PrefillChunk(s, s + n, 0, no_table) for s, n in zip(starts, lengths, strict=True)]
+        meta = AttentionMetadata(backend=TorchAttention(fresh), slot_mapping=no_table, num_decode_tokens=0,
+                                 prefills=chunks)  # fmt: skip
+        before = len(calls)
+        for _layer in range(3):
+            out = paged_attention(q, k, v, torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), meta, 0.5)
+        for s, n in zip(starts, lengths, strict=True):
+            rows = slice(s, s + n)
+            want = _brute_attention(q[rows], k[rows], v[rows], torch.arange(n), None, 0.5, None)
+            torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-5)
+        return len(calls) - before  # varlen calls of the step's three layers
+
+    assert step([12, 7]) == 3  # 19 tokens: one varlen call a layer
+    assert step([12, 8]) == 0  # 20 tokens: padded SDPA
+    assert step([16, 9, 3]) == 0
+
+
+def test_fresh_prompts_use_sdpa_where_flash_varlen_cannot_run() -> None:
+    """On the CPU (and for float32, or a head_dim the kernel refuses) no varlen kernel is chosen."""
+    assert attention.flash_varlen_kernel(torch.device("cpu"), torch.bfloat16, 128, 4) is None
+    backend = attention.make_attention_backend(
+        "torch", torch.device("cpu"), 2, 16, num_heads=8, head_dim=64, dtype=torch.float32
+    )
+    assert isinstance(backend.fresh_prompts, attention.PaddedSDPA)
 
 
 # ----------------------------------------------------------------------------- the MoE layer alone

@@ -76,8 +76,10 @@ class ModelRunner:
             numpy_feed=numpy_feed,
         )  # fmt: skip
         self.attention = make_attention_backend(
-            config.attention_backend, device, model.num_local_kv_heads, self.block_size
-        )
+            config.attention_backend, device, model.num_local_kv_heads, self.block_size,
+            num_heads=mc.num_heads // config.parallel.tensor_parallel_size, head_dim=mc.head_dim,
+            dtype=model.dtype,
+        )  # fmt: skip
         self.inputs = InputBuilder(
             self.batch, self.block_size, self.attention, mc.sliding_window, mc.vocab_size, device
         )

@@ -201,3 +201,19 @@ def fail_on_hang(timeout_s: int, what: str = "test") -> Iterator[None]:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
         faulthandler.cancel_dump_traceback_later()
+
+
+def count_checkpoint_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets the element count of every tensor (or slice) the loader reads from a checkpoint."""
+    from tp_runtime import loader
+
+    read: list[int] = []
+    original_read = loader.SafetensorsFile.read
+
+    def counting_read(self: loader.SafetensorsFile, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out: torch.Tensor = original_read(self, *args, **kwargs)
+        read.append(out.numel())
+        return out
+
+    monkeypatch.setattr(loader.SafetensorsFile, "read", counting_read)
+    return read

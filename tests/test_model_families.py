@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import assert_same_tokens, hf_greedy, random_prompts
+from conftest import assert_same_tokens, count_checkpoint_reads, hf_greedy, random_prompts
 from safetensors.torch import load_file, save_file
 
 from tp_runtime import LLM, SamplingParams, loader
@@ -652,16 +652,7 @@ def test_each_rank_holds_its_slice(
     cfg = build_model_config(model_dir, dtype="float32", device="cpu")
     hf = load_file(str(model_dir / "model.safetensors"))
     full_elements = sum(t.numel() for t in hf.values())
-    read: list[int] = []
-    original_read = loader.SafetensorsFile.read
-
-    def counting_read(self: loader.SafetensorsFile, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Counts the elements actually read from the file."""
-        out: torch.Tensor = original_read(self, *args, **kwargs)
-        read.append(out.numel())
-        return out
-
-    monkeypatch.setattr(loader.SafetensorsFile, "read", counting_read)
+    read = count_checkpoint_reads(monkeypatch)
     for rank in range(tp):
         read.clear()
         model = model_class(arch)(cfg, TPGroup(rank, tp), torch.float32, torch.device("cpu"))

@@ -409,3 +409,21 @@ def test_a_port_in_use_is_refused_by_the_checks() -> None:
         assert f"port {port} on 127.0.0.1 is already in use" in out and "torch loaded: False" in out, out
     serve_cli.check_serve(_serve_args("--port", str(port)))  # free again
     serve_cli.check_serve(_serve_args("--port", "0"))  # any free port: not tried
+
+
+def test_the_open_file_limit_makes_room_for_the_connection_cap() -> None:
+    """A soft limit below --max-connections (plus the server's own descriptors) is raised up to the hard
+    limit; one the hard limit keeps too low is a warning."""
+    code = (
+        "import resource\n"
+        "from tp_runtime.server.runner import _room_for_connections\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (300, 1500))\n"
+        "_room_for_connections(1024)\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE))\n"
+        "_room_for_connections(4000)\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["(1280, 1500)", "(1500, 1500)"], proc.stdout
+    assert "open-file limit 1500 (ulimit -n) is below --max-connections 4000" in proc.stderr

@@ -124,11 +124,39 @@ class _Signals:
                 signal.signal(sig, handler)
 
 
+# File descriptors the server needs besides its connections: the engine's sockets and pipes, its workers'
+# pipes, the model's files, the logs.
+_FDS_BESIDES_CONNECTIONS = 256
+
+
+def _room_for_connections(max_connections: int) -> None:
+    """Raise this process's soft limit on open files (up to the hard one) so that --max-connections
+    connections fit, as vLLM does; the cap only bounds descriptors if they fit. Says so when they cannot."""
+    import resource
+
+    wanted = max_connections + _FDS_BESIDES_CONNECTIONS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    if soft < wanted:
+        print(
+            f"tp-runtime serve: warning: the open-file limit {soft} (ulimit -n) is below --max-connections "
+            f"{max_connections} + {_FDS_BESIDES_CONNECTIONS}; connections past it fail to be accepted",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Start the engine from the command line's engine options, serve until SIGTERM / Ctrl-C, drain, and
     shut the workers down (see the module's doc); returns normally after a shutdown by signal. Under
     torchrun this is rank 0's part; the other ranks serve as its workers
     (`tp_runtime.cli.serve_torchrun_rank`)."""
+    _room_for_connections(args.max_connections)
     sock = _listen(args.host, args.port)
     signals = _Signals()
     try:

@@ -273,3 +273,32 @@ def test_make_smollm2_refuses_a_non_empty_folder(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "tp_runtime.cli", "make-smollm2", str(tmp_path)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "not empty" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_throughput_writes_every_field(tmp_path: Path) -> None:
+    """Two passes over the same random requests: every request generates exactly its drawn output length
+    (EOS ignored), each pass's rates are its counts over its time, the first pass apart from the later."""
+    out = tmp_path / "throughput.json"
+    proc = _run([sys.executable, "-m", "tp_runtime.cli", "bench", "throughput", "--model", "tiny-llama",
+                 "--device", "cpu", "--num-prompts", "9", "--input-len", "30", "--output-len", "6",
+                 "--range-ratio", "0.5", "--num-passes", "3", "--output-json", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["num_requests"] == 9 and len(result["passes"]) == 3
+    assert 9 * 15 <= result["prompt_tokens"] <= 9 * 45 and 9 * 3 <= result["output_tokens"] <= 9 * 9
+    total = result["prompt_tokens"] + result["output_tokens"]
+    for p in result["passes"]:
+        assert p["requests_per_s"] == pytest.approx(9 / p["elapsed_s"])
+        assert p["output_tokens_per_s"] == pytest.approx(result["output_tokens"] / p["elapsed_s"])
+        assert p["total_tokens_per_s"] == pytest.approx(total / p["elapsed_s"])
+    assert result["first_pass"] == result["passes"][0]
+    later = result["passes"][1:]
+    assert result["later_passes"]["elapsed_s"] == pytest.approx(sum(p["elapsed_s"] for p in later) / 2)
+    assert "first pass" in proc.stdout and "later passes" in proc.stdout
+
+
+def test_bench_throughput_refuses_requests_longer_than_the_model() -> None:
+    command = [sys.executable, "-m", "tp_runtime.cli", "bench", "throughput", "--model", "tiny-llama",
+               "--input-len", "1800", "--output-len", "300", "--range-ratio", "0.2"]  # fmt: skip
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "takes 2520 tokens, over the model's max_model_len=2048" in proc.stderr, proc.stderr

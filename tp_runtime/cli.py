@@ -95,6 +95,8 @@ _INT_AT_LEAST = {
     "num_iters_warmup": 0,
     "steps": 1,
     "num_requests": 1,
+    "num_prompts": 1,
+    "num_passes": 1,
     "sampling_seed": 0,
 }
 _FLOAT_AT_LEAST = {"spin_wait_us": 0.0, "temperature": 0.0, "min_p": 0.0}
@@ -397,6 +399,16 @@ def build_parser() -> ArgumentParser:
     )
     latency_bench.add_arguments(latency)
     latency.set_defaults(func=latency_bench.main, check=latency_bench.check, per_rank=True)
+    from tp_runtime.bench import throughput as throughput_bench
+
+    throughput = bench_sub.add_parser(
+        "throughput",
+        help="offline throughput of many requests, like vLLM's benchmark_throughput",
+        description=throughput_bench.__doc__,
+        epilog=MODELS_EPILOG,
+    )
+    throughput_bench.add_arguments(throughput)
+    throughput.set_defaults(func=throughput_bench.main, check=throughput_bench.check, per_rank=True)
     from tp_runtime.bench import messaging as messaging_bench
 
     messaging = bench_sub.add_parser(

@@ -1,0 +1,134 @@
+"""`tp-runtime bench throughput`: offline throughput of many requests at once, flags named like vLLM's
+benchmark_throughput.py (its random dataset).
+
+Every request is a random token-id prompt of --input-len tokens that generates exactly --output-len tokens
+(EOS ignored); with --range-ratio r each length is drawn from [len*(1-r), len*(1+r)]. All requests go to
+`LLM.generate` together, --num-passes times over the same requests. The first pass is reported apart from
+the later ones: it pays for whatever the engine does once per shape (a graph captured, a kernel
+compiled, an attention plan built), which later passes over the same shapes do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+PASS_FIELDS = ("elapsed_s", "requests_per_s", "total_tokens_per_s", "output_tokens_per_s")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tp_runtime.engine.args import add_engine_arguments
+
+    add_engine_arguments(parser)
+    parser.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    parser.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="draw each length uniformly from [len*(1-r), len*(1+r)]; 0 keeps them fixed",
+    )
+    parser.add_argument("--num-prompts", type=int, default=1000, help="requests per pass")
+    parser.add_argument("--num-passes", type=int, default=2, help="passes over the same requests")
+    parser.add_argument("--workload-seed", type=int, default=0, help="seed of the lengths and prompts")
+    parser.add_argument(
+        "--output-json", type=str, default=None, help="also write every figure here (default: no file)"
+    )
+
+
+def check(args: argparse.Namespace) -> None:
+    """What the engine would refuse only after loading the model (the CLI's checks resolved it)."""
+    from tp_runtime.bench.serve import length_bounds
+    from tp_runtime.errors import ConfigError
+
+    if not 0.0 <= args.range_ratio < 1.0:
+        raise ConfigError(f"argument --range-ratio: must be in [0, 1), got {args.range_ratio:g}")
+    longest = sum(length_bounds(n, args.range_ratio)[1] for n in (args.input_len, args.output_len))
+    limit = args.model_config.max_model_len
+    if longest > limit:
+        raise ConfigError(
+            f"the longest request (--input-len and --output-len with --range-ratio {args.range_ratio:g}) "
+            f"takes {longest} tokens, over the model's max_model_len={limit}; lower them or raise "
+            "--max-model-len"
+        )
+
+
+def pass_figures(
+    elapsed: float, num_requests: int, prompt_tokens: int, output_tokens: int
+) -> dict[str, float]:
+    return {
+        "elapsed_s": elapsed,
+        "requests_per_s": num_requests / elapsed,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tp_runtime import SamplingParams
+    from tp_runtime.bench.serve import make_workload
+    from tp_runtime.engine.args import build_llm
+
+    llm = build_llm(args)
+    try:
+        vocab = llm.config.model.vocab_size
+        work = make_workload(
+            args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.workload_seed,
+            "completions",
+        )  # fmt: skip
+        prompts = [{"prompt_token_ids": ids} for ids in work.prompts]
+        params = [SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=n) for n in work.output_lens]
+        passes = []
+        for _ in range(args.num_passes):
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            passes.append(pass_figures(elapsed, len(outputs), sum(work.prompt_lens), output_tokens))
+    finally:
+        llm.shutdown()
+    later = passes[1:]
+    return {
+        "first_pass": passes[0],
+        "later_passes": {k: sum(p[k] for p in later) / len(later) for k in PASS_FIELDS} if later else None,
+        "passes": passes,
+        "num_requests": args.num_prompts,
+        "prompt_tokens": sum(work.prompt_lens),
+        "output_tokens": sum(work.output_lens),
+        "config": {
+            "model": str(llm.config.model.path),
+            "tensor_parallel_size": llm.config.parallel.tensor_parallel_size,
+            "dtype": llm.config.model.dtype,
+            "device": llm.config.device,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "range_ratio": args.range_ratio,
+            "max_num_seqs": llm.config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": llm.config.scheduler.max_num_batched_tokens,
+        },
+    }
+
+
+def print_report(result: dict[str, Any]) -> None:
+    def line(name: str, p: dict[str, float]) -> str:
+        return (
+            f"{name:<12} {p['elapsed_s']:8.2f} s  {p['requests_per_s']:8.2f} requests/s  "
+            f"{p['total_tokens_per_s']:10.1f} total tokens/s  "
+            f"{p['output_tokens_per_s']:10.1f} output tokens/s"
+        )
+
+    print(f"{result['num_requests']} requests, {result['prompt_tokens']} prompt and "
+          f"{result['output_tokens']} output tokens a pass")  # fmt: skip
+    print(line("first pass", result["first_pass"]))
+    if result["later_passes"] is not None:
+        print(line("later passes", result["later_passes"]))
+
+
+def main(args: argparse.Namespace) -> None:
+    result = run(args)
+    print_report(result)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)

@@ -1,6 +1,7 @@
 """Correctness of the CUDA paths on a GPU machine: the Triton attention kernels against brute force, and
 greedy tokens of small random HF checkpoints on CUDA against HF transformers on the CPU (head_dim 12, 80,
-96; GQA, MQA, a sliding window; chunked prefill and preemption), plus bf16 logprobs against fp32.
+96; GQA, MQA, a sliding window; chunked prefill and preemption), plus bf16 logprobs against fp32, and
+fresh prompts through FlashAttention's varlen path against brute force and the padded SDPA path.
 
     python scripts/gpu_check.py --out results.json
 
@@ -86,6 +87,71 @@ def kernel_checks() -> list[dict[str, Any]]:
                     "ok": err < tol,
                 },
             )
+    return results
+
+
+def fresh_prompt_checks() -> list[dict[str, Any]]:
+    """Fresh prompts through FlashAttention's varlen path (PackedVarlen) in bf16/fp16 against the float64
+    brute force and against the padded SDPA path: q/k/v as the strided views a fused QKV projection gives,
+    a decode row first, a continuation chunk between the fresh prompts (not back to back), and GQA, MQA
+    and a single local KV head."""
+    from tp_runtime.layers.attention import (
+        AttentionMetadata,
+        PrefillChunk,
+        TritonAttention,
+        make_attention_backend,
+        paged_attention,
+    )
+
+    results = []
+    gen = torch.Generator().manual_seed(1)
+    for head_dim, heads, kv_heads in [(128, 32, 8), (64, 8, 1), (96, 12, 4), (128, 4, 4)]:
+        for dtype in (torch.bfloat16, torch.float16):
+            backend = make_attention_backend("triton", torch.device("cuda"), kv_heads, 16, num_heads=heads,
+                                             head_dim=head_dim, dtype=dtype)  # fmt: skip
+            padded = TritonAttention(kv_heads, 16, 1, split_kv=True)
+            lengths, continuation = [300, 1, 77, 512], 40  # the 1-token prompt is a decode row's shape
+            rows = 1 + sum(lengths) + continuation
+            qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype).cuda()
+            q = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+            k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
+            v = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+            kc = torch.randn(64, 16, kv_heads, head_dim, generator=gen).to(dtype).cuda()
+            vc = torch.randn(64, 16, kv_heads, head_dim, generator=gen).to(dtype).cuda()
+            chunks, starts, row = [], [], 1
+            for i, n in enumerate(lengths):
+                if i == 2:  # a continuation chunk of 40 tokens after 24 in the cache, blocks 10..13
+                    table = torch.arange(10, 14, device="cuda")
+                    chunks.append(PrefillChunk(row, row + continuation, 24, table))
+                    row += continuation
+                chunks.append(PrefillChunk(row, row + n, 0, torch.zeros(0, dtype=torch.int64, device="cuda")))
+                starts.append(row)
+                row += n
+            scale = head_dim**-0.5
+            outs = {}
+            for name, chosen in (("varlen", backend), ("padded", padded)):
+                meta = AttentionMetadata(
+                    backend=chosen, slot_mapping=torch.zeros(0, dtype=torch.int64, device="cuda"),
+                    num_decode_tokens=1, decode_block_tables=torch.tensor([[3, 5]], device="cuda"),
+                    decode_seq_lens=torch.tensor([20], device="cuda"), prefills=chunks,
+                )  # fmt: skip
+                outs[name] = paged_attention(q, k, v, kc, vc, meta, scale, None, None).float()
+            worst = 0.0
+            for s0, n in zip(starts, lengths, strict=True):
+                qs, ks, vs = (x[s0 : s0 + n].double() for x in (q, k, v))
+                group = heads // kv_heads
+                ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+                scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+                scores = scores.masked_fill(torch.ones(n, n, device="cuda").triu(1).bool(), float("-inf"))
+                want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs)
+                worst = max(worst, (outs["varlen"][s0 : s0 + n] - want).abs().max().item())
+            agree = (outs["varlen"] - outs["padded"]).abs().max().item()
+            varlen_used = type(backend.fresh_prompts).__name__ == "PackedVarlen"
+            _report(results, {
+                "check": f"fresh prompts varlen d={head_dim} heads={heads}/{kv_heads} {dtype}",
+                "varlen_used": varlen_used, "max_abs_err_vs_fp64": worst, "max_abs_diff_vs_padded": agree,
+                "ok": varlen_used and worst < 2e-2 and agree < 2e-2,
+            })  # fmt: skip
     return results
 
 
@@ -202,8 +268,14 @@ def _bf16_vs_fp32(path: Path, prompts: list[list[int]], name: str) -> dict[str, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--only-fresh-prompts", action="store_true", help="only the varlen path's checks")
     args = parser.parse_args()
+    if args.only_fresh_prompts:
+        failed = [r for r in fresh_prompt_checks() if not r["ok"]]
+        print(f"fresh prompts: {len(failed)} failed")
+        sys.exit(1 if failed else 0)
     results = kernel_checks()
+    results += fresh_prompt_checks()
     with tempfile.TemporaryDirectory() as tmp:
         results += engine_checks(Path(tmp))
     if args.out:

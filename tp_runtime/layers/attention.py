@@ -167,7 +167,8 @@ class PackedVarlen:
     is faster once its plan for a shape exists (1,000 tokens: 0.06 against 0.11 ms a layer, 27 ms over a
     batch-32, 1,000-token prefill), and a step that large computes for longer than the plan takes
     (about 120 ms at 4,096 tokens of an 8B model against 66 ms). Below it, a plan would cost more than the
-    step: real traffic's prefills, one or a few prompts a step, never wait for one."""
+    step: real traffic's prefills, one or a few prompts a step, never wait for one. (So in bf16 a prompt's
+    output may differ in the last bits with the size of the step it prefills in.)"""
 
     def __init__(self, kernel: VarlenKernel, *, padded_from_tokens: int = 4096) -> None:
         self.kernel = kernel
@@ -199,41 +200,34 @@ class PackedVarlen:
 def flash_varlen_kernel(
     device: torch.device, dtype: torch.dtype, head_dim: int, group: int
 ) -> VarlenKernel | None:
-    """FlashAttention's varlen forward with fewer KV heads than query heads, where this torch and GPU run
-    it for `dtype` and `head_dim` (checked by one call now); None elsewhere. torch's public `varlen_attn`
-    takes `enable_gqa` from torch 2.13; before it, aten's op underneath it."""
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+    """FlashAttention's varlen forward, which takes fewer KV heads than query heads natively, where this
+    torch and GPU run it for `dtype` and `head_dim`; None elsewhere. aten's op is called directly: torch's
+    public `varlen_attn` wraps it (and takes `enable_gqa` only from torch 2.13) at a cost per call. It is
+    checked once, on two sequences of different lengths with two KV heads, against SDPA."""
+    forward = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or forward is None:
         return None
+
+    def kernel(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
+    ) -> torch.Tensor:
+        return forward(q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)[0]
+
     try:
-        import inspect
-
-        from torch.nn.attention.varlen import varlen_attn
-
-        if "enable_gqa" not in inspect.signature(varlen_attn).parameters:
-            raise ImportError("varlen_attn without enable_gqa")
-
-        def kernel(
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
-        ) -> torch.Tensor:
-            out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0),
-                              enable_gqa=True)  # fmt: skip
-            assert isinstance(out, torch.Tensor)  # no return_aux: the output alone
-            return out
-
-    except ImportError:
-        forward = getattr(torch.ops.aten, "_flash_attention_forward", None)
-        if forward is None:
-            return None
-
-        def kernel(
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
-        ) -> torch.Tensor:
-            return forward(q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)[0]
-
-    try:  # one tiny call: the GPU, dtype and head_dim are the kernel's to take
-        probe = torch.zeros((2, group, head_dim), dtype=dtype, device=device)
-        kv = torch.zeros((2, 1, head_dim), dtype=dtype, device=device)
-        kernel(probe, kv, kv, torch.tensor([0, 2], dtype=torch.int32, device=device), 2, 1.0)
+        g = torch.Generator(device=device).manual_seed(0)
+        lengths = (5, 11)
+        q, k, v = (
+            torch.randn((sum(lengths), heads, head_dim), generator=g, device=device, dtype=dtype)
+            for heads in (2 * group, 2, 2)
+        )
+        cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device=device)
+        got = kernel(q, k, v, cu, max(lengths), head_dim**-0.5)
+        torch.cuda.synchronize(device)
+        for a, b in ((0, lengths[0]), (lengths[0], sum(lengths))):
+            qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))
+            want = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(0, 1)
+            if not torch.allclose(got[a:b].float(), want.float(), atol=2e-2, rtol=2e-2):
+                return None
     except (RuntimeError, TypeError, NotImplementedError):
         return None
     return kernel
@@ -439,19 +433,20 @@ def make_attention_backend(
     head_dim: int | None = None, dtype: torch.dtype | None = None,
 ) -> AttentionBackend:  # fmt: skip
     """`choice` from config.ATTENTION_BACKENDS. "auto": split-KV Triton on CUDA when Triton is installed, else
-    PyTorch. "triton_one_split": the Triton kernels with one program per (sequence, KV head). Fresh prompts
-    run FlashAttention's varlen kernel where it takes the model's dtype and head_dim (given), else SDPA."""
+    PyTorch. "triton_one_split": the Triton kernels with one program per (sequence, KV head). With the
+    Triton kernels, fresh prompts run FlashAttention's varlen kernel where it takes the model's dtype and
+    head_dim (given), else SDPA."""
     if choice == "auto":
         import importlib.util
 
         use_triton = device.type == "cuda" and importlib.util.find_spec("triton") is not None
         choice = "triton" if use_triton else "torch"
+    if choice == "torch":  # PyTorch ops throughout: the reference the other paths are compared with
+        return TorchAttention()
     fresh: FreshPromptAttention | None = None
     if num_heads is not None and head_dim is not None and dtype is not None:
         kernel = flash_varlen_kernel(device, dtype, head_dim, max(1, num_heads // max(1, num_kv_heads)))
         fresh = PackedVarlen(kernel) if kernel is not None else None
-    if choice == "torch":
-        return TorchAttention(fresh)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     return TritonAttention(num_kv_heads, block_size, num_sms, split_kv=choice == "triton", fresh=fresh)
 

@@ -166,7 +166,8 @@ class PackedVarlen:
     A step with `padded_from_tokens` fresh tokens or more runs padded SDPA instead: cuDNN's Hopper kernel
     is faster once its plan for a shape exists (1,000 tokens: 0.06 against 0.11 ms a layer, 27 ms over a
     batch-32, 1,000-token prefill), and a step that large computes for longer than the plan takes
-    (about 120 ms at 4,096 tokens of an 8B model against 66 ms). Below it, a plan would cost more than the
+    (4,096 tokens of an 8B model: about 65 TFLOP, some 100 ms at the H200's measured 646 TFLOP/s, against
+    66 ms; an estimate, not a measurement). Below it, a plan would cost more than the
     step: real traffic's prefills, one or a few prompts a step, never wait for one. (So in bf16 a prompt's
     output may differ in the last bits with the size of the step it prefills in.)"""
 

@@ -390,25 +390,15 @@ def build_parser() -> ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     from tp_runtime.bench import latency as latency_bench
-
-    latency = bench_sub.add_parser(
-        "latency",
-        help="latency of one batch, like vLLM's benchmark_latency",
-        description=latency_bench.__doc__,
-        epilog=MODELS_EPILOG,
-    )
-    latency_bench.add_arguments(latency)
-    latency.set_defaults(func=latency_bench.main, check=latency_bench.check, per_rank=True)
     from tp_runtime.bench import throughput as throughput_bench
 
-    throughput = bench_sub.add_parser(
-        "throughput",
-        help="offline throughput of many requests, like vLLM's benchmark_throughput",
-        description=throughput_bench.__doc__,
-        epilog=MODELS_EPILOG,
-    )
-    throughput_bench.add_arguments(throughput)
-    throughput.set_defaults(func=throughput_bench.main, check=throughput_bench.check, per_rank=True)
+    for name, module, about in (
+        ("latency", latency_bench, "latency of one batch, like vLLM's benchmark_latency"),
+        ("throughput", throughput_bench, "many requests offline, like vLLM's benchmark_throughput"),
+    ):  # the benchmarks that start an engine: its flags, its models, on every rank
+        model_bench = bench_sub.add_parser(name, help=about, description=module.__doc__, epilog=MODELS_EPILOG)
+        module.add_arguments(model_bench)
+        model_bench.set_defaults(func=module.main, check=module.check, per_rank=True)
     from tp_runtime.bench import messaging as messaging_bench
 
     messaging = bench_sub.add_parser(

@@ -122,6 +122,18 @@ def decode_roofline(
     }
 
 
+def run_config(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """What a benchmark's JSON records of the engine it ran and the lengths it asked for."""
+    return {
+        "model": str(llm.config.model.path),
+        "tensor_parallel_size": llm.config.parallel.tensor_parallel_size,
+        "dtype": llm.config.model.dtype,
+        "device": llm.config.device,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
@@ -167,12 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "latencies": latencies,
         "percentiles": {str(p): float(np.percentile(latencies, p)) for p in PERCENTILES},
         "config": {
-            "model": str(llm.config.model.path),
-            "tensor_parallel_size": llm.config.parallel.tensor_parallel_size,
-            "dtype": llm.config.model.dtype,
-            "device": llm.config.device,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
+            **run_config(llm, args),
             "batch_size": args.batch_size,
             "bookkeeping_order": args.bookkeeping_order,
             "async_scheduling": args.async_scheduling,

@@ -65,6 +65,7 @@ def pass_figures(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tp_runtime import SamplingParams
+    from tp_runtime.bench.latency import run_config
     from tp_runtime.bench.serve import make_workload
     from tp_runtime.engine.args import build_llm
 
@@ -101,12 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": sum(work.prompt_lens),
         "output_tokens": sum(work.output_lens),
         "config": {
-            "model": str(llm.config.model.path),
-            "tensor_parallel_size": llm.config.parallel.tensor_parallel_size,
-            "dtype": llm.config.model.dtype,
-            "device": llm.config.device,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
+            **run_config(llm, args),
             "range_ratio": args.range_ratio,
             "max_num_seqs": llm.config.scheduler.max_num_seqs,
             "max_num_batched_tokens": llm.config.scheduler.max_num_batched_tokens,

@@ -18,7 +18,7 @@ from conftest import graph_chunks, hf_greedy, record_steps
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.worker import inputs as inputs_module
 from tp_runtime.worker.cuda_graphs import DecodeGraphs, batch_buckets, block_buckets
-from tp_runtime.worker.inputs import EagerBatch, InputBuilder, _Layout
+from tp_runtime.worker.inputs import InputBuilder, MixedStepBatch, _Layout
 
 
 def test_buckets_cover_every_size() -> None:
@@ -27,7 +27,7 @@ def test_buckets_cover_every_size() -> None:
         assert sizes == sorted(set(sizes)) and sizes[-1] == max_batch
         assert all(any(s >= n for s in sizes) for n in range(1, max_batch + 1))
     for max_blocks in (1, 4, 5, 512, 513):
-        sizes = block_buckets(max_blocks)
+        sizes = block_buckets(max_blocks, reads_table_padding=max_blocks % 2 == 0)
         assert sizes[-1] == max_blocks and sizes == sorted(set(sizes))
 
 
@@ -91,7 +91,8 @@ def test_short_prefill_chunks_run_as_graph_rows(
     overrides: dict[str, Any], attn_implementation: str | None,
 ) -> None:  # fmt: skip
     """Prompts chunked by a 16-token budget, beside decoding sequences: chunks within the key limit run a row
-    per token on the decode-graph path, longer ones eagerly, and the tokens equal HF's either way."""
+    per token on the decode-graph path, longer ones on the mixed-step graphs, and the tokens equal HF's
+    either way."""
     monkeypatch.setattr(inputs_module, "GRAPH_PREFILL_MAX_KEYS", 150)
     model_dir = make_checkpoint(arch, **overrides)
     prompts = _prompts(5)
@@ -104,12 +105,12 @@ def test_short_prefill_chunks_run_as_graph_rows(
             use_tqdm=False,
         )
     chunks = [chunk for step in steps for chunk in graph_chunks(step)]
-    eager_prefills = [s for s in steps if isinstance(s.model, EagerBatch) and s.model.meta.prefills]
+    mixed_prefills = [s for s in steps if isinstance(s.model, MixedStepBatch) and s.model.meta.prefills]
     # Fresh and continuation chunks, and chunks that do not finish their prompt, on the graph path.
     assert any(start == 0 for start, _ in chunks), chunks
     assert any(start > 0 for start, _ in chunks), chunks
     assert any(not samples for _, samples in chunks), chunks
-    assert eager_prefills, "no prefill chunk was too long for the decode-graph path"
+    assert mixed_prefills, "no prefill chunk was too long for the decode-graph path"
     want = hf_greedy(model_dir, prompts, 12, attn_implementation=attn_implementation)
     assert [o.outputs[0].token_ids for o in outs] == want
 

@@ -9,6 +9,7 @@ add, their logprobs; `finished` on the last), else one when it finishes, with th
 
 from __future__ import annotations
 
+import gc
 import numbers
 import time
 from collections.abc import Callable, Sequence
@@ -201,6 +202,11 @@ class LLMEngine:
         self._in_flight: SchedulerOutput | None = None
         # Timings: when the interval that produces the next output began (the last output's arrival).
         self._interval_start: float | None = None
+        if config.device == "cuda":
+            # The driver's start-up heap (tokenizer, executor, an in-process worker's model and graphs) out
+            # of the cyclic collector's sight, as the workers do (worker.freeze_start_up_objects says why).
+            gc.collect()
+            gc.freeze()
 
     # ----------------------------------------------------------------- requests
     def _validate_prompt(self, prompt_ids: Any) -> list[int]:
@@ -566,6 +572,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        gc.unfreeze()  # what start-up froze can be collected again, this engine's cycles among it
 
 
 def decode_logprobs(tokenizer: Any, entry: tuple[list[int], list[float], int]) -> dict[int, Logprob]:

@@ -243,6 +243,9 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [num_decode] context length after this step
     decode_num_splits: int = 1  # split-KV programs per (sequence, KV head), fixed per batch shape
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Set while the mixed-step graphs record or run their pieces (worker/mixed_graphs.py): every layer's
+    # attention call goes to it instead, and it returns the tensor that will hold the attention output.
+    piece_boundary: AttentionBoundary | None = None
 
     @cached_property
     def fresh_packed(self) -> FreshPromptsPacked:
@@ -256,8 +259,18 @@ class AttentionMetadata:
         return fresh_prompt_batches(self.prefills, self.slot_mapping.device)
 
 
+class AttentionBoundary(Protocol):
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        scale: float, window: int | None, softcap: float | None,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+
 class AttentionBackend(Protocol):
     fresh_prompts: FreshPromptAttention
+    # Whether decode reads a row's whole block table, padding included (the gather path), rather than
+    # stopping at the row's length: the decode graphs pad tables more finely when it does.
+    reads_table_padding: bool
 
     def num_decode_splits(self, num_seqs: int, num_blocks: int) -> int:
         """Split-KV programs per (sequence, KV head) for a decode batch whose longest context spans
@@ -321,6 +334,8 @@ def _allowed(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> 
 class TorchAttention:
     """Gathered blocks + SDPA; runs anywhere. Masks are built on the device from the sequence lengths."""
 
+    reads_table_padding = True
+
     def __init__(self, fresh: FreshPromptAttention | None = None) -> None:
         self.fresh_prompts: FreshPromptAttention = fresh or PaddedSDPA()
 
@@ -376,6 +391,8 @@ class TorchAttention:
 
 class TritonAttention:
     """Triton kernels that read the cache blocks in place (layers/paged_decode_triton.py)."""
+
+    reads_table_padding = False
 
     def __init__(
         self, num_kv_heads: int, block_size: int, num_sms: int, split_kv: bool,
@@ -505,14 +522,20 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [tokens, heads, d]; k/v: this step's [tokens, kv_heads, d] (already in the cache). `window`: this
-    layer's sliding window (None: the whole context); `softcap`: its attention logit soft-cap (None: off)."""
+    layer's sliding window (None: the whole context); `softcap`: its attention logit soft-cap (None: off).
+    `out`: where to write the result (returned), else a new tensor."""
+    if meta.piece_boundary is not None:
+        return meta.piece_boundary(q, k, v, k_cache, v_cache, scale, window, softcap)
     num_decode = meta.num_decode_tokens
     backend = meta.backend
     if num_decode == q.shape[0] and not meta.prefills:
-        return backend.decode(q, k_cache, v_cache, meta, scale, window, softcap)
-    out = torch.empty_like(q)
+        decoded = backend.decode(q, k_cache, v_cache, meta, scale, window, softcap)
+        return decoded if out is None else out.copy_(decoded)
+    if out is None:
+        out = torch.empty_like(q)
     if num_decode:
         out[:num_decode] = backend.decode(q[:num_decode], k_cache, v_cache, meta, scale, window, softcap)
     own_keys_only = window is None and softcap is None

@@ -52,9 +52,9 @@ def _conflict(tag: Any, model: Any) -> str:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's flags (as `generate` has them, from EngineArgs) and the server's."""
-    from tp_runtime.engine.args import add_engine_arguments
+    from tp_runtime.engine.args import SERVE_MAX_NUM_BATCHED_TOKENS, add_engine_arguments
 
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)
     parser.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL", action=_ModelTag,
         help="the model to serve, as --model takes it: `serve MODEL` is `serve --model MODEL`, as in vLLM "

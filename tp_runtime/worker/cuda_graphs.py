@@ -9,23 +9,44 @@ into a trash slot (one extra cache block nobody owns) and attend only to key 0. 
 was sampled on the device (the previous step's output) reads it from the batch's `token_feed` buffer
 inside the graph, so the host never needs that value to launch the step.
 
-Graphs are captured lazily, the first time a (batch bucket, block bucket) pair is needed. The same
-padded path can run without capture ("padded" mode), which is how CPU tests check its inputs.
+Every (batch bucket, block bucket) graph is captured at start-up (`capture_all`, before the engine takes
+requests), largest first, into one memory pool: the graphs run one at a time, so they share the pool's
+memory, and each copies its logits into one buffer they all share. The same padded path can run without
+capture ("padded" mode), which is how CPU tests check its inputs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 
 from tp_runtime.layers.attention import AttentionBackend, AttentionMetadata
 from tp_runtime.worker.inputs import GraphDecodeBatch, fed_input_ids
 
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE as GraphPool  # what torch.cuda.graph_pool_handle() returns
+
 # Columns of the packed input buffer before the block table. _FEED: the batch row whose last sampled
 # token (in token_feed) is this row's input, or -1 for a token the host knows; _ROW: the row's batch row.
 _IDS, _POS, _SLOT, _LEN, _FEED, _ROW, _TABLE = 0, 1, 2, 3, 4, 5, 6
+
+
+@contextmanager
+def recording(
+    graph: torch.cuda.CUDAGraph, pool: GraphPool | None, stream: torch.cuda.Stream
+) -> Iterator[None]:
+    """Record the work queued inside into `graph`, on `stream` (capture needs one other than the default),
+    allocating from `pool`. Unlike torch.cuda.graph it does not synchronize or empty the allocator's cache
+    first: start-up records hundreds of graphs back to back, and each would pay for both."""
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            yield
+        finally:
+            graph.capture_end()
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -33,11 +54,16 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
 
 
-def block_buckets(max_blocks: int) -> list[int]:
-    """Powers of two up to 32 blocks, then steps of 32: at most ~1.3x padding of the keys gathered for a
-    long context, with few distinct graphs per generation."""
-    sizes = [b for b in (4, 8, 16) if b < max_blocks]
-    sizes += range(32, max_blocks, 32)
+def block_buckets(max_blocks: int, reads_table_padding: bool) -> list[int]:
+    """Block-table widths the graphs are captured for. Where attention reads a row's whole table
+    (`reads_table_padding`, the gather path): powers of two up to 32 blocks, then steps of 32, at most ~1.3x
+    padding of the keys gathered for a long context. Where it stops at each row's length, the width only
+    sizes the table copy and the split count: powers of two."""
+    if reads_table_padding:
+        sizes = [b for b in (4, 8, 16) if b < max_blocks]
+        sizes += range(32, max_blocks, 32)
+    else:
+        sizes = [1 << i for i in range(2, max(2, (max_blocks - 1).bit_length())) if 1 << i < max_blocks]
     return [*sizes, max_blocks]
 
 
@@ -53,15 +79,17 @@ class DecodeGraphs:
         capture: bool,
         token_feed: torch.Tensor,
         attention: AttentionBackend,
+        pool: GraphPool | None = None,
         graph_pass: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> None:
-        """`forward(input_ids, positions, meta)` returns the logits of every row. `graph_pass()` is entered
-        around each graph's warm-up and capture (layers/linear.py decode_graph_pass)."""
+        """`forward(input_ids, positions, meta)` returns the logits of every row. `pool`: the graph memory
+        pool to record into (None: one of its own). `graph_pass()` is entered around each graph's warm-up
+        and capture (layers/linear.py decode_graph_pass)."""
         self._forward = forward
         self._graph_pass = graph_pass
         self.block_size = block_size
         self.batch_sizes = batch_buckets(max_batch)
-        self.block_sizes = block_buckets(max_blocks)
+        self.block_sizes = block_buckets(max_blocks, attention.reads_table_padding)
         self.trash_slot = trash_slot
         self.device = device
         self.capture = capture
@@ -71,8 +99,12 @@ class DecodeGraphs:
         self._staging = torch.zeros((rows, width), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._staging_np = self._staging.numpy()
         self._inputs = torch.zeros((rows, width), dtype=torch.int64, device=device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._logits: torch.Tensor | None = None  # [rows, vocab], written by every graph (made at the first)
+        self._stream: torch.cuda.Stream | None = None  # warm-up and capture run on it
+        if pool is None and capture:
+            pool = torch.cuda.graph_pool_handle()
+        self._pool = pool
         self._token_feed = token_feed
         # Recorded after each staging->device copy: the host must not refill the pinned buffer before the
         # copy ran, and with steps queued ahead of the device nothing else guarantees that.
@@ -104,24 +136,65 @@ class DecodeGraphs:
         )
         return self._forward(input_ids, inputs[:, _POS], meta)
 
-    def _capture(self, rows: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def graph_width(self, rows: int, blocks: int) -> int:
+        """The block-table width of the graph that runs a (rows, blocks) step. Where attention reads only
+        each row's length, two widths with the same split count launch the same kernels (the table's row
+        stride is the buffer's either way), so they share the widest one's graph: a few graphs per batch
+        bucket instead of one per block bucket."""
+        if self.attention.reads_table_padding:
+            return blocks
+        splits = self.attention.num_decode_splits(rows, blocks)
+        wider = [b for b in self.block_sizes if b >= blocks]
+        return max(b for b in wider if self.attention.num_decode_splits(rows, b) == splits)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, width) graph, largest first."""
+        shapes = {(r, self.graph_width(r, b)) for r in self.batch_sizes for b in self.block_sizes}
+        return sorted(shapes, reverse=True)
+
+    def capture_all(self, progress: Callable[[], None] = lambda: None) -> None:
+        """Capture every graph now (`progress()` after each), on inputs that are all padding rows."""
+        if not self.capture:
+            return
+        inputs = self._inputs
+        inputs.zero_()
+        inputs[:, _SLOT] = self.trash_slot
+        inputs[:, _LEN] = 1
+        inputs[:, _FEED] = -1
+        for rows, blocks in self.shapes():
+            if (rows, blocks) not in self._graphs:
+                self._graphs[(rows, blocks)] = self._capture(rows, blocks)
+            progress()
+
+    def _capture(self, rows: int, blocks: int) -> torch.cuda.CUDAGraph:
         # Warm up on a side stream (lazy inits, the allocator, Triton compiling and loading the kernels the
         # graph uses), then record.
         with self._graph_pass():
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+            stream, current = self._side_stream(), torch.cuda.current_stream(self.device)
+            stream.wait_stream(current)
             with torch.cuda.stream(stream):
-                self._run_forward(rows, blocks)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+                warm = self._run_forward(rows, blocks)
+            if self._logits is None:  # outside the pool: the graphs' shared output
+                self._logits = torch.empty(
+                    (self.batch_sizes[-1], warm.shape[1]), dtype=warm.dtype, device=self.device
+                )
+            del warm
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._run_forward(rows, blocks)
-        return graph, logits
+            with recording(graph, self._pool, stream):
+                self._logits[:rows].copy_(self._run_forward(rows, blocks))
+            current.wait_stream(stream)
+        return graph
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
 
     def run(self, step: GraphDecodeBatch) -> torch.Tensor:
         """Logits [num_rows, vocab] of one step."""
         n = len(step.input_ids)
         rows, blocks = self.padded_shape(n, int(step.seq_lens.max()))
+        blocks = self.graph_width(rows, blocks)
         used = min(blocks, step.block_tables.shape[1])
         if self._staging_free is not None:
             self._staging_free.synchronize()  # long done in steady state: it ran before the last forward
@@ -144,12 +217,12 @@ class DecodeGraphs:
         if not self.capture:
             return self._run_forward(rows, blocks)[:n]
         key = (rows, blocks)
-        entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._graphs[key] = self._capture(rows, blocks)
-        graph, logits = entry
+        graph = self._graphs.get(key)
+        if graph is None:  # capture_all was not called (tests, benchmarks that time a first capture)
+            graph = self._graphs[key] = self._capture(rows, blocks)
         graph.replay()
-        return logits[:n]
+        assert self._logits is not None
+        return self._logits[:n]
 
     def batch_rows(self, n: int) -> torch.Tensor:
         """Batch row of each of the last run's rows, on the device (where their sampled ids go)."""

@@ -1,12 +1,14 @@
 """One step's model inputs, built from the persistent batch with vectorised numpy.
 
-A step runs one of two ways, chosen once when its inputs are built. A step the decode graphs can take gets
-a `GraphDecodeBatch`: host arrays, one row per token, which `DecodeGraphs.run` packs into its static buffer
-with one copy. Decoding sequences are a row each; a short prefill chunk becomes one row per token, each
-row a query at its own position over its sequence's blocks (the chunk's keys are all in the cache before
-attention runs, so this is causal attention). Any other step gets an `EagerBatch` (device tensors and the
-attention metadata). Tokens are laid out decodes first (attention batches them), then one prefill chunk
-per sequence.
+A step runs one of three ways, chosen once when its inputs are built. A step the decode graphs can take
+gets a `GraphDecodeBatch`: host arrays, one row per token, which `DecodeGraphs.run` packs into its static
+buffer with one copy. Decoding sequences are a row each; a short prefill chunk becomes one row per token,
+each row a query at its own position over its sequence's blocks (the chunk's keys are all in the cache
+before attention runs, so this is causal attention). Another step of few enough tokens for the mixed-step
+graphs gets a `MixedStepBatch`: host arrays of its tokens for their static buffer, and the attention
+metadata that runs eagerly between their pieces (worker/mixed_graphs.py). Any other step gets an
+`EagerBatch` (device tensors and the attention metadata). Tokens are laid out decodes first (attention
+batches them), then one prefill chunk per sequence.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tp_runtime.worker.sampler import SamplingBatch, token_seed
 if TYPE_CHECKING:
     from tp_runtime.messages import SchedulerOutput
     from tp_runtime.worker.cuda_graphs import DecodeGraphs
+    from tp_runtime.worker.mixed_graphs import MixedStepGraphs
     from tp_runtime.worker.persistent_batch import PersistentBatch
 
 
@@ -51,6 +54,19 @@ class EagerBatch:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # StepInputs.sample_rows on the device (where their sampled ids go)
+
+
+@dataclass
+class MixedStepBatch:
+    """A step for the mixed-step graphs: its tokens as host arrays (packed into their static buffer), and
+    the metadata of the attention that runs between the pieces (its slot_mapping is the buffer's)."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    feed: np.ndarray  # the batch row whose token_feed entry is the input, or -1: input_ids holds it
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # StepInputs.sample_rows on the device
 
 
 # A prefill chunk's rows on the decode graphs each read their context's keys, so a chunk goes there only
@@ -89,7 +105,7 @@ class PromptLogprobPlan:
 
 @dataclass
 class StepInputs:
-    model: EagerBatch | GraphDecodeBatch
+    model: EagerBatch | GraphDecodeBatch | MixedStepBatch
     # Token index of each row that samples; None when every token samples (nothing to pick).
     logits_indices: torch.Tensor | None
     sample_rows: np.ndarray  # batch rows that sample, in output order
@@ -129,6 +145,7 @@ class InputBuilder:
         self.vocab_size = vocab_size
         self.device = device
         self.decode_graphs: DecodeGraphs | None = None  # set by the runner with the KV cache
+        self.mixed_graphs: MixedStepGraphs | None = None  # likewise
         self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
         self._empty = torch.zeros(0, dtype=torch.int64, device=device)  # no copy for nothing
 
@@ -150,8 +167,8 @@ class InputBuilder:
         # Staged on the device before the forward, like everything below.
         sampling = self._sampling_batch(sample_rows, req_ids) if len(sample_rows) else None
         plan = self._plan_prompt_logprobs(t) if batch.prompt_logprob_reqs else None
-        model: EagerBatch | GraphDecodeBatch
-        graphs = self.decode_graphs
+        model: EagerBatch | GraphDecodeBatch | MixedStepBatch
+        graphs, mixed = self.decode_graphs, self.mixed_graphs
         if graphs is not None and self._graphs_take(t, graphs):
             blocks = int(-(-t.seq_lens.max() // bs))
             model = GraphDecodeBatch(
@@ -159,9 +176,15 @@ class InputBuilder:
                 block_tables=batch.block_table[t.token_rows, :blocks], seq_lens=t.positions + 1, feed=feed,
                 batch_rows=t.token_rows,
             )  # fmt: skip
+        elif mixed is not None and mixed.takes(len(input_ids)):
+            model = MixedStepBatch(
+                input_ids=input_ids, positions=t.positions, slots=slots, feed=feed,
+                meta=self._attention_metadata(t, mixed.slot_mapping(len(input_ids))),
+                sample_rows=self._to_device(sample_rows) if len(sample_rows) else self._empty,
+            )  # fmt: skip
         else:
             model = EagerBatch(
-                meta=self._attention_metadata(t, slots),
+                meta=self._attention_metadata(t, self._to_device(slots)),
                 input_ids=self._fed_input_ids(input_ids, feed),
                 positions=self._to_device(t.positions),
                 sample_rows=self._to_device(sample_rows) if len(sample_rows) else self._empty,
@@ -225,7 +248,7 @@ class InputBuilder:
         splits = self.attention.num_decode_splits
         return splits(rows, blocks) >= splits(decode_rows, decode_blocks)
 
-    def _attention_metadata(self, t: _Layout, slots: np.ndarray) -> AttentionMetadata:
+    def _attention_metadata(self, t: _Layout, slot_mapping: torch.Tensor) -> AttentionMetadata:
         bs = self.block_size
         prefills = []
         for i in range(t.num_decode, len(t.rows)):
@@ -237,7 +260,7 @@ class InputBuilder:
                 start=int(t.starts[i]), end=int(t.ends[i]), context_len=int(t.computed[i]), block_table=table,
             ))  # fmt: skip
         meta = AttentionMetadata(
-            backend=self.attention, slot_mapping=self._to_device(slots), num_decode_tokens=t.num_decode,
+            backend=self.attention, slot_mapping=slot_mapping, num_decode_tokens=t.num_decode,
             prefills=prefills,
         )  # fmt: skip
         if t.num_decode:

@@ -15,6 +15,7 @@ host can queue step N+1 while step N still runs (async scheduling), and ranks > 
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,14 @@ from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk, make_at
 from tp_runtime.layers.linear import decode_graph_pass
 from tp_runtime.messages import SchedulerOutput
 from tp_runtime.worker.cuda_graphs import DecodeGraphs
-from tp_runtime.worker.inputs import GraphDecodeBatch, InputBuilder, PromptLogprobPlan, StepInputs
+from tp_runtime.worker.inputs import (
+    GraphDecodeBatch,
+    InputBuilder,
+    MixedStepBatch,
+    PromptLogprobPlan,
+    StepInputs,
+)
+from tp_runtime.worker.mixed_graphs import MIXED_GRAPH_MAX_TOKENS, MixedStepGraphs
 from tp_runtime.worker.outputs import HostTransfer, PendingOutput, pack_prompt_logprobs, start_host_transfer
 from tp_runtime.worker.persistent_batch import PenaltyState, PersistentBatch
 from tp_runtime.worker.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -60,6 +68,35 @@ def largest_prefill_chunks(
     return [(start, min(start + max_model_len, num_tokens)) for start in range(0, num_tokens, max_model_len)]
 
 
+class CaptureProgress:
+    """The start-up capture's progress on stderr: a counter redrawn in place on a terminal, a line at the
+    start and one at the end elsewhere (logs)."""
+
+    def __init__(self, num_mixed: int, num_decode: int, show: bool) -> None:
+        self.total = num_mixed + num_decode
+        self.counts = f"{num_decode} decode, {num_mixed} mixed-step"
+        self.show = show
+        self.done = 0
+        self.start = time.perf_counter()
+        self._tty = show and sys.stderr.isatty()
+        if show and not self._tty:
+            print(f"tp-runtime: capturing {self.total} CUDA graphs ({self.counts})", file=sys.stderr,
+                  flush=True)  # fmt: skip
+
+    def step(self) -> None:
+        self.done += 1
+        if self._tty:
+            print(f"\rtp-runtime: capturing CUDA graphs {self.done}/{self.total}", end="", file=sys.stderr,
+                  flush=True)  # fmt: skip
+
+    def finish(self) -> None:
+        if self.show:
+            seconds = time.perf_counter() - self.start
+            start = "\r" if self._tty else ""
+            print(f"{start}tp-runtime: captured {self.total} CUDA graphs ({self.counts}) in {seconds:.1f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: CausalLM, device: torch.device, rank: int) -> None:
         self.config = config
@@ -87,6 +124,7 @@ class ModelRunner:
         self.sampler = Sampler(device, config.seed, fused=self._fused_sampling)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedStepGraphs | None = None
         # Benchmark switch (set by a control call): wait for the sampled ids before the bookkeeping, the
         # order this runner replaced.
         self.sync_first = False
@@ -120,19 +158,76 @@ class ModelRunner:
         if mode == "auto":
             mode = "capture" if self.device.type == "cuda" else "off"
         self.decode_graphs = None
+        self.mixed_graphs = None
         if mode != "off":
+            capture = mode == "capture"
+            pool = torch.cuda.graph_pool_handle() if capture else None  # the two kinds share it
+            trash_slot = num_blocks * self.block_size
             self.decode_graphs = DecodeGraphs(
                 self._graph_forward, self.block_size, self.config.scheduler.max_num_seqs, self.max_blocks,
-                trash_slot=num_blocks * self.block_size,
-                device=self.device, capture=mode == "capture", token_feed=self.batch.token_feed,
-                attention=self.attention, graph_pass=lambda: decode_graph_pass(self.model),
+                trash_slot=trash_slot, device=self.device, capture=capture, token_feed=self.batch.token_feed,
+                attention=self.attention, pool=pool, graph_pass=lambda: decode_graph_pass(self.model),
+            )  # fmt: skip
+            mc, tp = self.config.model, self.config.parallel.tensor_parallel_size
+            max_tokens = min(self.config.scheduler.max_num_batched_tokens, MIXED_GRAPH_MAX_TOKENS)
+            self.mixed_graphs = MixedStepGraphs(
+                self._hidden_forward, max_tokens, mc.hidden_size, mc.num_heads // tp,
+                self.model.num_local_kv_heads, mc.head_dim, self.model.dtype, trash_slot=trash_slot,
+                device=self.device, capture=capture, token_feed=self.batch.token_feed,
+                attention=self.attention, pool=pool, graph_pass=lambda: decode_graph_pass(self.model),
             )  # fmt: skip
         self.inputs.decode_graphs = self.decode_graphs
+        self.inputs.mixed_graphs = self.mixed_graphs
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Before the first request: run the eager attention kernels once (Triton compiles them on first
+        use) and capture every CUDA graph, rank 0 showing progress on stderr. Nothing without capture."""
+        decode, mixed = self.decode_graphs, self.mixed_graphs
+        if decode is None or mixed is None or not decode.capture:
+            return
+        progress = CaptureProgress(len(mixed.token_sizes), len(decode.shapes()), show=self.rank == 0)
+        self._run_attention_warm_up()
+        mixed.capture_all(progress.step)
+        decode.capture_all(progress.step)
+        torch.cuda.synchronize(self.device)
+        progress.finish()
+
+    def _run_attention_warm_up(self) -> None:
+        """One eager step of a decode row, a fresh prompt and a continuation chunk, every token in the trash
+        block (no sequence's cache is touched): each attention path a step takes outside the graphs."""
+        assert self.mixed_graphs is not None
+        bs, trash_slot = self.block_size, self.mixed_graphs.trash_slot
+        trash_block = trash_slot // bs
+        n = max(1, min(bs, self.config.model.max_model_len // 2))  # each chunk's tokens
+        num_tokens = 1 + 2 * n
+
+        def ints(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        fresh_table = ints([]) if self.config.model.sliding_window is None else ints([trash_block])
+        slots = trash_slot + torch.arange(num_tokens, device=self.device) % bs
+        meta = AttentionMetadata(
+            backend=self.attention, slot_mapping=slots,
+            num_decode_tokens=1, decode_block_tables=ints([[trash_block]]), decode_seq_lens=ints([1]),
+            decode_num_splits=self.attention.num_decode_splits(1, 1),
+            prefills=[PrefillChunk(1, 1 + n, 0, fresh_table),
+                      PrefillChunk(1 + n, num_tokens, n, ints([trash_block] * -(-2 * n // bs)))],
+        )  # fmt: skip
+        positions = ints([0, *range(n), *range(n, 2 * n)])
+        hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions,
+                            self.kv_caches, meta)  # fmt: skip
+        self.model.compute_logits(hidden[-1:])
 
     def _graph_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
+
+    def _hidden_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def profile_peak_memory(self) -> int:
@@ -277,7 +372,11 @@ class ModelRunner:
                 return all_logits, prompt, rows
             # Only a chunk's last row samples, and only when the chunk finishes its prompt.
             return all_logits[inputs.logits_indices], prompt, rows[inputs.logits_indices]
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        if isinstance(step, MixedStepBatch):
+            assert self.mixed_graphs is not None, "internal: mixed-step inputs without their graphs"
+            hidden = self.mixed_graphs.run(step)
+        else:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         prompt = None if plan is None else self._prompt_logprobs(hidden, plan)
         if inputs.logits_indices is not None:
             hidden = hidden.index_select(0, inputs.logits_indices)

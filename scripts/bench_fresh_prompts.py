@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--num-lengths", type=int, default=20)
     parser.add_argument("--min-len", type=int, default=52)
     parser.add_argument("--max-len", type=int, default=972)
+    parser.add_argument("--small-len", type=int, default=145,
+                        help="also time a prompt of this length, 10 times (its TTFT against its compute)")
     parser.add_argument("--no-hf", action="store_true", help="leave out the HF transformers peer")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--enforce-eager", action="store_true")
@@ -55,12 +57,16 @@ def main() -> None:
 
     first = [ttft(p) for p in prompts]
     again = [ttft(p) for p in prompts]
+    small = [rng.randrange(3, vocab) for _ in range(args.small_len)]
+    small_times = [ttft(small) for _ in range(10)]
     result: dict[str, object] = {
         "lengths": lengths,
         "engine_options": extra,
         "startup_s": startup,
         "engine_first_ms": _median_ms(first),
         "engine_repeat_ms": _median_ms(again),
+        "small_len": args.small_len,
+        "engine_small_ms": _median_ms(small_times),
         "engine_first_each_ms": [1e3 * x for x in first],
         "engine_repeat_each_ms": [1e3 * x for x in again],
     }
@@ -86,12 +92,17 @@ def main() -> None:
         hf([5] * 17)
         hf_first = [hf(p) for p in prompts]
         hf_again = [hf(p) for p in prompts]
-        result.update(hf_first_ms=_median_ms(hf_first), hf_repeat_ms=_median_ms(hf_again))
+        hf_small = [hf(small) for _ in range(10)]
+        result.update(hf_first_ms=_median_ms(hf_first), hf_repeat_ms=_median_ms(hf_again),
+                      hf_small_ms=_median_ms(hf_small))
     print(f"startup {startup:.1f} s; median TTFT over {len(lengths)} lengths {min(lengths)}-{max(lengths)}:")
     first_ms, repeat_ms = result["engine_first_ms"], result["engine_repeat_ms"]
-    print(f"  tp_runtime: first {first_ms:.1f} ms, repeat {repeat_ms:.1f} ms")
+    small_ms = result["engine_small_ms"]
+    print(f"  tp_runtime: first {first_ms:.1f} ms, repeat {repeat_ms:.1f} ms; "
+          f"{args.small_len} tokens {small_ms:.1f} ms")
     if "hf_first_ms" in result:
-        print(f"  HF forward: first {result['hf_first_ms']:.1f} ms, repeat {result['hf_repeat_ms']:.1f} ms")
+        print(f"  HF forward: first {result['hf_first_ms']:.1f} ms, repeat {result['hf_repeat_ms']:.1f} ms; "
+              f"{args.small_len} tokens {result['hf_small_ms']:.1f} ms")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements recorded in BENCHMARKS.md (run on the device machines; see the device README).
-#   scripts/gpu_bench.sh smoke|checks|rows|rows8b|serve|families|compare|compare1|tp1|tp2|fused|profile|profile2|matmuls|messaging|peer OUT_DIR
+#   scripts/gpu_bench.sh smoke|checks|rows|rows8b|serve|traffic|families|compare|compare1|tp1|tp2|fused|profile|profile2|matmuls|messaging|peer OUT_DIR
 set -euo pipefail
 part=$1
 out=${2:-/tmp/tp-runtime-bench}
@@ -130,6 +130,33 @@ case $part in
       wait $server || true
       bench "latency_tp${tp}_b1" --model llama-3-8b -tp $tp --batch-size 1 --input-len 32 --output-len 128 \
         --num-iters 5 --num-iters-warmup 1
+    done
+    ;;
+  traffic)  # issue 25's serving rows: a fresh server per rate, Poisson arrivals of 600 requests (input 512
+            # +-90 %, output 128), sent twice: pass 1 is the fresh server's cold start, pass 2 its steady state.
+            # TRAFFIC_RATES (default "24 8"), TRAFFIC_TP (1), TRAFFIC_ARGS (extra serve flags).
+    tp=${TRAFFIC_TP:-1}
+    port=$((8200 + tp))
+    for rate in ${TRAFFIC_RATES:-24 8}; do
+      name="traffic_tp${tp}_rate${rate}${TRAFFIC_TAG:-}"
+      start=$(date +%s.%N)
+      # shellcheck disable=SC2086
+      $py -m tp_runtime.cli serve --model llama-3-8b --load-format dummy --dtype bfloat16 -tp "$tp" --port $port \
+        --log-level warning --no-access-log ${TRAFFIC_ARGS:-} > "$out/$name.server.log" 2>&1 &
+      server=$!
+      for _ in $(seq 600); do
+        $py -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" \
+          2>/dev/null && break
+        kill -0 $server 2>/dev/null || { tail -20 "$out/$name.server.log"; exit 1; }
+        sleep 0.5
+      done
+      echo "$name: server ready in $($py -c "import time; print(round(time.time() - $start, 1))") s"
+      $py -m tp_runtime.cli bench serve --base-url "http://127.0.0.1:$port" --request-rate "$rate" \
+        --input-len 512 --range-ratio 0.9 --output-len 128 --num-prompts 600 --vocab-size 120000 --passes 2 \
+        --no-progress --output-json "$out/$name.json" 2>&1 | grep -E "pass|TTFT|TPOT|ITL|throughput|Failed" \
+        | tee "$out/$name.txt"
+      kill -TERM $server
+      wait $server || true
     done
     ;;
   families)  # fp32: every new family gives the same greedy tokens at TP 1 and 2, and HF's (nvidia-h200-x2)

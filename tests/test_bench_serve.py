@@ -255,6 +255,7 @@ BAD = [
     (["--temperature", "-0.5"], ["--temperature"]),
     (["--temperature", "inf"], ["--temperature"]),
     (["--num-warmups", "-1"], ["--num-warmups"]),
+    (["--passes", "0"], ["--passes"]),
     (["--request-timeout", "0"], ["--request-timeout"]),
     (["--request-timeout", "inf"], ["--request-timeout"]),
     (["--api-key", ""], ["--api-key"]),
@@ -488,8 +489,10 @@ RECORD_KEYS = {
 def test_all_at_once(stub: tuple[Stub, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     server, url = stub
     result = _run(url, "--num-prompts", "10", "--input-len", "7", "--output-len", "6", tmp_path=tmp_path)
-    assert set(result) == {"config", "summary", "errors", "requests"}
+    assert set(result) == {"config", "summary", "errors", "requests", "pass_results"}
     s, c = result["summary"], result["config"]
+    assert c["passes"] == 1 and [p["pass"] for p in result["pass_results"]] == [1]
+    assert result["pass_results"][0]["summary"] == s
     assert set(s) == SUMMARY_KEYS
     assert c["model"] == "stub-model" and c["url"] == url + "/v1/completions"
     assert c["request_rate"] == "inf" and c["num_prompts"] == 10 and c["seed"] == 0
@@ -518,6 +521,29 @@ def test_all_at_once(stub: tuple[Stub, str], tmp_path: Path, capsys: pytest.Capt
                  "Output token throughput (tok/s):", "Total token throughput (tok/s):", "Mean TTFT (ms):",
                  "Median TPOT (ms):", "P90 ITL (ms):", "P99 E2EL (ms):"):  # fmt: skip
         assert line in report, line
+
+
+def test_passes_send_the_same_workload_and_report_each(
+    stub: tuple[Stub, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server, url = stub
+    result = _run(
+        url, "--num-prompts", "6", "--input-len", "9", "--output-len", "4", "--range-ratio", "0.5",
+        "--request-rate", "200", "--passes", "3", tmp_path=tmp_path,
+    )  # fmt: skip
+    passes = result["pass_results"]
+    assert [p["pass"] for p in passes] == [1, 2, 3] and result["config"]["passes"] == 3
+    assert result["summary"] == passes[0]["summary"] and len(result["requests"]) == 6
+    for p in passes:
+        assert set(p["summary"]) == SUMMARY_KEYS and p["errors"] == []
+        assert p["summary"]["completed"] == 6
+        assert p["summary"]["total_input_tokens"] == passes[0]["summary"]["total_input_tokens"]
+    # Each pass sent the same six requests.
+    sent = [(tuple(b["prompt"]), b["max_tokens"]) for b in server.payloads]
+    assert server.arrived == 18 and all(sent.count(x) == 3 for x in sent)
+    report = capsys.readouterr().out
+    for n in (1, 2, 3):
+        assert f"Serving Benchmark Result, pass {n} of 3" in report
 
 
 def test_random_lengths_match(stub: tuple[Stub, str], tmp_path: Path) -> None:

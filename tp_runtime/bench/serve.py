@@ -137,6 +137,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-warmups", type=int, default=0, help="requests sent one by one first, not measured"
     )
     parser.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="send the same workload this many times back to back, each pass measured and reported on its "
+        "own: on a fresh server the first pass is its cold start, the later ones its steady state",
+    )
+    parser.add_argument(
         "--request-timeout",
         type=float,
         default=600.0,
@@ -179,6 +186,8 @@ def check(args: argparse.Namespace) -> None:
         _bad("--temperature", "a finite number at least 0", args.temperature)
     if args.num_warmups < 0:
         _bad("--num-warmups", "at least 0", args.num_warmups)
+    if args.passes < 1:
+        _bad("--passes", "at least 1", args.passes)
     if not 0.0 < args.request_timeout < math.inf:
         _bad("--request-timeout", "a finite number of seconds more than 0", args.request_timeout)
     if args.api_key is not None and not args.api_key.strip():
@@ -418,9 +427,7 @@ def resolve_model(args: argparse.Namespace) -> str:
 
 
 async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
-    """Send the workload and return {config, summary, errors, requests}."""
-    from tqdm.auto import tqdm
-
+    """Send the workload (`--passes` times) and return {config, summary, errors, requests, pass_results}."""
     kind = endpoint_kind(args.endpoint)
     url = args.base_url.rstrip("/") + args.endpoint
     headers = _headers(args.api_key)
@@ -428,11 +435,7 @@ async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
         args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.vocab_size, args.seed, kind
     )
     schedule = arrival_schedule(args.num_prompts, args.request_rate, args.seed)
-    records = [
-        RequestRecord(index=i, prompt_len=work.prompt_lens[i], output_len=work.output_lens[i],
-                      scheduled_s=schedule[i])
-        for i in range(args.num_prompts)
-    ]  # fmt: skip
+    passes: list[tuple[list[RequestRecord], float, str]] = []
     async with _client(args, max_connections=args.max_concurrency) as client:
         for i in range(args.num_warmups):
             payload = build_payload(
@@ -446,35 +449,16 @@ async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
                     f"warmup request {i + 1} to {url} failed: {warm.error}; check --model, --endpoint "
                     "and the lengths"
                 )
-        limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        progress = tqdm(total=args.num_prompts, desc="requests", disable=args.no_progress)
-
-        async def one(rec: RequestRecord) -> None:
-            payload = build_payload(
-                kind, model, work.prompts[rec.index], rec.output_len, args.temperature, args.ignore_eos
-            )
-            if limit is None:
-                await send_request(client, url, headers, payload, kind, rec, t0)
-            else:
-                async with limit:
-                    await send_request(client, url, headers, payload, kind, rec, t0)
-            progress.update(1)
-
-        started_at = datetime.now(timezone.utc).isoformat()
-        t0 = time.perf_counter()
-        tasks = []
-        try:
-            for rec in records:
-                # Re-check after waking: the event loop may wake a hair early; never send before schedule.
-                while (delay := rec.scheduled_s - (time.perf_counter() - t0)) > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(rec)))
-            await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-            progress.close()
-        duration = time.perf_counter() - t0
+        for number in range(1, args.passes + 1):
+            records = [
+                RequestRecord(index=i, prompt_len=work.prompt_lens[i], output_len=work.output_lens[i],
+                              scheduled_s=schedule[i])
+                for i in range(args.num_prompts)
+            ]  # fmt: skip
+            desc = "requests" if args.passes == 1 else f"pass {number}/{args.passes}"
+            started_at = datetime.now(timezone.utc).isoformat()
+            duration = await _timed_pass(args, client, url, headers, kind, model, work, records, desc)
+            passes.append((records, duration, started_at))
     config = {
         "base_url": args.base_url,
         "endpoint": args.endpoint,
@@ -492,16 +476,62 @@ async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "ignore_eos": args.ignore_eos,
         "temperature": args.temperature,
         "num_warmups": args.num_warmups,
+        "passes": args.passes,
         "request_timeout": args.request_timeout,
         "api_key_set": args.api_key is not None,
-        "started_at": started_at,
+        "started_at": passes[0][2],
     }
+    measured = [
+        {"pass": number, "started_at": started_at, "summary": summarize(records, duration),
+         "errors": error_counts(records)}
+        for number, (records, duration, started_at) in enumerate(passes, 1)
+    ]  # fmt: skip
+    first_records = passes[0][0]
     return {
         "config": config,
-        "summary": summarize(records, duration),
-        "errors": error_counts(records),
-        "requests": [record_json(rec) for rec in records],
+        # The first pass's, as with one pass; every pass's are in "pass_results".
+        "summary": measured[0]["summary"],
+        "errors": measured[0]["errors"],
+        "requests": [record_json(rec) for rec in first_records],
+        "pass_results": measured,
     }
+
+
+async def _timed_pass(
+    args: argparse.Namespace, client: Any, url: str, headers: dict[str, str], kind: str, model: str,
+    work: Any, records: list[RequestRecord], desc: str,
+) -> float:  # fmt: skip
+    """Send every request of `records` at its scheduled time; returns the pass's duration in seconds."""
+    from tqdm.auto import tqdm
+
+    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    progress = tqdm(total=len(records), desc=desc, disable=args.no_progress)
+
+    async def one(rec: RequestRecord) -> None:
+        payload = build_payload(
+            kind, model, work.prompts[rec.index], rec.output_len, args.temperature, args.ignore_eos
+        )
+        if limit is None:
+            await send_request(client, url, headers, payload, kind, rec, t0)
+        else:
+            async with limit:
+                await send_request(client, url, headers, payload, kind, rec, t0)
+        progress.update(1)
+
+    t0 = time.perf_counter()
+    tasks = []
+    try:
+        for rec in records:
+            # Re-check after waking: the event loop may wake a hair early; never send before schedule.
+            while (delay := rec.scheduled_s - (time.perf_counter() - t0)) > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(rec)))
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        progress.close()
+    return time.perf_counter() - t0
 
 
 def main(args: argparse.Namespace) -> int:

@@ -165,9 +165,20 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 
 def format_report(result: dict[str, Any]) -> str:
-    c, s = result["config"], result["summary"]
+    """vLLM's report layout; with several passes, one report per pass."""
+    passes = result.get("pass_results") or []
+    if len(passes) <= 1:
+        return _format_pass(result["config"], result["summary"], result["errors"], "Serving Benchmark Result")
+    titles = [f"Serving Benchmark Result, pass {p['pass']} of {len(passes)}" for p in passes]
+    return "\n".join(
+        _format_pass(result["config"], p["summary"], p["errors"], title)
+        for p, title in zip(passes, titles, strict=True)
+    )
+
+
+def _format_pass(c: dict[str, Any], s: dict[str, Any], errors: list[dict[str, Any]], title: str) -> str:
     width = 60
-    rows: list[str] = [" Serving Benchmark Result ".center(width, "=")]
+    rows: list[str] = [f" {title} ".center(width, "=")]
 
     def row(label: str, value: Any) -> None:
         rows.append(f"{label:<44}{_fmt(value):>16}")
@@ -197,7 +208,6 @@ def format_report(result: dict[str, Any]) -> str:
             "output tokens than asked (does the server honor ignore_eos / min_tokens?); the figures use "
             "the counts returned"
         )
-    errors = result["errors"]
     if errors:
         rows.append("Errors (most common first):")
         for e in errors[:5]:

@@ -536,7 +536,8 @@ def test_passes_send_the_same_workload_and_report_each(
     assert result["summary"] == passes[0]["summary"] and len(result["requests"]) == 6
     for p in passes:
         assert set(p["summary"]) == SUMMARY_KEYS and p["errors"] == []
-        assert p["summary"]["completed"] == 6
+        assert p["summary"]["completed"] == 6 and len(p["requests"]) == 6
+        assert all(set(rec) == RECORD_KEYS and rec["success"] for rec in p["requests"])
         assert p["summary"]["total_input_tokens"] == passes[0]["summary"]["total_input_tokens"]
     # Each pass sent the same six requests.
     sent = [(tuple(b["prompt"]), b["max_tokens"]) for b in server.payloads]
@@ -624,6 +625,26 @@ def test_all_failed_is_an_error(stub: tuple[Stub, str], tmp_path: Path) -> None:
     with pytest.raises(TPRuntimeError, match=r"all 3 requests failed.*HTTP 500: stub failure"):
         serve.main(_args("--base-url", url, "--num-prompts", "3", "--no-progress", "--output-json", str(out)))
     assert json.loads(out.read_text())["summary"]["failed"] == 3  # still written
+
+
+def test_a_later_pass_all_failed_is_an_error(
+    stub: tuple[Stub, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, url = stub
+    timed_pass = serve._timed_pass
+
+    async def first_pass_then_failures(*args: Any) -> float:
+        duration = await timed_pass(*args)
+        server.fail_every = 1  # every request after the first pass answers HTTP 500
+        return duration
+
+    monkeypatch.setattr(serve, "_timed_pass", first_pass_then_failures)
+    out = tmp_path / "r.json"
+    with pytest.raises(TPRuntimeError, match=r"all 3 requests of pass 2 failed.*HTTP 500: stub failure"):
+        serve.main(_args("--base-url", url, "--num-prompts", "3", "--passes", "2", "--no-progress",
+                         "--output-json", str(out)))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert [p["summary"]["failed"] for p in result["pass_results"]] == [0, 3]  # still written
 
 
 def test_output_counts_not_assumed(

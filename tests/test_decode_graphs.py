@@ -27,8 +27,38 @@ def test_buckets_cover_every_size() -> None:
         assert sizes == sorted(set(sizes)) and sizes[-1] == max_batch
         assert all(any(s >= n for s in sizes) for n in range(1, max_batch + 1))
     for max_blocks in (1, 4, 5, 512, 513):
-        sizes = block_buckets(max_blocks, reads_table_padding=max_blocks % 2 == 0)
-        assert sizes[-1] == max_blocks and sizes == sorted(set(sizes))
+        for reads_padding in (True, False):
+            sizes = block_buckets(max_blocks, reads_padding)
+            assert sizes[-1] == max_blocks and sizes == sorted(set(sizes))
+            assert all(any(s >= n for s in sizes) for n in range(1, max_blocks + 1))
+            if not reads_padding:  # powers of two below the maximum
+                assert all(s & (s - 1) == 0 for s in sizes[:-1])
+
+
+@pytest.mark.parametrize(("kv_heads", "block_size", "max_blocks"), [(8, 16, 512), (1, 4, 37), (2, 32, 300)])
+def test_graph_width_shares_graphs_only_between_equal_launches(
+    kv_heads: int, block_size: int, max_blocks: int
+) -> None:
+    """With kernels that read only each row's length, a step's graph is the widest bucket with the same
+    split-KV count: at least the step's width, one of the captured shapes, and the same launch (split
+    count); with the gather path, the step's own bucket."""
+    from tp_runtime.layers.attention import TorchAttention, TritonAttention
+
+    feed = torch.zeros(64, dtype=torch.int64)
+    triton = TritonAttention(kv_heads, block_size, num_sms=132, split_kv=True)
+    graphs = DecodeGraphs(lambda *a: None, block_size, 64, max_blocks, 0, torch.device("cpu"), False, feed,  # type: ignore[arg-type,return-value]
+                          triton)  # fmt: skip
+    shapes = set(graphs.shapes())
+    assert len(shapes) < len(graphs.batch_sizes) * len(graphs.block_sizes)  # graphs really are shared
+    for n in range(1, 65):
+        for blocks in range(1, max_blocks + 1):
+            rows, bucket = graphs.padded_shape(n, blocks * block_size)
+            width = graphs.graph_width(rows, bucket)
+            assert width >= bucket and (rows, width) in shapes
+            assert triton.num_decode_splits(rows, width) == triton.num_decode_splits(rows, bucket)
+    gather = DecodeGraphs(lambda *a: None, block_size, 64, max_blocks, 0, torch.device("cpu"), False, feed,  # type: ignore[arg-type,return-value]
+                          TorchAttention())  # fmt: skip
+    assert all(gather.graph_width(r, b) == b for r in gather.batch_sizes for b in gather.block_sizes)
 
 
 def _prompts(n: int) -> list[list[int]]:

@@ -94,13 +94,45 @@ def test_staggered_arrivals_on_mixed_graphs_match_hf(
 
 def test_mixed_graphs_at_tp2_match_hf(make_checkpoint: Callable[..., Path]) -> None:
     """Two worker processes (gloo), each replaying its shard's pieces: chunks longer than the decode
-    graphs take (more than 128 rows) run as mixed steps, beside decoding sequences."""
+    graphs take (more than 128 rows) run as mixed steps, beside decoding sequences. Which path a step takes
+    depends on its shape only, so the in-process TP=1 run of the same requests shows the mixed steps."""
     model_dir = make_checkpoint("LlamaForCausalLM")
     prompts = random_prompts((150, 7, 190, 60, 133), 300, seed=4)
-    with LLM(model_dir, tensor_parallel_size=2, device="cpu", dtype="float32", seed=0, cuda_graphs="padded",
-             max_num_batched_tokens=160, max_num_seqs=3, block_size=8) as llm:  # fmt: skip
-        got = run_staggered(llm, prompts, (0, 0, 2, 5, 6))
-    assert_same_tokens(got, hf_greedy(model_dir, prompts, MAX_TOKENS), prompts)
+    arrivals = (0, 0, 2, 5, 6)
+    engine = dict(device="cpu", dtype="float32", seed=0, cuda_graphs="padded", max_num_batched_tokens=160,
+                  max_num_seqs=3, block_size=8)  # fmt: skip
+    with LLM(model_dir, tensor_parallel_size=2, **engine) as llm:  # type: ignore[arg-type]
+        got = run_staggered(llm, prompts, arrivals)
+    want = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert_same_tokens(got, want, prompts)
+    with LLM(model_dir, **engine) as llm:  # type: ignore[arg-type]
+        steps = record_steps(llm)
+        assert_same_tokens(run_staggered(llm, prompts, arrivals), want, prompts)
+    assert any(isinstance(s.model, MixedStepBatch) and s.model.meta.num_decode_tokens for s in steps)
+
+
+def test_attention_warm_up_touches_no_sequence_block(make_checkpoint: Callable[..., Path]) -> None:
+    """The start-up attention step (a decode row at every split count, a fresh prompt, a continuation
+    chunk) writes only the trash block, even when max_model_len is under two blocks or layers window."""
+    import torch
+
+    for arch, overrides, engine in (
+        ("LlamaForCausalLM", {}, {}),
+        ("MistralForCausalLM", {"sliding_window": 4}, {"max_model_len": 8}),
+        ("Gemma2ForCausalLM", GEMMA2, {"block_size": 4}),
+    ):
+        model_dir = make_checkpoint(arch, **overrides)
+        with LLM(model_dir, device="cpu", dtype="float32", cuda_graphs="padded", **engine) as llm:  # type: ignore[arg-type]
+            runner = llm.engine.executor.worker.runner  # type: ignore[attr-defined]
+            for k, v in runner.kv_caches:
+                k.normal_()
+                v.normal_()
+            before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+            runner._run_attention_warm_up()
+            trash = runner.mixed_graphs.trash_slot // runner.block_size
+            for (k0, v0), (k1, v1) in zip(before, runner.kv_caches, strict=True):
+                assert torch.equal(k0[:trash], k1[:trash]) and torch.equal(v0[:trash], v1[:trash]), arch
+                assert not torch.equal(k0[trash], k1[trash]), f"{arch}: the warm-up wrote nothing"
 
 
 def test_sampling_and_prompt_logprobs_equal_eager_steps(

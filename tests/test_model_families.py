@@ -503,8 +503,10 @@ def test_fresh_prompts_packed_for_one_varlen_call(back_to_back: bool) -> None:
 
 
 def test_large_fresh_steps_run_padded_sdpa() -> None:
-    """PackedVarlen: a step with padded_from_tokens fresh tokens or more runs padded SDPA (cuDNN's plan pays
-    there), a smaller one the varlen call; both give the brute force's rows."""
+    """PackedVarlen: a step of padded_from_tokens fresh tokens or more whose prompts share one length runs
+    padded SDPA (cuDNN's plan pays for a shape that comes back); a smaller step, one prompt, or prompts of
+    several lengths (a new padded shape nearly every step) take the varlen call; all give the brute
+    force's rows."""
     calls: list[int] = []
 
     def kernel(*args: Any) -> torch.Tensor:
@@ -532,8 +534,11 @@ def test_large_fresh_steps_run_padded_sdpa() -> None:
         return len(calls) - before  # varlen calls of the step's three layers
 
     assert step([12, 7]) == 3  # 19 tokens: one varlen call a layer
-    assert step([12, 8]) == 0  # 20 tokens: padded SDPA
-    assert step([16, 9, 3]) == 0
+    assert step([10, 10]) == 0  # 20 tokens of one length: padded SDPA
+    assert step([7, 7, 7]) == 0
+    assert step([12, 8]) == 3  # 20 tokens of two lengths: varlen
+    assert step([16, 9, 3]) == 3
+    assert step([25]) == 3  # one prompt
 
 
 def test_fresh_prompts_use_sdpa_where_flash_varlen_cannot_run() -> None:

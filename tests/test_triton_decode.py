@@ -302,6 +302,13 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(1, 8, 1, 16, sms) == 1  # one 16-token block: less than one tile
     assert choose_num_splits(1, 1, 10**6, 16, sms) == kernels.DECODE_MAX_SPLITS
     assert choose_num_splits(3, 2, 500, 32, sms) == choose_num_splits(3, 2, 500, 32, sms)  # deterministic
+    # Every shape gets a power of two (one compiled kernel each), at least half of what the bounds allow.
+    for seqs in range(1, 80):
+        for blocks in (1, 3, 4, 7, 40, 129, 512, 4000):
+            splits = choose_num_splits(seqs, 8, blocks, 16, sms)
+            tiles = -(-blocks * 16 // kernels.DECODE_BLOCK_N)
+            bound = max(1, min(-(-2 * sms // (seqs * 8)), tiles, kernels.DECODE_MAX_SPLITS))
+            assert splits & (splits - 1) == 0 and bound / 2 < splits <= bound, (seqs, blocks, splits)
 
 
 def test_fused_kernels_match_pytorch_ops() -> None:

@@ -483,16 +483,15 @@ async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
     }
     measured = [
         {"pass": number, "started_at": started_at, "summary": summarize(records, duration),
-         "errors": error_counts(records)}
+         "errors": error_counts(records), "requests": [record_json(rec) for rec in records]}
         for number, (records, duration, started_at) in enumerate(passes, 1)
     ]  # fmt: skip
-    first_records = passes[0][0]
     return {
         "config": config,
         # The first pass's, as with one pass; every pass's are in "pass_results".
         "summary": measured[0]["summary"],
         "errors": measured[0]["errors"],
-        "requests": [record_json(rec) for rec in first_records],
+        "requests": measured[0]["requests"],
         "pass_results": measured,
     }
 
@@ -544,11 +543,14 @@ def main(args: argparse.Namespace) -> int:
     if args.output_json:
         with open(Path(args.output_json).expanduser(), "w") as f:
             json.dump(result, f, indent=2, allow_nan=False)
-    if result["summary"]["completed"] == 0:
-        first = result["errors"][0]
-        raise TPRuntimeError(
-            f"all {args.num_prompts} requests failed; most common error ({first['count']}x): {first['error']}"
-        )
+    for measured in result["pass_results"]:
+        if measured["summary"]["completed"] == 0:
+            first = measured["errors"][0]
+            which = "" if args.passes == 1 else f" of pass {measured['pass']}"
+            raise TPRuntimeError(
+                f"all {args.num_prompts} requests{which} failed; most common error ({first['count']}x): "
+                f"{first['error']}"
+            )
     return 0
 
 

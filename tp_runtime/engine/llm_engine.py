@@ -572,7 +572,10 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-        gc.unfreeze()  # what start-up froze can be collected again, this engine's cycles among it
+        if self.config.device == "cuda":
+            # What start-up froze can be collected again, this engine's cycles among it (and, the freeze
+            # being the process's, those of another engine still running, which only costs it pauses).
+            gc.unfreeze()
 
 
 def decode_logprobs(tokenizer: Any, entry: tuple[list[int], list[float], int]) -> dict[int, Logprob]:

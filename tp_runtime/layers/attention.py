@@ -115,6 +115,7 @@ class FreshPromptsPacked:
     cu_seqlens: torch.Tensor  # [prompts + 1] int32: each prompt's first packed token, then the total
     max_len: int
     num_tokens: int
+    same_lengths: bool = False  # two or more prompts, all of one length
 
 
 def pack_fresh_prompts(chunks: list[PrefillChunk], device: torch.device) -> FreshPromptsPacked:
@@ -124,12 +125,14 @@ def pack_fresh_prompts(chunks: list[PrefillChunk], device: torch.device) -> Fres
     np.cumsum(lengths, out=cu[1:])
     cu_seqlens = torch.from_numpy(cu).to(device, non_blocking=True)
     first = fresh[0][0] if fresh else 0
+    same = len(lengths) > 1 and len(set(lengths)) == 1
     if all(start == first + int(cu[i]) for i, (start, _) in enumerate(fresh)):
         total = int(cu[-1])
-        return FreshPromptsPacked(first, first + total, None, cu_seqlens, max(lengths, default=0), total)
+        longest = max(lengths, default=0)
+        return FreshPromptsPacked(first, first + total, None, cu_seqlens, longest, total, same)
     rows = np.concatenate([np.arange(start, end) for start, end in fresh])
     return FreshPromptsPacked(0, 0, torch.from_numpy(rows).to(device, non_blocking=True), cu_seqlens,
-                              max(lengths), int(cu[-1]))  # fmt: skip
+                              max(lengths), int(cu[-1]), same)  # fmt: skip
 
 
 class FreshPromptAttention(Protocol):
@@ -163,13 +166,13 @@ class PackedVarlen:
     FlashAttention's varlen kernel, whose cost depends only on the work (0.10 ms for a first-seen length
     against 0.08 ms for a repeat, where cuDNN's SDPA takes 66 ms, on an H200).
 
-    A step with `padded_from_tokens` fresh tokens or more runs padded SDPA instead: cuDNN's Hopper kernel
-    is faster once its plan for a shape exists (1,000 tokens: 0.06 against 0.11 ms a layer, 27 ms over a
-    batch-32, 1,000-token prefill), and a step that large computes for longer than the plan takes
-    (4,096 tokens of an 8B model: about 65 TFLOP, some 100 ms at the H200's measured 646 TFLOP/s, against
-    66 ms; an estimate, not a measurement). Below it, a plan would cost more than the
-    step: real traffic's prefills, one or a few prompts a step, never wait for one. (So in bf16 a prompt's
-    output may differ in the last bits with the size of the step it prefills in.)"""
+    A step of `padded_from_tokens` fresh tokens or more whose prompts all have one length runs padded SDPA
+    instead: cuDNN's Hopper kernel is faster once its plan for a shape exists (1,000 tokens: 0.06 against
+    0.11 ms a layer, 27 ms over a batch-32, 1,000-token prefill), and such a batch is a shape that comes
+    back (fixed-length batches), so its plan, 66 ms once, pays. Prompts of mixed lengths make a new padded
+    shape nearly every step: on an H200, 256 prompts of 100-1,000 tokens in steps of 8,192 tokens took
+    11.6 s on their first pass and 5.5 s on the next, the difference mostly plans. (So in bf16 a prompt's
+    output may differ in the last bits with the step it prefills in.)"""
 
     def __init__(self, kernel: VarlenKernel, *, padded_from_tokens: int = 4096) -> None:
         self.kernel = kernel
@@ -183,7 +186,7 @@ class PackedVarlen:
         packed = meta.fresh_packed
         if packed.max_len == 0:
             return
-        if packed.num_tokens >= self.padded_from_tokens:
+        if packed.num_tokens >= self.padded_from_tokens and packed.same_lengths:
             self.padded(q, k, v, meta, scale, out)
             return
         if packed.rows is None:

@@ -95,8 +95,11 @@ def _token_offsets(table_row_ptr, pos, valid, stride_block, stride_token, BLOCK_
 
 
 # Runtime ints are not specialised on their value (Triton would otherwise compile extra variants for 1 and
-# multiples of 16): the window and prefill's lengths change from call to call.
-@triton.jit(do_not_specialize=["window"])
+# multiples of 16): the window and prefill's lengths change from call to call, and the block-table and
+# length strides differ between the decode graphs (rows of their input buffer) and eager steps (a table as
+# wide as the step needs, which may be 1), so without this an eager step could compile a variant of its
+# own in the middle of serving. They only offset scalar loads.
+@triton.jit(do_not_specialize=["window", "stride_table", "stride_len"])
 def _decode_kernel(
     q_ptr,  # [seqs, heads, head_dim] (strides given, last dim contiguous)
     k_cache_ptr,  # [blocks, block_size, kv_heads, head_dim]; v_cache has the same strides
@@ -339,15 +342,18 @@ def choose_num_splits(
 
     1 when the (sequence, KV head) programs already give every SM DECODE_PROGRAMS_PER_SM of them; else
     enough splits to get there, but no more than the longest context has KV tiles (per
-    DECODE_MIN_TILES_PER_SPLIT) nor DECODE_MAX_SPLITS. Tiles are counted at DECODE_BLOCK_N tokens, the
-    widest tile. Pure and deterministic, so a CUDA graph captured for a batch shape can fix it.
+    DECODE_MIN_TILES_PER_SPLIT) nor DECODE_MAX_SPLITS, each bound rounded down to a power of two. Each
+    split count is a kernel of its own (NUM_SPLITS is a compile-time constant), so the powers of two keep
+    them to six, all compiled at start-up. Tiles are counted at DECODE_BLOCK_N tokens, the widest tile.
+    Pure and deterministic, so a CUDA graph captured for a batch shape can fix it.
     """
     programs = max(1, num_seqs * num_kv_heads)
     target = DECODE_PROGRAMS_PER_SM * max(1, num_sms)
     if programs >= target:
         return 1
     tiles = math.ceil(max(1, num_blocks) * block_size / DECODE_BLOCK_N)
-    return max(1, min(math.ceil(target / programs), tiles // DECODE_MIN_TILES_PER_SPLIT, DECODE_MAX_SPLITS))
+    wanted = min(math.ceil(target / programs), tiles // DECODE_MIN_TILES_PER_SPLIT, DECODE_MAX_SPLITS)
+    return 1 << (max(1, wanted).bit_length() - 1)
 
 
 def paged_decode_attention(

@@ -7,8 +7,8 @@ rotary and the cache write, norms, MLPs, all-reduces) depends only on the number
 bucket of token counts the forward is recorded as one graph per stretch between two attention calls, and a
 step replays them in order, padded to its bucket, running each layer's attention eagerly in between with
 the step's own metadata (varlen FlashAttention for fresh prompts, the Triton kernels for continuation
-chunks and decode rows). A 32-layer step is then 33 graph launches and a few attention kernels a layer,
-instead of about 1,600 launches: vLLM's piecewise graphs, without torch.compile.
+chunks and decode rows). A 32-layer step is then 33 graph launches and the few launches of each layer's
+attention, instead of about 1,600: vLLM's piecewise graphs, without torch.compile.
 
 Attention reads q, k and v from buffers the pieces copy them into and writes its output into one the next
 piece reads; these live outside the graphs' pool and are shared by every layer and bucket (the pieces run
@@ -44,8 +44,8 @@ MIXED_GRAPH_MAX_TOKENS = 2048
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Token counts the pieces are recorded for: at most 1.5x padding up to 128 tokens (where a step costs
-    its launches, not its compute), at most 1.25x above."""
+    """Token counts the pieces are recorded for: a step pads by at most 16 tokens or half its own up to 256
+    tokens (where it costs its launches more than its compute), by at most a quarter above."""
     sizes = [16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512, *range(640, 1024, 128)]
     sizes += range(1024, max_tokens, 256)
     return sorted({s for s in sizes if s < max_tokens} | {max_tokens})

@@ -74,27 +74,28 @@ class CaptureProgress:
 
     def __init__(self, num_mixed: int, num_decode: int, show: bool) -> None:
         self.total = num_mixed + num_decode
+        # Shapes, not graphs: a mixed-step shape is one graph per layer, and one more.
         self.counts = f"{num_decode} decode, {num_mixed} mixed-step"
         self.show = show
         self.done = 0
         self.start = time.perf_counter()
         self._tty = show and sys.stderr.isatty()
         if show and not self._tty:
-            print(f"tp-runtime: capturing {self.total} CUDA graphs ({self.counts})", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(f"tp-runtime: capturing CUDA graphs of {self.total} shapes ({self.counts})",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def step(self) -> None:
         self.done += 1
         if self._tty:
-            print(f"\rtp-runtime: capturing CUDA graphs {self.done}/{self.total}", end="", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(f"\rtp-runtime: capturing CUDA graphs: shape {self.done}/{self.total}", end="",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def finish(self) -> None:
         if self.show:
             seconds = time.perf_counter() - self.start
             start = "\r" if self._tty else ""
-            print(f"{start}tp-runtime: captured {self.total} CUDA graphs ({self.counts}) in {seconds:.1f} s",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(f"{start}tp-runtime: captured CUDA graphs of {self.total} shapes ({self.counts}) in "
+                  f"{seconds:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
 
 
 class ModelRunner:
@@ -137,6 +138,17 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.model.dtype).element_size()
         per_layer = 2 * self.block_size * self.model.num_local_kv_heads * self.config.model.head_dim * elem
         return per_layer * self.config.model.num_layers
+
+    def mixed_graph_pool_bytes(self, profiled_activation_bytes: int) -> int:
+        """What the mixed-step graphs' memory pool will hold (captured after the KV cache is allocated, so
+        the cache must leave room for it): the activations of their largest bucket, estimated from the
+        profiled prefill's by the ratio of their token counts (0 when graphs are not captured)."""
+        if self.device.type != "cuda" or self.config.cuda_graphs != "auto":
+            return 0
+        sched, mc = self.config.scheduler, self.config.model
+        profiled = largest_prefill_chunks(sched.max_num_batched_tokens, sched.max_num_seqs, mc.max_model_len)
+        graphed = min(sched.max_num_batched_tokens, MIXED_GRAPH_MAX_TOKENS)
+        return int(profiled_activation_bytes * min(1.0, graphed / profiled[-1][1]))
 
     def decode_gather_bytes(self) -> int:
         """Keys and values one layer gathers for a full decode batch at max_model_len."""
@@ -194,8 +206,9 @@ class ModelRunner:
         progress.finish()
 
     def _run_attention_warm_up(self) -> None:
-        """One eager step of a decode row, a fresh prompt and a continuation chunk, every token in the trash
-        block (no sequence's cache is touched): each attention path a step takes outside the graphs."""
+        """Eager steps in the trash block (no sequence's cache is touched) that take each attention path a
+        step runs outside the graphs: a decode row, a fresh prompt and a continuation chunk together, then a
+        decode row at every split-KV count an eager step can pick (each is a kernel of its own)."""
         assert self.mixed_graphs is not None
         bs, trash_slot = self.block_size, self.mixed_graphs.trash_slot
         trash_block = trash_slot // bs
@@ -205,19 +218,27 @@ class ModelRunner:
         def ints(values: list[int] | list[list[int]]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
+        def run(meta: AttentionMetadata, positions: torch.Tensor) -> None:
+            ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
+            self.model.compute_logits(self.model(ids, positions, self.kv_caches, meta)[-1:])
+
         fresh_table = ints([]) if self.config.model.sliding_window is None else ints([trash_block])
         slots = trash_slot + torch.arange(num_tokens, device=self.device) % bs
-        meta = AttentionMetadata(
+        run(AttentionMetadata(
             backend=self.attention, slot_mapping=slots,
             num_decode_tokens=1, decode_block_tables=ints([[trash_block]]), decode_seq_lens=ints([1]),
             decode_num_splits=self.attention.num_decode_splits(1, 1),
             prefills=[PrefillChunk(1, 1 + n, 0, fresh_table),
                       PrefillChunk(1 + n, num_tokens, n, ints([trash_block] * -(-2 * n // bs)))],
-        )  # fmt: skip
-        positions = ints([0, *range(n), *range(n, 2 * n)])
-        hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions,
-                            self.kv_caches, meta)  # fmt: skip
-        self.model.compute_logits(hidden[-1:])
+        ), ints([0, *range(n), *range(n, 2 * n)]))  # fmt: skip
+        # One decode row sees every split count that any batch can (a single row splits the most).
+        widths = {self.attention.num_decode_splits(1, b): b for b in range(self.max_blocks, 0, -1)}
+        for splits, blocks in sorted(widths.items()):
+            run(AttentionMetadata(
+                backend=self.attention, slot_mapping=slots[:1], num_decode_tokens=1,
+                decode_block_tables=ints([[trash_block] * blocks]), decode_seq_lens=ints([1]),
+                decode_num_splits=splits,
+            ), ints([0]))  # fmt: skip
 
     def _graph_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

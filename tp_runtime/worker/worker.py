@@ -165,11 +165,13 @@ class Worker:
         if cache.num_kv_blocks is not None:
             blocks = cache.num_kv_blocks
         elif self.device.type == "cuda":
+            before = torch.cuda.memory_allocated(self.device)
             peak = runner.profile_peak_memory()
             _, total = torch.cuda.mem_get_info(self.device)
             # The profile runs a prefill; a full decode batch at max_model_len needs its gathered keys
-            # and values (one layer at a time) on top, so reserve that too rather than OOM mid-run.
-            reserve = runner.decode_gather_bytes()
+            # and values (one layer at a time) on top, and the mixed-step graphs keep a prefill's
+            # activations of their own, so reserve both too rather than OOM mid-run.
+            reserve = runner.decode_gather_bytes() + runner.mixed_graph_pool_bytes(peak - before)
             blocks = int((total * cache.gpu_memory_utilization - peak - reserve) // per_block)
         else:
             # What every sequence at full length needs, capped by the size asked for or a share of the RAM.
@@ -233,8 +235,8 @@ class Worker:
     def shutdown(self) -> None:
         # Drop the weights and KV cache now: an in-process engine's memory must not outlive shutdown().
         self.runner = None
-        gc.unfreeze()  # what start-up froze can be collected again
         if self.device.type == "cuda":
+            gc.unfreeze()  # what start-up froze can be collected again
             # A step sent ahead (async scheduling) may still be queued, collectives included; let it finish
             # before the process group goes. A rank stuck on a dead peer is ended by the driver's SIGTERM.
             torch.cuda.synchronize(self.device)

@@ -392,7 +392,7 @@ class _FakeWorkerExecutor:
                 _token_at(new.req_id, p) for p in range(first_out, len(new.token_ids))
             ]
             self.tokens[new.req_id] = list(new.token_ids)
-            self.computed[new.req_id] = 0
+            self.computed[new.req_id] = new.num_computed_tokens  # a prefix-cache hit starts later
         req_ids, sampled = [], []
         for req_id, n in zip(so.scheduled_req_ids, so.num_scheduled_tokens, strict=True):
             tokens = self.tokens[req_id]

@@ -256,6 +256,8 @@ BAD = [
     (["--temperature", "inf"], ["--temperature"]),
     (["--num-warmups", "-1"], ["--num-warmups"]),
     (["--passes", "0"], ["--passes"]),
+    (["--prefix-len", "-1"], ["--prefix-len"]),
+    (["--num-prefixes", "0"], ["--num-prefixes"]),
     (["--request-timeout", "0"], ["--request-timeout"]),
     (["--request-timeout", "inf"], ["--request-timeout"]),
     (["--api-key", ""], ["--api-key"]),
@@ -402,7 +404,10 @@ class Stub:
                     # never exceeds the client's own count of requests in flight.
                     self.active -= 1
                 if usage:
-                    u = {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
+                    u: dict[str, Any] = {"prompt_tokens": prompt_len, "completion_tokens": n,
+                                         "total_tokens": prompt_len + n}  # fmt: skip
+                    if self.cached_share:  # a server with a prefix cache reports its hits
+                        u["prompt_tokens_details"] = {"cached_tokens": int(prompt_len * self.cached_share)}
                     yield "data: " + json.dumps({"choices": [], "usage": u}) + "\n\n"
                 yield "data: [DONE]\n\n"
 
@@ -424,6 +429,7 @@ class Stub:
         self.break_every: int = settings.get("break_every", 0)
         self.crash_every: int = settings.get("crash_every", 0)
         self.send_usage: bool = settings.get("send_usage", True)
+        self.cached_share: float = settings.get("cached_share", 0.0)
         self.api_key: str | None = settings.get("api_key")
         self.delay: float = settings.get("delay", 0.002)
         self.arrived = 0
@@ -476,12 +482,14 @@ def _run(url: str, *argv: str, tmp_path: Path) -> dict[str, Any]:
 
 SUMMARY_KEYS = {
     "completed", "failed", "duration_s", "total_input_tokens", "total_output_tokens", "request_throughput",
-    "output_throughput", "total_token_throughput", "output_len_mismatch",
+    "output_throughput", "total_token_throughput", "output_len_mismatch", "total_cached_tokens",
+    "prefix_cache_hit_rate",
     *(f"{stat}_{m}_ms" for stat in serve_metrics.STATS for m in serve_metrics.METRICS),
 }  # fmt: skip
 RECORD_KEYS = {
     "index", "prompt_len", "output_len", "scheduled_s", "sent_s", "end_s", "success", "error",
-    "http_status", "output_tokens", "output_tokens_source", "prompt_tokens", "token_times_s", "ttft_ms",
+    "http_status", "output_tokens", "output_tokens_source", "prompt_tokens", "cached_tokens", "token_times_s",
+    "ttft_ms",
     "tpot_ms", "e2el_ms", "itl_ms",
 }  # fmt: skip
 
@@ -500,7 +508,8 @@ def test_all_at_once(stub: tuple[Stub, str], tmp_path: Path, capsys: pytest.Capt
     assert s["total_output_tokens"] == 60 and s["total_input_tokens"] == 70
     assert s["output_len_mismatch"] == 0
     assert s["request_throughput"] == pytest.approx(10 / s["duration_s"])
-    assert all(s[k] is not None for k in SUMMARY_KEYS)
+    assert all(s[k] is not None for k in SUMMARY_KEYS - {"total_cached_tokens", "prefix_cache_hit_rate"})
+    assert s["total_cached_tokens"] is None and s["prefix_cache_hit_rate"] is None  # not reported
     assert len(result["requests"]) == 10
     for rec in result["requests"]:
         assert set(rec) == RECORD_KEYS
@@ -545,6 +554,26 @@ def test_passes_send_the_same_workload_and_report_each(
     report = capsys.readouterr().out
     for n in (1, 2, 3):
         assert f"Serving Benchmark Result, pass {n} of 3" in report
+
+
+def test_shared_prefixes_and_the_reported_hit_rate(
+    stub: tuple[Stub, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--prefix-len/--num-prefixes: request i starts with prefix i % N; the hit rate is the cached tokens the
+    server reports over the prompt tokens."""
+    server, url = stub
+    server.reset(cached_share=0.5)
+    result = _run(url, "--num-prompts", "6", "--input-len", "5", "--prefix-len", "8", "--num-prefixes", "2",
+                  tmp_path=tmp_path)  # fmt: skip
+    prompts = {tuple(b["prompt"]) for b in server.payloads}
+    assert len(prompts) == 6 and all(len(p) == 13 for p in prompts)
+    assert len({p[:8] for p in prompts}) == 2 and len({p[8:] for p in prompts}) == 6
+    work = serve.make_workload(6, 5, 128, 0.0, 1000, 0, serve.COMPLETIONS, 8, 2)
+    assert [w[:8] for w in work.prompts] == [work.prompts[i % 2][:8] for i in range(6)]  # type: ignore[index]
+    s = result["summary"]
+    assert s["total_cached_tokens"] == 6 * 6 and s["prefix_cache_hit_rate"] == pytest.approx(36 / 78)
+    assert all(rec["cached_tokens"] == 6 for rec in result["requests"])
+    assert "Prefix cache hit rate (%):" in capsys.readouterr().out
 
 
 def test_random_lengths_match(stub: tuple[Stub, str], tmp_path: Path) -> None:

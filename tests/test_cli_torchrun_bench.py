@@ -141,7 +141,7 @@ def test_ranks_compare_their_configurations_but_not_host_local_settings() -> Non
 def test_bench_latency_writes_every_field(tmp_path: Path, tp: int, async_scheduling: bool) -> None:
     out = tmp_path / "latency.json"
     proc = _run([sys.executable, "-m", "tp_runtime.cli", "bench", "latency", "--model", "tiny-llama",
-                 "-tp", str(tp), "--device", "cpu", "--batch-size", "4", "--input-len", "16",
+                 "-tp", str(tp), "--device", "cpu", "--batch-size", "4", "--input-len", "40",
                  "--output-len", "8", "--num-iters-warmup", "1", "--num-iters", "2", "--no-progress",
                  "--output-json", str(out),
                  "--async-scheduling" if async_scheduling else "--no-async-scheduling"])  # fmt: skip
@@ -151,6 +151,8 @@ def test_bench_latency_writes_every_field(tmp_path: Path, tp: int, async_schedul
     assert set(result["percentiles"]) == {str(p) for p in PERCENTILES}
     assert result["config"]["tensor_parallel_size"] == tp
     assert result["config"]["async_scheduling"] is async_scheduling
+    # The same prompts every run, each computed anew (two of their 16-token blocks would be cached).
+    assert result["prefix_cache_hit_rate"] == 0.0 and "Prefix cache hit rate: 0.0 %" in proc.stdout
     breakdown = result["decode_step_breakdown"]
     # 8 output tokens: the first comes from the prefill step, the other 7 from decode steps (no step is
     # sent past max_tokens). With async scheduling the last one is read by a step that runs nothing new.
@@ -296,6 +298,24 @@ def test_bench_throughput_writes_every_field(tmp_path: Path) -> None:
     assert result["later_passes"]["elapsed_s"] == pytest.approx(mean)
     assert result["later_passes"]["requests_per_s"] == pytest.approx(9 / mean)
     assert "first pass" in proc.stdout and "later passes" in proc.stdout
+
+
+def test_bench_throughput_shared_prefixes_report_the_hit_rate(tmp_path: Path) -> None:
+    """9 requests over 2 shared 32-token prefixes (two 16-token blocks) before 4-12 tokens of their own: in
+    each pass (the cache reset before it) every request but the first on each prefix finds both blocks
+    cached; the hit rate is those tokens over the prompt tokens."""
+    from tp_runtime.bench.serve import make_workload
+
+    out = tmp_path / "throughput.json"
+    _run([sys.executable, "-m", "tp_runtime.cli", "bench", "throughput", "--model", "tiny-llama",
+          "--device", "cpu", "--num-prompts", "9", "--input-len", "8", "--output-len", "4", "--range-ratio",
+          "0.5", "--prefix-len", "32", "--num-prefixes", "2", "--num-passes", "2",
+          "--output-json", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    prompt_tokens = sum(make_workload(9, 8, 4, 0.5, 1000, 0, "completions", 32, 2).prompt_lens)
+    assert result["prompt_tokens"] == prompt_tokens
+    rates = [p["prefix_cache_hit_rate"] for p in result["passes"]]
+    assert rates == [pytest.approx(7 * 32 / prompt_tokens)] * 2
 
 
 def test_bench_throughput_refuses_requests_longer_than_the_model() -> None:

@@ -241,7 +241,10 @@ def test_completions_match_generate(served: tuple[Server, LLM]) -> None:
         ))  # fmt: skip
         assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.outputs[0].text
         assert chunks[-2].choices[0].finish_reason == ref.outputs[0].finish_reason
-        assert not chunks[-1].choices and chunks[-1].usage == out.usage
+        assert not chunks[-1].choices and chunks[-1].usage is not None
+        streamed_usage = chunks[-1].usage
+        for field_name in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert getattr(streamed_usage, field_name) == getattr(out.usage, field_name)
         assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -614,6 +617,23 @@ def test_api_key_is_enforced(server2: Server) -> None:
     assert httpx.get(f"{server2.url}/metrics").status_code == 200
 
 
+def test_usage_reports_cached_prompt_tokens(server1: Server) -> None:
+    """A prompt sent again finds its full blocks in the prefix cache (all but its last token's block):
+    usage.prompt_tokens_details.cached_tokens says how many, and the cache's counters move by as much."""
+    prompt = [5 + (i * 37) % 290 for i in range(45)]  # token ids: 45 tokens, 2 full blocks of 16 + 13
+    queries, hits = server1.metric("prefix_cache_queries_total"), server1.metric("prefix_cache_hits_total")
+    client = server1.client()
+    cached = []
+    for _ in range(2):
+        out = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
+        assert out.usage is not None and out.usage.prompt_tokens == 45
+        assert out.usage.prompt_tokens_details is not None
+        cached.append(out.usage.prompt_tokens_details.cached_tokens)
+    assert cached == [0, 32]
+    assert server1.metric("prefix_cache_queries_total") == queries + 90
+    assert server1.metric("prefix_cache_hits_total") == hits + 32
+
+
 def test_models_health_and_metrics(server1: Server) -> None:
     models = httpx.get(f"{server1.url}/v1/models").json()
     assert models["data"][0]["id"] == NAME and models["data"][0]["max_model_len"] == MAX_MODEL_LEN
@@ -624,7 +644,7 @@ def test_models_health_and_metrics(server1: Server) -> None:
         "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_blocks_used",
         "prompt_tokens_total", "generation_tokens_total", "request_success_total",
         "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
-        "e2e_request_latency_seconds_count",
+        "e2e_request_latency_seconds_count", "prefix_cache_queries_total", "prefix_cache_hits_total",
     ):  # fmt: skip
         assert f"tp_runtime:{name}{{" in text, name
     assert server1.metric("generation_tokens_total") >= 3

@@ -147,6 +147,8 @@ class CacheConfig:
     # KV cache per rank on the CPU, GiB; None: what max_num_seqs sequences of max_model_len need, at most
     # worker.kv_sizing.CPU_KV_CACHE_RAM_SHARE of the RAM available, split over the ranks.
     cpu_kv_cache_gib: float | None = None
+    # Reuse the KV blocks of a prompt's prefix that an earlier request computed (engine/kv_cache.py).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

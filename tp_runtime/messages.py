@@ -39,6 +39,8 @@ class NewRequest(msgspec.Struct, array_like=True):
     num_output_tokens: int
     sampling: RequestSampling
     block_ids: list[int]
+    # Tokens already in its blocks (a prefix-cache hit): computing starts after them.
+    num_computed_tokens: int = 0
 
 
 class CachedRequests(msgspec.Struct, array_like=True):

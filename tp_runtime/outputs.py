@@ -39,3 +39,5 @@ class RequestOutput:
     # With SamplingParams(prompt_logprobs=k): per prompt token, token id -> Logprob (the prompt token plus
     # the top k); None for the first token, which nothing predicts.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Prompt tokens whose KV came from the prefix cache when the request started (0: none, or caching off).
+    num_cached_tokens: int = 0

@@ -154,15 +154,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
 
         def one_run() -> float:
+            # Each run computes its prompts, as the first did (and as the HF peer does): the same prompts
+            # again would otherwise come from the prefix cache.
+            llm.reset_prefix_cache()
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             return time.perf_counter() - start
 
         for _ in tqdm(range(args.num_iters_warmup), desc="warmup", disable=args.no_progress):
             one_run()
+        kv = llm.engine.scheduler.kv
+        queried, hit = kv.num_queried_tokens, kv.num_hit_tokens
         latencies = [
             one_run() for _ in tqdm(range(args.num_iters), desc="iterations", disable=args.no_progress)
         ]
+        looked_up = kv.num_queried_tokens - queried
+        hit_rate = (kv.num_hit_tokens - hit) / looked_up if looked_up else 0.0
         # One more run with step accounting on, so the timed runs above carry no measuring overhead.
         llm.engine.executor.collective_rpc("set_collect_timings", [True])
         llm.engine.step_timings = []
@@ -178,6 +185,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "avg_latency": float(np.mean(latencies)),
         "latencies": latencies,
         "percentiles": {str(p): float(np.percentile(latencies, p)) for p in PERCENTILES},
+        # Prompt tokens of the timed runs found in the prefix cache (the cache is reset before each run).
+        "prefix_cache_hit_rate": hit_rate,
         "config": {
             **run_config(llm, args),
             "batch_size": args.batch_size,
@@ -198,6 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_report(result: dict[str, Any]) -> None:
     print(f"Avg latency: {result['avg_latency']:.4f} seconds")
+    print(f"Prefix cache hit rate: {100 * result['prefix_cache_hit_rate']:.1f} % (reset before each run)")
     for p, v in result["percentiles"].items():
         print(f"{p}% percentile latency: {v:.4f} seconds")
     b = result["decode_step_breakdown"]

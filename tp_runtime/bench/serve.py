@@ -110,6 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a fixed concurrency (default: no limit)",
     )
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    add_prefix_arguments(parser)
     parser.add_argument("--output-len", type=int, default=128, help="output tokens asked per request")
     parser.add_argument(
         "--range-ratio",
@@ -157,6 +158,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
+def add_prefix_arguments(parser: argparse.ArgumentParser) -> None:
+    """The shared-prefix workload's flags (bench serve and bench throughput)."""
+    parser.add_argument(
+        "--prefix-len", type=int, default=0,
+        help="tokens of a prefix shared by requests, before each one's --input-len own tokens (0: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--num-prefixes", type=int, default=1, help="distinct shared prefixes, request i taking prefix i %% N"
+    )
+
+
+def check_prefix_arguments(args: argparse.Namespace) -> None:
+    if args.prefix_len < 0:
+        _bad("--prefix-len", "at least 0", args.prefix_len)
+    if args.num_prefixes < 1:
+        _bad("--num-prefixes", "at least 1", args.num_prefixes)
+
+
 def _bad(flag: str, want: str, value: Any) -> NoReturn:
     raise ConfigError(f"argument {flag}: must be {want}, got {value}")
 
@@ -175,6 +194,7 @@ def check(args: argparse.Namespace) -> None:
         _bad("--input-len", "at least 1", args.input_len)
     if args.output_len < 1:
         _bad("--output-len", "at least 1", args.output_len)
+    check_prefix_arguments(args)
     if not 0.0 <= args.range_ratio < 1.0:
         _bad("--range-ratio", "in [0, 1)", args.range_ratio)
     if args.vocab_size <= FIRST_TOKEN_ID:
@@ -240,20 +260,33 @@ class Workload:
 
 
 def make_workload(
-    num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, seed: int, kind: str
-) -> Workload:
+    num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, seed: int, kind: str,
+    prefix_len: int = 0, num_prefixes: int = 1,
+) -> Workload:  # fmt: skip
+    """`num` requests of random tokens (or words, for chat). With `prefix_len`, request i starts with shared
+    prefix i % num_prefixes (each `prefix_len` tokens) before its own `input_len` (vLLM's prefix-repetition
+    workload); prompt_lens count both."""
     rng = np.random.default_rng([seed, 1])
     in_low, in_high = length_bounds(input_len, range_ratio)
     out_low, out_high = length_bounds(output_len, range_ratio)
     input_lens = rng.integers(in_low, in_high + 1, size=num)
     output_lens = rng.integers(out_low, out_high + 1, size=num)
-    prompts: list[list[int] | str] = []
-    for n in input_lens:
+
+    def draw(n: int) -> list[int] | str:
         if kind == CHAT:
-            prompts.append(" ".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), size=int(n))))
-        else:
-            prompts.append(rng.integers(FIRST_TOKEN_ID, vocab_size, size=int(n)).tolist())
-    return Workload(prompts, [int(n) for n in input_lens], [int(n) for n in output_lens])
+            return " ".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), size=n))
+        return rng.integers(FIRST_TOKEN_ID, vocab_size, size=n).tolist()
+
+    prefixes = [draw(prefix_len) for _ in range(num_prefixes)] if prefix_len else []
+    prompts: list[list[int] | str] = []
+    for i, n in enumerate(input_lens):
+        own = draw(int(n))
+        if prefixes:
+            prefix = prefixes[i % num_prefixes]
+            own = f"{prefix} {own}" if isinstance(own, str) else [*prefix, *own]
+        prompts.append(own)
+    lens = [int(n) + prefix_len for n in input_lens]
+    return Workload(prompts, lens, [int(n) for n in output_lens])
 
 
 def arrival_schedule(num: int, request_rate: float, seed: int) -> list[float]:
@@ -362,6 +395,9 @@ async def send_request(
                         rec.usage_output_tokens = usage["completion_tokens"]
                     if isinstance(usage.get("prompt_tokens"), int):
                         rec.prompt_tokens = usage["prompt_tokens"]
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                        rec.cached_tokens = details["cached_tokens"]
                 choices = chunk.get("choices") or []
                 if choices and _chunk_text(choices[0], kind):
                     rec.token_times_s.append(now)
@@ -432,7 +468,8 @@ async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
     url = args.base_url.rstrip("/") + args.endpoint
     headers = _headers(args.api_key)
     work = make_workload(
-        args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.vocab_size, args.seed, kind
+        args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.vocab_size, args.seed, kind,
+        args.prefix_len, args.num_prefixes,
     )
     schedule = arrival_schedule(args.num_prompts, args.request_rate, args.seed)
     passes: list[tuple[list[RequestRecord], float, str]] = []
@@ -469,6 +506,8 @@ async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
         "max_concurrency": args.max_concurrency,
         "input_len": args.input_len,
+        "prefix_len": args.prefix_len,
+        "num_prefixes": args.num_prefixes,
         "output_len": args.output_len,
         "range_ratio": args.range_ratio,
         "vocab_size": args.vocab_size,

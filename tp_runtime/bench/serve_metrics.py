@@ -42,6 +42,7 @@ class RequestRecord:
     http_status: int | None = None
     usage_output_tokens: int | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server sent it
 
     @property
     def output_tokens(self) -> int:
@@ -89,12 +90,15 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, 
     """The summary figures of a run (see the module's docstring for the keys)."""
     samples: dict[str, list[float]] = {m: [] for m in METRICS}
     total_in = total_out = completed = mismatch = 0
+    cached: int | None = None
     for rec in records:
         m = request_metrics(rec)
         if m is None:
             continue
         completed += 1
         total_in += rec.prompt_tokens if rec.prompt_tokens is not None else rec.prompt_len
+        if rec.cached_tokens is not None:
+            cached = (cached or 0) + rec.cached_tokens
         total_out += rec.output_tokens
         mismatch += rec.output_tokens != rec.output_len
         samples["ttft"].append(m.ttft)
@@ -116,6 +120,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, 
         "output_throughput": rate(total_out),
         "total_token_throughput": rate(total_in + total_out),
         "output_len_mismatch": mismatch,
+        # Prompt tokens the server reported found in its prefix cache; None when it reported none.
+        "total_cached_tokens": cached,
+        "prefix_cache_hit_rate": None if cached is None or not total_in else cached / total_in,
     }
     for metric in METRICS:
         for stat, value in stats_ms(samples[metric]).items():
@@ -143,6 +150,7 @@ def record_json(rec: RequestRecord) -> dict[str, Any]:
         "output_tokens": rec.output_tokens if rec.success else None,
         "output_tokens_source": "usage" if rec.usage_output_tokens is not None else "chunks",
         "prompt_tokens": rec.prompt_tokens,
+        "cached_tokens": rec.cached_tokens,
         "token_times_s": rec.token_times_s,
         "ttft_ms": None if m is None else m.ttft * 1e3,
         "tpot_ms": None if m is None or m.tpot is None else m.tpot * 1e3,
@@ -195,6 +203,8 @@ def _format_pass(c: dict[str, Any], s: dict[str, Any], errors: list[dict[str, An
     row("Request throughput (req/s):", s["request_throughput"])
     row("Output token throughput (tok/s):", s["output_throughput"])
     row("Total token throughput (tok/s):", s["total_token_throughput"])
+    if s.get("prefix_cache_hit_rate") is not None:
+        row("Prefix cache hit rate (%):", 100 * s["prefix_cache_hit_rate"])
     for metric in METRICS:
         rows.append(f" {METRIC_TITLES[metric]} ".center(width, "-"))
         name = metric.upper()

@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="draw each length uniformly from [len*(1-r), len*(1+r)]; 0 keeps them fixed",
     )
+    from tp_runtime.bench.serve import add_prefix_arguments
+
+    add_prefix_arguments(parser)
     parser.add_argument("--num-prompts", type=int, default=1000, help="requests per pass")
     parser.add_argument("--num-passes", type=int, default=2, help="passes over the same requests")
     parser.add_argument("--workload-seed", type=int, default=0, help="seed of the lengths and prompts")
@@ -38,16 +41,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> None:
     """What the engine would refuse only after loading the model (the CLI's checks resolved it)."""
-    from tp_runtime.bench.serve import length_bounds
+    from tp_runtime.bench.serve import check_prefix_arguments, length_bounds
     from tp_runtime.errors import ConfigError
 
     if not 0.0 <= args.range_ratio < 1.0:
         raise ConfigError(f"argument --range-ratio: must be in [0, 1), got {args.range_ratio:g}")
-    longest = sum(length_bounds(n, args.range_ratio)[1] for n in (args.input_len, args.output_len))
+    check_prefix_arguments(args)
+    longest = args.prefix_len + sum(
+        length_bounds(n, args.range_ratio)[1] for n in (args.input_len, args.output_len)
+    )
     limit = args.model_config.max_model_len
     if longest > limit:
         raise ConfigError(
-            f"a request (--input-len and --output-len with --range-ratio {args.range_ratio:g}) may take "
+            f"a request (--prefix-len, --input-len and --output-len with --range-ratio {args.range_ratio:g}) "
+            "may take "
             f"{longest} tokens, over the model's max_model_len={limit}; lower them or raise --max-model-len"
         )
 
@@ -74,17 +81,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         vocab = llm.config.model.vocab_size
         work = make_workload(
             args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.workload_seed,
-            "completions",
+            "completions", args.prefix_len, args.num_prefixes,
         )  # fmt: skip
+        kv = llm.engine.scheduler.kv
         prompts = [{"prompt_token_ids": ids} for ids in work.prompts]
         params = [SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=n) for n in work.output_lens]
         passes = []
         for _ in range(args.num_passes):
+            # Each pass computes its requests as the first did (what they share among themselves still
+            # comes from the cache): a pass's figures are the engine's, not the previous pass's cache.
+            llm.reset_prefix_cache()
+            queried, hit = kv.num_queried_tokens, kv.num_hit_tokens
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - start
             output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            passes.append(pass_figures(elapsed, len(outputs), sum(work.prompt_lens), output_tokens))
+            figures = pass_figures(elapsed, len(outputs), sum(work.prompt_lens), output_tokens)
+            looked_up = kv.num_queried_tokens - queried
+            figures["prefix_cache_hit_rate"] = (kv.num_hit_tokens - hit) / looked_up if looked_up else 0.0
+            passes.append(figures)
     finally:
         llm.shutdown()
     later = passes[1:]
@@ -115,7 +130,8 @@ def print_report(result: dict[str, Any]) -> None:
         return (
             f"{name:<12} {p['elapsed_s']:8.2f} s  {p['requests_per_s']:8.2f} requests/s  "
             f"{p['total_tokens_per_s']:10.1f} total tokens/s  "
-            f"{p['output_tokens_per_s']:10.1f} output tokens/s"
+            f"{p['output_tokens_per_s']:10.1f} output tokens/s  "
+            f"prefix cache hits {100 * p.get('prefix_cache_hit_rate', 0.0):5.1f} %"
         )
 
     print(f"{result['num_requests']} requests, {result['prompt_tokens']} prompt and "

@@ -168,6 +168,13 @@ class EngineArgs:
             help="all-reduce between GPUs (auto: symmetric memory for decode-sized messages, NCCL otherwise)"
         ),
     )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata=meta(
+            help="reuse the KV cache of a prompt prefix an earlier request computed (exact: hashed full "
+            "blocks); --no-enable-prefix-caching: compute every prompt whole"
+        ),
+    )
     async_scheduling: bool = field(
         default=True,
         metadata=meta(
@@ -244,6 +251,7 @@ class EngineArgs:
             cache=CacheConfig(
                 block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                 gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_cache_gib=self.cpu_kv_cache_gib,
+                enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens

@@ -67,6 +67,9 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     num_preemptions: int = 0
+    # Prompt tokens looked up in the prefix cache, and found there, over the engine's life.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # Requests finished so far, by finish reason ("abort": aborted, whether or not anyone was told).
     finished: tuple[tuple[str, int], ...] = ()
 
@@ -345,6 +348,8 @@ class AsyncLLMEngine:
             kv_blocks_used=total - scheduler.kv.num_free_blocks,
             kv_blocks_total=total,
             num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=scheduler.kv.num_queried_tokens,
+            prefix_cache_hits=scheduler.kv.num_hit_tokens,
             finished=tuple(self._finished.items()),
         )
 

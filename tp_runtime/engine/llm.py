@@ -125,6 +125,10 @@ class LLM:
         with contextlib.suppress(Exception):
             self.shutdown()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (as vLLM's): later requests compute theirs anew."""
+        self.engine.reset_prefix_cache()
+
     def get_tokenizer(self) -> Any:
         """The Hugging Face tokenizer the engine encodes prompts and decodes outputs with."""
         return self.tokenizer
@@ -302,6 +306,8 @@ class LLM:
             results[i].outputs.append(completion)
             if out.prompt_logprobs is not None:
                 results[i].prompt_logprobs = out.prompt_logprobs
+            if j == 0:  # the sample that computes the prompt: what the prompt found cached
+                results[i].num_cached_tokens = out.num_cached_tokens
         for result, params in zip(results, params_list, strict=True):
             result.outputs = best_samples(params, result.outputs)
         return results

@@ -397,6 +397,7 @@ class LLMEngine:
             outputs=[completion],
             finished=True,
             prompt_logprobs=self._prompt_logprobs(req),
+            num_cached_tokens=req.num_cached_tokens,
         )
 
     def _delta_output(self, req: Request, state: _TextState) -> RequestOutput:
@@ -441,6 +442,7 @@ class LLMEngine:
             outputs=[completion],
             finished=finished,
             prompt_logprobs=self._prompt_logprobs(req) if first else None,
+            num_cached_tokens=req.num_cached_tokens,
         )
 
     def _prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None] | None:
@@ -569,6 +571,10 @@ class LLMEngine:
         """Raise if a worker is dead or stalled (the engine is then shut down); for an idle engine, whose
         workers are otherwise only checked while a step runs."""
         self.executor.check_alive()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix: later requests compute theirs anew."""
+        self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -45,6 +45,8 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     stop_text: str | None = None  # output text cut before the stop string
     num_preemptions: int = 0
+    # Prompt tokens found in the prefix cache when it first started (RequestOutput.num_cached_tokens).
+    num_cached_tokens: int = 0
     # Logprobs per generated token: (token ids, logprobs, rank of the sampled token).
     logprobs: list[tuple[list[int], list[float], int]] = field(default_factory=list)
     # With prompt_logprobs: one slot per prompt token after the first, filled as prefill chunks compute
@@ -79,7 +81,7 @@ class Scheduler:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = config.model.max_model_len
-        self.kv = KVCacheManager(num_kv_blocks, config.cache.block_size)
+        self.kv = KVCacheManager(num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
@@ -146,6 +148,7 @@ class Scheduler:
             scheduled.append((req, n))
             cached_ids.append(req.req_id)
             cached_blocks.append(new_blocks)
+            kv.cache_full_blocks(req.req_id, req.prompt_token_ids, req.output_token_ids, target)
             budget -= n
             i += 1
 
@@ -153,9 +156,19 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_placeholders:
                 break  # preempted while a step sampling for it is in flight: resume once its token is in
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.kv.allocate_slots(req.req_id, req.num_computed_tokens + n) is None:
+            # It starts from nothing (new, or preempted): its longest cached prefix, unless it wants the
+            # prompt's logprobs, which only computing the prompt gives.
+            hit = [] if req.prompt_logprobs is not None else kv.find_cached_prefix(
+                req.req_id, req.prompt_token_ids, req.output_token_ids
+            )  # fmt: skip
+            start = len(hit) * block_size
+            n = min(req.num_tokens - start, budget)
+            if kv.allocate_slots(req.req_id, start + n, hit) is None:
                 break
+            kv.count_lookup(req.num_tokens, start)
+            req.num_computed_tokens = start
+            if not req.num_preemptions:
+                req.num_cached_tokens = start
             self.waiting.popleft()
             self.running.append(req)
             scheduled.append((req, n))
@@ -165,9 +178,13 @@ class Scheduler:
                     token_ids=req.all_token_ids,
                     num_output_tokens=len(req.output_token_ids),
                     sampling=req.sampling,
-                    block_ids=list(self.kv.blocks[req.req_id]),
+                    block_ids=list(kv.blocks[req.req_id]),
+                    num_computed_tokens=start,
                 )
             )
+            # Registered now, so a request admitted after it in this step can share what it computes: in a
+            # step every token's keys and values are written before any attends.
+            kv.cache_full_blocks(req.req_id, req.prompt_token_ids, req.output_token_ids, start + n)
             budget -= n
 
         for req, n in scheduled:
@@ -227,9 +244,17 @@ class Scheduler:
         for i, (ids, lps, rank) in enumerate(zip(chunk.token_ids, chunk.logprobs, chunk.ranks, strict=True)):
             slots[chunk.start + i] = (ids, lps, rank)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (running requests keep their blocks)."""
+        self.kv.reset_prefix_cache()
+
     def finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
-        self.kv.free(request.req_id)
+        kv = self.kv
+        kv.cache_full_blocks(
+            request.req_id, request.prompt_token_ids, request.output_token_ids, request.num_computed_tokens
+        )
+        kv.forget(request.req_id)
         self.requests.pop(request.req_id, None)
         if request in self.running:
             self.running.remove(request)

@@ -75,6 +75,7 @@ from tp_runtime.server.protocol import (
     ErrorInfo,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     SamplingFields,
     UsageInfo,
     union_fields,
@@ -365,7 +366,7 @@ class _Run:
 
     def __init__(
         self, ctx: _Context, stream: RequestStream, fmt: Format, num_choices: int, num_prompt_tokens: int,
-        arrival: float,
+        arrival: float, samples_per_prompt: int = 1,
     ) -> None:  # fmt: skip
         self.ctx = ctx
         self.stream = stream
@@ -375,7 +376,9 @@ class _Run:
         self.created = int(time.time())
         self.num_prompt_tokens = num_prompt_tokens
         self.tokens = [0] * num_choices
+        self.cached_tokens = [0] * num_choices  # prompt tokens each choice found in the prefix cache
         self._last = [self.arrival] * num_choices
+        self.samples_per_prompt = max(1, samples_per_prompt)
 
     @property
     def num_choices(self) -> int:
@@ -389,6 +392,7 @@ class _Run:
                 finish = None if c.finish_reason is None else "length"
                 c = replace(c, text="", token_ids=[], logprobs=None, finish_reason=finish, stop_reason=None)
             self.observe(index, c, out.finished)
+            self.cached_tokens[index] = out.num_cached_tokens
             if out.prompt_logprobs is not None or len(c.token_ids) > _PIECE_OFF_LOOP_TOKENS:
                 # Much to format (a prompt's logprobs, a long output's): off the event loop.
                 yield await asyncio.to_thread(self.fmt.piece, index, c, out.finished, out.prompt_logprobs)
@@ -412,9 +416,12 @@ class _Run:
 
     def usage(self) -> UsageInfo:
         completion = sum(self.tokens)
+        # Each prompt counts once, as in prompt_tokens: what its first sample (which computes it) found.
+        cached = sum(self.cached_tokens[:: self.samples_per_prompt])
         return UsageInfo(
             prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
             total_tokens=self.num_prompt_tokens + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )  # fmt: skip
 
     def close(self) -> None:
@@ -517,7 +524,8 @@ async def _serve(
 ) -> Response:  # fmt: skip
     """Add a prepared request's engine requests and answer with their outputs: as events, or whole."""
     body, requests, num_prompt_tokens = prepared
-    run = _Run(ctx, ctx.submit(requests, num_prompt_tokens), fmt, len(requests), num_prompt_tokens, arrival)
+    run = _Run(ctx, ctx.submit(requests, num_prompt_tokens), fmt, len(requests), num_prompt_tokens, arrival,
+               samples_per_prompt=getattr(body, "n", None) or 1)  # fmt: skip
     if body.stream:
         options = body.stream_options
         return _EventStream(run, with_usage=options is not None and options.include_usage)

@@ -97,6 +97,13 @@ class _EngineCollector(Collector):
         )
         preemptions.add_metric(label, s.num_preemptions)
         yield preemptions
+        for name, doc, value in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits),
+        ):
+            counter = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=["model_name"])
+            counter.add_metric(label, value)
+            yield counter
         finished = CounterMetricFamily(
             f"{PREFIX}request_success",
             "Requests (one per sample) finished, by finish reason (abort: the client went away or the server "

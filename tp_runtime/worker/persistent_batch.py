@@ -65,7 +65,7 @@ class PersistentBatch:
     # Tokens whose values the host holds (those sent in NewRequest). Only the last sampled token is ever
     # read again (as the next input), and that one is in token_feed.
     num_host_tokens = Column(np.int64, lambda r: len(r.token_ids))
-    num_computed = Column(np.int64, lambda r: 0)
+    num_computed = Column(np.int64, lambda r: r.num_computed_tokens)
     num_output = Column(np.int64, lambda r: r.num_output_tokens)
     num_prompt = Column(np.int64, lambda r: len(r.token_ids) - r.num_output_tokens)
     block_table = Column(np.int64, lambda r: r.block_ids, width="max_blocks", length="num_blocks")

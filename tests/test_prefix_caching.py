@@ -1,0 +1,261 @@
+"""Automatic prefix caching (engine/kv_cache.py, the scheduler's use of it).
+
+- The block pool against a brute force: a random stream of requests through the scheduler, with every
+  block's content written down as steps compute it; each hit hands a request only blocks holding exactly
+  its prefix, reference counts equal the holders, and every block is free once all requests end.
+- End to end against HF transformers (fp32, CPU): prompts sharing prefixes of several lengths (block
+  multiples, one prompt another's prefix, duplicates), a cache that churns and preempts, n > 1, every
+  family, TP 1 and 2; seeded sampling and prompt logprobs equal caching off; num_cached_tokens is what
+  the hashes imply; reset_prefix_cache forgets.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import assert_same_tokens, hf_greedy, random_prompts
+
+from tp_runtime import LLM, SamplingParams
+from tp_runtime.config import CacheConfig, EngineConfig, SchedulerConfig, build_model_config
+from tp_runtime.engine.kv_cache import _ROOT, KVCacheManager, block_hash
+from tp_runtime.engine.scheduler import Request, Scheduler
+from tp_runtime.messages import ModelRunnerOutput, RequestSampling
+
+
+def test_block_hashes_chain_over_the_whole_prefix() -> None:
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True)
+    tokens = list(range(10, 21))  # two full blocks and 3 tokens
+    hashes = kv._block_hashes(0, tokens[:6], tokens[6:])  # split between prompt and output anywhere
+    assert hashes == [block_hash(_ROOT, tokens[:4]), block_hash(block_hash(_ROOT, tokens[:4]), tokens[4:8])]
+    # The same block after a different prefix is a different block.
+    assert kv._block_hashes(1, [9, 11, 12, 13, *tokens[4:8]], [])[1] != hashes[1]
+
+
+def _scheduler(model_dir: Path, num_blocks: int, block_size: int) -> Scheduler:
+    model = build_model_config(str(model_dir), dtype="float32", device="cpu", max_model_len=64,
+                               load_format="auto")  # fmt: skip
+    config = EngineConfig(
+        model=model, cache=CacheConfig(block_size=block_size, num_kv_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24),
+    )  # fmt: skip
+    return Scheduler(config, num_blocks)
+
+
+def test_random_traffic_hits_only_exact_prefixes_and_frees_every_block(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    """Brute force: `content[block]` is what the steps wrote into it (token id by offset, written when a
+    step computes the position); a request that starts with cached blocks must find there exactly its own
+    first tokens. Steps run one at a time, each answered before the next is scheduled."""
+    rng = random.Random(0)
+    bs, num_blocks = 4, 40
+    sched = _scheduler(make_checkpoint("LlamaForCausalLM"), num_blocks, bs)
+    kv = sched.kv
+    content: dict[int, dict[int, int]] = {}
+    stems = [[rng.randrange(3, 100) for _ in range(rng.randrange(1, 14))] for _ in range(4)]
+    next_id, hits = 0, 0
+    for _ in range(2000):
+        if next_id < 60 and rng.random() < 0.4:
+            prompt = rng.choice(stems) + [rng.randrange(3, 100) for _ in range(rng.randrange(0, 6))]
+            params = SamplingParams(max_tokens=rng.randrange(1, 10), ignore_eos=True)
+            sampling = RequestSampling(
+                temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, min_tokens=0, stop_token_ids=[],
+                num_logprobs=-1, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                num_prompt_logprobs=-1,
+            )
+            sched.add(Request(next_id, prompt, params, sampling))
+            next_id += 1
+        starts = {r.req_id: r.num_computed_tokens for r in sched.running}
+        out = sched.schedule()
+        for new in out.new_requests:
+            if new.num_computed_tokens:
+                hits += 1
+                for pos in range(new.num_computed_tokens):
+                    block = content[new.block_ids[pos // bs]]
+                    assert block[pos % bs] == new.token_ids[pos], "a hit on other content"
+            starts[new.req_id] = new.num_computed_tokens
+        for req_id, n in zip(out.scheduled_req_ids, out.num_scheduled_tokens, strict=True):
+            tokens, blocks = sched.requests[req_id].all_token_ids, kv.blocks[req_id]
+            for pos in range(starts[req_id], starts[req_id] + n):
+                content.setdefault(blocks[pos // bs], {})[pos % bs] = tokens[pos]
+        sampled = [r for r in out.scheduled_req_ids if sched.requests[r].num_placeholders]
+        ids = [rng.randrange(3, 100) for _ in sampled]
+        sched.update(ModelRunnerOutput(step_id=out.step_id, req_ids=sampled, sampled_token_ids=ids))
+        for req_id in sampled:
+            req = sched.requests[req_id]
+            if len(req.output_token_ids) >= req.max_tokens:
+                sched.finish(req, "length")
+        # Reference counts are the holders; cached blocks are registered under one hash each.
+        holders = [0] * num_blocks
+        for blocks in kv.blocks.values():
+            for b in blocks:
+                holders[b] += 1
+        assert holders == kv.pool.ref_count
+        assert all(kv.pool.hash_of[b] == h for h, b in kv.pool.cached.items())
+        if next_id >= 60 and not sched.has_unfinished:
+            break
+    assert next_id == 60 and not sched.has_unfinished
+    assert hits > 10, f"only {hits} hits: the test does not exercise the cache"
+    assert kv.num_free_blocks == num_blocks and not kv.blocks
+    assert kv.num_hit_tokens > 0 and kv.num_queried_tokens > kv.num_hit_tokens
+
+
+def test_lookup_leaves_the_last_token_and_evicts_least_recent_first() -> None:
+    bs = 4
+    kv = KVCacheManager(6, bs, enable_prefix_caching=True)
+    a = list(range(3, 11))  # exactly two blocks
+    assert kv.allocate_slots(0, len(a), kv.find_cached_prefix(0, a, [])) == [0, 1]
+    kv.cache_full_blocks(0, a, [], len(a))
+    kv.forget(0)
+    # The same prompt again: one block from the cache (its last token must be computed), then a new one.
+    hit = kv.find_cached_prefix(1, a, [])
+    assert hit == [0]
+    # Freed tail first, block 1 went into the free queue before block 0, both after the never-used 2-5:
+    # the new block is the queue's head, 2, and block 1 stays registered.
+    assert kv.allocate_slots(1, len(a), hit) == [0, 2]
+    assert kv.pool.hash_of[1] is not None and kv.pool.ref_count[:3] == [1, 0, 1]
+    # Taking the queue's next four blocks evicts 3, 4, 5 and then block 1.
+    assert kv.allocate_slots(2, 16) == [3, 4, 5, 1] and kv.pool.hash_of[1] is None
+    kv.forget(2)
+    kv.forget(1)
+    assert kv.num_free_blocks == 6 and all(c == 0 for c in kv.pool.ref_count)
+    # With caching off nothing is found.
+    off = KVCacheManager(6, bs)
+    off.allocate_slots(0, len(a))
+    off.cache_full_blocks(0, a, [], len(a))
+    off.forget(0)
+    assert off.find_cached_prefix(1, a, []) == [] and off.pool.cached == {}
+
+
+# ------------------------------------------------------------------------------------------- end to end
+
+GEMMA2 = {
+    "num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
+    "attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0, "tie_word_embeddings": True,
+}  # fmt: skip
+FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
+    "llama": ("LlamaForCausalLM", {}, None),
+    "mistral-window": ("MistralForCausalLM", {"sliding_window": 8}, None),
+    "gemma2": ("Gemma2ForCausalLM", GEMMA2, "eager"),
+    "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}, None),
+    "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}, None),
+}
+BS = 4
+
+
+def shared_prefix_prompts(seed: int = 0) -> list[list[int]]:
+    """Prefixes of several lengths (block multiples among them), a prompt that is another's prefix, a
+    duplicate, and unrelated prompts."""
+    stem = random_prompts((23,), 300, seed=seed)[0]
+    other = random_prompts((9, 14), 300, seed=seed + 1)
+    return [
+        stem[:12] + other[0][:5],  # 3 shared blocks, then its own
+        stem[:12] + other[1],
+        stem[:16],  # exactly 4 blocks: another's prefix
+        stem,
+        stem,  # a duplicate
+        stem[:7] + other[0],  # a partial block shared: not a hit on it
+        other[1],
+    ]
+
+
+def expected_cached(prompts: list[list[int]], done: list[list[int]]) -> list[int]:
+    """num_cached_tokens from the hashes: the longest run of full blocks a request shares with the prompts
+    computed before it (`done`), leaving its last token to compute."""
+    got = []
+    for p in prompts:
+        best = 0
+        for q in done:
+            n = 0
+            while n + BS <= min(len(p) - 1, len(q)) and p[n : n + BS] == q[n : n + BS]:
+                n += BS
+            best = max(best, n)
+        got.append(best)
+    return got
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_shared_prefixes_match_hf_with_caching(make_checkpoint: Callable[..., Path], family: str) -> None:
+    arch, overrides, attn = FAMILIES[family]
+    model_dir = make_checkpoint(arch, **overrides)
+    prompts = shared_prefix_prompts()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = hf_greedy(model_dir, prompts, 6, attn_implementation=attn)
+    with LLM(model_dir, device="cpu", dtype="float32", block_size=BS, max_num_seqs=2) as llm:
+        first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        second = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_kv_blocks
+    for outs in (first, second):
+        assert_same_tokens([o.outputs[0].token_ids for o in outs], want, prompts)
+    assert any(o.num_cached_tokens for o in first)  # within the first pass, from prompts before
+    # The second pass finds every prompt's full blocks (all computed in the first, the cache holds them).
+    assert [o.num_cached_tokens for o in second] == expected_cached(prompts, prompts)
+
+
+def test_churn_preemption_and_tp2_match_hf(make_checkpoint: Callable[..., Path]) -> None:
+    """A cache of 14 blocks for requests of up to 9: blocks are evicted, reused and shared by preempted
+    requests; at TP 1 and 2 the tokens equal HF's and every block ends free."""
+    model_dir = make_checkpoint("LlamaForCausalLM")
+    prompts = shared_prefix_prompts(seed=5) * 2
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = hf_greedy(model_dir, prompts, 8)
+    for tp in (1, 2):
+        with LLM(model_dir, tensor_parallel_size=tp, device="cpu", dtype="float32", block_size=BS,
+                 num_kv_blocks=14, max_num_seqs=3, max_num_batched_tokens=12,
+                 max_model_len=40) as llm:  # fmt: skip
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            sched = llm.engine.scheduler
+            assert sched.num_preemptions > 0 and sched.kv.num_hit_tokens > 0
+            assert sched.kv.num_free_blocks == 14
+        assert_same_tokens([o.outputs[0].token_ids for o in outs], want, prompts)
+
+
+def _generate(model_dir: Path, caching: bool, prompts: list[list[int]], params: Any, **engine: Any) -> Any:
+    with LLM(model_dir, device="cpu", dtype="float32", block_size=BS, enable_prefix_caching=caching,
+             **engine) as llm:  # fmt: skip
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], params, use_tqdm=False)  # warm the cache
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def test_seeded_sampling_n_and_prompt_logprobs_equal_caching_off(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    model_dir = make_checkpoint("LlamaForCausalLM")
+    prompts = shared_prefix_prompts(seed=2)
+    params = SamplingParams(
+        n=3, temperature=0.9, top_p=0.9, seed=11, max_tokens=6, logprobs=2, prompt_logprobs=1
+    )
+    on, off = (_generate(model_dir, caching, prompts, params, max_num_seqs=4) for caching in (True, False))
+    plain = SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=6, logprobs=1)
+    on_plain, off_plain = (_generate(model_dir, c, prompts, plain, max_num_seqs=4) for c in (True, False))
+    assert any(o.num_cached_tokens for o in on_plain), "the seeded run never hit the cache"
+    assert all(o.num_cached_tokens == 0 for o in on)  # prompt logprobs: the prompt is computed whole
+    for a_outs, b_outs in ((on, off), (on_plain, off_plain)):
+        for a, b in zip(a_outs, b_outs, strict=True):
+            assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+            for ca, cb in zip(a.outputs, b.outputs, strict=True):
+                for x, y in zip(ca.logprobs, cb.logprobs, strict=True):
+                    assert set(x) == set(y) and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+            if a.prompt_logprobs is not None:
+                for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+                    assert set(x) == set(y) and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+
+
+def test_reset_prefix_cache_and_caching_off(make_checkpoint: Callable[..., Path]) -> None:
+    model_dir = make_checkpoint("LlamaForCausalLM")
+    prompt = [{"prompt_token_ids": random_prompts((21,), 300, seed=8)[0]}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    with LLM(model_dir, device="cpu", dtype="float32", block_size=BS) as llm:
+        assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
+        assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 20
+        llm.reset_prefix_cache()
+        assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
+        kv = llm.engine.scheduler.kv
+        assert (kv.num_queried_tokens, kv.num_hit_tokens) == (63, 20)
+    with LLM(model_dir, device="cpu", dtype="float32", block_size=BS, enable_prefix_caching=False) as llm:
+        llm.generate(prompt, params, use_tqdm=False)
+        assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0

@@ -40,28 +40,50 @@ def _scheduler(model_dir: Path, num_blocks: int, block_size: int) -> Scheduler:
                                load_format="auto")  # fmt: skip
     config = EngineConfig(
         model=model, cache=CacheConfig(block_size=block_size, num_kv_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),  # chunks end mid-block
     )  # fmt: skip
     return Scheduler(config, num_blocks)
 
 
+def _token(req_id: int, position: int) -> int:
+    """What the fake model samples at a position of a request: fixed, so any schedule gives the same."""
+    return 3 + (req_id * 7919 + position * 104729) % 97
+
+
+@pytest.mark.parametrize("async_steps", [False, True], ids=["sync", "async"])
 def test_random_traffic_hits_only_exact_prefixes_and_frees_every_block(
-    make_checkpoint: Callable[..., Path],
+    make_checkpoint: Callable[..., Path], async_steps: bool
 ) -> None:
-    """Brute force: `content[block]` is what the steps wrote into it (token id by offset, written when a
-    step computes the position); a request that starts with cached blocks must find there exactly its own
-    first tokens. Steps run one at a time, each answered before the next is scheduled."""
-    rng = random.Random(0)
-    bs, num_blocks = 4, 40
+    """Brute force: `content[block]` is what the steps wrote into it (token id by offset), written in step
+    order as an in-order worker would, a step's writes before its reads; every position a step's request
+    attends to must hold exactly that request's token, whether it came from the cache or from a request
+    computed in the same step. `async_steps`: step N+1 is scheduled before step N's sampled ids are back."""
+    rng = random.Random(3 + async_steps)
+    bs, num_blocks = 4, 16
     sched = _scheduler(make_checkpoint("LlamaForCausalLM"), num_blocks, bs)
     kv = sched.kv
     content: dict[int, dict[int, int]] = {}
     stems = [[rng.randrange(3, 100) for _ in range(rng.randrange(1, 14))] for _ in range(4)]
-    next_id, hits = 0, 0
-    for _ in range(2000):
-        if next_id < 60 and rng.random() < 0.4:
-            prompt = rng.choice(stems) + [rng.randrange(3, 100) for _ in range(rng.randrange(0, 6))]
-            params = SamplingParams(max_tokens=rng.randrange(1, 10), ignore_eos=True)
+    next_id, hits, same_step_hits = 0, 0, 0
+    in_flight: ModelRunnerOutput | None = None
+
+    def token_at(req: Request, pos: int) -> int:
+        tokens = req.prompt_token_ids
+        return tokens[pos] if pos < len(tokens) else _token(req.req_id, pos)
+
+    def deliver(output: ModelRunnerOutput) -> None:
+        sched.update(output)
+        for req_id in output.req_ids:
+            req = sched.requests.get(req_id)
+            if req is not None and req.finish_reason is None and len(req.output_token_ids) >= req.max_tokens:
+                sched.finish(req, "length")
+
+    for _ in range(3000):
+        # Arrivals in bursts: requests on one stem that start in the same step share what it computes.
+        stem = rng.choice(stems)
+        for _ in range(rng.choice([0, 0, 0, 1, 1, 3]) if next_id < 60 else 0):
+            prompt = stem + [rng.randrange(3, 100) for _ in range(rng.randrange(0, 10))]
+            params = SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=True)
             sampling = RequestSampling(
                 temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, min_tokens=0, stop_token_ids=[],
                 num_logprobs=-1, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
@@ -70,25 +92,38 @@ def test_random_traffic_hits_only_exact_prefixes_and_frees_every_block(
             sched.add(Request(next_id, prompt, params, sampling))
             next_id += 1
         starts = {r.req_id: r.num_computed_tokens for r in sched.running}
+        placeholders = {r.req_id: r.num_placeholders for r in sched.running}
         out = sched.schedule()
+        written_this_step: set[tuple[int, int]] = set()
+        for new in out.new_requests:
+            starts[new.req_id] = new.num_computed_tokens
+        for req_id, n in zip(out.scheduled_req_ids, out.num_scheduled_tokens, strict=True):
+            req, blocks = sched.requests[req_id], kv.blocks[req_id]
+            for pos in range(starts[req_id], starts[req_id] + n):
+                content.setdefault(blocks[pos // bs], {})[pos % bs] = token_at(req, pos)
+                written_this_step.add((blocks[pos // bs], pos % bs))
+        for req_id, n in zip(out.scheduled_req_ids, out.num_scheduled_tokens, strict=True):
+            req, blocks = sched.requests[req_id], kv.blocks[req_id]
+            for pos in range(starts[req_id] + n):  # what its attention reads: every earlier key
+                assert content[blocks[pos // bs]][pos % bs] == token_at(req, pos), "read other content"
         for new in out.new_requests:
             if new.num_computed_tokens:
                 hits += 1
-                for pos in range(new.num_computed_tokens):
-                    block = content[new.block_ids[pos // bs]]
-                    assert block[pos % bs] == new.token_ids[pos], "a hit on other content"
-            starts[new.req_id] = new.num_computed_tokens
-        for req_id, n in zip(out.scheduled_req_ids, out.num_scheduled_tokens, strict=True):
-            tokens, blocks = sched.requests[req_id].all_token_ids, kv.blocks[req_id]
-            for pos in range(starts[req_id], starts[req_id] + n):
-                content.setdefault(blocks[pos // bs], {})[pos % bs] = tokens[pos]
-        sampled = [r for r in out.scheduled_req_ids if sched.requests[r].num_placeholders]
-        ids = [rng.randrange(3, 100) for _ in sampled]
-        sched.update(ModelRunnerOutput(step_id=out.step_id, req_ids=sampled, sampled_token_ids=ids))
-        for req_id in sampled:
-            req = sched.requests[req_id]
-            if len(req.output_token_ids) >= req.max_tokens:
-                sched.finish(req, "length")
+                blocks = new.block_ids
+                same_step_hits += any((blocks[p // bs], p % bs) in written_this_step
+                                      for p in range(new.num_computed_tokens))  # fmt: skip
+        sampled = [r for r in out.scheduled_req_ids
+                   if sched.requests[r].num_placeholders > placeholders.get(r, 0)]  # fmt: skip
+        output = ModelRunnerOutput(
+            step_id=out.step_id, req_ids=sampled,
+            sampled_token_ids=[_token(r, sched.requests[r].num_tokens - 1) for r in sampled],
+        )  # fmt: skip
+        if async_steps:
+            if in_flight is not None:
+                deliver(in_flight)
+            in_flight = output
+        else:
+            deliver(output)
         # Reference counts are the holders; cached blocks are registered under one hash each.
         holders = [0] * num_blocks
         for blocks in kv.blocks.values():
@@ -98,8 +133,11 @@ def test_random_traffic_hits_only_exact_prefixes_and_frees_every_block(
         assert all(kv.pool.hash_of[b] == h for h, b in kv.pool.cached.items())
         if next_id >= 60 and not sched.has_unfinished:
             break
-    assert next_id == 60 and not sched.has_unfinished
-    assert hits > 10, f"only {hits} hits: the test does not exercise the cache"
+    if in_flight is not None:
+        deliver(in_flight)
+    assert next_id >= 60 and not sched.has_unfinished
+    assert hits > 10 and same_step_hits > 0, (hits, same_step_hits)
+    assert sched.num_preemptions > 0
     assert kv.num_free_blocks == num_blocks and not kv.blocks
     assert kv.num_hit_tokens > 0 and kv.num_queried_tokens > kv.num_hit_tokens
 
@@ -245,6 +283,25 @@ def test_seeded_sampling_n_and_prompt_logprobs_equal_caching_off(
                     assert set(x) == set(y) and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
 
 
+def test_hits_through_the_graph_paths_equal_caching_off(make_checkpoint: Callable[..., Path]) -> None:
+    """Hits that leave one token (a decode-shaped row), a short chunk (the decode graphs' rows) or a longer
+    one (the mixed-step graphs), in padded mode, give the tokens and logprobs of caching off."""
+    model_dir = make_checkpoint("MistralForCausalLM", sliding_window=8)
+    stem = random_prompts((40,), 300, seed=12)[0]
+    prompts = [stem[:33], stem[:33], stem[:36], stem, stem[:20] + random_prompts((30,), 300, seed=13)[0]]
+    params = SamplingParams(temperature=0.7, seed=4, max_tokens=6, logprobs=1, n=2)
+    on, off = (
+        _generate(model_dir, caching, prompts, params, cuda_graphs="padded", max_num_batched_tokens=24)
+        for caching in (True, False)
+    )
+    assert sum(o.num_cached_tokens for o in on) >= 4 * 32
+    for a, b in zip(on, off, strict=True):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        for ca, cb in zip(a.outputs, b.outputs, strict=True):
+            for x, y in zip(ca.logprobs, cb.logprobs, strict=True):
+                assert set(x) == set(y) and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+
+
 def test_reset_prefix_cache_and_caching_off(make_checkpoint: Callable[..., Path]) -> None:
     model_dir = make_checkpoint("LlamaForCausalLM")
     prompt = [{"prompt_token_ids": random_prompts((21,), 300, seed=8)[0]}]
@@ -252,10 +309,18 @@ def test_reset_prefix_cache_and_caching_off(make_checkpoint: Callable[..., Path]
     with LLM(model_dir, device="cpu", dtype="float32", block_size=BS) as llm:
         assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
         assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 20
-        llm.reset_prefix_cache()
+        assert llm.reset_prefix_cache()
         assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
         kv = llm.engine.scheduler.kv
         assert (kv.num_queried_tokens, kv.num_hit_tokens) == (63, 20)
+        # Refused while a request holds blocks (it would register them again), and nothing is forgotten.
+        engine = llm.engine
+        engine.add_request(prompt[0]["prompt_token_ids"], SamplingParams(max_tokens=3))
+        engine.step()
+        assert not llm.reset_prefix_cache() and kv.pool.cached
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert llm.reset_prefix_cache() and not kv.pool.cached
     with LLM(model_dir, device="cpu", dtype="float32", block_size=BS, enable_prefix_caching=False) as llm:
         llm.generate(prompt, params, use_tqdm=False)
         assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0

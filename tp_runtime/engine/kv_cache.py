@@ -74,14 +74,17 @@ class BlockPool:
             self.ref_count[block] += 1
 
     def free(self, blocks: list[int]) -> None:
-        """One reference less for each block; those no request holds go to the free queue's tail, in the
-        order given (so the first given is evicted first)."""
+        """One reference less for each block; a registered block no request holds goes to the free queue's
+        tail, in the order given (the first given is evicted first), an unregistered one (a partial last
+        block, which no lookup can find) to its head, to be taken before any cached block."""
         for block in blocks:
             self.ref_count[block] -= 1
             if self.ref_count[block] < 0:
                 raise RuntimeError(f"internal: KV block {block} freed more often than taken")
             if self.ref_count[block] == 0:
                 self._free[block] = None
+                if self.hash_of[block] is None:
+                    self._free.move_to_end(block, last=False)
 
     def register(self, block: int, h: bytes) -> None:
         """Make `block` (whose content is the prefix `h` names) findable, unless another block already is."""
@@ -197,9 +200,14 @@ class KVCacheManager:
         self.free(req_id)
         self._hashes.pop(req_id, None)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's does: only while no request holds blocks (a running one
+        would register its blocks again); returns whether it did."""
+        if self.blocks:
+            return False
         self.pool.reset()
         self._registered.clear()
+        return True
 
     @property
     def num_free_blocks(self) -> int:

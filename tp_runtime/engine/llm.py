@@ -125,9 +125,10 @@ class LLM:
         with contextlib.suppress(Exception):
             self.shutdown()
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prompt prefix (as vLLM's): later requests compute theirs anew."""
-        self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (as vLLM's): later requests compute theirs anew. Between
+        `generate` calls nothing is running, so it always does (True)."""
+        return self.engine.reset_prefix_cache()
 
     def get_tokenizer(self) -> Any:
         """The Hugging Face tokenizer the engine encodes prompts and decodes outputs with."""

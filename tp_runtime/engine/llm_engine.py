@@ -572,9 +572,10 @@ class LLMEngine:
         workers are otherwise only checked while a step runs."""
         self.executor.check_alive()
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prompt prefix: later requests compute theirs anew."""
-        self.scheduler.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix, so later requests compute theirs anew; refused (False, as
+        vLLM's) while requests are unfinished, whose blocks would be registered again."""
+        return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

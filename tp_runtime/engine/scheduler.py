@@ -165,10 +165,11 @@ class Scheduler:
             n = min(req.num_tokens - start, budget)
             if kv.allocate_slots(req.req_id, start + n, hit) is None:
                 break
-            kv.count_lookup(req.num_tokens, start)
             req.num_computed_tokens = start
-            if not req.num_preemptions:
+            if not req.num_preemptions:  # the metrics count prompts looked up, once each
                 req.num_cached_tokens = start
+                if req.prompt_logprobs is None:
+                    kv.count_lookup(req.num_tokens, start)
             self.waiting.popleft()
             self.running.append(req)
             scheduled.append((req, n))
@@ -244,9 +245,9 @@ class Scheduler:
         for i, (ids, lps, rank) in enumerate(zip(chunk.token_ids, chunk.logprobs, chunk.ranks, strict=True)):
             slots[chunk.start + i] = (ids, lps, rank)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (running requests keep their blocks)."""
-        self.kv.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while requests hold blocks."""
+        return self.kv.reset_prefix_cache()
 
     def finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason

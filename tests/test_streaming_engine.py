@@ -65,7 +65,7 @@ class ScriptedExecutor:
         for new in so.new_requests:
             assert new.req_id not in self.tokens
             self.tokens[new.req_id] = list(new.token_ids)
-            self.computed[new.req_id] = 0
+            self.computed[new.req_id] = new.num_computed_tokens  # a prefix-cache hit starts later
         req_ids, sampled = [], []
         for req_id, n in zip(so.scheduled_req_ids, so.num_scheduled_tokens, strict=True):
             tokens = self.tokens[req_id]

@@ -13,6 +13,16 @@ bench() {  # name, then bench latency args
   $py -m tp_runtime.cli bench latency --load-format dummy --dtype bfloat16 --no-progress \
     --output-json "$out/$name.json" "$@" 2>&1 | grep -v Warning | tail -24 | tee "$out/$name.txt"
 }
+wait_healthy() {  # port, server pid, server log: until /health says 200 (or the server died: its log, exit)
+  for _ in $(seq 1200); do
+    $py -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$1/health').status_code != 200)" \
+      2>/dev/null && return 0
+    kill -0 "$2" 2>/dev/null || { tail -20 "$3"; exit 1; }
+    sleep 0.5
+  done
+  echo "server on port $1 not healthy after 10 min" >&2
+  exit 1
+}
 case $part in
   checks)  # kernels, engine vs HF, all-reduce sums, TP=2 vs TP=1 with split-KV on and off (nvidia-h200-x2)
     $py scripts/gpu_check.py --out "$out/gpu_check.json" 2>&1 | grep -E "^ok|^FAIL|passed|Error" || true
@@ -114,12 +124,7 @@ case $part in
       $py -m tp_runtime.cli serve --model llama-3-8b --load-format dummy --dtype bfloat16 -tp $tp --port $port \
         --max-num-seqs 64 --max-model-len 2048 --log-level warning --no-access-log > "$out/server_tp$tp.log" 2>&1 &
       server=$!
-      for _ in $(seq 600); do
-        $py -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" \
-          2>/dev/null && break
-        kill -0 $server 2>/dev/null || { tail -20 "$out/server_tp$tp.log"; exit 1; }
-        sleep 1
-      done
+      wait_healthy $port $server "$out/server_tp$tp.log"
       $py -m tp_runtime.cli bench serve --base-url "http://127.0.0.1:$port" --num-prompts 16 --max-concurrency 1 \
         --input-len 32 --output-len 128 --num-warmups 2 --no-progress --output-json "$out/serve_tp${tp}_c1.json" \
         2>&1 | tee "$out/serve_tp${tp}_c1.txt"
@@ -144,12 +149,7 @@ case $part in
       $py -m tp_runtime.cli serve --model llama-3-8b --load-format dummy --dtype bfloat16 -tp "$tp" --port $port \
         --log-level warning --no-access-log ${TRAFFIC_ARGS:-} > "$out/$name.server.log" 2>&1 &
       server=$!
-      for _ in $(seq 600); do
-        $py -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" \
-          2>/dev/null && break
-        kill -0 $server 2>/dev/null || { tail -20 "$out/$name.server.log"; exit 1; }
-        sleep 0.5
-      done
+      wait_healthy $port $server "$out/$name.server.log"
       echo "$name: server ready in $($py -c "import time; print(round(time.time() - $start, 1))") s"
       $py -m tp_runtime.cli bench serve --base-url "http://127.0.0.1:$port" --request-rate "$rate" \
         --input-len 512 --range-ratio 0.9 --output-len 128 --num-prompts 600 --vocab-size 120000 --passes 2 \

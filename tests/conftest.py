@@ -66,6 +66,13 @@ BASE_CONFIG: dict[str, Any] = dict(
 )
 
 
+# A Gemma 2 test model where each of its features matters: windowed and global layers (window shorter than
+# the prompts), both soft-caps, a query_pre_attn_scalar that is not head_dim, tied embeddings.
+GEMMA2 = {
+    "num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
+    "attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0, "tie_word_embeddings": True,
+}  # fmt: skip
+
 def build_checkpoint(
     root: Path, architecture: str = "LlamaForCausalLM", seed: int = 0, **overrides: Any
 ) -> Path:

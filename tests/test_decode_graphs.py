@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import graph_chunks, hf_greedy, record_steps
+from conftest import GEMMA2, graph_chunks, hf_greedy, record_steps
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.worker import inputs as inputs_module
@@ -100,11 +100,6 @@ def test_padded_decode_matches_hf(
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dir, prompts, 20)
     assert calls and any(n not in batch_buckets(256) for n in calls)  # padding really happened
 
-
-GEMMA2 = {
-    "num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
-    "attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0, "tie_word_embeddings": True,
-}  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_same_tokens, hf_greedy, random_prompts, record_steps
+from conftest import GEMMA2, assert_same_tokens, hf_greedy, random_prompts, record_steps
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.worker.inputs import MixedStepBatch
@@ -32,10 +32,6 @@ def test_token_buckets_cover_every_size_with_bounded_padding() -> None:
             assert bucket - n <= (max(16, n // 2) if n <= 256 else n // 4), (n, bucket)
 
 
-GEMMA2 = {
-    "num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
-    "attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0, "tie_word_embeddings": True,
-}  # fmt: skip
 CASES: dict[str, tuple[str, dict[str, Any], str | None]] = {
     "llama-gqa": ("LlamaForCausalLM", {}, None),
     "mistral-window": ("MistralForCausalLM", {"sliding_window": 8}, None),

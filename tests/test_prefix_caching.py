@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_same_tokens, hf_greedy, random_prompts
+from conftest import GEMMA2, assert_same_tokens, hf_greedy, random_prompts
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.config import CacheConfig, EngineConfig, SchedulerConfig, build_model_config
@@ -171,10 +171,6 @@ def test_lookup_leaves_the_last_token_and_evicts_least_recent_first() -> None:
 
 # ------------------------------------------------------------------------------------------- end to end
 
-GEMMA2 = {
-    "num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
-    "attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0, "tie_word_embeddings": True,
-}  # fmt: skip
 FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
     "llama": ("LlamaForCausalLM", {}, None),
     "mistral-window": ("MistralForCausalLM", {"sliding_window": 8}, None),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import GEMMA2, hf_greedy
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 REPO = Path(__file__).resolve().parents[1]
@@ -347,11 +347,6 @@ def test_engine_with_triton_kernels_matches_hf(
     got = got["tokens"]
     assert got == hf_greedy(model_dir, prompts, 8)
 
-
-GEMMA2 = {
-    "num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
-    "attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0, "tie_word_embeddings": True,
-}  # fmt: skip
 
 
 @pytest.mark.parametrize(("graphs", "engine_args"), [("off", {}), ("padded", CHUNKED_PREEMPTED)])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements recorded in BENCHMARKS.md (run on the device machines; see the device README).
-#   scripts/gpu_bench.sh smoke|checks|rows|rows8b|serve|traffic|families|compare|compare1|tp1|tp2|fused|profile|profile2|matmuls|messaging|peer OUT_DIR
+#   scripts/gpu_bench.sh smoke|checks|rows|rows8b|serve|traffic|fp8|families|compare|compare1|tp1|tp2|fused|profile|profile2|matmuls|messaging|peer OUT_DIR
 set -euo pipefail
 part=$1
 out=${2:-/tmp/tp-runtime-bench}
@@ -158,6 +158,22 @@ case $part in
       kill -TERM $server
       wait $server || true
     done
+    ;;
+  fp8)  # issue 27: the FP8 kernels against float64, then Llama-3-8B b1/b32 with online FP8 next to bf16 and
+         # HF static, then Llama-3-70B FP8 on one GPU
+    $py scripts/gpu_check.py --only-fp8 2>&1 | grep -E "^FAIL|failed|Error" || true
+    b1=(--model llama-3-8b --batch-size 1 --input-len 32 --output-len 128 --num-iters 5 --num-iters-warmup 1)
+    b32=(--model llama-3-8b --batch-size 32 --input-len 1000 --output-len 128 --num-iters 3 --num-iters-warmup 1)
+    bench fp8_b1 "${b1[@]}" --quantization fp8
+    bench fp8_b32 "${b32[@]}" --quantization fp8
+    bench bf16_b1 "${b1[@]}"
+    bench bf16_b32 "${b32[@]}"
+    $py scripts/bench_hf_peer.py --model llama-3-8b --batch-size 32 --input-len 1000 --output-len 128 \
+      --cache-implementation static --output-json "$out/hf_static_b32.json"
+    $py scripts/bench_hf_peer.py --model llama-3-8b --batch-size 1 --input-len 32 --output-len 128 \
+      --cache-implementation static --num-iters 5 --output-json "$out/hf_static_b1.json"
+    bench fp8_70b_b1 --model llama-3-70b --batch-size 1 --input-len 32 --output-len 128 --num-iters 3 \
+      --num-iters-warmup 1 --quantization fp8
     ;;
   families)  # fp32: every new family gives the same greedy tokens at TP 1 and 2, and HF's (nvidia-h200-x2)
     $py scripts/check_families.py --device cuda --tp-sizes 1 2 --output-json "$out/families.json"

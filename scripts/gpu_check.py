@@ -155,6 +155,42 @@ def fresh_prompt_checks() -> list[dict[str, Any]]:
     return results
 
 
+def fp8_checks() -> list[dict[str, Any]]:
+    """The FP8 linear layer's CUDA kernels (layers/quantization/fp8.py) against float64 brute force on the
+    dequantized weight: weight-only Triton kernels for 1-32 rows (exact products: only the output's
+    rounding), W8A8 _scaled_mm for more rows (each row of x rounded to e4m3 too: a looser bound)."""
+    from tp_runtime.layers.quantization.fp8 import CudaFp8Kernels, dequantize
+
+    results = []
+    gen = torch.Generator().manual_seed(0)
+    kernels = CudaFp8Kernels(torch.cuda.get_device_properties(0).multi_processor_count)
+    shapes = [(4096, 4096, 0), (6144, 4096, 128), (1024, 14336, 0), (28672, 4096, 128), (200, 96, 0)]
+    for n, k, block_k in shapes:
+        w = torch.randn(n, k, generator=gen) * 0.02
+        cols = 1 if block_k == 0 else -(-k // block_k)
+        scale = (torch.rand(n, cols, generator=gen) + 0.5) * 1e-4
+        full = scale.repeat_interleave(block_k or k, 1)[:, :k]
+        wq = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn).cuda()
+        scale = scale.cuda()
+        wd = dequantize(wq, scale, block_k or k, torch.float64)
+        for rows in (1, 4, 32, 33, 512):
+            for silu_mul in (False, True) if rows in (1, 512) else (False,):
+                x = torch.randn(rows, 2 * k if silu_mul else k, generator=gen).to(torch.bfloat16).cuda()
+                got = kernels.linear(x, wq, scale, block_k or k, None, silu_mul).double()
+                xin = x.double()
+                if silu_mul:
+                    act = torch.nn.functional.silu(x[:, :k].float()) * x[:, k:].float()
+                    xin = act.to(torch.bfloat16).double()
+                want = xin @ wd.T
+                err = ((got - want).abs().max() / want.abs().max()).item()
+                bound = 1e-2 if rows <= 32 or block_k else 6e-2
+                _report(results, {
+                    "check": f"fp8 linear {n}x{k} block_k={block_k} rows={rows} silu_mul={silu_mul}",
+                    "rel_err_vs_fp64": err, "ok": err < bound,
+                })  # fmt: skip
+    return results
+
+
 def _report(results: list[dict[str, Any]], result: dict[str, Any]) -> None:
     print(("ok  " if result["ok"] else "FAIL"), {k: v for k, v in result.items() if k != "ok"}, flush=True)
     results.append(result)
@@ -269,12 +305,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=None)
     parser.add_argument("--only-fresh-prompts", action="store_true", help="only the varlen path's checks")
+    parser.add_argument("--only-fp8", action="store_true", help="only the FP8 kernels' checks")
     args = parser.parse_args()
+    if args.only_fp8:
+        failed = [r for r in fp8_checks() if not r["ok"]]
+        print(f"fp8: {len(failed)} failed")
+        sys.exit(1 if failed else 0)
     if args.only_fresh_prompts:
         failed = [r for r in fresh_prompt_checks() if not r["ok"]]
         print(f"fresh prompts: {len(failed)} failed")
         sys.exit(1 if failed else 0)
     results = kernel_checks()
+    results += fp8_checks()
     results += fresh_prompt_checks()
     with tempfile.TemporaryDirectory() as tmp:
         results += engine_checks(Path(tmp))

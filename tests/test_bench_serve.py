@@ -200,6 +200,12 @@ def test_workload_lengths_and_ids() -> None:
     assert again.prompts == ranged.prompts and again.output_lens == ranged.output_lens
     other = serve.make_workload(200, 10, 20, 0.5, 1000, 4, serve.COMPLETIONS)
     assert other.prompts != ranged.prompts
+    # A later pass: the same lengths and shared prefixes, prompts of its own (none a prefix-cache hit).
+    first = serve.make_workload(50, 10, 20, 0.5, 1000, 3, serve.COMPLETIONS, 16, 2)
+    second = serve.make_workload(50, 10, 20, 0.5, 1000, 3, serve.COMPLETIONS, 16, 2, pass_number=2)
+    assert second.prompt_lens == first.prompt_lens and second.output_lens == first.output_lens
+    for a, b in zip(first.prompts, second.prompts, strict=True):
+        assert a[:16] == b[:16] and a[16:] != b[16:]
     chat = serve.make_workload(3, 12, 4, 0.0, 1000, 0, serve.CHAT)
     assert all(isinstance(p, str) and len(p.split()) == 12 for p in chat.prompts)
     assert serve.length_bounds(1, 0.9) == (1, 1)
@@ -532,7 +538,7 @@ def test_all_at_once(stub: tuple[Stub, str], tmp_path: Path, capsys: pytest.Capt
         assert line in report, line
 
 
-def test_passes_send_the_same_workload_and_report_each(
+def test_passes_send_the_same_shapes_and_report_each(
     stub: tuple[Stub, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     server, url = stub
@@ -548,9 +554,11 @@ def test_passes_send_the_same_workload_and_report_each(
         assert p["summary"]["completed"] == 6 and len(p["requests"]) == 6
         assert all(set(rec) == RECORD_KEYS and rec["success"] for rec in p["requests"])
         assert p["summary"]["total_input_tokens"] == passes[0]["summary"]["total_input_tokens"]
-    # Each pass sent the same six requests.
+    # Each pass sent six requests of the same lengths, and prompts of its own.
     sent = [(tuple(b["prompt"]), b["max_tokens"]) for b in server.payloads]
-    assert server.arrived == 18 and all(sent.count(x) == 3 for x in sent)
+    assert server.arrived == 18 and len(set(sent)) == 18
+    shapes = [(len(p), n) for p, n in sent]
+    assert all(shapes.count(x) % 3 == 0 for x in shapes)
     report = capsys.readouterr().out
     for n in (1, 2, 3):
         assert f"Serving Benchmark Result, pass {n} of 3" in report

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tp_runtime import LLM, cli
-from tp_runtime.config import ALL_REDUCE_STRATEGIES, ATTENTION_BACKENDS, DTYPES
+from tp_runtime.config import ALL_REDUCE_STRATEGIES, ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS
 from tp_runtime.engine.args import EngineArgs, choices, flag_name
 from tp_runtime.errors import ConfigError
 
@@ -39,6 +39,7 @@ def test_choices_agree_with_the_config_checks() -> None:
     assert choices("dtype") == DTYPES
     assert choices("attention_backend") == ATTENTION_BACKENDS
     assert choices("all_reduce") == ALL_REDUCE_STRATEGIES
+    assert choices("quantization") == QUANTIZATIONS
     hints = typing.get_type_hints(EngineArgs)
     for name in ("dtype", "device", "load_format", "executor", "all_reduce", "cuda_graphs",
                  "attention_backend", "fused_kernels"):  # fmt: skip
@@ -112,6 +113,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("max_num_seqs", None, "must be given"),
     ("max_num_batched_tokens", -3, "at least 1"),
     ("load_format", "pt", "one of auto, dummy"),
+    ("quantization", "int8", "one of fp8"),
     ("block_size", 24, "power of two"),
     ("num_kv_blocks", 0, "at least 1"),
     ("gpu_memory_utilization", 1.5, "in (0, 1]"),

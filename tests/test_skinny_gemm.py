@@ -237,3 +237,61 @@ def test_batch_one_decode_with_triton_kernels_matches_hf(
     attention = "eager" if arch == "Gemma2ForCausalLM" else None
     want = hf_greedy(model_dir, prompts, 8, attn_implementation=attention)
     assert got == want
+
+
+FP8_VS_FLOAT64 = """
+import torch
+from tp_runtime.layers.activation import silu_and_mul
+from tp_runtime.layers.quantization.fp8 import CudaFp8Kernels
+from tp_runtime.layers.skinny_gemm_triton import SkinnyConfig, few_rows_linear, skinny_linear
+torch.manual_seed(0)
+checked = 0
+# FP8 weights with per-row scales (one column) or per 16/32-column block scales, in the one-row and
+# few-rows kernels, against float64 products of the weight times its scales. float32 x: the kernels'
+# products are exact, so the bound is float32's.
+for rows, n, k in ((1, 64, 256), (1, 37, 200), (3, 33, 130), (17, 48, 96)):
+    for block_k in (0, 16, 32):
+        for with_bias in (False, True):
+            w = torch.randn(n, k).to(torch.float8_e4m3fn)
+            cols = 1 if block_k == 0 else -(-k // block_k)
+            scale = torch.rand(n, cols) + 0.5
+            full = scale.double().repeat_interleave(block_k or k, 1)[:, :k]
+            wd = w.double() * full
+            b = torch.randn(n) if with_bias else None
+            for silu in (False, True) if rows == 1 else (False,):
+                x = torch.randn(rows, 2 * k if silu else k)
+                x_in = silu_and_mul(x.double()) if silu else x.double()
+                want = x_in @ wd.T + (b.double() if with_bias else 0)
+                bound = x_in.abs() @ wd.abs().T + (b.double().abs() if with_bias else 0)
+                if rows == 1:
+                    got = skinny_linear(x, w, b, silu_mul=silu, config=SkinnyConfig(8, 64, 4), scale=scale,
+                                        scale_block_k=block_k or k)
+                else:
+                    got = few_rows_linear(x, w, b, SkinnyConfig(16, 64, 4, 2), scale=scale,
+                                          scale_block_k=block_k or k)
+                err = ((got.double() - want).abs() / bound).max().item()
+                assert got.dtype == torch.float32 and err <= 1e-6, (rows, n, k, block_k, with_bias, silu, err)
+                checked += 1
+# The CUDA method's dispatch, 1-32 rows: the kernels above (a 16-bit x; its weight converted in registers).
+kernels = CudaFp8Kernels(132)
+w = torch.randn(64, 128).to(torch.float8_e4m3fn)
+scale = torch.rand(64, 1) + 0.5
+x1, x4 = torch.randn(1, 128).half(), torch.randn(4, 256).half()
+want1 = skinny_linear(x1, w, scale=scale, scale_block_k=128)
+assert torch.equal(kernels.linear(x1, w, scale, 128, None, False), want1)
+got = kernels.linear(x4, w, scale, 128, None, True)
+want = silu_and_mul(x4.double()) @ (w.double() * scale.double()).T
+assert ((got.double() - want).abs().max() / want.abs().max()).item() < 4e-3
+try:
+    skinny_linear(x1, w)
+except ValueError as e:
+    assert "without its scales" in str(e)
+else:
+    raise AssertionError("an FP8 weight without scales was accepted")
+print("OK", checked)
+"""
+
+
+def test_fp8_kernels_match_float64() -> None:
+    status, checked = _run(FP8_VS_FLOAT64).split()
+    assert status == "OK" and int(checked) == 4 * 3 * 2 + 2 * 3 * 2

@@ -161,6 +161,7 @@ def check_model(args: argparse.Namespace) -> Any:
         device=resolve_device(args.device),
         max_model_len=args.max_model_len,
         load_format=args.load_format,
+        quantization=getattr(args, "quantization", None),
     )
     validate_tensor_parallel(model_config, args.tensor_parallel_size)
     return model_config

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,148 @@ class RopeConfig:
     attention_scaling: float
     # "dynamic" NTK scaling only changes frequencies past max_position_embeddings, which max_model_len
     # never exceeds, so within the engine it is the frequencies HF starts from.
+
+
+# Choices of LLM(quantization=...) (None: as the checkpoint says).
+QUANTIZATIONS = ("fp8",)
+# The largest finite float8_e4m3fn value: FP8 scales map a row's (or block's) absolute maximum to it.
+FP8_E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How the linear layers' weights are stored: FP8 (e4m3) with float32 scales.
+
+    weight_scales: "channel" (one per output feature), "tensor" (one per checkpoint tensor: q, k and v each
+    have their own) or "block" (one per block_size[0] x block_size[1] tile).
+    checkpoint_format: where the FP8 weights come from: "compressed-tensors" (llm-compressor's
+    float-quantized, scales in `*.weight_scale`), "fp8" (transformers' FP8, scales in `*.weight_scale_inv`
+    for blocks, `*.weight_scale` per tensor) or "online" (a 16/32-bit checkpoint quantized at load with
+    per-channel scales, amax / 448).
+    ignore: the checkpoint's modules that stay unquantized; compressed-tensors names them exactly (or
+    with "re:" regexes), transformers' FP8 by substring (`ignore_substrings`)."""
+
+    checkpoint_format: str
+    weight_scales: str
+    block_size: tuple[int, int] | None = None
+    ignore: tuple[str, ...] = ()
+    ignore_substrings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_format not in ("compressed-tensors", "fp8", "online"):
+            raise ConfigError(f"internal: FP8 checkpoint format {self.checkpoint_format!r}")
+        if self.weight_scales not in ("channel", "tensor", "block"):
+            raise ConfigError(
+                f"FP8 weight scales {self.weight_scales!r} are not supported (channel, tensor, block)"
+            )
+        if (self.weight_scales == "block") != (self.block_size is not None):
+            raise ConfigError("FP8 block scales need a block size (and only block scales have one)")
+        if self.block_size is not None and (
+            len(self.block_size) != 2 or any(b < 1 or b & (b - 1) for b in self.block_size)
+        ):
+            raise ConfigError(f"FP8 weight block size {list(self.block_size)} must be two powers of two")
+
+    @property
+    def scale_suffixes(self) -> tuple[str, ...]:
+        """The checkpoint names' endings of a weight's scale tensors (after the module name)."""
+        if self.checkpoint_format == "online":
+            return ()
+        if self.checkpoint_format == "fp8" and self.block_size:
+            return ("weight_scale_inv",)
+        return ("weight_scale",)
+
+    def is_ignored(self, module: str) -> bool:
+        """Whether checkpoint module `module` (e.g. "model.layers.0.self_attn.q_proj") stays unquantized."""
+        for entry in self.ignore:
+            if self.ignore_substrings:
+                if entry in module:
+                    return True
+            elif entry.startswith("re:"):
+                if re.match(entry[3:], module):
+                    return True
+            elif module == entry or module.endswith("." + entry):
+                return True
+        return False
+
+
+def quant_config(hf_quantization: Any, requested: str | None) -> QuantConfig | None:
+    """The QuantConfig of a checkpoint whose config.json has `quantization_config` = `hf_quantization`
+    (None: not quantized), with LLM(quantization=`requested`) on top (None: as the checkpoint says; "fp8":
+    FP8, quantizing a 16/32-bit checkpoint at load)."""
+    if requested is not None and requested not in QUANTIZATIONS:
+        raise ConfigError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {requested!r}"
+        )
+    if hf_quantization is None:
+        if requested == "fp8":
+            return QuantConfig(checkpoint_format="online", weight_scales="channel")
+        return None
+    hq = hf_quantization if isinstance(hf_quantization, Mapping) else vars(hf_quantization)
+    method = hq.get("quant_method")
+    if method == "fp8":
+        block = hq.get("weight_block_size")
+        if hq.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
+            raise ConfigError(f"FP8 activation_scheme {hq.get('activation_scheme')!r} is not supported")
+        _check_fp8_format(hq.get("fmt", "e4m3"))
+        return QuantConfig(
+            checkpoint_format="fp8",
+            weight_scales="block" if block else "tensor",
+            block_size=_block_size(block) if block else None,
+            ignore=tuple(hq.get("modules_to_not_convert") or ()),
+            ignore_substrings=True,
+        )
+    if method == "compressed-tensors":
+        return _compressed_tensors_config(hq)
+    raise ConfigError(
+        f"the checkpoint is quantized with {method!r}, which is not supported; FP8 checkpoints "
+        "(compressed-tensors float-quantized, or transformers' fp8) and 16/32-bit ones are"
+    )
+
+
+def _check_fp8_format(fmt: Any) -> None:
+    if fmt not in ("e4m3", "float8_e4m3fn"):
+        raise ConfigError(f"FP8 format {fmt!r} is not supported (only e4m3)")
+
+
+def _block_size(block: Any) -> tuple[int, int]:
+    if not isinstance(block, list | tuple) or len(block) != 2 or not all(type(b) is int for b in block):
+        raise ConfigError(f"FP8 weight_block_size must be two ints, got {block!r}")
+    return (block[0], block[1])
+
+
+def _compressed_tensors_config(hq: Mapping[str, Any]) -> QuantConfig:
+    fmt = hq.get("format")
+    groups = hq.get("config_groups") or {}
+    linear_groups = [g for g in groups.values() if "Linear" in (g.get("targets") or [])]
+    if len(linear_groups) != 1 or len(groups) != 1:
+        raise ConfigError(
+            f"compressed-tensors checkpoints with {len(groups)} quantization groups are not supported; only "
+            "one group targeting Linear layers is"
+        )
+    group = linear_groups[0]
+    weights = group.get("weights") or {}
+    if weights.get("type") != "float" or weights.get("num_bits") != 8 or fmt not in (None, "float-quantized"):
+        raise ConfigError(
+            f"compressed-tensors format {fmt!r} with {weights.get('num_bits')}-bit {weights.get('type')} "
+            "weights is not supported; only FP8 (float-quantized, 8-bit float) is"
+        )
+    if weights.get("dynamic") or not weights.get("symmetric", True):
+        raise ConfigError("compressed-tensors FP8 weights must be static and symmetric")
+    strategy = weights.get("strategy")
+    block = weights.get("block_structure") if strategy == "block" else None
+    if strategy not in ("channel", "tensor", "block"):
+        raise ConfigError(
+            f"compressed-tensors FP8 weight strategy {strategy!r} is not supported (channel, tensor, block)"
+        )
+    activations = group.get("input_activations")
+    if activations is not None and (activations.get("type") != "float" or activations.get("num_bits") != 8):
+        raise ConfigError("compressed-tensors input activations must be FP8 (or not quantized)")
+    return QuantConfig(
+        checkpoint_format="compressed-tensors",
+        weight_scales=strategy,
+        block_size=_block_size(block) if block is not None else None,
+        ignore=tuple(hq.get("ignore") or ()),
+    )
 
 
 @dataclass(frozen=True)
@@ -78,6 +221,8 @@ class ModelConfig:
     # Soft-capping, cap * tanh(x / cap): of attention scores before masking, and of the final logits.
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # FP8 linear layers (None: the model dtype's).
+    quantization: QuantConfig | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: it attends to the whole context)."""
@@ -298,6 +443,32 @@ class TPShape:
 
 def validate_tensor_parallel(model: ModelConfig, tp: int) -> None:
     TPShape.of_model(model).check(tp)
+    problem = _fp8_block_problem(model, tp)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def _fp8_block_problem(model: ModelConfig, tp: int) -> str | None:
+    """Why each rank's part of a block-scaled FP8 weight would not be whole scale blocks, or None."""
+    quant = model.quantization
+    if quant is None or quant.block_size is None or tp == 1:
+        return None
+    block_n, block_k = quant.block_size
+    kv_local = model.num_kv_heads // tp * model.head_dim if model.num_kv_heads >= tp else model.head_dim
+    attention = model.num_heads * model.head_dim // tp
+    cuts = {"q_proj rows": (attention, block_n), "k_proj/v_proj rows": (kv_local, block_n),
+            "o_proj columns": (attention, block_k)}  # fmt: skip
+    if len(model.moe_layers) < model.num_layers:
+        mlp = model.intermediate_size // tp
+        cuts.update({"gate_proj/up_proj rows": (mlp, block_n), "down_proj columns": (mlp, block_k)})
+    for what, (size, block) in cuts.items():
+        if size % block:
+            return (
+                f"tensor_parallel_size={tp} cuts the FP8 checkpoint's {block_n}x{block_k} weight-scale "
+                f"blocks: each rank's {what} ({size}) are not whole blocks of {block}; use a "
+                "tensor_parallel_size that divides them into whole blocks"
+            )
+    return None
 
 
 def read_config_json(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -414,8 +585,10 @@ def build_model_config(
     device: str = "cpu",
     max_model_len: int | None = None,
     load_format: str = "auto",
+    quantization: str | None = None,
 ) -> ModelConfig:
-    """Read and check a Hugging Face checkpoint folder's config."""
+    """Read and check a Hugging Face checkpoint folder's config. `quantization`: LLM(quantization=...)
+    (see quant_config)."""
     path = str(path)
     if not os.path.isdir(path):
         raise ConfigError(
@@ -486,6 +659,7 @@ def build_model_config(
         load_format=load_format,
         eos_token_ids=_eos_token_ids(path, hf),
         bos_token_id=getattr(hf, "bos_token_id", None),
+        quantization=quant_config(getattr(hf, "quantization_config", None), quantization),
         **specific,
     )
 

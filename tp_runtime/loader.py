@@ -18,10 +18,15 @@ from typing import IO, TYPE_CHECKING
 
 import torch
 
+from tp_runtime.config import QuantConfig
 from tp_runtime.errors import ConfigError
+from tp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tp_runtime.layers.quantization import FP8_DTYPES, UNQUANTIZED
 
 if TYPE_CHECKING:
     from tp_runtime.models.interface import CausalLM
+
+QuantizedLayer = ColumnParallelLinear | RowParallelLinear
 
 # safetensors' dtype names.
 _SAFETENSORS_DTYPES = {
@@ -149,19 +154,23 @@ class SafetensorsFile:
 
 
 class CheckpointTensor:
-    """A tensor in a safetensors file, read lazily and in parts, converted to the model's dtype."""
+    """A tensor in a safetensors file, read lazily and in parts, converted to `dtype` (None: as stored).
+    FP8 tensors stay FP8: their layer's LinearMethod reads them with their scales."""
 
-    def __init__(self, handle: SafetensorsFile, name: str, dtype: torch.dtype) -> None:
+    def __init__(self, handle: SafetensorsFile, name: str, dtype: torch.dtype | None) -> None:
         self._handle = handle
-        self._name = name
+        self.name = name
         self._dtype = dtype
         self.shape: tuple[int, ...] = handle.shape(name)
 
+    def _convert(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self._dtype is None or t.dtype in FP8_DTYPES else t.to(self._dtype)
+
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        return self._handle.read(self._name, dim, start, length).to(self._dtype)
+        return self._convert(self._handle.read(self.name, dim, start, length))
 
     def full(self) -> torch.Tensor:
-        return self._handle.read(self._name).to(self._dtype)
+        return self._convert(self._handle.read(self.name))
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -188,14 +197,90 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def load_weights(model: CausalLM, model_dir: str, dtype: torch.dtype) -> None:
-    """Fill every parameter of `model` from the checkpoint; missing or unknown tensors are errors."""
+class QuantizedCheckpoint:
+    """The FP8 side of loading: which layers the checkpoint leaves unquantized (its ignore list), and the
+    scale tensors (`<module>.weight_scale`, ...), routed to the layer of `<module>.weight`."""
+
+    def __init__(self, model: CausalLM, quant: QuantConfig | None) -> None:
+        self.model = model
+        self.quant = quant
+        modules = model.modules() if isinstance(model, torch.nn.Module) else []
+        self.layers = {id(m.weight): m for m in modules if isinstance(m, QuantizedLayer)}
+        self.scales_missing: set[str] = set()
+        if quant is None:
+            return
+        # A fused layer (q/k/v, gate/up) is quantized or not as a whole.
+        parts: dict[int, list[bool]] = {}
+        for name, _ in model.checkpoint_shapes():
+            layer = self._layer_of(name)
+            if layer is not None and _is_quantized(layer):
+                parts.setdefault(id(layer), []).append(quant.is_ignored(name.removesuffix(".weight")))
+                self.scales_missing.add(name)
+        for layer_id, ignored in parts.items():
+            if all(ignored):
+                layer = next(m for m in self.layers.values() if id(m) == layer_id)
+                layer.use_method(UNQUANTIZED)
+            elif any(ignored):
+                raise ConfigError(
+                    "the checkpoint's quantization_config leaves some of the projections this engine fuses "
+                    "(q/k/v or gate/up) unquantized and not the others; that is not supported"
+                )
+        still_quantized = {n for n in self.scales_missing if _is_quantized(self._layer_of(n))}
+        self.scales_missing = set() if quant.checkpoint_format == "online" else still_quantized
+
+    def _layer_of(self, weight_name: str) -> QuantizedLayer | None:
+        if not weight_name.endswith(".weight"):
+            return None
+        try:
+            targets = list(self.model.checkpoint_targets(weight_name))
+        except KeyError:
+            return None
+        return self.layers.get(id(targets[0][0])) if targets else None
+
+    def load_extra(self, name: str, tensor: CheckpointTensor) -> bool:
+        """Load `name` if it is a quantization tensor (a scale; activation scales are read and dropped:
+        activations get dynamic per-token scales); False if it is not one."""
+        if self.quant is None:
+            return False
+        module, _, suffix = name.rpartition(".")
+        if suffix not in (*self.quant.scale_suffixes, "input_scale"):
+            return False
+        weight = f"{module}.weight"
+        try:
+            targets = list(self.model.checkpoint_targets(weight))
+        except KeyError:
+            return False
+        for param, shard_id in targets:
+            layer = self.layers.get(id(param))
+            if layer is None:
+                raise ConfigError(
+                    f"{name}: FP8 weights are supported for the dense linear layers only, not for this one "
+                    "(mixture-of-experts experts are not supported yet)"
+                )
+            if suffix != "input_scale":
+                layer.load_scale(tensor, shard_id)
+        self.scales_missing.discard(weight)
+        return True
+
+
+def _is_quantized(layer: QuantizedLayer | None) -> bool:
+    return layer is not None and layer.method.quantized
+
+
+def load_weights(
+    model: CausalLM, model_dir: str, dtype: torch.dtype, quant: QuantConfig | None = None
+) -> None:
+    """Fill every parameter of `model` from the checkpoint; missing or unknown tensors are errors.
+    `quant`: the model's FP8 config (its layers are FP8 already; the checkpoint's scales go to them)."""
+    quantized = QuantizedCheckpoint(model, quant)
     # By checkpoint name, not by parameter: a fused or stacked parameter (q/k/v, experts) takes many.
     expected = dict(model.checkpoint_shapes())
     missing = dict(expected)
     for path in safetensors_files(model_dir):
         with SafetensorsFile(path) as handle:
             for name in handle.keys():  # noqa: SIM118 - not a dict
+                if quantized.load_extra(name, CheckpointTensor(handle, name, None)):
+                    continue
                 try:
                     targets = list(model.checkpoint_targets(name))
                 except KeyError:
@@ -214,6 +299,13 @@ def load_weights(model: CausalLM, model_dir: str, dtype: torch.dtype) -> None:
     if missing:
         names = sorted(missing)
         raise ConfigError(f"checkpoint {model_dir} lacks tensors for: {', '.join(names[:8])}")
+    if quantized.scales_missing:
+        names = sorted(quantized.scales_missing)
+        suffix = quant.scale_suffixes[0] if quant is not None else "weight_scale"
+        raise ConfigError(
+            f"checkpoint {model_dir} has FP8 weights without their scales (*.{suffix}): "
+            f"{', '.join(names[:8])}"
+        )
 
 
 class DummyTensor:

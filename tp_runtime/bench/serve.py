@@ -141,8 +141,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--passes",
         type=int,
         default=1,
-        help="send the same workload this many times back to back, each pass measured and reported on its "
-        "own: on a fresh server the first pass is its cold start, the later ones its steady state",
+        help="send the workload this many times back to back, each pass measured and reported on its own: "
+        "on a fresh server the first pass is its cold start, the later ones its steady state (each pass has "
+        "the same lengths, arrivals and shared prefixes, and prompts of its own, so no pass is served "
+        "from the prefix cache of another)",
     )
     parser.add_argument(
         "--request-timeout",
@@ -261,26 +263,29 @@ class Workload:
 
 def make_workload(
     num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, seed: int, kind: str,
-    prefix_len: int = 0, num_prefixes: int = 1,
+    prefix_len: int = 0, num_prefixes: int = 1, pass_number: int = 1,
 ) -> Workload:  # fmt: skip
     """`num` requests of random tokens (or words, for chat). With `prefix_len`, request i starts with shared
     prefix i % num_prefixes (each `prefix_len` tokens) before its own `input_len` (vLLM's prefix-repetition
-    workload); prompt_lens count both."""
+    workload); prompt_lens count both. Every `pass_number` has the same lengths and shared prefixes, and
+    prompts of its own (a repeated prompt would be served from the prefix cache: a later pass would
+    measure cache hits, not a steady state)."""
     rng = np.random.default_rng([seed, 1])
     in_low, in_high = length_bounds(input_len, range_ratio)
     out_low, out_high = length_bounds(output_len, range_ratio)
     input_lens = rng.integers(in_low, in_high + 1, size=num)
     output_lens = rng.integers(out_low, out_high + 1, size=num)
 
-    def draw(n: int) -> list[int] | str:
+    def draw(n: int, source: np.random.Generator = rng) -> list[int] | str:
         if kind == CHAT:
-            return " ".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), size=n))
-        return rng.integers(FIRST_TOKEN_ID, vocab_size, size=n).tolist()
+            return " ".join(_WORDS[i] for i in source.integers(0, len(_WORDS), size=n))
+        return source.integers(FIRST_TOKEN_ID, vocab_size, size=n).tolist()
 
     prefixes = [draw(prefix_len) for _ in range(num_prefixes)] if prefix_len else []
+    own_rng = rng if pass_number == 1 else np.random.default_rng([seed, 1, pass_number])
     prompts: list[list[int] | str] = []
     for i, n in enumerate(input_lens):
-        own = draw(int(n))
+        own = draw(int(n), own_rng)
         if prefixes:
             prefix = prefixes[i % num_prefixes]
             own = f"{prefix} {own}" if isinstance(own, str) else [*prefix, *own]
@@ -467,10 +472,13 @@ async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
     kind = endpoint_kind(args.endpoint)
     url = args.base_url.rstrip("/") + args.endpoint
     headers = _headers(args.api_key)
-    work = make_workload(
-        args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.vocab_size, args.seed, kind,
-        args.prefix_len, args.num_prefixes,
-    )
+    def workload(pass_number: int) -> Workload:  # pass 0: the warm-up requests' prompts
+        return make_workload(
+            args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.vocab_size, args.seed,
+            kind, args.prefix_len, args.num_prefixes, pass_number,
+        )  # fmt: skip
+
+    work = workload(0)
     schedule = arrival_schedule(args.num_prompts, args.request_rate, args.seed)
     passes: list[tuple[list[RequestRecord], float, str]] = []
     async with _client(args, max_connections=args.max_concurrency) as client:
@@ -487,6 +495,7 @@ async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
                     "and the lengths"
                 )
         for number in range(1, args.passes + 1):
+            work = workload(number)
             records = [
                 RequestRecord(index=i, prompt_len=work.prompt_lens[i], output_len=work.output_lens[i],
                               scheduled_s=schedule[i])

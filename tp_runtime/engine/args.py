@@ -41,6 +41,7 @@ AllReduce = Literal["auto", "nccl", "symm_mem"]
 CudaGraphs = Literal["auto", "off", "padded"]
 AttentionBackend = Literal["auto", "torch", "triton", "triton_one_split"]
 FusedKernels = Literal["auto", "torch", "triton"]
+Quantization = Literal["fp8"]
 
 
 def meta(
@@ -112,6 +113,14 @@ class EngineArgs:
         default="auto",
         metadata=meta(
             help="auto: the checkpoint's safetensors; dummy: pseudo-random weights, same at every TP size"
+        ),
+    )
+    quantization: Quantization | None = field(
+        default=None,
+        metadata=meta(
+            help="fp8: FP8 linear layers (e4m3 weights with per-channel scales, quantized at load from a "
+            "16/32-bit checkpoint; an FP8 checkpoint keeps its own scales)",
+            default_help="as the checkpoint says",
         ),
     )
     block_size: int = field(
@@ -238,7 +247,7 @@ class EngineArgs:
         device = resolve_device(self.device)
         model_config = build_model_config(
             model, dtype=self.dtype, device=device, max_model_len=self.max_model_len,
-            load_format=self.load_format,
+            load_format=self.load_format, quantization=self.quantization,
         )  # fmt: skip
         return EngineConfig(
             model=model_config,

@@ -18,6 +18,7 @@ from torch import nn
 
 from tp_runtime.distributed import TPGroup
 from tp_runtime.layers.activation import silu_and_mul
+from tp_runtime.layers.quantization import UNQUANTIZED, LinearMethod, Shard, copy_checked
 
 
 class TensorSource(Protocol):
@@ -153,16 +154,13 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(
-            f"checkpoint tensor for {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
-        )
-    dst.copy_(src)
+_copy_checked = copy_checked  # shape-checked, and refusing an FP8 tensor for a layer that is not FP8
 
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows; each rank holds out_features / tp rows."""
+
+    weight: nn.Parameter  # made by the LinearMethod (with whatever else its layout needs: FP8 scales)
 
     def __init__(
         self,
@@ -173,6 +171,7 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         shard_offsets: list[int] | None = None,
+        method: LinearMethod = UNQUANTIZED,
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -181,22 +180,37 @@ class ColumnParallelLinear(nn.Module):
         self.local_sizes = out_sizes
         self.shard_offsets = shard_offsets or [tp.rank * s for s in out_sizes]
         total = sum(out_sizes)
-        self.weight = _param((total, in_features), dtype, device)
-        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+        self._weight_shape = (total, in_features, dtype, device)
+        self.use_method(method)
         if bias:
             self.bias: nn.Parameter | None = _param((total,), dtype, device)
-            self.bias.weight_loader = self._load  # type: ignore[attr-defined]
+            self.bias.weight_loader = self._load_bias  # type: ignore[attr-defined]
         else:
             self.bias = None
 
-    def _load(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
+    def use_method(self, method: LinearMethod) -> None:
+        """Store (and multiply) the weight as `method` does; its weights are made anew, empty."""
+        self.method = method
+        method.create_weights(self, *self._weight_shape)
+        self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
+
+    def shard(self, shard_id: int) -> Shard:
         size = self.local_sizes[shard_id]
-        start = sum(self.local_sizes[:shard_id])
-        data = source.narrow(0, self.shard_offsets[shard_id], size)
-        _copy_checked(param.data.narrow(0, start, size), data, type(self).__name__)
+        return Shard(0, self.shard_offsets[shard_id], size, sum(self.local_sizes[:shard_id]))
+
+    def _load_weight(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
+        self.method.load_weight(self, source, self.shard(shard_id))
+
+    def load_scale(self, source: TensorSource, shard_id: int = 0) -> None:
+        self.method.load_scale(self, source, self.shard(shard_id))
+
+    def _load_bias(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
+        shard = self.shard(shard_id)
+        data = source.narrow(0, shard.start, shard.length)
+        _copy_checked(param.data.narrow(0, shard.dst_start, shard.length), data, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -210,9 +224,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
+        method: LinearMethod = UNQUANTIZED,
     ) -> None:
         local = [divide(o, tp.world_size) for o in out_features]
-        super().__init__(in_features, local, bias, tp, dtype, device)
+        super().__init__(in_features, local, bias, tp, dtype, device, method=method)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -229,6 +244,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
+        method: LinearMethod = UNQUANTIZED,
     ) -> None:
         self.num_local_heads = divide(num_heads, tp.world_size)
         if num_kv_heads >= tp.world_size:
@@ -240,11 +256,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_size = self.num_local_heads * head_dim
         kv_size = self.num_local_kv_heads * head_dim
         offsets = [tp.rank * q_size, kv_head_start * head_dim, kv_head_start * head_dim]
-        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias, tp, dtype, device, offsets)
+        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias, tp, dtype, device, offsets, method)
 
 
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_local W_local^T) + b with W split by input columns."""
+
+    weight: nn.Parameter  # made by the LinearMethod
 
     def __init__(
         self,
@@ -254,22 +272,34 @@ class RowParallelLinear(nn.Module):
         tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
+        method: LinearMethod = UNQUANTIZED,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.matmul: Matmul = TORCH_MATMUL
         self.local_in = divide(in_features, tp.world_size)
-        self.weight = _param((out_features, self.local_in), dtype, device)
-        self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
+        self._weight_shape = (out_features, self.local_in, dtype, device)
+        self.use_method(method)
         if bias:
             self.bias: nn.Parameter | None = _param((out_features,), dtype, device)
             self.bias.weight_loader = self._load_bias  # type: ignore[attr-defined]
         else:
             self.bias = None
 
+    def use_method(self, method: LinearMethod) -> None:
+        """Store (and multiply) the weight as `method` does; its weights are made anew, empty."""
+        self.method = method
+        method.create_weights(self, *self._weight_shape)
+        self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
+
+    def shard(self, shard_id: int = 0) -> Shard:
+        return Shard(1, self.tp.rank * self.local_in, self.local_in)
+
     def _load_weight(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
-        data = source.narrow(1, self.tp.rank * self.local_in, self.local_in)
-        _copy_checked(param.data, data, type(self).__name__)
+        self.method.load_weight(self, source, self.shard())
+
+    def load_scale(self, source: TensorSource, shard_id: int = 0) -> None:
+        self.method.load_scale(self, source, self.shard())
 
     def _load_bias(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
         _copy_checked(param.data, source.full(), type(self).__name__)
@@ -284,10 +314,7 @@ class RowParallelLinear(nn.Module):
         # One rank: the bias goes into the matmul, rounded once with the product as nn.Linear does; more
         # ranks: added once, after the sum.
         bias = self.bias if self.tp.world_size == 1 else None
-        if silu_mul:
-            y = self.matmul.silu_mul_linear(x, self.weight, bias)
-        else:
-            y = self.matmul.linear(x, self.weight, bias)
+        y = self.method.apply(self, x, bias, silu_mul)
         if not reduce:
             return y
         y = self.tp.all_reduce(y)

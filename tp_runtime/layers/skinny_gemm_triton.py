@@ -46,11 +46,12 @@ def _load_x(
 
 @triton.jit
 def _skinny_row_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, N, K, x_stride, w_stride, out_stride,
+    x_ptr, w_ptr, bias_ptr, out_ptr, scale_ptr, N, K, x_stride, w_stride, out_stride, scale_stride,
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One program per (BLOCK_N output features, row)."""
+    """One program per (BLOCK_N output features, row). SCALE (FP8 weights): 1, one scale per row, applied
+    to the sum; 2, one per row and SCALE_BLOCK_K columns (a multiple of BLOCK_K), applied per tile."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1)
     n_mask = n < N
@@ -66,8 +67,14 @@ def _skinny_row_kernel(
         else:
             w_mask = n_mask[:, None] & k_mask[None, :]
             w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * xk[None, :]
+        if SCALE == 2:
+            s = tl.load(scale_ptr + n.to(tl.int64) * scale_stride + k_start // SCALE_BLOCK_K, mask=n_mask)
+            acc += w.to(tl.float32) * xk[None, :] * s[:, None]
+        else:
+            acc += w.to(tl.float32) * xk[None, :]
     y = tl.sum(acc, axis=1)
+    if SCALE == 1:
+        y *= tl.load(scale_ptr + n.to(tl.int64) * scale_stride, mask=n_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)  # added before the one rounding
     tl.store(out_ptr + row.to(tl.int64) * out_stride + n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -75,12 +82,14 @@ def _skinny_row_kernel(
 
 @triton.jit
 def _few_rows_dot_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride,
+    x_ptr, w_ptr, bias_ptr, out_ptr, scale_ptr, M, N, K, x_stride, w_stride, out_stride, scale_stride,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FP32: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FP32: tl.constexpr, SCALE: tl.constexpr,
+    SCALE_BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One program per BLOCK_N output features for all (up to BLOCK_M) rows: tensor-core products (exact
-    float32 products for float32, no TF32), each weight tile read once."""
+    float32 products for float32, no TF32), each weight tile read once. FP8 weights (SCALE 1 or 2, as in
+    _skinny_row_kernel) are converted to x's dtype in registers."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     m = tl.arange(0, BLOCK_M)
@@ -97,10 +106,18 @@ def _few_rows_dot_kernel(
         else:
             w_mask = n_mask[:, None] & k_mask[None, :]
             w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        w = w.to(xk.dtype)
         if FP32:
-            acc += tl.dot(xk, tl.trans(w), input_precision="ieee")
+            part = tl.dot(xk, tl.trans(w), input_precision="ieee")
         else:
-            acc += tl.dot(xk, tl.trans(w))
+            part = tl.dot(xk, tl.trans(w))
+        if SCALE == 2:
+            s = tl.load(scale_ptr + n.to(tl.int64) * scale_stride + k_start // SCALE_BLOCK_K, mask=n_mask)
+            acc += part * s[None, :]
+        else:
+            acc += part
+    if SCALE == 1:
+        acc *= tl.load(scale_ptr + n.to(tl.int64) * scale_stride, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + m.to(tl.int64)[:, None] * out_stride + n[None, :]
@@ -129,15 +146,42 @@ def default_config(n: int, num_sms: int) -> SkinnyConfig:
     return SkinnyConfig(4, 1024, 4)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_width: int) -> None:
+def _check(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_width: int, scale: torch.Tensor | None
+) -> None:
     if x.dim() != 2 or x.shape[1] != x_width:
         raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight need unit column stride")
-    if x.dtype != weight.dtype or x.device != weight.device:
-        raise ValueError(f"x ({x.dtype}, {x.device}) and weight ({weight.dtype}, {weight.device}) differ")
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if (x.dtype != weight.dtype and not fp8) or x.device != weight.device or fp8 != (scale is not None):
+        raise ValueError(
+            f"x ({x.dtype}, {x.device}) and weight ({weight.dtype}, {weight.device}) differ, or an FP8 "
+            "weight comes without its scales"
+        )
+    if scale is not None and (
+        scale.dtype != torch.float32
+        or scale.dim() != 2
+        or scale.shape[0] != weight.shape[0]
+        or scale.stride(1) != 1
+    ):
+        raise ValueError(
+            f"FP8 scales {tuple(scale.shape)} {scale.dtype} do not fit weight {tuple(weight.shape)}"
+        )
     if bias is not None and (bias.shape != weight.shape[:1] or bias.stride(0) != 1):
         raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
+
+
+def _scale_mode(scale: torch.Tensor | None, scale_block_k: int, block_k: int) -> tuple[int, int]:
+    """(SCALE, the BLOCK_K to launch with): 0 no scales, 1 one per row, 2 one per row and scale_block_k
+    columns (BLOCK_K lowered to divide scale_block_k)."""
+    if scale is None:
+        return 0, block_k
+    if scale.shape[1] == 1:
+        return 1, block_k
+    if scale_block_k & (scale_block_k - 1):
+        raise ValueError(f"FP8 scale blocks of {scale_block_k} columns: a power of two is needed")
+    return 2, min(block_k, scale_block_k)
 
 
 def skinny_linear(
@@ -147,25 +191,30 @@ def skinny_linear(
     silu_mul: bool = False,
     config: SkinnyConfig | None = None,
     num_sms: int = 132,
+    scale: torch.Tensor | None = None,
+    scale_block_k: int = 0,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias), float32 accumulation, rounded once to x's dtype. Meant for M = 1:
     each row reads the weight again.
     `silu_mul`: x is the [M, 2K] gate|up projection output and silu(gate) * up (rounded as the separate
-    SiLU-mul kernel rounds) is multiplied instead."""
+    SiLU-mul kernel rounds) is multiplied instead.
+    `scale`: an FP8 weight's float32 scales [N, cdiv(K, scale_block_k)] (layers/quantization/fp8.py)."""
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-d, got {tuple(weight.shape)}")
     n, k = weight.shape
-    _check(x, weight, bias, 2 * k if silu_mul else k)
+    _check(x, weight, bias, 2 * k if silu_mul else k, scale)
     rows = x.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
     cfg = config or default_config(n, num_sms)
+    mode, block_k = _scale_mode(scale, scale_block_k, cfg.block_k)
     _skinny_row_kernel[(triton.cdiv(n, cfg.block_n), rows)](
-        x, weight, weight if bias is None else bias, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        x, weight, weight if bias is None else bias, out, weight if scale is None else scale, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), 0 if scale is None else scale.stride(0),
+        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=k % block_k == 0, SCALE=mode, SCALE_BLOCK_K=max(scale_block_k, 1),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
@@ -190,24 +239,39 @@ def few_rows_config(
     return None
 
 
+def fp8_few_rows_config(n: int, scale_block_k: int, num_sms: int) -> SkinnyConfig:
+    """few_rows_linear's launch shape for an FP8 weight (there is no cuBLAS weight-only FP8 to fall back
+    to): 32-feature tiles, fewer where that leaves SMs idle."""
+    block_n = 32 if n >= 32 * num_sms else 16
+    return SkinnyConfig(block_n, min(256, scale_block_k) if scale_block_k > 1 else 256, 4, 4)
+
+
 def few_rows_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: SkinnyConfig,
+    scale: torch.Tensor | None = None,
+    scale_block_k: int = 0,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias) for M <= MAX_FEW_ROWS in one pass over the weight (tensor cores;
-    float32 products exact, as F.linear's without TF32), float32 accumulation rounded once."""
+    float32 products exact, as F.linear's without TF32), float32 accumulation rounded once. `scale`: as
+    in skinny_linear."""
     n, k = weight.shape
-    _check(x, weight, bias, k)
+    _check(x, weight, bias, k, scale)
     rows = x.shape[0]
     if rows > MAX_FEW_ROWS:
         raise ValueError(f"few_rows_linear takes at most {MAX_FEW_ROWS} rows, got {rows}")
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
+    mode, block_k = _scale_mode(scale, scale_block_k, config.block_k)
     _few_rows_dot_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, weight if bias is None else bias, out, rows, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(rows)),
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_N=n % config.block_n == 0,
-        EVEN_K=k % config.block_k == 0, FP32=x.dtype == torch.float32, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        x, weight, weight if bias is None else bias, out, weight if scale is None else scale, rows, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), 0 if scale is None else scale.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(rows)),
+        BLOCK_N=config.block_n, BLOCK_K=block_k, EVEN_N=n % config.block_n == 0,
+        EVEN_K=k % block_k == 0, FP32=x.dtype == torch.float32, SCALE=mode,
+        SCALE_BLOCK_K=max(scale_block_k, 1), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

@@ -25,6 +25,7 @@ from tp_runtime.layers.linear import (
     use_matmul,
 )
 from tp_runtime.layers.norm import RMSNorm
+from tp_runtime.layers.quantization import linear_method
 from tp_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from tp_runtime.models.interface import CheckpointEntry, FeedForward
 
@@ -37,13 +38,15 @@ class LlamaAttention(nn.Module):
         self.config = cfg
         self.fused = fused
         self.head_dim = cfg.head_dim
+        method = linear_method(cfg.quantization, device)
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp, dtype, device
-        )
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp, dtype, device,
+            method,
+        )  # fmt: skip
         self.num_heads = self.qkv_proj.num_local_heads
         self.num_kv_heads = self.qkv_proj.num_local_kv_heads
         self.o_proj = RowParallelLinear(
-            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, tp, dtype, device
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, tp, dtype, device, method
         )
         self.scale = cfg.head_dim**-0.5
         # This layer's sliding window and attention logit soft-cap (Gemma 2 sets them per layer).
@@ -108,10 +111,11 @@ class LlamaMLP(nn.Module):
         self.config = cfg
         self.fused = fused
         size = cfg.intermediate_size
+        method = linear_method(cfg.quantization, device)
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [size, size], cfg.mlp_bias, tp, dtype, device
+            cfg.hidden_size, [size, size], cfg.mlp_bias, tp, dtype, device, method
         )
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, tp, dtype, device)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, tp, dtype, device, method)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x), reduce, silu_mul=True)

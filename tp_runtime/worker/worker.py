@@ -148,7 +148,7 @@ class Worker:
         if mc.load_format == "dummy":
             init_dummy_weights(model, self.config.seed, dtype, self.device)
         else:
-            load_weights(model, mc.path, dtype)
+            load_weights(model, mc.path, dtype, mc.quantization)
         model.eval()
         self.runner = ModelRunner(self.config, model, self.device, self.rank)
 

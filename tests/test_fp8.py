@@ -1,0 +1,314 @@
+"""FP8 linear layers (layers/quantization/fp8.py) against HF transformers running the dequantized weights.
+
+Each FP8 checkpoint here is written from a tiny random model: every linear weight quantized with a scale
+per output channel, per tensor or per block, in compressed-tensors' or transformers' FP8 layout. Its
+reference is the same model with the weights those FP8 values and scales stand for (dequantized here, in
+float32, written independently of the engine's code) loaded by transformers. On the CPU the engine
+multiplies by the dequantized weight in float32, so greedy tokens must be equal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from conftest import assert_same_tokens, count_checkpoint_reads, hf_greedy, random_prompts
+from safetensors.torch import load_file, save_file
+
+from tp_runtime import LLM, SamplingParams, loader
+from tp_runtime.config import QuantConfig, build_model_config, quant_config
+from tp_runtime.distributed import TPGroup
+from tp_runtime.errors import ConfigError
+from tp_runtime.models.llama import LlamaForCausalLM
+
+LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+E4M3_MAX = 448.0
+
+
+def _quantize(w: torch.Tensor, scheme: str, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 weight, scale) with scale = amax / 448 over a channel, the tensor or a block."""
+    w = w.float()
+    if scheme == "tensor":
+        scale = (w.abs().max() / E4M3_MAX).reshape(1)
+        return (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+    if scheme == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+        return (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+    bn, bk = block
+    rows, cols = w.shape
+    scale = torch.empty(math.ceil(rows / bn), math.ceil(cols / bk))
+    q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk]
+            scale[i, j] = tile.abs().max() / E4M3_MAX
+            q[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, scheme: str, block: tuple[int, int]) -> torch.Tensor:
+    if scheme != "block":
+        return q.float() * scale
+    full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return q.float() * full[: q.shape[0], : q.shape[1]]
+
+
+def write_fp8(
+    src: Path,
+    out: Path,
+    fmt: str,
+    scheme: str,
+    block: tuple[int, int] = (16, 16),
+    ignore: tuple[str, ...] = (),
+) -> Path:
+    """An FP8 copy of checkpoint `src` at out/fp8 and its dequantized float32 reference at out/ref."""
+    fp8_dir, ref_dir = out / "fp8", out / "ref"
+    if (fp8_dir / "config.json").is_file():
+        return out
+    shutil.copytree(src, fp8_dir)
+    shutil.copytree(src, ref_dir)
+    tensors = load_file(str(src / "model.safetensors"))
+    quantized: dict[str, torch.Tensor] = {}
+    reference: dict[str, torch.Tensor] = {}
+    scale_name = "weight_scale_inv" if fmt == "fp8" and scheme == "block" else "weight_scale"
+    for name, t in tensors.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEAR_SUFFIXES and module not in ignore:
+            q, scale = _quantize(t, scheme, block)
+            quantized[name], quantized[f"{module}.{scale_name}"] = q, scale
+            reference[name] = _dequantize(q, scale, scheme, block)
+        else:
+            quantized[name] = reference[name] = t
+    save_file(quantized, str(fp8_dir / "model.safetensors"))
+    save_file(reference, str(ref_dir / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    if fmt == "fp8":
+        qc: dict[str, Any] = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "modules_to_not_convert": list(ignore),
+        }
+        if scheme == "block":
+            qc["weight_block_size"] = list(block)
+    else:
+        weights: dict[str, Any] = {
+            "num_bits": 8,
+            "type": "float",
+            "strategy": scheme,
+            "symmetric": True,
+            "dynamic": False,
+        }
+        if scheme == "block":
+            weights["block_structure"] = list(block)
+        qc = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": weights,
+                    "input_activations": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "strategy": "token",
+                        "dynamic": True,
+                    },
+                }
+            },
+            "ignore": ["lm_head", *ignore],
+        }
+    config["quantization_config"] = qc
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _greedy(
+    model: Path, prompts: list[list[int]], tp: int, max_tokens: int = 8, **options: Any
+) -> list[list[int]]:
+    llm = LLM(str(model), tensor_parallel_size=tp, dtype="float32", device="cpu", **options)
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+CASES = {
+    "llama-ct-channel-tp2": ("LlamaForCausalLM", "compressed-tensors", "channel", 2),
+    "qwen3-ct-tensor": ("Qwen3ForCausalLM", "compressed-tensors", "tensor", 1),
+    "llama-fp8-block-tp2": ("LlamaForCausalLM", "fp8", "block", 2),
+    "qwen3-ct-block": ("Qwen3ForCausalLM", "compressed-tensors", "block", 1),
+    "llama-fp8-tensor": ("LlamaForCausalLM", "fp8", "tensor", 1),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_checkpoint_matches_hf_on_dequantized_weights(
+    case: str, make_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    arch, fmt, scheme, tp = CASES[case]
+    extra = {"head_dim": 32} if arch == "Qwen3ForCausalLM" else {}
+    src = make_checkpoint(arch, seed=3, **extra)
+    out = write_fp8(src, tmp_path_factory.mktemp(case), fmt, scheme)
+    prompts = random_prompts((5, 17, 33), 300, seed=11)
+    want = hf_greedy(out / "ref", prompts, 8)
+    assert_same_tokens(_greedy(out / "fp8", prompts, tp), want, prompts)
+
+
+def test_fp8_ignore_list_keeps_modules_unquantized(make_checkpoint: Any, tmp_path: Path) -> None:
+    src = make_checkpoint("LlamaForCausalLM", seed=3)
+    mlp = tuple(f"model.layers.1.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
+    out = write_fp8(src, tmp_path, "compressed-tensors", "channel", ignore=mlp)
+    cfg = build_model_config(out / "fp8", dtype="float32")
+    model = LlamaForCausalLM(cfg, TPGroup(), torch.float32, torch.device("cpu"))
+    loader.load_weights(model, str(out / "fp8"), torch.float32, cfg.quantization)
+    layers = model.model.layers
+    assert layers[1].mlp.down_proj.weight.dtype == torch.float32  # type: ignore[union-attr]
+    assert layers[1].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn  # type: ignore[union-attr]
+    prompts = random_prompts((9, 21), 300, seed=5)
+    assert_same_tokens(_greedy(out / "fp8", prompts, 1), hf_greedy(out / "ref", prompts, 8), prompts)
+
+
+def _qdq_per_channel(w: torch.Tensor) -> torch.Tensor:
+    """What online quantization must give: per-output-row amax / 448 scales, round to e4m3, back."""
+    scale = w.float().abs().amax(dim=1, keepdim=True) / E4M3_MAX
+    return (w.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_online_fp8_matches_hf_on_quantized_weights(tp: int, make_checkpoint: Any, tmp_path: Path) -> None:
+    src = make_checkpoint("LlamaForCausalLM", seed=4)
+    ref = tmp_path / "ref"
+    shutil.copytree(src, ref)
+    tensors = load_file(str(src / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.removesuffix(".weight").rsplit(".", 1)[-1] in LINEAR_SUFFIXES:
+            tensors[name] = _qdq_per_channel(t)
+    save_file(tensors, str(ref / "model.safetensors"))
+    prompts = random_prompts((6, 19, 40), 300, seed=8)
+    got = _greedy(src, prompts, tp, quantization="fp8")
+    assert_same_tokens(got, hf_greedy(ref, prompts, 8), prompts)
+
+
+def test_online_fp8_weights_are_fp8_and_counted_at_their_size(make_checkpoint: Any) -> None:
+    src = make_checkpoint("LlamaForCausalLM", seed=4)
+    plain = build_model_config(src, dtype="float32")
+    cfg = build_model_config(src, dtype="float32", quantization="fp8")
+    assert cfg.quantization == QuantConfig(checkpoint_format="online", weight_scales="channel")
+    models = []
+    for c in (plain, cfg):
+        m = LlamaForCausalLM(c, TPGroup(), torch.float32, torch.device("cpu"))
+        loader.load_weights(m, str(src), torch.float32, c.quantization)
+        models.append(m)
+    qkv = models[1].model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr]
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (qkv.weight.shape[0], 1)
+    # Each linear weight: 1 byte per element plus a float32 scale per row, instead of 4 bytes.
+    linear = sum(p.numel() for n, p in models[0].named_parameters() if n.endswith("proj.weight"))
+    rows = sum(p.shape[0] for n, p in models[0].named_parameters() if n.endswith("proj.weight"))
+    assert models[0].decode_weight_bytes() - models[1].decode_weight_bytes() == 3 * linear - 4 * rows
+
+
+def test_block_checkpoint_loads_each_ranks_slice_only(
+    make_checkpoint: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = make_checkpoint("LlamaForCausalLM", seed=3)
+    out = write_fp8(src, tmp_path, "fp8", "block")
+    cfg = build_model_config(out / "fp8", dtype="float32")
+    stored = load_file(str(out / "fp8" / "model.safetensors"))
+    ref = load_file(str(out / "ref" / "model.safetensors"))
+    read = count_checkpoint_reads(monkeypatch)
+    full = sum(t.numel() for t in stored.values())
+    for rank in range(2):
+        read.clear()
+        model = LlamaForCausalLM(cfg, TPGroup(rank, 2), torch.float32, torch.device("cpu"))
+        loader.load_weights(model, str(out / "fp8"), torch.float32, cfg.quantization)
+        assert sum(read) < full / 2 * 1.35, (rank, sum(read), full)
+        # The rank's dequantized down projection is its columns of the reference's.
+        down = model.model.layers[0].mlp.down_proj  # type: ignore[union-attr]
+        from tp_runtime.layers.quantization.fp8 import dequantize
+
+        got = dequantize(down.weight, down.weight_scale, down.scale_block_k, torch.float32)
+        want = ref["model.layers.0.mlp.down_proj.weight"].chunk(2, dim=1)[rank]
+        assert torch.equal(got, want)
+
+
+def test_blocks_that_do_not_divide_across_ranks_are_a_config_error(
+    make_checkpoint: Any, tmp_path: Path
+) -> None:
+    src = make_checkpoint("LlamaForCausalLM", seed=3)
+    # 32-row blocks: each rank's 16 rows of k (2 KV heads of 16 over 2 ranks) would start inside one.
+    out = write_fp8(src, tmp_path, "fp8", "block", block=(32, 32))
+    with pytest.raises(ConfigError, match="block"):
+        LLM(str(out / "fp8"), tensor_parallel_size=2, dtype="float32", device="cpu")
+
+
+def test_fp8_checkpoint_errors(make_checkpoint: Any, tmp_path: Path) -> None:
+    src = make_checkpoint("LlamaForCausalLM", seed=3)
+    out = write_fp8(src, tmp_path / "a", "compressed-tensors", "channel")
+    cfg = build_model_config(out / "fp8", dtype="float32")
+
+    def load(folder: Path) -> None:
+        model = LlamaForCausalLM(cfg, TPGroup(), torch.float32, torch.device("cpu"))
+        loader.load_weights(model, str(folder), torch.float32, cfg.quantization)
+
+    tensors = load_file(str(out / "fp8" / "model.safetensors"))
+    broken = tmp_path / "missing-scale"
+    shutil.copytree(out / "fp8", broken)
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.0.self_attn.k_proj.weight_scale"},
+              str(broken / "model.safetensors"))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"without their scales.*k_proj"):
+        load(broken)
+    # A 32-bit weight where the config says FP8: not silently used without a scale.
+    unquantized = dict(tensors)
+    unquantized["model.layers.0.self_attn.o_proj.weight"] = torch.ones(64, 64)
+    save_file(unquantized, str(broken / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"o_proj\.weight is torch\.float32.*ignore list"):
+        load(broken)
+    # Part of a fused projection ignored.
+    partial = tmp_path / "partial"
+    write_fp8(src, partial, "compressed-tensors", "channel", ignore=("model.layers.0.self_attn.q_proj",))
+    with pytest.raises(ConfigError, match="some of the projections"):
+        LLM(str(partial / "fp8"), dtype="float32", device="cpu")
+    with pytest.raises(ConfigError, match="'awq', which is not supported"):
+        quant_config({"quant_method": "awq", "bits": 4}, None)
+    with pytest.raises(ConfigError, match="quantization must be one of fp8"):
+        quant_config(None, "int8")
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "group"}}
+    with pytest.raises(ConfigError, match="strategy 'group'"):
+        quant_config(
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {"g": group},
+            },
+            None,
+        )
+
+
+def test_quantization_option_on_the_command_line() -> None:
+    from tp_runtime.engine.args import EngineArgs
+
+    parser = __import__("argparse").ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert parser.parse_args(["--quantization", "fp8"]).quantization == "fp8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int4"])
+
+
+def test_transformers_reads_the_written_configs(make_checkpoint: Any, tmp_path: Path) -> None:
+    """The written configs are ones transformers accepts (its AutoConfig is what the engine reads)."""
+    src = make_checkpoint("LlamaForCausalLM", seed=3)
+    for fmt in ("fp8", "compressed-tensors"):
+        out = write_fp8(src, tmp_path / fmt, fmt, "block")
+        hf = transformers.AutoConfig.from_pretrained(out / "fp8")
+        assert quant_config(getattr(hf, "quantization_config", None), None) is not None

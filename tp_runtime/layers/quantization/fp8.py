@@ -1,0 +1,227 @@
+"""FP8 linear layers: float8_e4m3fn weights with float32 scales, from an FP8 checkpoint or quantized at load.
+
+Weight layout (every scale scheme alike): `weight` [rows, cols] e4m3 and `weight_scale` [rows,
+cdiv(cols, scale_block_k)] float32, the value of weight[n, k] being weight[n, k] * weight_scale[n, k //
+scale_block_k]. Per-channel and per-tensor scales have one column (scale_block_k = cols; a per-tensor
+scale is repeated over its tensor's rows, so q, k and v of a fused layer keep their own); block scales
+are repeated over their block's rows, so a fused layer's parts need not start on a block boundary and a
+kernel finds a row's scales at a fixed stride. That costs 4 bytes per 128 weights (3 %) of extra reads.
+
+The matmul is `Fp8Kernels`, picked from the device: on the CPU the dequantized weight in the compute dtype
+(what the tests compare against transformers running the same dequantized weights); on CUDA weight-only
+Triton kernels for up to 32 rows (decode: the weight's bytes are the step's cost) and FP8 tensor cores
+for more (torch._scaled_mm with per-token activation scales).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tp_runtime.config import FP8_E4M3_MAX, QuantConfig
+from tp_runtime.errors import ConfigError
+from tp_runtime.layers.activation import silu_and_mul
+from tp_runtime.layers.quantization import (
+    FP8_DTYPES,
+    LinearMethod,
+    QuantizableLinear,
+    Shard,
+    copy_checked,
+    shard_rows,
+    tensor_name,
+)
+
+if TYPE_CHECKING:
+    from tp_runtime.layers.linear import TensorSource
+
+FP8 = torch.float8_e4m3fn
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """weight * scale (repeated over its block of columns) in float32, rounded once to `dtype`."""
+    w = weight.to(torch.float32)
+    if scale.shape[1] == 1:
+        return (w * scale).to(dtype)
+    return (w * scale.repeat_interleave(block_k, dim=1)[:, : w.shape[1]]).to(dtype)
+
+
+def quantize_rows(data: torch.Tensor, row_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row scales amax / 448 (1 for an all-zero row) and data / scale rounded to e4m3."""
+    scale = torch.where(row_amax > 0, row_amax / FP8_E4M3_MAX, torch.ones_like(row_amax))
+    q = (data.to(torch.float32) / scale[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8)
+    return q, scale
+
+
+class Fp8Kernels:
+    """The reference matmul (CPU): dequantize, then F.linear in the compute dtype."""
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        block_k: int,
+        bias: torch.Tensor | None,
+        silu_mul: bool,
+    ) -> torch.Tensor:
+        if silu_mul:
+            x = silu_and_mul(x)
+        return F.linear(x, dequantize(weight, scale, block_k, x.dtype), bias)
+
+
+class CudaFp8Kernels(Fp8Kernels):
+    """Up to MAX_FEW_ROWS rows: the weight-only Triton kernels (layers/skinny_gemm_triton.py), which read
+    the FP8 weight once and dequantize in registers. More rows: W8A8 on FP8 tensor cores, each row of x
+    quantized with its own scale; block-scaled weights dequantized first (no block-scaled GEMM here yet)."""
+
+    def __init__(self, num_sms: int) -> None:
+        self.num_sms = num_sms
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        block_k: int,
+        bias: torch.Tensor | None,
+        silu_mul: bool,
+    ) -> torch.Tensor:
+        from tp_runtime.layers import skinny_gemm_triton as kernels  # Triton: imported where it runs
+
+        rows = x.shape[0] if x.dim() == 2 else -1
+        if 1 <= rows <= kernels.MAX_FEW_ROWS:
+            if rows == 1:
+                return kernels.skinny_linear(
+                    x,
+                    weight,
+                    bias,
+                    silu_mul=silu_mul,
+                    num_sms=self.num_sms,
+                    scale=scale,
+                    scale_block_k=block_k,
+                )
+            if silu_mul:
+                x = silu_and_mul(x, fused=True)
+            cfg = kernels.fp8_few_rows_config(weight.shape[0], block_k, self.num_sms)
+            return kernels.few_rows_linear(x, weight, bias, cfg, scale=scale, scale_block_k=block_k)
+        if silu_mul:
+            x = silu_and_mul(x, fused=True)
+        n, k = weight.shape
+        if scale.shape[1] != 1 or x.dim() != 2 or x.dtype != torch.bfloat16 or n % 16 or k % 16:
+            # (_scaled_mm takes bfloat16 output with per-row scales, and sizes in multiples of 16)
+            return F.linear(x, dequantize(weight, scale, block_k, x.dtype), bias)
+        x_amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32).clamp_(min=1e-12)
+        x_scale = x_amax / FP8_E4M3_MAX
+        xq = (x.to(torch.float32) / x_scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8)
+        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, n), out_dtype=x.dtype)
+        return out if bias is None else out + bias
+
+
+class Fp8LinearMethod(LinearMethod):
+    quantized = True
+
+    def __init__(self, config: QuantConfig, kernels: Fp8Kernels) -> None:
+        self.config = config
+        self.kernels = kernels
+        self.online = config.checkpoint_format == "online"
+
+    @classmethod
+    def for_device(cls, config: QuantConfig, device: torch.device) -> Fp8LinearMethod:
+        if device.type == "cuda":
+            return cls(config, CudaFp8Kernels(torch.cuda.get_device_properties(device).multi_processor_count))
+        return cls(config, Fp8Kernels())
+
+    def create_weights(
+        self, layer: nn.Module, rows: int, cols: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        block_k = self.config.block_size[1] if self.config.block_size else cols
+        layer.weight = nn.Parameter(torch.empty((rows, cols), dtype=FP8, device=device), requires_grad=False)
+        scale = torch.ones((rows, _cdiv(cols, block_k)), dtype=torch.float32, device=device)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        setattr(layer, "scale_block_k", block_k)  # noqa: B010 - a plain int attribute of an nn.Module
+
+    def load_weight(self, layer: QuantizableLinear, source: TensorSource, shard: Shard) -> None:
+        data = source.narrow(shard.dim, shard.start, shard.length)
+        name = tensor_name(source)
+        rows = shard_rows(layer.weight.data, shard)
+        if data.dtype in FP8_DTYPES:
+            if data.dtype != FP8:
+                raise ConfigError(f"{name} is {data.dtype}; only float8_e4m3fn FP8 weights are supported")
+            copy_checked(rows, data, name)
+            return
+        if not self.online:
+            raise ConfigError(
+                f"{name} is {data.dtype}, but the checkpoint's quantization_config makes its layer FP8 (name "
+                "the module in the config's ignore list, or re-export the checkpoint)"
+            )
+        amax = data.abs().amax(dim=1).to(torch.float32)
+        if shard.dim == 1 and layer.tp.world_size > 1:
+            # Every rank holds some columns of each row: one scale per whole row, as at TP=1.
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+        q, scale = quantize_rows(data, amax)
+        copy_checked(rows, q, name)
+        shard_rows(_scale(layer), shard).copy_(scale[:, None])
+
+    def load_scale(self, layer: QuantizableLinear, source: TensorSource, shard: Shard) -> None:
+        name = tensor_name(source)
+        if self.online:
+            raise ConfigError(f"{name}: a weight scale in a checkpoint being quantized at load")
+        target = shard_rows(_scale(layer), shard)
+        shape = tuple(source.shape)
+        scheme = self.config.weight_scales
+        if scheme == "tensor":
+            value = source.full().to(torch.float32).reshape(-1)
+            if value.numel() != 1:
+                raise ConfigError(f"{name} has shape {list(shape)}; a per-tensor FP8 scale has one value")
+            target.fill_(value.item())
+        elif scheme == "channel":
+            if shard.dim == 0:
+                part = source.narrow(0, shard.start, shard.length)
+            else:
+                part = source.full()
+            if part.numel() != target.shape[0]:
+                raise ConfigError(
+                    f"{name} has shape {list(shape)}; per-channel FP8 scales have one value per output row"
+                )
+            target.copy_(part.to(torch.float32).reshape(-1, 1))
+        else:
+            block_n, block_k = self.config.block_size or (1, 1)
+            start_block = shard.start // (block_n if shard.dim == 0 else block_k)
+            if shard.start % (block_n if shard.dim == 0 else block_k):
+                raise ConfigError(
+                    f"{name}: this rank's part of the weight starts inside a {block_n}x{block_k} FP8 scale "
+                    "block; use a tensor_parallel_size whose shards are whole blocks"
+                )
+            if len(shape) != 2:
+                raise ConfigError(f"{name} has shape {list(shape)}; FP8 block scales are 2-d")
+            if shard.dim == 0:
+                part = source.narrow(0, start_block, _cdiv(shard.length, block_n))
+                part = part.to(torch.float32).repeat_interleave(block_n, dim=0)[: shard.length]
+            else:
+                part = source.narrow(1, start_block, _cdiv(shard.length, block_k))
+                part = part.to(torch.float32).repeat_interleave(block_n, dim=0)[: target.shape[0]]
+            if part.shape != target.shape:
+                raise ConfigError(
+                    f"{name} has shape {list(shape)}, which does not tile its weight in "
+                    f"{block_n}x{block_k} blocks"
+                )
+            target.copy_(part)
+
+    def apply(
+        self, layer: QuantizableLinear, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False
+    ) -> torch.Tensor:
+        block_k: int = getattr(layer, "scale_block_k")  # noqa: B009 - set by create_weights
+        return self.kernels.linear(x, layer.weight, _scale(layer), block_k, bias, silu_mul)
+
+
+def _scale(layer: QuantizableLinear) -> torch.Tensor:
+    scale: torch.Tensor = getattr(layer, "weight_scale")  # noqa: B009 - set by create_weights
+    return scale

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,33 @@ def test_tp_that_does_not_divide_heads_is_rejected(smollm2_dir: Path) -> None:
 
     with pytest.raises(ConfigError, match="9 attention heads"):
         LLM(smollm2_dir, tensor_parallel_size=2, device="cpu")
+
+
+PERPLEXITY_TEXT = (
+    "The Industrial Revolution began in Britain in the late eighteenth century, when new machines for "
+    "spinning and weaving cotton were powered first by water and then by steam. Factories grew around "
+    "the coal fields, canals and later railways carried raw materials and goods, and millions of people "
+    "moved from the countryside into fast-growing towns. Wages, working hours and living conditions "
+    "changed the lives of families, and new laws slowly limited child labour and made work safer."
+)
+
+
+def _perplexity(smollm2_dir: Path, **options: object) -> float:
+    """exp of the mean negative log-likelihood of the text's tokens after the first (prompt_logprobs)."""
+    with LLM(smollm2_dir, dtype="float32", device="cpu", max_model_len=512, **options) as llm:
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+        out = llm.generate([PERPLEXITY_TEXT], params, use_tqdm=False)[0]
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    pairs = zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True)
+    nll = [-entry[token].logprob for token, entry in pairs if entry is not None]
+    assert len(nll) == len(out.prompt_token_ids) - 1 > 50
+    return math.exp(sum(nll) / len(nll))
+
+
+def test_online_fp8_perplexity_within_3_percent(smollm2_dir: Path) -> None:
+    """quantization="fp8" (every linear layer's weight rounded to e4m3 with a scale per output channel) on
+    the real model: the perplexity of a fixed text stays within 3 % of the unquantized model's."""
+    base = _perplexity(smollm2_dir)
+    fp8 = _perplexity(smollm2_dir, quantization="fp8")
+    assert 1.0 < base < 100.0, base  # an English text the model reads as one
+    assert abs(fp8 / base - 1) < 0.03, (base, fp8)

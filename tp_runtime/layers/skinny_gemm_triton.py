@@ -239,11 +239,11 @@ def few_rows_config(
     return None
 
 
-def fp8_few_rows_config(n: int, scale_block_k: int, num_sms: int) -> SkinnyConfig:
+def fp8_few_rows_config(n: int, num_sms: int) -> SkinnyConfig:
     """few_rows_linear's launch shape for an FP8 weight (there is no cuBLAS weight-only FP8 to fall back
-    to): 32-feature tiles, fewer where that leaves SMs idle."""
+    to): 32-feature tiles, fewer where that leaves SMs idle (block scales lower BLOCK_K to their block)."""
     block_n = 32 if n >= 32 * num_sms else 16
-    return SkinnyConfig(block_n, min(256, scale_block_k) if scale_block_k > 1 else 256, 4, 4)
+    return SkinnyConfig(block_n, 256, 4, 4)
 
 
 def few_rows_linear(

@@ -110,7 +110,7 @@ class CudaFp8Kernels(Fp8Kernels):
                 )
             if silu_mul:
                 x = silu_and_mul(x, fused=True)
-            cfg = kernels.fp8_few_rows_config(weight.shape[0], block_k, self.num_sms)
+            cfg = kernels.fp8_few_rows_config(weight.shape[0], self.num_sms)
             return kernels.few_rows_linear(x, weight, bias, cfg, scale=scale, scale_block_k=block_k)
         if silu_mul:
             x = silu_and_mul(x, fused=True)
@@ -121,7 +121,8 @@ class CudaFp8Kernels(Fp8Kernels):
         x_amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32).clamp_(min=1e-12)
         x_scale = x_amax / FP8_E4M3_MAX
         xq = (x.to(torch.float32) / x_scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8)
-        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, n), out_dtype=x.dtype)
+        w_scale = scale.reshape(1, n)
+        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
         return out if bias is None else out + bias
 
 

@@ -1,0 +1,102 @@
+"""Time the FP8 linear layer's CUDA paths (tp_runtime/layers/quantization/fp8.py) against bf16 cuBLAS on one
+GPU, for the linear layers of a built-in model's shard, at decode and prefill row counts:
+
+- `bf16`: F.linear on the bf16 weight (what the unquantized model runs);
+- `fp8 default`: the engine's choice (weight-only Triton kernel for 1-32 rows, W8A8 _scaled_mm above);
+- `fp8 triton best`: the fastest launch shape of the weight-only kernels in a sweep (1-32 rows);
+- `w8a8`: per-token activation quantization + torch._scaled_mm at every row count.
+
+    PYTHONPATH=$PWD python scripts/check_fp8_gemm.py --model llama-3-8b llama-3-70b
+
+Each is timed as in scripts/check_skinny_gemm.py (one CUDA graph of calls, each on its own copy of the
+weight, so nothing is served from L2). Prints µs per call and the weight bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tp_runtime.config import FP8_E4M3_MAX
+from tp_runtime.layers.quantization.fp8 import CudaFp8Kernels
+from tp_runtime.layers.skinny_gemm_triton import SkinnyConfig, few_rows_linear, skinny_linear
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_skinny_gemm import DOT_SWEEP, SWEEP, layer_shapes, time_graph
+
+
+def w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32).clamp_(min=1e-12)
+    x_scale = amax / FP8_E4M3_MAX
+    xq = (x.to(torch.float32) / x_scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
+
+
+def measure_layer(
+    model: str, name: str, n: int, k: int, rows_list: list[int], replays: int, sweep: bool,
+    kernels: CudaFp8Kernels,
+) -> list[dict[str, object]]:  # fmt: skip
+    copies = max(2, math.ceil(400e6 / (n * k)))  # > L2 even at one byte per weight
+    w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    scales = [w.abs().amax(dim=1, keepdim=True).float() / FP8_E4M3_MAX for w in w16]
+    w8 = [(w / s).to(torch.float8_e4m3fn) for w, s in zip(w16, scales, strict=True)]
+    out = []
+    for rows in rows_list:
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+
+        def timed(fn: Callable[[torch.Tensor, int], object], x: torch.Tensor = x) -> float:
+            return time_graph([lambda i=i: fn(x, i) for i in range(copies)], replays)
+
+        row: dict[str, object] = {"model": model, "layer": name, "n": n, "k": k, "rows": rows}
+        bf16 = timed(lambda x, i: F.linear(x, w16[i]))
+        fp8 = timed(lambda x, i: kernels.linear(x, w8[i], scales[i], k, None, False))
+        row.update(bf16_us=bf16, fp8_default_us=fp8, bf16_TBps=2 * n * k / bf16 / 1e6,
+                   fp8_default_TBps=n * k / fp8 / 1e6)  # fmt: skip
+        if n % 16 == 0 and k % 16 == 0:
+            row["w8a8_us"] = timed(lambda x, i: w8a8(x, w8[i], scales[i]))
+        if sweep and rows <= 32:
+            best: tuple[float, SkinnyConfig | None] = (math.inf, None)
+            for cfg in SWEEP if rows == 1 else DOT_SWEEP:
+                if rows == 1:
+                    us = timed(lambda x, i, c=cfg: skinny_linear(x, w8[i], None, config=c, scale=scales[i],
+                                                                 scale_block_k=k))  # fmt: skip
+                else:
+                    us = timed(lambda x, i, c=cfg: few_rows_linear(x, w8[i], None, c, scale=scales[i],
+                                                                   scale_block_k=k))  # fmt: skip
+                best = min(best, (us, cfg), key=lambda b: b[0])
+            row["fp8_triton_best_us"], row["best_config"] = best[0], list(best[1] or ())
+        shown = {key: round(v, 2) if isinstance(v, float) else v for key, v in row.items()}
+        print(json.dumps(shown), flush=True)
+        out.append(row)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", nargs="+", default=["llama-3-8b"])
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 32, 64, 512])
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--sweep", action="store_true", help="also time every launch shape of the Triton kernels")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    kernels = CudaFp8Kernels(torch.cuda.get_device_properties(0).multi_processor_count)
+    results = []
+    for model in args.model:
+        for name, (n, k) in layer_shapes(model, 1).items():
+            if name not in ("lm_head", "down+silu"):
+                results += measure_layer(model, name, n, k, args.rows, args.replays, args.sweep, kernels)
+                torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -312,3 +312,30 @@ def test_transformers_reads_the_written_configs(make_checkpoint: Any, tmp_path: 
         out = write_fp8(src, tmp_path / fmt, fmt, "block")
         hf = transformers.AutoConfig.from_pretrained(out / "fp8")
         assert quant_config(getattr(hf, "quantization_config", None), None) is not None
+
+
+QWEN3_MOE = {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "norm_topk_prob": True, "mlp_only_layers": [0]}  # fmt: skip
+
+
+def test_fp8_experts_are_a_clear_error(make_checkpoint: Any, tmp_path: Path) -> None:
+    src = make_checkpoint("Qwen3MoeForCausalLM", seed=3, **QWEN3_MOE)
+    names = load_file(str(src / "model.safetensors"))
+    assert any(".experts." in n for n in names), sorted(names)[:20]
+    out = write_fp8(src, tmp_path, "compressed-tensors", "channel")
+    with pytest.raises(ConfigError, match="experts"):
+        LLM(str(out / "fp8"), dtype="float32", device="cpu")
+
+
+def test_online_fp8_of_a_moe_model_quantizes_its_dense_layers(make_checkpoint: Any, tmp_path: Path) -> None:
+    """Experts stay in the model dtype; attention and the dense layer's MLP are quantized per channel."""
+    src = make_checkpoint("Qwen3MoeForCausalLM", seed=3, **QWEN3_MOE)
+    ref = tmp_path / "ref"
+    shutil.copytree(src, ref)
+    tensors = load_file(str(src / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.removesuffix(".weight").rsplit(".", 1)[-1] in LINEAR_SUFFIXES and ".experts." not in name:
+            tensors[name] = _qdq_per_channel(t)
+    save_file(tensors, str(ref / "model.safetensors"))
+    prompts = random_prompts((7, 23), 300, seed=9)
+    assert_same_tokens(_greedy(src, prompts, 1, quantization="fp8"), hf_greedy(ref, prompts, 8), prompts)

@@ -552,9 +552,13 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
         ({"model": NAME, "prompt": "hi", "prompt_logprobs": -1}, "prompt_logprobs must be"),
         ({"model": NAME, "prompt": "hi", "prompt_logprobs": -1, "echo": True, "logprobs": 3}, "must be"),
         ({"model": NAME, "prompt": "hi", "echo": True, "max_tokens": 0, "min_tokens": 2}, "must be 0"),
-        ({"model": NAME, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json is not supported"),
         ({"model": NAME, "prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens is not"),
-        ({"model": NAME, "prompt": "hi", "structured_outputs": {"json": {}}}, "structured_outputs is not"),
+        # Structured outputs that cannot be compiled, or more than one constraint.
+        ({"model": NAME, "prompt": "hi", "guided_regex": "(ab"}, "the regex is not valid"),
+        ({"model": NAME, "prompt": "hi", "structured_outputs": {"json": {}, "regex": "a"}}, "exactly one of"),
+        ({"model": NAME, "prompt": "hi", "structured_outputs": {"jsn": {}}}, "unknown fields ['jsn']"),
+        ({"model": NAME, "prompt": "hi", "guided_choice": ["b"], "structured_outputs": {"regex": "a"}},
+         "give one output constraint"),
         ({"model": NAME, "prompt": "hi", "use_beam_search": True}, "use_beam_search is not"),
         ({"model": NAME, "prompt": ""}, "prompt is empty"),
         # JSON types are taken as they are: true is no token id or count, "3" no number.
@@ -1163,3 +1167,44 @@ def test_formatting_a_response_does_not_block_the_event_loop(
     with InProcess(scripted_config, byte_tokenizer, executor) as served:
         asyncio.run(main(served))
     assert timed_out == [False], "the held assembly blocked the event loop"
+
+
+def test_structured_outputs_through_the_openai_client(server1: Server, llm1: LLM) -> None:
+    """response_format (json_schema, json_object) on chat, vLLM's structured_outputs and guided_* fields on
+    completions, streamed too: the noise model's text then follows the constraint, as LLM's does."""
+    from tp_runtime import StructuredOutputsParams
+
+    client = server1.client()
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    chat = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=64, seed=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "count", "schema": schema}},
+    )  # fmt: skip
+    answer = json.loads(chat.choices[0].message.content or "")
+    assert set(answer) == {"n"} and 0 <= answer["n"] <= 99 and chat.choices[0].finish_reason == "stop"
+    obj = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=300, seed=2,
+                                         response_format={"type": "json_object"})  # fmt: skip
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
+    else:
+        assert (obj.choices[0].message.content or "").startswith("{")
+    # Completions: vLLM's extra field, the same tokens as LLM.generate with the same constraint.
+    regex = r"[0-9]{3}-[a-z]{2}"
+    done = client.completions.create(model=NAME, prompt="Code:", max_tokens=20, seed=7,
+                                     extra_body={"structured_outputs": {"regex": regex}})  # fmt: skip
+    spec = StructuredOutputsParams(regex=regex)
+    constrained = SamplingParams(max_tokens=20, seed=7, structured_outputs=spec)
+    want = llm1.generate(["Code:"], constrained, use_tqdm=False)[0]
+    assert done.choices[0].text == want.outputs[0].text and re.fullmatch(regex, done.choices[0].text)
+    streamed = client.completions.create(model=NAME, prompt="Code:", max_tokens=20, seed=7, stream=True,
+                                         extra_body={"guided_choice": ["north", "south"]})  # fmt: skip
+    text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
+    assert text in ("north", "south")
+    with pytest.raises(openai.BadRequestError, match="JSON schema is not valid") as info:
+        bad = {"structured_outputs": {"json": {"type": "object", "required": 3}}}
+        client.completions.create(model=NAME, prompt="x", max_tokens=4, extra_body=bad)
+    assert info.value.body["param"] == "json"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="response_format type 'xml'"):
+        client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4,
+                                       response_format={"type": "xml"})  # type: ignore[arg-type]  # fmt: skip

@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     from tp_runtime.engine.args import EngineArgs
     from tp_runtime.engine.llm import LLM, run_torchrun_worker
     from tp_runtime.outputs import CompletionOutput, Logprob, RequestOutput
-    from tp_runtime.sampling_params import SamplingParams
+    from tp_runtime.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -18,6 +18,7 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "run_torchrun_worker",
 ]
 __version__ = "0.1.0"
@@ -33,6 +34,7 @@ _EXPORTS = {
     "Logprob": "tp_runtime.outputs",
     "RequestOutput": "tp_runtime.outputs",
     "SamplingParams": "tp_runtime.sampling_params",
+    "StructuredOutputsParams": "tp_runtime.sampling_params",
 }
 
 

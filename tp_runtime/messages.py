@@ -57,6 +57,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     num_scheduled_tokens: list[int]
     # Requests whose state the workers drop (finished, aborted or preempted) before this step runs.
     freed_req_ids: list[int]
+    # Structured outputs: the constrained requests that sample this step and, row by row in that order,
+    # the tokens each may sample (int32 little-endian words; bit i of word j allows token 32 j + i).
+    structured_req_ids: list[int] = []
+    grammar_bitmask: bytes = b""
 
 
 class Logprobs(msgspec.Struct, array_like=True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from tp_runtime.errors import InvalidRequestError
 
@@ -16,6 +17,53 @@ from tp_runtime.errors import InvalidRequestError
 GREEDY_EPS = 1e-5
 _INT64_END = 2**63
 _FLOAT32_TINY, _FLOAT32_MAX = 1.2e-38, 3.4e38  # normal float32 range
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on what a request may generate (vLLM's names), enforced by masking each step's
+    logits with xgrammar: `json` (a JSON schema, as a dict or its text), `regex`, `choice` (one of these
+    strings exactly), `grammar` (EBNF, xgrammar's GBNF dialect, with a `root` rule) or `json_object=True`
+    (any JSON object). `disable_any_whitespace`: JSON without whitespace between its tokens."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar, json_object; got "
+                + (", ".join(given) if given else "none"),
+                "structured_outputs",
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise InvalidRequestError(
+                "structured_outputs.json must be a JSON schema (a dict or its text)", "json"
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"structured_outputs.{name} must be a non-empty string", name)
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise InvalidRequestError(
+                "structured_outputs.choice must be a list of non-empty strings", "choice"
+            )
+        flags = (self.json_object, self.disable_any_whitespace)
+        if flags[0] not in (None, True, False) or not isinstance(flags[1], bool):
+            raise InvalidRequestError(
+                "structured_outputs.json_object and disable_any_whitespace are booleans"
+            )
 
 
 @dataclass(frozen=True)
@@ -43,6 +91,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the text
     prompt_logprobs: int | None = None  # top logprobs per prompt position (the first is None), as vLLM
+    # A grammar the output must follow (JSON schema, regex, choice, EBNF); None: unconstrained.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -103,6 +153,9 @@ class SamplingParams:
             or not all(is_int(t) and t >= 0 for t in self.stop_token_ids)
         ):
             raise bad(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+        constraint = self.structured_outputs
+        if constraint is not None and not isinstance(constraint, StructuredOutputsParams):
+            raise bad(f"structured_outputs must be a StructuredOutputsParams, got {constraint!r}")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):

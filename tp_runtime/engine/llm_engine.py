@@ -20,6 +20,7 @@ from tp_runtime.config import (
     EngineConfig,
 )
 from tp_runtime.engine.scheduler import Request, Scheduler
+from tp_runtime.engine.structured_output import GrammarCompiler, pack_bitmasks
 from tp_runtime.errors import ConfigError, InvalidRequestError
 from tp_runtime.executor.base import Executor, make_executor
 from tp_runtime.messages import ModelRunnerOutput, RequestSampling, SchedulerOutput
@@ -198,6 +199,10 @@ class LLMEngine:
         # Per-step timings (seconds) of the driver's own phases, when enabled (benchmarks).
         self.step_timings: list[dict[str, float]] | None = None
         self.async_scheduling = config.async_scheduling
+        # Structured outputs: grammars compiled for this tokenizer, and the constrained requests not yet
+        # known to have finished (while any is, steps run one at a time: engine/structured_output.py).
+        self.grammars = GrammarCompiler(tokenizer, config.model.vocab_size, sorted(self.eos_token_ids))
+        self._constrained: set[int] = set()
         # Async scheduling: the step sent last, whose output is read in the next step() call.
         self._in_flight: SchedulerOutput | None = None
         # Timings: when the interval that produces the next output began (the last output's arrival).
@@ -253,10 +258,16 @@ class LLMEngine:
             )
         return prompt_ids
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = False) -> int:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, stream: bool = False, grammar: Any = None
+    ) -> int:
         """Queue a request; returns its id (`RequestOutput.request_id` is its str). `stream=True`: step()
-        reports each new token of it, else only its finished output."""
+        reports each new token of it, else only its finished output. `grammar`: its structured_outputs
+        compiled already (`self.grammars.compile`, which any thread may call: the server compiles off the
+        engine's thread); else it is compiled here."""
         prompt_ids = self.check_request(prompt_ids, params)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured_outputs)
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -284,6 +295,9 @@ class LLMEngine:
             request.prompt_logprobs = [None] * (len(prompt_ids) - 1)
         request.stop_ids = frozenset(stop_ids)
         request.decode_context = decode_context(self._decode, prompt_ids)
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars.matcher(grammar)
+            self._constrained.add(req_id)
         self.scheduler.add(request)
         if stream or params.stop_strings:
             stops = params.stop_strings
@@ -327,21 +341,54 @@ class LLMEngine:
         t0 = time.perf_counter()
         if self._interval_start is None:
             self._interval_start = t0
+        constrained = self._has_constrained()
+        if constrained and self._in_flight is not None:
+            # A constrained request's next mask needs the in-flight step's tokens: take them first.
+            in_flight, self._in_flight = self._in_flight, None
+            return self._take_output(in_flight, t0, t0, t0, True)
         so = self.scheduler.schedule()
+        if constrained:
+            self._attach_grammar_masks(so)
         t1 = time.perf_counter()
-        if so.scheduled_req_ids or not self.async_scheduling:
+        pipelined = self.async_scheduling and not constrained
+        if so.scheduled_req_ids or not pipelined:
             self.executor.submit(so)
             sent: SchedulerOutput | None = so
         else:
             sent = None  # nothing can run before the in-flight step's tokens are in
             self.scheduler.return_freed(so.freed_req_ids)
         t2 = time.perf_counter()
-        if self.async_scheduling:
+        if pipelined:
             done, self._in_flight = self._in_flight, sent
         else:
             done = sent
         if done is None:
             return []
+        return self._take_output(done, t0, t1, t2, sent is None)
+
+    def _has_constrained(self) -> bool:
+        if self._constrained:
+            self._constrained &= self.scheduler.requests.keys()
+        return bool(self._constrained)
+
+    def _attach_grammar_masks(self, so: SchedulerOutput) -> None:
+        """The allowed tokens of each constrained request that samples in `so` (stepping synchronously, a
+        request scheduled to sample holds exactly this step's placeholder)."""
+        requests = self.scheduler.requests
+        sampling = [
+            req
+            for req in (requests[r] for r in so.scheduled_req_ids)
+            if req.grammar is not None and req.num_placeholders > 0
+        ]
+        if sampling:
+            so.structured_req_ids = [req.req_id for req in sampling]
+            states = [req.grammar for req in sampling]
+            so.grammar_bitmask = pack_bitmasks(states, self.config.model.vocab_size)
+
+    def _take_output(
+        self, done: SchedulerOutput, t0: float, t1: float, t2: float, idle: bool
+    ) -> list[RequestOutput]:
+        """Wait for step `done`'s output and apply it: tokens, stops, the outputs to report."""
         output = self.executor.wait_output(done.step_id)
         t3 = time.perf_counter()
         outputs = []
@@ -350,6 +397,13 @@ class LLMEngine:
         states = self._text_states
         for req in updated:
             reason = self._check_stop(req)
+            # Sampled under the grammar's mask, so it fits; once the grammar is done nothing may follow.
+            if (
+                req.grammar is not None
+                and req.req_id in self._constrained
+                and (not req.grammar.accept(req.output_token_ids[-1]) or req.grammar.finished)
+            ):
+                reason = reason or "stop"
             if reason is not None:
                 self.scheduler.finish(req, reason)
             state = states.get(req.req_id)
@@ -361,7 +415,8 @@ class LLMEngine:
                 states.pop(req.req_id, None)
         t4 = time.perf_counter()
         if self.step_timings is not None:
-            self._record_timings(done, output, t0, t1, t2, t3, t4, self._interval_start, sent is None)
+            started = t0 if self._interval_start is None else self._interval_start
+            self._record_timings(done, output, t0, t1, t2, t3, t4, started, idle)
         self._interval_start = t4 if self.scheduler.has_unfinished else None
         return outputs
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from tp_runtime.config import EngineConfig
 from tp_runtime.engine.kv_cache import KVCacheManager
@@ -61,6 +62,8 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     # The prompt tokens its output text is decoded after (llm_engine.decode_context).
     decode_context: list[int] = field(default_factory=list)
+    # Structured outputs: where the request is in its grammar (engine/structured_output.GrammarState).
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -275,6 +275,12 @@ class _Context:
         for ids in prompts:
             budget = self.max_tokens(max_tokens, len(ids), param, prompt_param)
             params = sampling_params(body, budget, logprobs, names, prompt_logprobs)
+            if params.structured_outputs is not None:
+                # Compiled here, off the engine's thread; the engine's own compile is then a cache hit.
+                try:
+                    self.engine.engine.grammars.compile(params.structured_outputs)
+                except InvalidRequestError as exc:
+                    raise bad_request(str(exc), exc.field) from None
             try:
                 ids = self.engine.engine.check_request(ids, child_params(params, 0))
             except InvalidRequestError as exc:

@@ -148,7 +148,12 @@ def sampling_params(
         return default if value is None else value
 
     try:
+        structured = body.structured()
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), exc.field) from None
+    try:
         return SamplingParams(
+            structured_outputs=structured,
             n=body.n,
             max_tokens=max_tokens,
             min_tokens=body.min_tokens,

@@ -6,6 +6,7 @@ refuse them with a 400 rather than ignore them (see `unsupported`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 import typing
@@ -19,6 +20,9 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+
+from tp_runtime.errors import InvalidRequestError
+from tp_runtime.sampling_params import StructuredOutputsParams
 
 # ------------------------------------------------------------------------------------------ requests
 
@@ -68,10 +72,12 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-_REFUSED_EXTENSIONS = (
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-    "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
-)  # fmt: skip
+_REFUSED_EXTENSIONS = ("allowed_token_ids", "bad_words", "truncate_prompt_tokens")
+# vLLM's older names of the structured_outputs fields.
+_GUIDED = {
+    "guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+}  # fmt: skip
+_STRUCTURED_KEYS = frozenset(f.name for f in dataclasses.fields(StructuredOutputsParams))
 
 
 class SamplingFields(_Request):
@@ -98,17 +104,66 @@ class SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None  # refused unless empty
     # vLLM's: per prompt token, its logprob and the top ones (the first token's null); not with stream.
     prompt_logprobs: int | None = None
-    # vLLM extensions this server does not serve: refused when given, rather than silently ignored.
+    # Structured outputs: vLLM's field ({"json": schema} or regex, choice, grammar, json_object), its
+    # older guided_* names, and OpenAI's response_format (json_schema, json_object or text).
+    structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
+    response_format: dict[str, Any] | None = None
+    # vLLM extensions this server does not serve: refused when given, rather than silently ignored.
     allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
     use_beam_search: bool = False
     skip_special_tokens: bool = True  # the text always leaves special tokens out
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's one output constraint, from whichever field gives it; InvalidRequestError naming
+        the field for a bad one or for more than one."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        if self.structured_outputs is not None:
+            unknown = sorted(set(self.structured_outputs) - _STRUCTURED_KEYS)
+            if unknown:
+                raise InvalidRequestError(
+                    f"structured_outputs has unknown fields {unknown}; it takes {sorted(_STRUCTURED_KEYS)}",
+                    "structured_outputs",
+                )
+            given.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, key in _GUIDED.items():
+            if getattr(self, name) is not None:
+                given.append((name, {key: getattr(self, name)}))
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type", "text") != "text":
+            kind = fmt.get("type")
+            if kind == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise InvalidRequestError(
+                        'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                        "response_format",
+                    )
+                given.append(("response_format", {"json": schema}))
+            else:
+                raise InvalidRequestError(
+                    f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                    "response_format",
+                )
+        if not given:
+            return None
+        if len(given) > 1:
+            raise InvalidRequestError(
+                f"give one output constraint, got {', '.join(name for name, _ in given)}", given[1][0]
+            )
+        name, fields = given[0]
+        try:
+            return StructuredOutputsParams(**fields)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(str(exc), name) from None
 
     def unsupported(self) -> str | None:
         """The first field set that the server cannot honour, as `name`, else None."""
@@ -156,7 +211,6 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     tools: Items[dict[str, Any]] | None = None  # refused unless empty
     tool_choice: Any = None  # only "none" or "auto" (no tools: the model answers in text either way)
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's)
 
     def unsupported(self) -> str | None:
@@ -164,8 +218,6 @@ class ChatCompletionRequest(SamplingFields):
             return "tools"
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"
         return super().unsupported()
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from tp_runtime.config import EngineConfig
+from tp_runtime.errors import ProtocolError
 from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk, make_attention_backend
 from tp_runtime.layers.linear import decode_graph_pass
 from tp_runtime.messages import SchedulerOutput
@@ -41,6 +42,33 @@ from tp_runtime.worker.sampler import Sampler, SamplerOutput, SamplingBatch
 
 if TYPE_CHECKING:  # any model class behind the interface; the runner knows no architecture
     from tp_runtime.models.interface import CausalLM
+
+
+def grammar_masks(
+    so: SchedulerOutput, sampled_req_ids: list[int], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The sampling rows of a step's constrained requests and their allowed tokens ([rows, vocab] bool),
+    unpacked on the device from the scheduler output's bitmask; None when nothing is constrained."""
+    ids = so.structured_req_ids
+    if not ids:
+        return None
+    words = -(-vocab_size // 32)
+    position = {r: i for i, r in enumerate(sampled_req_ids)}
+    if (
+        len(so.grammar_bitmask) != 4 * words * len(ids)
+        or len(set(ids)) != len(ids)
+        or any(r not in position for r in ids)
+    ):
+        raise ProtocolError(
+            f"step {so.step_id}: a grammar bitmask of {len(so.grammar_bitmask)} bytes for requests {ids[:4]} "
+            f"does not fit the {len(sampled_req_ids)} requests sampling and a vocabulary of {vocab_size}"
+        )
+    packed = np.frombuffer(so.grammar_bitmask, dtype="<i4").reshape(len(ids), words)
+    bits = torch.from_numpy(packed.astype(np.int32)).to(device, non_blocking=True)
+    token = torch.arange(vocab_size, device=device)
+    allowed = ((bits[:, token >> 5] >> (token & 31)) & 1).bool()
+    rows = torch.tensor([position[r] for r in ids], dtype=torch.int64, device=device)
+    return rows, allowed
 
 
 def pick_kernels(backend: str, device: torch.device) -> str:
@@ -340,7 +368,8 @@ class ModelRunner:
         logits, prompt_packed, rows_dev = self._forward(inputs)
         sampled = None
         if inputs.sampling is not None:
-            sampled = self._sample(logits, inputs.sampling, inputs.sample_rows, rows_dev)
+            allowed = grammar_masks(so, inputs.req_ids, logits.shape[1], logits.device)
+            sampled = self._sample(logits, inputs.sampling, inputs.sample_rows, rows_dev, allowed)
         plan = inputs.prompt_logprobs
         prompt = None if plan is None or prompt_packed is None else (prompt_packed, plan)
         forward_end = self._now_event(timings)
@@ -424,11 +453,22 @@ class ModelRunner:
         return torch.cat(packed) if packed else None
 
     def _sample(
-        self, logits: torch.Tensor, sampling: SamplingBatch, rows: np.ndarray, rows_dev: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        sampling: SamplingBatch,
+        rows: np.ndarray,
+        rows_dev: torch.Tensor,
+        allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplerOutput:
-        """Sample the rows' next tokens and keep them on the device as the rows' next inputs."""
+        """Sample the rows' next tokens and keep them on the device as the rows' next inputs. `allowed`:
+        structured outputs' (rows, [rows, vocab] bool) tokens those rows may sample."""
         raw = logits.float()
         logits = self._mask_stop_tokens(raw, rows)
+        if allowed is not None:
+            if logits is raw:
+                logits = raw.clone()
+            index, mask = allowed
+            logits[index] = logits[index].masked_fill(~mask, float("-inf"))
         penalties = self.batch.penalties if sampling.penalized else None
         if penalties is not None:
             sampling = penalties.for_rows(sampling, rows_dev)

@@ -1,0 +1,167 @@
+"""Structured outputs (engine/structured_output.py): on the built-in random-weight model, whose text is
+noise, only the constraint can make an output valid, so every sample is checked against its constraint
+with an independent checker (json, re). Plus: unconstrained rows are untouched, TP 1 equals TP 2, async
+scheduling equals sync, bad constraints are clear errors, and the workers refuse a malformed mask."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tp_runtime import LLM, SamplingParams, StructuredOutputsParams
+from tp_runtime.errors import InvalidRequestError, ProtocolError
+from tp_runtime.messages import CachedRequests, SchedulerOutput
+from tp_runtime.worker.model_runner import grammar_masks
+
+pytest.importorskip("xgrammar")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "pet": {"enum": ["cat", "dog", "none"]},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    },
+    "required": ["name", "age", "pet"],
+    "additionalProperties": False,
+}
+
+
+def satisfies_schema(value: Any) -> bool:
+    """SCHEMA, checked by hand."""
+    if not isinstance(value, dict) or not {"name", "age", "pet"} <= value.keys() <= set(SCHEMA["properties"]):  # type: ignore[arg-type]
+        return False
+    tags = value.get("tags", [])
+    return (
+        isinstance(value["name"], str) and len(value["name"]) <= 6
+        and type(value["age"]) is int and 0 <= value["age"] <= 150
+        and value["pet"] in ("cat", "dog", "none")
+        and isinstance(tags, list) and len(tags) <= 3 and all(type(t) is bool for t in tags)
+    )  # fmt: skip
+
+
+EBNF = 'root ::= "(" num (("+" | "*") num)* ")"\nnum ::= [1-9] [0-9]?'
+EBNF_RE = r"\([1-9][0-9]?([+*][1-9][0-9]?)*\)"
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    with LLM("tiny-llama-tp", device="cpu", max_model_len=512) as engine:
+        yield engine
+
+
+def _params(seed: int, max_tokens: int = 256, **constraint: Any) -> SamplingParams:
+    spec = StructuredOutputsParams(**constraint) if constraint else None
+    return SamplingParams(max_tokens=max_tokens, seed=seed, structured_outputs=spec)
+
+
+def _texts(llm: LLM, params: list[SamplingParams], prompt: str = "Answer:") -> list[tuple[str, str | None]]:
+    outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    return [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+
+def test_every_sample_satisfies_its_constraint(llm: LLM) -> None:
+    params = [_params(s, json=SCHEMA, disable_any_whitespace=s % 2 == 0) for s in range(6)]
+    params += [_params(10 + s, 400, json_object=True, disable_any_whitespace=True) for s in range(3)]
+    params += [_params(20 + s, regex=r"[a-f]{2,4}-\d{3}( ok)?") for s in range(3)]
+    params += [_params(30 + s, choice=["red", "green", "blue sky"]) for s in range(4)]
+    params += [_params(40 + s, grammar=EBNF) for s in range(3)]
+    results = _texts(llm, params)
+    for (text, reason), p in zip(results, params, strict=True):
+        spec = p.structured_outputs
+        assert spec is not None
+        if spec.json_object and reason == "length":
+            # Any object: noise may stay inside a free string past max_tokens (then it is cut short).
+            continue
+        assert reason == "stop", (text, reason, spec)
+        if spec.json is not None:
+            assert satisfies_schema(json.loads(text)), text
+        elif spec.json_object:
+            assert isinstance(json.loads(text), dict), text
+        elif spec.regex is not None:
+            assert re.fullmatch(spec.regex, text), text
+        elif spec.choice is not None:
+            assert text in spec.choice, text
+        else:
+            assert re.fullmatch(EBNF_RE, text), text
+    # Seeded samples differ from one another (the constraint is not one fixed answer).
+    assert len({text for text, _ in results[:6]}) > 1
+    assert any(reason == "stop" for _, reason in results[6:9])
+
+
+def test_unconstrained_rows_beside_constrained_ones_are_untouched(llm: LLM) -> None:
+    free = [SamplingParams(max_tokens=24, seed=s, ignore_eos=True) for s in (1, 2)]
+    alone = _texts(llm, free)
+    mixed = _texts(llm, [free[0], _params(5, json=SCHEMA), free[1], _params(6, regex="[xyz]{5}")])
+    assert [mixed[0], mixed[2]] == alone
+    assert re.fullmatch("[xyz]{5}", mixed[3][0])
+
+
+def test_seeded_outputs_equal_at_tp_1_and_2_and_with_or_without_async_scheduling(llm: LLM) -> None:
+    params = [_params(s, json=SCHEMA) for s in range(3)]
+    params += [_params(9, grammar=EBNF), _params(3, max_tokens=12)]
+    want = _texts(llm, params)
+    with LLM("tiny-llama-tp", device="cpu", max_model_len=512, tensor_parallel_size=2) as tp2:
+        assert _texts(tp2, params) == want
+    with LLM("tiny-llama-tp", device="cpu", max_model_len=512, async_scheduling=False) as sync:
+        assert _texts(sync, params) == want
+
+
+def test_greedy_and_n_samples_under_a_constraint(llm: LLM) -> None:
+    """Greedy and n > 1 (each sample its own matcher) keep to the constraint; the logprobs returned are
+    the raw model's, as for unconstrained requests."""
+    choices = ["alpha", "beta", "gamma"]
+    spec = StructuredOutputsParams(choice=choices)
+    greedy = llm.generate(["Pick:"], SamplingParams(temperature=0, max_tokens=8, logprobs=2,
+                          structured_outputs=spec), use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert greedy.text in choices and greedy.finish_reason == "stop" and greedy.logprobs is not None
+    samples = llm.generate(["Pick:"], SamplingParams(n=4, seed=3, max_tokens=8, structured_outputs=spec),
+                           use_tqdm=False)[0].outputs  # fmt: skip
+    assert len(samples) == 4 and all(o.text in choices and o.finish_reason == "stop" for o in samples)
+
+
+def test_bad_constraints_are_clear_errors_and_the_engine_serves_on(llm: LLM) -> None:
+    cases = [
+        ({"json": '{"type": "object", "properties": 5}'}, "json"),
+        ({"json": "{not json"}, "json"),
+        ({"regex": "(a|b"}, "regex"),
+        ({"grammar": 'root ::= missing_rule'}, "grammar"),
+    ]
+    for constraint, field in cases:
+        with pytest.raises(InvalidRequestError, match="is not valid") as info:
+            llm.generate(["x"], _params(0, **constraint), use_tqdm=False)
+        assert info.value.field == field
+    for bad in ({}, {"json": {}, "regex": "a"}, {"choice": []}, {"regex": ""}, {"json": 5}):
+        with pytest.raises(InvalidRequestError):
+            StructuredOutputsParams(**bad)
+    with pytest.raises(InvalidRequestError, match="structured_outputs must be"):
+        SamplingParams(structured_outputs={"json": {}})  # type: ignore[arg-type]
+    text, reason = _texts(llm, [_params(1, choice=["fine"])])[0]
+    assert (text, reason) == ("fine", "stop")
+
+
+def _step(ids: list[int], bitmask: bytes) -> SchedulerOutput:
+    return SchedulerOutput(7, [], CachedRequests([], []), ids, [1] * len(ids), [], ids, bitmask)
+
+
+def test_workers_unpack_the_mask_and_refuse_a_malformed_one() -> None:
+    vocab = 70  # three int32 words per row
+    allowed = [{0, 5, 31, 32, 69}, {1, 63, 64}]
+    words = torch.zeros(2, 3, dtype=torch.int64)
+    for row, tokens in enumerate(allowed):
+        for t in tokens:
+            words[row, t // 32] |= 1 << (t % 32)
+    packed = words.numpy().astype("<u4").tobytes()
+    rows, mask = grammar_masks(_step([8, 3], packed), [3, 4, 8], vocab, torch.device("cpu"))  # type: ignore[misc]
+    assert rows.tolist() == [2, 0]
+    assert [set(torch.nonzero(m).flatten().tolist()) for m in mask] == allowed
+    assert grammar_masks(_step([], b""), [3], vocab, torch.device("cpu")) is None
+    for ids, data in (([8, 3], packed[:-4]), ([9, 3], packed), ([3, 3], packed)):
+        with pytest.raises(ProtocolError, match="grammar bitmask"):
+            grammar_masks(_step(ids, data), [3, 4, 8], vocab, torch.device("cpu"))

@@ -84,13 +84,14 @@ def main() -> int:
     p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 32, 64, 512])
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="also time every launch shape of the Triton kernels")
+    p.add_argument("--layers", nargs="+", default=None, help="only these layers (qkv o_proj gate_up down)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     kernels = CudaFp8Kernels(torch.cuda.get_device_properties(0).multi_processor_count)
     results = []
     for model in args.model:
         for name, (n, k) in layer_shapes(model, 1).items():
-            if name not in ("lm_head", "down+silu"):
+            if name not in ("lm_head", "down+silu") and (args.layers is None or name in args.layers):
                 results += measure_layer(model, name, n, k, args.rows, args.replays, args.sweep, kernels)
                 torch.cuda.empty_cache()
     if args.out:

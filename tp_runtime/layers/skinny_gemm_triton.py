@@ -239,11 +239,12 @@ def few_rows_config(
     return None
 
 
-def fp8_few_rows_config(n: int, num_sms: int) -> SkinnyConfig:
+def fp8_few_rows_config(n: int) -> SkinnyConfig:
     """few_rows_linear's launch shape for an FP8 weight (there is no cuBLAS weight-only FP8 to fall back
-    to): 32-feature tiles, fewer where that leaves SMs idle (block scales lower BLOCK_K to their block)."""
-    block_n = 32 if n >= 32 * num_sms else 16
-    return SkinnyConfig(block_n, 256, 4, 4)
+    to): the fastest of a sweep over the Llama-3-8B layers at 4 and 16 rows on an H200
+    (scripts/check_fp8_gemm.py --sweep; BENCHMARKS.md): 32-feature tiles, 512-wide K tiles but 256 for
+    the wide merged gate/up (block scales lower BLOCK_K to their block)."""
+    return SkinnyConfig(32, 256 if n >= 16384 else 512, 4, 3)
 
 
 def few_rows_linear(

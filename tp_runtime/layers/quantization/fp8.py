@@ -110,7 +110,7 @@ class CudaFp8Kernels(Fp8Kernels):
                 )
             if silu_mul:
                 x = silu_and_mul(x, fused=True)
-            cfg = kernels.fp8_few_rows_config(weight.shape[0], self.num_sms)
+            cfg = kernels.fp8_few_rows_config(weight.shape[0])
             return kernels.few_rows_linear(x, weight, bias, cfg, scale=scale, scale_block_k=block_k)
         if silu_mul:
             x = silu_and_mul(x, fused=True)

@@ -586,7 +586,7 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
         assert (error["param"], fragment in error["message"]) == (param, True), (fields, error)
     assert "--max-logprobs" in _error(httpx.post(url, json={"prompt": "hi", "logprobs": 21}), 400)["message"]
     error = _error(httpx.post(chat, json={"messages": MESSAGES, "tool_choice": "required"}), 400)
-    assert error["param"] == "tool_choice" and "tool_choice is not supported" in error["message"]
+    assert error["param"] == "tool_choice" and "tool_choice needs tools" in error["message"]
     for choice in ("none", "auto", None):  # no tools: the model answers in text either way
         ok = httpx.post(chat, json={"messages": MESSAGES, "tool_choice": choice, "max_tokens": 2, "n": None})
         assert ok.status_code == 200, (choice, ok.text)
@@ -1181,12 +1181,12 @@ def test_structured_outputs_through_the_openai_client(server1: Server, llm1: LLM
         model=NAME, messages=MESSAGES, max_tokens=64, seed=4,
         response_format={"type": "json_schema", "json_schema": {"name": "count", "schema": schema}},
     )  # fmt: skip
-    answer = json.loads(chat.choices[0].message.content or "")
+    answer = json.loads(chat.choices[0].message.content or "", strict=False)
     assert set(answer) == {"n"} and 0 <= answer["n"] <= 99 and chat.choices[0].finish_reason == "stop"
     obj = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=300, seed=2,
                                          response_format={"type": "json_object"})  # fmt: skip
     if obj.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
+        assert isinstance(json.loads(obj.choices[0].message.content or "", strict=False), dict)
     else:
         assert (obj.choices[0].message.content or "").startswith("{")
     # Completions: vLLM's extra field, the same tokens as LLM.generate with the same constraint.
@@ -1208,3 +1208,47 @@ def test_structured_outputs_through_the_openai_client(server1: Server, llm1: LLM
     with pytest.raises(openai.BadRequestError, match="response_format type 'xml'"):
         client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4,
                                        response_format={"type": "xml"})  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_tool_calls_through_the_openai_client(server1: Server) -> None:
+    """tool_choice "required" and a named function constrain the noise model's output to calls, which
+    come back in OpenAI's tool_calls shape, streamed too; "auto" needs --tool-call-parser."""
+    client = server1.client()
+    tools: Any = [
+        {"type": "function", "function": {"name": "weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"], "additionalProperties": False}}},
+        {"type": "function", "function": {"name": "clock", "parameters": {
+            "type": "object", "properties": {}, "additionalProperties": False}}},
+    ]  # fmt: skip
+    named = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, tools=tools, max_tokens=80, seed=3,
+        tool_choice={"type": "function", "function": {"name": "weather"}},
+    )  # fmt: skip
+    (call,) = named.choices[0].message.tool_calls or []
+    assert call.type == "function" and call.function.name == "weather" and call.id
+    # (xgrammar's JSON strings admit raw control characters, as in vLLM: strict=False reads them)
+    assert set(json.loads(call.function.arguments, strict=False)) == {"city"}
+    required = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, tools=tools, max_tokens=200, seed=5, tool_choice="required",
+        parallel_tool_calls=False,
+    )  # fmt: skip
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls or []) == 1
+    for c in choice.message.tool_calls:
+        assert c.function.name in ("weather", "clock")
+        assert isinstance(json.loads(c.function.arguments, strict=False), dict)
+    stream = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, tools=tools, max_tokens=80, seed=3, stream=True,
+        tool_choice={"type": "function", "function": {"name": "weather"}},
+    )  # fmt: skip
+    ids, names, arguments = set(), set(), ""
+    for chunk in stream:
+        for delta_call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            ids.add(delta_call.id) if delta_call.id else None
+            names.add(delta_call.function.name) if delta_call.function and delta_call.function.name else None
+            arguments += (delta_call.function.arguments or "") if delta_call.function else ""
+    assert len(ids) == 1 and names == {"weather"} and arguments == call.function.arguments
+    with pytest.raises(openai.BadRequestError, match="--tool-call-parser") as info:
+        client.chat.completions.create(model=NAME, messages=MESSAGES, tools=tools, max_tokens=4)
+    assert info.value.body["param"] == "tool_choice"  # type: ignore[index]

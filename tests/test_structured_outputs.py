@@ -81,9 +81,9 @@ def test_every_sample_satisfies_its_constraint(llm: LLM) -> None:
             continue
         assert reason == "stop", (text, reason, spec)
         if spec.json is not None:
-            assert satisfies_schema(json.loads(text)), text
+            assert satisfies_schema(json.loads(text, strict=False)), text  # (raw control characters: as vLLM)
         elif spec.json_object:
-            assert isinstance(json.loads(text), dict), text
+            assert isinstance(json.loads(text, strict=False), dict), text
         elif spec.regex is not None:
             assert re.fullmatch(spec.regex, text), text
         elif spec.choice is not None:

@@ -49,7 +49,7 @@ from tp_runtime.engine.llm import template_variables
 from tp_runtime.engine.llm_engine import child_params
 from tp_runtime.errors import EngineClosedError, InvalidRequestError, TPRuntimeError
 from tp_runtime.outputs import CompletionOutput
-from tp_runtime.sampling_params import SamplingParams
+from tp_runtime.sampling_params import SamplingParams, StructuredOutputsParams
 from tp_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from tp_runtime.server.openai_format import (
     DONE,
@@ -80,6 +80,7 @@ from tp_runtime.server.protocol import (
     UsageInfo,
     union_fields,
 )
+from tp_runtime.server.tool_calls import ToolPlan, template_tool_call
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class _Context:
     api_key: str | None
     metrics: ServerMetrics
     max_body_bytes: int
+    tool_call_parser: str | None = None  # --tool-call-parser: reads tool_choice "auto"'s calls
     draining: bool = False
 
     def failure(self, exc: BaseException) -> APIError:
@@ -211,7 +213,19 @@ class _Context:
             message: dict[str, Any] = {"role": m.role, "content": text_content(m.content, i)}
             if m.name is not None:
                 message["name"] = m.name
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                try:
+                    message["tool_calls"] = [template_tool_call(call) for call in m.tool_calls]
+                except InvalidRequestError as exc:
+                    raise bad_request(f"message {i}: {exc}", "messages") from None
             messages.append(message)
+        plan = self.tool_plan(body)
+        if plan is not None and plan.template_tools(body.tools or []) is not None:
+            variables_extra: dict[str, Any] = {"tools": body.tools}
+        else:
+            variables_extra = {}
         try:
             variables = template_variables(body.chat_template_kwargs)
         except InvalidRequestError as exc:
@@ -219,13 +233,20 @@ class _Context:
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message, **variables,
+                continue_final_message=body.continue_final_message, **variables_extra, **variables,
             )  # fmt: skip
         except Exception as exc:
             problem = f"the chat template failed: {type(exc).__name__}: {exc}"
             raise bad_request(problem, "messages") from None
         # The template writes the special tokens (BOS...) itself.
         return self.encode(str(text), False, "messages")
+
+    def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan | None:
+        try:
+            parallel = body.parallel_tool_calls is not False
+            return ToolPlan.of(body.tools, body.tool_choice, self.tool_call_parser, parallel)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), exc.field) from None
 
     def max_tokens(self, requested: int | None, prompt_len: int, param: str, prompt_param: str) -> int:
         """The output budget, with vLLM's messages for a request that does not fit the context."""
@@ -248,7 +269,7 @@ class _Context:
     def engine_requests(
         self, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None, param: str,
         logprobs: int | None, logprobs_param: str, prompt_param: str, prompt_logprobs: int | None = None,
-        prompt_logprobs_per_sample: bool = False,
+        prompt_logprobs_per_sample: bool = False, constraint: StructuredOutputsParams | None = None,
     ) -> _EngineRequests:  # fmt: skip
         """Check every prompt and the sampling options; one engine request per prompt and sample (choice
         index = prompt index * n + sample index). `param`, `logprobs_param`, `prompt_param`: the request's
@@ -275,6 +296,8 @@ class _Context:
         for ids in prompts:
             budget = self.max_tokens(max_tokens, len(ids), param, prompt_param)
             params = sampling_params(body, budget, logprobs, names, prompt_logprobs)
+            if constraint is not None:
+                params = replace(params, structured_outputs=constraint)
             if params.structured_outputs is not None:
                 # Compiled here, off the engine's thread; the engine's own compile is then a cache hit.
                 try:
@@ -346,9 +369,17 @@ class _Context:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        plan = self.tool_plan(body)
+        constraint = plan.constraint() if plan is not None else None
+        if constraint is not None and body.structured() is not None:
+            raise bad_request(
+                f"tool_choice {body.tool_choice!r} constrains the output already; leave out response_format "
+                "and structured_outputs", "tool_choice",
+            )  # fmt: skip
         requests = self.engine_requests(
-            body, [ids], max_tokens, param, logprobs, "top_logprobs", "messages", body.prompt_logprobs
-        )
+            body, [ids], max_tokens, param, logprobs, "top_logprobs", "messages", body.prompt_logprobs,
+            constraint=constraint,
+        )  # fmt: skip
         return body, requests, len(ids)
 
     # --------------------------------------------------------------------------------- the event loop's
@@ -588,6 +619,7 @@ def build_app(
     on_ready: Callable[[], None] | None = None,
     max_body_bytes: int | None = None,
     allowed_origins: Sequence[str] | None = None,
+    tool_call_parser: str | None = None,
 ) -> tuple[FastAPI, Callable[[float], None]]:
     """The FastAPI app serving `engine` (started by the caller) under `model_name`. `tokenizer`: the front
     end's own (the engine thread decodes with the engine's). `max_body_bytes`: the largest request body
@@ -602,6 +634,7 @@ def build_app(
         engine=engine, tokenizer=tokenizer, model_name=model_name, max_model_len=max_model_len,
         api_key=api_key, metrics=ServerMetrics(model_name, lambda: engine.stats),
         max_body_bytes=max_body_bytes or default_max_body_bytes(max_model_len),
+        tool_call_parser=tool_call_parser,
     )  # fmt: skip
 
     @contextlib.asynccontextmanager
@@ -673,7 +706,8 @@ def build_app(
         ctx.authorize(request)
         ctx.check_available()
         prepared = await asyncio.to_thread(ctx.prepare_chat, await ctx.read_body(request))
-        return await _serve(ctx, request, prepared, ChatFormat(prepared[0], ctx.tokenizer), arrival)
+        fmt = ChatFormat(prepared[0], ctx.tokenizer, ctx.tool_plan(prepared[0]))
+        return await _serve(ctx, request, prepared, fmt, arrival)
 
     def begin_drain(grace_s: float) -> None:
         ctx.draining = True

@@ -18,6 +18,8 @@ import sys
 from typing import Any
 from urllib.parse import urlsplit
 
+from tp_runtime.server.tool_calls import TOOL_CALL_PARSERS
+
 API_KEY_ENV = "TP_RUNTIME_API_KEY"
 DESCRIPTION = (
     "Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, "
@@ -73,6 +75,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,  # not the variable's value: --help would show it
         help="require `Authorization: Bearer KEY` on the /v1 endpoints; a key in a flag shows in `ps`, so "
         f"prefer ${API_KEY_ENV} (default: ${API_KEY_ENV}, else no key)",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help='how tool calls are read from the model\'s text for tool_choice "auto": hermes (<tool_call> '
+        "JSON, Qwen's templates), llama3_json (Llama 3's JSON calls) (default: none; tool_choice \"auto\" "
+        "with tools is then refused)",
     )
     group.add_argument(
         "--served-model-name",

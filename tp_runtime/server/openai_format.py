@@ -36,15 +36,20 @@ from tp_runtime.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     ErrorInfo,
     ErrorResponse,
+    FunctionCall,
     PromptLogprob,
     PromptLogprobs,
     SamplingFields,
+    ToolCall,
     TopLogprob,
     UsageInfo,
 )
+from tp_runtime.server.tool_calls import ToolPlan, call_id
 
 # JSON has no -inf; OpenAI (and vLLM) send this instead.
 MIN_LOGPROB = -9999.0
@@ -535,11 +540,17 @@ class ChatFormat(Format):
 
     id_prefix = "chatcmpl-"
 
-    def __init__(self, body: ChatCompletionRequest, tokenizer: Any) -> None:
+    def __init__(self, body: ChatCompletionRequest, tokenizer: Any, tools: ToolPlan | None = None) -> None:
         self.top = (body.top_logprobs or 0) if body.logprobs else None
         self.prompt_top = body.prompt_logprobs
         self._prompt_logprobs: PromptLogprobs | None = None  # the prompt's (all choices share it)
         self._token_bytes = TokenBytes(tokenizer)
+        # Tool calls: each choice's text so far, how much of it a stream sent as content, and the id of
+        # a named function's call (streamed as the text comes).
+        self.tools = tools if tools is not None and tools.mode != "none" else None
+        self._texts: dict[int, str] = {}
+        self._sent: dict[int, int] = {}
+        self._named_ids: dict[int, str] = {}
 
     def piece(
         self, index: int, out: CompletionOutput, finished: bool,
@@ -566,15 +577,48 @@ class ChatFormat(Format):
         return ChatLogprobs(content=content), len(content)
 
     def opening(self, num_choices: int) -> list[BaseModel]:
-        # Each choice opens with the role, as OpenAI's streams do.
-        opening = DeltaMessage(role="assistant", content="")
-        return [ChatStreamChoice(index=i, delta=opening, logprobs=None, finish_reason=None)
-                for i in range(num_choices)]  # fmt: skip
+        # Each choice opens with the role, as OpenAI's streams do; a named function's call with its id and
+        # name (its arguments follow as the text comes).
+        openings: list[BaseModel] = []
+        for i in range(num_choices):
+            delta = DeltaMessage(role="assistant", content="")
+            if self.tools is not None and self.tools.named is not None:
+                self._named_ids[i] = call_id()
+                function = DeltaFunctionCall(name=self.tools.named.name, arguments="")
+                header = DeltaToolCall(index=0, id=self._named_ids[i], type="function", function=function)
+                delta = DeltaMessage(role="assistant", tool_calls=[header])
+            openings.append(ChatStreamChoice(index=i, delta=delta, logprobs=None, finish_reason=None))
+        return openings
 
     def delta(self, piece: Piece) -> ChatStreamChoice:
+        tools = self.tools
+        finish = piece.finish_reason
+        if tools is None:
+            delta = DeltaMessage(content=piece.text) if piece.text else DeltaMessage()
+        elif tools.named is not None:
+            arguments = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=piece.text))
+            delta = DeltaMessage(tool_calls=[arguments]) if piece.text else DeltaMessage()
+        else:
+            # Content goes out as far as it cannot begin a call; the calls when the choice ends.
+            i = piece.index
+            text = self._texts[i] = self._texts.get(i, "") + piece.text
+            sent = self._sent.get(i, 0)
+            parsed = tools.parse(text) if piece.finished else None
+            upto = len(text) if piece.finished and parsed is None else tools.streamed_content(text)
+            content = text[sent:upto] if upto > sent else None
+            self._sent[i] = max(sent, upto)
+            calls = None
+            if parsed is not None:
+                if parsed.content and len(parsed.content) > sent:
+                    content = (content or "") + parsed.content[sent:]
+                calls = [DeltaToolCall(index=k, id=call_id(), type="function",
+                                       function=DeltaFunctionCall(name=name, arguments=arguments))
+                         for k, (name, arguments) in enumerate(parsed.calls)]  # fmt: skip
+                finish = "tool_calls"
+            delta = DeltaMessage(content=content, tool_calls=calls)
         return ChatStreamChoice(
-            index=piece.index, delta=DeltaMessage(content=piece.text) if piece.text else DeltaMessage(),
-            logprobs=piece.logprobs, finish_reason=piece.finish_reason, stop_reason=piece.stop_reason,
+            index=piece.index, delta=delta, logprobs=piece.logprobs, finish_reason=finish,
+            stop_reason=piece.stop_reason,
         )  # fmt: skip
 
     def choice(self, index: int, pieces: list[Piece]) -> ChatChoice:
@@ -584,9 +628,17 @@ class ChatFormat(Format):
             logprobs = ChatLogprobs(
                 content=[e for p in pieces if p.logprobs for e in p.logprobs.content or []]
             )
+        message = ChatResponseMessage(content=text)
+        parsed = self.tools.parse(text) if self.tools is not None and finish_reason is not None else None
+        if parsed is not None:
+            calls = [ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=arguments))
+                     for name, arguments in parsed.calls]  # fmt: skip
+            message = ChatResponseMessage(content=parsed.content, tool_calls=calls)
+            if self.tools is not None and self.tools.named is None:
+                finish_reason = "tool_calls"
         return ChatChoice(
-            index=index, message=ChatResponseMessage(content=text), logprobs=logprobs,
-            finish_reason=finish_reason, stop_reason=stop_reason,
+            index=index, message=message, logprobs=logprobs, finish_reason=finish_reason,
+            stop_reason=stop_reason,
         )  # fmt: skip
 
     def response(

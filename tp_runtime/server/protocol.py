@@ -199,6 +199,8 @@ class ChatMessage(_Request):
     # A string, or content parts of which only {"type": "text", "text": ...} are supported.
     content: str | Items[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: Items[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -209,16 +211,12 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None  # with logprobs: the top tokens to return per position
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: Items[dict[str, Any]] | None = None  # refused unless empty
-    tool_choice: Any = None  # only "none" or "auto" (no tools: the model answers in text either way)
+    # Functions the model may call (server/tool_calls.py): "auto" (the default with tools) reads calls
+    # from its text with --tool-call-parser, "required" and a named function constrain it to calls.
+    tools: Items[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # False: "required" makes one call
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's)
-
-    def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice"
-        return super().unsupported()
 
 
 # ----------------------------------------------------------------------------------------- responses
@@ -300,9 +298,43 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI's
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A stream's piece of a tool call: its first has the id, type and name; later ones add arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -332,6 +364,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

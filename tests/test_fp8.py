@@ -268,6 +268,12 @@ def test_fp8_checkpoint_errors(make_checkpoint: Any, tmp_path: Path) -> None:
               str(broken / "model.safetensors"))  # fmt: skip
     with pytest.raises(ConfigError, match=r"without their scales.*k_proj"):
         load(broken)
+    # Scales of the wrong shape (one too many rows) are refused, not cut to fit.
+    wrong = dict(tensors)
+    wrong["model.layers.0.self_attn.k_proj.weight_scale"] = torch.ones(33, 1)
+    save_file(wrong, str(broken / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"k_proj\.weight_scale has shape \[33, 1\]"):
+        load(broken)
     # A 32-bit weight where the config says FP8: not silently used without a scale.
     unquantized = dict(tensors)
     unquantized["model.layers.0.self_attn.o_proj.weight"] = torch.ones(64, 64)

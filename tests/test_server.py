@@ -1204,7 +1204,7 @@ def test_structured_outputs_through_the_openai_client(server1: Server, llm1: LLM
     with pytest.raises(openai.BadRequestError, match="JSON schema is not valid") as info:
         bad = {"structured_outputs": {"json": {"type": "object", "required": 3}}}
         client.completions.create(model=NAME, prompt="x", max_tokens=4, extra_body=bad)
-    assert info.value.body["param"] == "json"  # type: ignore[index]
+    assert info.value.body["param"] == "structured_outputs"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError, match="response_format type 'xml'"):
         client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4,
                                        response_format={"type": "xml"})  # type: ignore[arg-type]  # fmt: skip

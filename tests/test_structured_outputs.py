@@ -142,8 +142,16 @@ def test_bad_constraints_are_clear_errors_and_the_engine_serves_on(llm: LLM) -> 
             StructuredOutputsParams(**bad)
     with pytest.raises(InvalidRequestError, match="structured_outputs must be"):
         SamplingParams(structured_outputs={"json": {}})  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="min_tokens must be 0 with structured_outputs"):
+        SamplingParams(min_tokens=3, structured_outputs=StructuredOutputsParams(regex="a+"))
     text, reason = _texts(llm, [_params(1, choice=["fine"])])[0]
     assert (text, reason) == ("fine", "stop")
+
+
+def test_choices_beyond_ascii(llm: LLM) -> None:
+    choices = ["😀 yes", "no 😀", "café"]
+    for text, reason in _texts(llm, [_params(s, choice=choices) for s in range(4)]):
+        assert text in choices and reason == "stop", text
 
 
 def _step(ids: list[int], bitmask: bytes) -> SchedulerOutput:

@@ -206,6 +206,7 @@ class QuantizedCheckpoint:
         self.quant = quant
         modules = model.modules() if isinstance(model, torch.nn.Module) else []
         self.layers = {id(m.weight): m for m in modules if isinstance(m, QuantizedLayer)}
+        self.weight_shapes = dict(model.checkpoint_shapes())
         self.scales_missing: set[str] = set()
         if quant is None:
             return
@@ -258,7 +259,7 @@ class QuantizedCheckpoint:
                     "(mixture-of-experts experts are not supported yet)"
                 )
             if suffix != "input_scale":
-                layer.load_scale(tensor, shard_id)
+                layer.load_scale(tensor, shard_id, tuple(self.weight_shapes[weight]))
         self.scales_missing.discard(weight)
         return True
 

@@ -156,6 +156,9 @@ class SamplingParams:
         constraint = self.structured_outputs
         if constraint is not None and not isinstance(constraint, StructuredOutputsParams):
             raise bad(f"structured_outputs must be a StructuredOutputsParams, got {constraint!r}")
+        if constraint is not None and self.min_tokens:
+            # Its grammar may be complete, allowing only EOS, before min_tokens: nothing could be sampled.
+            raise bad("min_tokens must be 0 with structured_outputs (the grammar decides where it ends)")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):

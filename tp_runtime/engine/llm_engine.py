@@ -397,13 +397,13 @@ class LLMEngine:
         states = self._text_states
         for req in updated:
             reason = self._check_stop(req)
-            # Sampled under the grammar's mask, so it fits; once the grammar is done nothing may follow.
-            if (
-                req.grammar is not None
-                and req.req_id in self._constrained
-                and (not req.grammar.accept(req.output_token_ids[-1]) or req.grammar.finished)
-            ):
-                reason = reason or "stop"
+            # Sampled under the grammar's mask, so it fits (else a bug: the request is aborted); once the
+            # grammar is done nothing may follow.
+            if req.grammar is not None and req.req_id in self._constrained:
+                if not req.grammar.accept(req.output_token_ids[-1]):
+                    reason = "abort"
+                elif req.grammar.finished:
+                    reason = reason or "stop"
             if reason is not None:
                 self.scheduler.finish(req, reason)
             state = states.get(req.req_id)

@@ -27,7 +27,8 @@ from tp_runtime.sampling_params import StructuredOutputsParams
 
 def _choice_grammar(choices: list[str]) -> str:
     """EBNF for exactly one of `choices` (each a JSON-escaped string literal)."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    # (not ASCII-escaped: xgrammar reads a \ud83d surrogate pair as two code points)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 class GrammarCompiler:
@@ -54,7 +55,10 @@ class GrammarCompiler:
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids or None
                 )
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=4, cache_enabled=True)
+                # Bounded: a server caches the grammars its clients send.
+                self._compiler = xgrammar.GrammarCompiler(
+                    info, max_threads=4, cache_enabled=True, cache_limit_bytes=256 << 20
+                )
             return self._compiler
 
     def compile(self, spec: StructuredOutputsParams) -> Any:

@@ -201,8 +201,8 @@ class ColumnParallelLinear(nn.Module):
     def _load_weight(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
         self.method.load_weight(self, source, self.shard(shard_id))
 
-    def load_scale(self, source: TensorSource, shard_id: int = 0) -> None:
-        self.method.load_scale(self, source, self.shard(shard_id))
+    def load_scale(self, source: TensorSource, shard_id: int, weight_shape: tuple[int, ...]) -> None:
+        self.method.load_scale(self, source, self.shard(shard_id), weight_shape)
 
     def _load_bias(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
         shard = self.shard(shard_id)
@@ -298,8 +298,8 @@ class RowParallelLinear(nn.Module):
     def _load_weight(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
         self.method.load_weight(self, source, self.shard())
 
-    def load_scale(self, source: TensorSource, shard_id: int = 0) -> None:
-        self.method.load_scale(self, source, self.shard())
+    def load_scale(self, source: TensorSource, shard_id: int, weight_shape: tuple[int, ...]) -> None:
+        self.method.load_scale(self, source, self.shard(), weight_shape)
 
     def _load_bias(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
         _copy_checked(param.data, source.full(), type(self).__name__)

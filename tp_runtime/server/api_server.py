@@ -303,7 +303,8 @@ class _Context:
                 try:
                     self.engine.engine.grammars.compile(params.structured_outputs)
                 except InvalidRequestError as exc:
-                    raise bad_request(str(exc), exc.field) from None
+                    field = "tools" if constraint is not None else body.constraint_field() or exc.field
+                    raise bad_request(str(exc), field) from None
             try:
                 ids = self.engine.engine.check_request(ids, child_params(params, 0))
             except InvalidRequestError as exc:

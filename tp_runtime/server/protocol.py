@@ -72,7 +72,9 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-_REFUSED_EXTENSIONS = ("allowed_token_ids", "bad_words", "truncate_prompt_tokens")
+_REFUSED_EXTENSIONS = (
+    "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "guided_whitespace_pattern",
+)  # fmt: skip
 # vLLM's older names of the structured_outputs fields.
 _GUIDED = {
     "guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
@@ -111,6 +113,7 @@ class SamplingFields(_Request):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None  # refused: xgrammar takes no whitespace pattern
     response_format: dict[str, Any] | None = None
     # vLLM extensions this server does not serve: refused when given, rather than silently ignored.
     allowed_token_ids: Any = None
@@ -118,6 +121,14 @@ class SamplingFields(_Request):
     truncate_prompt_tokens: Any = None
     use_beam_search: bool = False
     skip_special_tokens: bool = True  # the text always leaves special tokens out
+
+    def constraint_field(self) -> str | None:
+        """The request's field that gives its output constraint (for error messages), else None."""
+        for name in ("structured_outputs", *_GUIDED):
+            if getattr(self, name) is not None:
+                return name
+        fmt = self.response_format
+        return "response_format" if fmt is not None and fmt.get("type", "text") != "text" else None
 
     def structured(self) -> StructuredOutputsParams | None:
         """The request's one output constraint, from whichever field gives it; InvalidRequestError naming

@@ -65,7 +65,7 @@ def grammar_masks(
         )
     packed = np.frombuffer(so.grammar_bitmask, dtype="<i4").reshape(len(ids), words)
     bits = torch.from_numpy(packed.astype(np.int32)).to(device, non_blocking=True)
-    token = torch.arange(vocab_size, device=device)
+    token = torch.arange(vocab_size, dtype=torch.int32, device=device)  # int32 temporaries: [rows, vocab]
     allowed = ((bits[:, token >> 5] >> (token & 31)) & 1).bool()
     rows = torch.tensor([position[r] for r in ids], dtype=torch.int64, device=device)
     return rows, allowed

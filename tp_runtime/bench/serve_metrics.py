@@ -43,6 +43,8 @@ class RequestRecord:
     usage_output_tokens: int | None = None
     prompt_tokens: int | None = None
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server sent it
+    turn: int = 0  # --multi-turn: the turn of its conversation (0: the first)
+    text_parts: list[str] = field(default_factory=list)  # the reply's text, as streamed
 
     @property
     def output_tokens(self) -> int:
@@ -127,7 +129,28 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, 
     for metric in METRICS:
         for stat, value in stats_ms(samples[metric]).items():
             summary[f"{stat}_{metric}_ms"] = value
+    if any(rec.turn for rec in records):
+        summary["turns"] = turn_summaries(records)
     return summary
+
+
+def turn_summaries(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
+    """Per turn of the conversations (--multi-turn): its completed requests, their mean prompt tokens (the
+    conversation so far, as the server counted them), the share of those found in the prefix cache and
+    the mean TTFT: with prefix caching a later turn's TTFT should not grow with the conversation."""
+    out = []
+    for turn in sorted({rec.turn for rec in records}):
+        done = [(rec, m) for rec in records if rec.turn == turn and (m := request_metrics(rec)) is not None]
+        prompts = [rec.prompt_tokens if rec.prompt_tokens is not None else rec.prompt_len for rec, _ in done]
+        cached = [rec.cached_tokens for rec, _ in done if rec.cached_tokens is not None]
+        out.append({
+            "turn": turn,
+            "completed": len(done),
+            "mean_prompt_tokens": float(np.mean(prompts)) if prompts else None,
+            "cached_percent": 100.0 * sum(cached) / sum(prompts) if cached and sum(prompts) else None,
+            "mean_ttft_ms": float(np.mean([m.ttft for _, m in done]) * 1e3) if done else None,
+        })  # fmt: skip
+    return out
 
 
 def error_counts(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
@@ -211,6 +234,11 @@ def _format_pass(c: dict[str, Any], s: dict[str, Any], errors: list[dict[str, An
         for stat in STATS:
             label = {"mean": "Mean", "median": "Median", "p90": "P90", "p99": "P99"}[stat]
             row(f"{label} {name} (ms):", s[f"{stat}_{metric}_ms"])
+    for t in s.get("turns") or []:
+        rows.append(
+            f"Turn {t['turn'] + 1}: {t['completed']} ok, mean prompt {_fmt(t['mean_prompt_tokens'])} tokens "
+            f"({_fmt(t['cached_percent'])} % cached), mean TTFT {_fmt(t['mean_ttft_ms'])} ms"
+        )
     rows.append("=" * width)
     if s["output_len_mismatch"]:
         rows.append(

@@ -239,12 +239,16 @@ def few_rows_config(
     return None
 
 
-def fp8_few_rows_config(n: int) -> SkinnyConfig:
+def fp8_few_rows_config(n: int, rows: int, num_sms: int) -> SkinnyConfig:
     """few_rows_linear's launch shape for an FP8 weight (there is no cuBLAS weight-only FP8 to fall back
-    to): the fastest of a sweep over the Llama-3-8B layers at 4 and 16 rows on an H200
-    (scripts/check_fp8_gemm.py --sweep; BENCHMARKS.md): 32-feature tiles, 512-wide K tiles but 256 for
-    the wide merged gate/up (block scales lower BLOCK_K to their block)."""
-    return SkinnyConfig(32, 256 if n >= 16384 else 512, 4, 3)
+    to; block scales lower BLOCK_K to their block). Up to 16 rows: the fastest of a sweep over the
+    Llama-3-8B layers at 4 and 16 rows on an H200 (scripts/check_fp8_gemm.py --sweep; BENCHMARKS.md),
+    32-feature tiles and 512-wide K tiles (256 for the wide merged gate/up). More rows: 256-wide K tiles
+    and 16-feature tiles where 32 would leave SMs idle (the sweep's shape made batch-32 decode 11 %
+    slower end to end)."""
+    if rows <= 16:
+        return SkinnyConfig(32, 256 if n >= 16384 else 512, 4, 3)
+    return SkinnyConfig(32 if n >= 32 * num_sms else 16, 256, 4, 4)
 
 
 def few_rows_linear(

@@ -111,7 +111,7 @@ class CudaFp8Kernels(Fp8Kernels):
                 )
             if silu_mul:
                 x = silu_and_mul(x, fused=True)
-            cfg = kernels.fp8_few_rows_config(weight.shape[0])
+            cfg = kernels.fp8_few_rows_config(weight.shape[0], rows, self.num_sms)
             return kernels.few_rows_linear(x, weight, bias, cfg, scale=scale, scale_block_k=block_k)
         if silu_mul:
             x = silu_and_mul(x, fused=True)

@@ -112,6 +112,12 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self._entries)
 
+    def dtype(self, name: str) -> torch.dtype:
+        return self._entries[name][0]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entries[name][1]
 
@@ -253,15 +259,80 @@ class QuantizedCheckpoint:
             return False
         for param, shard_id in targets:
             layer = self.layers.get(id(param))
-            if layer is None:
-                raise ConfigError(
-                    f"{name}: FP8 weights are supported for the dense linear layers only, not for this one "
-                    "(mixture-of-experts experts are not supported yet)"
-                )
+            if layer is None:  # experts: read with their weight (dequantized_weight)
+                continue
             if suffix != "input_scale":
                 layer.load_scale(tensor, shard_id, tuple(self.weight_shapes[weight]))
         self.scales_missing.discard(weight)
         return True
+
+
+    def keeps_model_dtype(self, targets: list[tuple[torch.nn.Parameter, int]]) -> bool:
+        """Whether the parameters a checkpoint weight fills are not FP8 layers' (experts)."""
+        return not any(_is_quantized(self.layers.get(id(param))) for param, _ in targets)
+
+    def dequantized_weight(
+        self, model_dir: str, handle: SafetensorsFile, name: str, dtype: torch.dtype
+    ) -> DequantizedTensor:
+        """FP8 checkpoint weight `name` of a layer that keeps the model dtype (mixture-of-experts experts),
+        read as that dtype: each slice times its scales."""
+        assert self.quant is not None, "internal: an FP8 weight without a quantization config"
+        scale_name = f"{name.removesuffix('.weight')}.{self.quant.scale_suffixes[0]}"
+        scale: torch.Tensor | None = handle.read(scale_name) if scale_name in handle else None
+        for path in safetensors_files(model_dir) if scale is None else []:  # another file of the checkpoint
+            with SafetensorsFile(path) as other:
+                if scale_name in other:
+                    scale = other.read(scale_name)
+                    break
+        if scale is None:
+            raise ConfigError(
+                f"checkpoint {model_dir} has FP8 weight {name!r} without its scale {scale_name!r}"
+            )
+        return DequantizedTensor(CheckpointTensor(handle, name, None), scale.float(), self.quant, dtype)
+
+
+class DequantizedTensor:
+    """An FP8 checkpoint tensor read in parts as `dtype`: weight * scale over each part, in float32 (the
+    value its scales give it: what the tests' dequantized reference checkpoints hold)."""
+
+    def __init__(self, weight: CheckpointTensor, scale: torch.Tensor, quant: QuantConfig, dtype: torch.dtype):
+        self.name = weight.name
+        self.shape = weight.shape
+        self._weight, self._scale, self._quant, self._dtype = weight, scale, quant, dtype
+        if len(self.shape) != 2:
+            raise ConfigError(f"{self.name}: an FP8 weight must be 2-d, got shape {list(self.shape)}")
+        rows, cols = self.shape
+        if quant.weight_scales == "block":
+            bn, bk = quant.block_size or (1, 1)
+            want: tuple[int, ...] = (-(-rows // bn), -(-cols // bk))
+        else:
+            want = (1,) if quant.weight_scales == "tensor" else (rows,)
+        block_shape_wrong = quant.weight_scales == "block" and tuple(scale.shape) != want
+        if math.prod(scale.shape) != math.prod(want) or block_shape_wrong:
+            raise ConfigError(
+                f"{self.name}'s scale has shape {list(scale.shape)}; {quant.weight_scales} FP8 scales of a "
+                f"{list(self.shape)} weight have shape {list(want)}"
+            )
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        q = self._weight.narrow(dim, start, length).to(torch.float32)
+        rows, cols = self.shape
+        r0, rn = (start, length) if dim == 0 else (0, rows)
+        c0, cn = (start, length) if dim == 1 else (0, cols)
+        scheme = self._quant.weight_scales
+        if scheme == "tensor":
+            scale = self._scale.reshape(())
+        elif scheme == "channel":
+            scale = self._scale.reshape(-1)[r0 : r0 + rn, None]
+        else:
+            bn, bk = self._quant.block_size or (1, 1)
+            tiles = self._scale[r0 // bn : -(-(r0 + rn) // bn), c0 // bk : -(-(c0 + cn) // bk)]
+            full = tiles.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+            scale = full[r0 % bn : r0 % bn + rn, c0 % bk : c0 % bk + cn]
+        return (q * scale).to(self._dtype)
+
+    def full(self) -> torch.Tensor:
+        return self.narrow(0, 0, self.shape[0])
 
 
 def _is_quantized(layer: QuantizedLayer | None) -> bool:
@@ -286,7 +357,10 @@ def load_weights(
                     targets = list(model.checkpoint_targets(name))
                 except KeyError:
                     raise ConfigError(f"{os.path.basename(path)} holds unexpected tensor {name!r}") from None
-                tensor = CheckpointTensor(handle, name, dtype)
+                tensor: CheckpointTensor | DequantizedTensor = CheckpointTensor(handle, name, dtype)
+                fp8 = handle.dtype(name) in FP8_DTYPES
+                if fp8 and quant is not None and quantized.keeps_model_dtype(targets):
+                    tensor = quantized.dequantized_weight(model_dir, handle, name, dtype)
                 # Each rank reads only its slice, so a tensor of the wrong size could load part of itself.
                 if name in expected and tensor.shape != tuple(expected[name]):
                     raise ConfigError(

@@ -55,7 +55,7 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if src.dtype in FP8_DTYPES and dst.dtype not in FP8_DTYPES:
         raise ConfigError(
             f"{what} got an FP8 tensor, but this layer is not FP8: the checkpoint's quantization_config "
-            "does not cover it (FP8 mixture-of-experts weights are not supported yet)"
+            "does not cover it"
         )
     dst.copy_(src)
 

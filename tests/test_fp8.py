@@ -27,7 +27,9 @@ from tp_runtime.distributed import TPGroup
 from tp_runtime.errors import ConfigError
 from tp_runtime.models.llama import LlamaForCausalLM
 
-LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+# (Mixtral's experts: w1, w3 gate and up, w2 down)
+LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   "w1", "w2", "w3")
 E4M3_MAX = 448.0
 
 

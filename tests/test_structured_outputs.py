@@ -173,3 +173,27 @@ def test_workers_unpack_the_mask_and_refuse_a_malformed_one() -> None:
     for ids, data in (([8, 3], packed[:-4]), ([9, 3], packed), ([3, 3], packed)):
         with pytest.raises(ProtocolError, match="grammar bitmask"):
             grammar_masks(_step(ids, data), [3, 4, 8], vocab, torch.device("cpu"))
+
+
+def test_a_grammar_compiled_by_a_server_thread_is_not_compiled_again(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server compiles a request's constraint in its request thread; the engine thread's add_request
+    then takes that grammar (by the StructuredOutputsParams object) without compiling it again."""
+    import threading
+
+    grammars = llm.engine.grammars
+    spec = StructuredOutputsParams(regex="[pq]{3}")
+    compiled: list[Any] = []
+    worker = threading.Thread(target=lambda: compiled.append(grammars.compile(spec)))
+    worker.start()
+    worker.join()
+    calls: list[StructuredOutputsParams] = []
+    original = grammars._compile
+    monkeypatch.setattr(grammars, "_compile", lambda s: calls.append(s) or original(s))
+    assert grammars.compile(spec) is compiled[0] and calls == []
+    text, reason = _texts(llm, [SamplingParams(max_tokens=8, seed=2, structured_outputs=spec)])[0]
+    assert re.fullmatch("[pq]{3}", text) and reason == "stop" and calls == []
+    equal = StructuredOutputsParams(regex="[pq]{3}")  # another object: compiled (from xgrammar's cache)
+    grammars.compile(equal)
+    assert calls == [equal]

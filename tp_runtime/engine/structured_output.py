@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
 from tp_runtime.errors import ConfigError, InvalidRequestError
 from tp_runtime.sampling_params import StructuredOutputsParams
+
+_RECENT_GRAMMARS = 64  # requests between a server thread's compile and the engine thread's add
 
 
 def _choice_grammar(choices: list[str]) -> str:
@@ -41,6 +44,10 @@ class GrammarCompiler:
         self._stop_token_ids = stop_token_ids
         self._compiler: Any = None
         self._lock = threading.Lock()
+        # The grammars compiled last, by the identity of their StructuredOutputsParams (kept here, so the
+        # id stays theirs): the server compiles in its request threads and the engine thread then takes
+        # the same object's grammar without compiling again, whatever xgrammar's cache evicted since.
+        self._recent: OrderedDict[int, tuple[StructuredOutputsParams, Any]] = OrderedDict()
 
     def _xgrammar_compiler(self) -> Any:
         with self._lock:
@@ -64,6 +71,19 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of `spec`; InvalidRequestError naming the field for a bad schema, regex or
         grammar. Safe to call from any thread."""
+        with self._lock:
+            recent = self._recent.get(id(spec))
+            if recent is not None and recent[0] is spec:
+                self._recent.move_to_end(id(spec))
+                return recent[1]
+        compiled = self._compile(spec)
+        with self._lock:
+            self._recent[id(spec)] = (spec, compiled)
+            while len(self._recent) > _RECENT_GRAMMARS:
+                self._recent.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredOutputsParams) -> Any:
         compiler = self._xgrammar_compiler()
         field, what = "structured_outputs", "the constraint"
         try:

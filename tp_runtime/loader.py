@@ -22,6 +22,7 @@ from tp_runtime.config import QuantConfig
 from tp_runtime.errors import ConfigError
 from tp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tp_runtime.layers.quantization import FP8_DTYPES, UNQUANTIZED
+from tp_runtime.layers.quantization.fp8 import check_scale_shape
 
 if TYPE_CHECKING:
     from tp_runtime.models.interface import CausalLM
@@ -217,17 +218,17 @@ class QuantizedCheckpoint:
         if quant is None:
             return
         # A fused layer (q/k/v, gate/up) is quantized or not as a whole.
-        parts: dict[int, list[bool]] = {}
+        parts: dict[int, tuple[QuantizedLayer, list[bool]]] = {}
         for name, _ in model.checkpoint_shapes():
             layer = self._layer_of(name)
             if layer is not None and _is_quantized(layer):
-                parts.setdefault(id(layer), []).append(quant.is_ignored(name.removesuffix(".weight")))
+                ignored = quant.is_ignored(name.removesuffix(".weight"))
+                parts.setdefault(id(layer), (layer, []))[1].append(ignored)
                 self.scales_missing.add(name)
-        for layer_id, ignored in parts.items():
-            if all(ignored):
-                layer = next(m for m in self.layers.values() if id(m) == layer_id)
+        for layer, flags in parts.values():
+            if all(flags):
                 layer.use_method(UNQUANTIZED)
-            elif any(ignored):
+            elif any(flags):
                 raise ConfigError(
                     "the checkpoint's quantization_config leaves some of the projections this engine fuses "
                     "(q/k/v or gate/up) unquantized and not the others; that is not supported"
@@ -301,18 +302,7 @@ class DequantizedTensor:
         self._weight, self._scale, self._quant, self._dtype = weight, scale, quant, dtype
         if len(self.shape) != 2:
             raise ConfigError(f"{self.name}: an FP8 weight must be 2-d, got shape {list(self.shape)}")
-        rows, cols = self.shape
-        if quant.weight_scales == "block":
-            bn, bk = quant.block_size or (1, 1)
-            want: tuple[int, ...] = (-(-rows // bn), -(-cols // bk))
-        else:
-            want = (1,) if quant.weight_scales == "tensor" else (rows,)
-        block_shape_wrong = quant.weight_scales == "block" and tuple(scale.shape) != want
-        if math.prod(scale.shape) != math.prod(want) or block_shape_wrong:
-            raise ConfigError(
-                f"{self.name}'s scale has shape {list(scale.shape)}; {quant.weight_scales} FP8 scales of a "
-                f"{list(self.shape)} weight have shape {list(want)}"
-            )
+        check_scale_shape(quant, f"{self.name}'s scale", tuple(scale.shape), self.shape)
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         q = self._weight.narrow(dim, start, length).to(torch.float32)

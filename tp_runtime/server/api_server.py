@@ -199,7 +199,7 @@ class _Context:
             return [list(prompt)]
         return [self.encode(p, True, "prompt") if isinstance(p, str) else list(p) for p in prompt]
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
         """The conversation rendered by the chat template and tokenized, as LLM.chat does."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(
@@ -221,7 +221,6 @@ class _Context:
                 except InvalidRequestError as exc:
                     raise bad_request(f"message {i}: {exc}", "messages") from None
             messages.append(message)
-        plan = self.tool_plan(body)
         if plan is not None and plan.template_tools(body.tools or []) is not None:
             variables_extra: dict[str, Any] = {"tools": body.tools}
         else:
@@ -361,16 +360,19 @@ class _Context:
         full = self.tokenizer("a", add_special_tokens=True)["input_ids"]
         return len(full) - len(bare) if bare and full[-len(bare) :] == bare else 0
 
-    def prepare_chat(self, raw: bytes) -> tuple[ChatCompletionRequest, _EngineRequests, int]:
+    def prepare_chat(
+        self, raw: bytes
+    ) -> tuple[ChatCompletionRequest, _EngineRequests, int, ToolPlan | None]:
+        """The request, its engine requests, its prompt tokens and what its tools ask for."""
         body = self.parse(ChatCompletionRequest, raw)
         check_choices(1, body.n)  # before the template and the tokenizer run
-        ids = self.chat_prompt(body)
+        plan = self.tool_plan(body)
+        ids = self.chat_prompt(body, plan)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        plan = self.tool_plan(body)
         constraint = plan.constraint() if plan is not None else None
         if constraint is not None and body.structured() is not None:
             raise bad_request(
@@ -381,7 +383,7 @@ class _Context:
             body, [ids], max_tokens, param, logprobs, "top_logprobs", "messages", body.prompt_logprobs,
             constraint=constraint,
         )  # fmt: skip
-        return body, requests, len(ids)
+        return body, requests, len(ids), plan
 
     # --------------------------------------------------------------------------------- the event loop's
     def submit(self, requests: _EngineRequests, num_prompt_tokens: int) -> RequestStream:
@@ -706,9 +708,11 @@ def build_app(
         arrival = time.monotonic()
         ctx.authorize(request)
         ctx.check_available()
-        prepared = await asyncio.to_thread(ctx.prepare_chat, await ctx.read_body(request))
-        fmt = ChatFormat(prepared[0], ctx.tokenizer, ctx.tool_plan(prepared[0]))
-        return await _serve(ctx, request, prepared, fmt, arrival)
+        body, requests, num_prompt_tokens, plan = await asyncio.to_thread(
+            ctx.prepare_chat, await ctx.read_body(request)
+        )
+        fmt = ChatFormat(body, ctx.tokenizer, plan)
+        return await _serve(ctx, request, (body, requests, num_prompt_tokens), fmt, arrival)
 
     def begin_drain(grace_s: float) -> None:
         ctx.draining = True

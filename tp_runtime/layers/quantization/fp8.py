@@ -61,6 +61,25 @@ def quantize_rows(data: torch.Tensor, row_amax: torch.Tensor) -> tuple[torch.Ten
     return q, scale
 
 
+def check_scale_shape(
+    config: QuantConfig, name: str, shape: tuple[int, ...], weight_shape: tuple[int, ...]
+) -> None:
+    """ConfigError unless `shape` is that of the scales of a checkpoint weight of `weight_shape` (full,
+    unsharded): one value per tensor, one per output row, or [cdiv(rows, bn), cdiv(cols, bk)] blocks."""
+    rows, cols = weight_shape
+    scheme = config.weight_scales
+    if scheme == "block":
+        block_n, block_k = config.block_size or (1, 1)
+        want: tuple[int, ...] = (_cdiv(rows, block_n), _cdiv(cols, block_k))
+    else:
+        want = (1,) if scheme == "tensor" else (rows,)
+    if math.prod(shape) != math.prod(want) or (scheme == "block" and tuple(shape) != want):
+        raise ConfigError(
+            f"{name} has shape {list(shape)}; {scheme} FP8 scales of a {list(weight_shape)} weight have "
+            f"shape {list(want)}"
+        )
+
+
 class Fp8Kernels:
     """The reference matmul (CPU): dequantize, then F.linear in the compute dtype."""
 
@@ -118,7 +137,7 @@ class CudaFp8Kernels(Fp8Kernels):
         n, k = weight.shape
         if scale.shape[1] != 1 or x.dim() != 2 or x.dtype != torch.bfloat16 or n % 16 or k % 16:
             # (_scaled_mm takes bfloat16 output with per-row scales, and sizes in multiples of 16)
-            return F.linear(x, dequantize(weight, scale, block_k, x.dtype), bias)
+            return super().linear(x, weight, scale, block_k, bias, silu_mul=False)
         x_amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32).clamp_(min=1e-12)
         x_scale = x_amax / FP8_E4M3_MAX
         xq = (x.to(torch.float32) / x_scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8)
@@ -184,17 +203,7 @@ class Fp8LinearMethod(LinearMethod):
         target = shard_rows(_scale(layer), shard)
         shape = tuple(source.shape)
         scheme = self.config.weight_scales
-        rows, cols = weight_shape
-        if scheme == "block":
-            block_n, block_k = self.config.block_size or (1, 1)
-            want: tuple[int, ...] = (_cdiv(rows, block_n), _cdiv(cols, block_k))
-        else:
-            want = (1,) if scheme == "tensor" else (rows,)
-        if math.prod(shape) != math.prod(want) or (scheme == "block" and shape != want):
-            raise ConfigError(
-                f"{name} has shape {list(shape)}; {scheme} FP8 scales of a {list(weight_shape)} weight have "
-                f"shape {list(want)}"
-            )
+        check_scale_shape(self.config, name, shape, weight_shape)
         if scheme == "tensor":
             value = source.full().to(torch.float32).reshape(-1)
             if value.numel() != 1:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements recorded in BENCHMARKS.md (run on the device machines; see the device README).
-#   scripts/gpu_bench.sh smoke|checks|rows|rows8b|serve|traffic|fp8|families|compare|compare1|tp1|tp2|fused|profile|profile2|matmuls|messaging|peer OUT_DIR
+#   scripts/gpu_bench.sh smoke|checks|rows|rows8b|serve|traffic|prefix|structured|fp8|families|compare|compare1|tp1|tp2|fused|profile|profile2|matmuls|messaging|peer OUT_DIR
 set -euo pipefail
 part=$1
 out=${2:-/tmp/tp-runtime-bench}
@@ -174,6 +174,42 @@ case $part in
       --cache-implementation static --num-iters 5 --output-json "$out/hf_static_b1.json"
     bench fp8_70b_b1 --model llama-3-70b --batch-size 1 --input-len 32 --output-len 128 --num-iters 3 \
       --num-iters-warmup 1 --quantization fp8
+    ;;
+  prefix)  # issue 26: 64 requests of one shared 2000-token prefix and 64 tokens of their own, 32 out: caching
+           # off, on (each pass from an empty cache), and a repeat served from the cache; then multi-turn chat
+           # through serve with caching on and off
+    for mode in off on repeat; do
+      flags=(--enable-prefix-caching)
+      [ $mode = off ] && flags=(--no-enable-prefix-caching)
+      [ $mode = repeat ] && flags+=(--keep-prefix-cache)
+      $py -m tp_runtime.cli bench throughput --model llama-3-8b --load-format dummy --dtype bfloat16 \
+        --prefix-len 2000 --input-len 64 --output-len 32 --num-prompts 64 --num-passes 3 "${flags[@]}" \
+        --output-json "$out/prefix_$mode.json" 2>&1 | grep -E "pass|requests," | tee "$out/prefix_$mode.txt"
+    done
+    # (the built-in shapes' tokenizers carry no chat template)
+    chat_template='{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>'
+    for caching in --enable-prefix-caching --no-enable-prefix-caching; do
+      name="multi_turn${caching#--}"
+      $py -m tp_runtime.cli serve --model llama-3-8b --load-format dummy --dtype bfloat16 --port 8301 \
+        --log-level warning --no-access-log $caching --chat-template "$chat_template" \
+        > "$out/$name.server.log" 2>&1 &
+      server=$!
+      wait_healthy 8301 $server "$out/$name.server.log"
+      $py -m tp_runtime.cli bench serve --base-url http://127.0.0.1:8301 --endpoint /v1/chat/completions \
+        --multi-turn 8 --num-prompts 16 --request-rate 2 --input-len 300 --output-len 64 --no-progress \
+        --output-json "$out/$name.json" 2>&1 | tail -16 | tee "$out/$name.txt" || true
+      kill -TERM $server
+      wait $server || true
+    done
+    ;;
+  structured)  # issue 28: a batch of 32 under a JSON schema against the same batch unconstrained, then the
+               # b32 latency row with HF static as its peer
+    $py scripts/bench_structured.py --model llama-3-8b --batch-size 32 --output-len 128 \
+      --output-json "$out/structured.json" 2>&1 | grep -E "step|sample|Error"
+    bench bf16_b32 --model llama-3-8b --batch-size 32 --input-len 1000 --output-len 128 --num-iters 3 \
+      --num-iters-warmup 1
+    $py scripts/bench_hf_peer.py --model llama-3-8b --batch-size 32 --input-len 1000 --output-len 128 \
+      --cache-implementation static --output-json "$out/hf_static_b32.json"
     ;;
   families)  # fp32: every new family gives the same greedy tokens at TP 1 and 2, and HF's (nvidia-h200-x2)
     $py scripts/check_families.py --device cuda --tp-sizes 1 2 --output-json "$out/families.json"

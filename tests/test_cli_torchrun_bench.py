@@ -318,6 +318,22 @@ def test_bench_throughput_shared_prefixes_report_the_hit_rate(tmp_path: Path) ->
     assert rates == [pytest.approx(7 * 32 / prompt_tokens)] * 2
 
 
+def test_bench_throughput_keep_prefix_cache_serves_the_repeat_from_the_cache(tmp_path: Path) -> None:
+    """With --keep-prefix-cache the second pass repeats the first's requests over its cache: every full
+    16-token block of each prompt is a hit, short of the last prompt token (always computed)."""
+    from tp_runtime.bench.serve import make_workload
+
+    out = tmp_path / "throughput.json"
+    _run([sys.executable, "-m", "tp_runtime.cli", "bench", "throughput", "--model", "tiny-llama",
+          "--device", "cpu", "--num-prompts", "6", "--input-len", "40", "--output-len", "3", "--range-ratio",
+          "0.5", "--num-passes", "2", "--keep-prefix-cache", "--output-json", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    lens = make_workload(6, 40, 3, 0.5, 1000, 0, "completions", 0, 1).prompt_lens
+    assert result["config"]["keep_prefix_cache"] is True
+    rates = [p["prefix_cache_hit_rate"] for p in result["passes"]]
+    assert rates == [0.0, pytest.approx(sum((n - 1) // 16 * 16 for n in lens) / sum(lens))]
+
+
 def test_bench_throughput_refuses_requests_longer_than_the_model() -> None:
     command = [sys.executable, "-m", "tp_runtime.cli", "bench", "throughput", "--model", "tiny-llama",
                "--input-len", "1800", "--output-len", "300", "--range-ratio", "0.2"]  # fmt: skip

@@ -294,6 +294,25 @@ def test_chat_matches_llm_chat(served: tuple[Server, LLM]) -> None:
     assert out.usage is not None and out.usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
+def test_chat_template_flag_serves_a_model_without_one(
+    make_checkpoint: Callable[..., Path], llm1: LLM, tmp_path: Path
+) -> None:
+    """--chat-template gives a tokenizer without a template one: the same weights serve chat as llm1 (whose
+    tokenizer carries TEMPLATE) chats."""
+    model = make_checkpoint(seed=6)
+    assert not getattr(transformers.AutoTokenizer.from_pretrained(model), "chat_template", None)
+    server = start_server(model, 1, tmp_path, "--chat-template", TEMPLATE)
+    try:
+        [ref] = llm1.chat(MESSAGES, greedy(12), use_tqdm=False)
+        out = server.client().chat.completions.create(
+            model=NAME, messages=MESSAGES, max_tokens=12, temperature=0  # type: ignore[arg-type]
+        )
+        assert out.choices[0].message.content == ref.outputs[0].text
+        assert out.usage is not None and out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    finally:
+        assert server.stop() == 0, server.output()[-4000:]
+
+
 def test_logprobs_in_openai_shapes(server1: Server, llm1: LLM) -> None:
     [ref] = llm1.generate(PROMPTS[0], greedy(8, logprobs=2), use_tqdm=False)
     want = [

@@ -368,6 +368,8 @@ def test_serve_refuses_two_different_models(capsys: pytest.CaptureFixture[str]) 
         ("--allowed-origins", '["http://a.example", 3]', "must hold strings only"),
         ("--allowed-origins", "[http://a.example]", "not a valid JSON list"),
         ("--allowed-origins", " , ", "names no origin"),
+        ("--chat-template", "no-such-template.jinja", "no file 'no-such-template.jinja', and not a template"),
+        ("--chat-template", "{% for m in messages %}{{ m.content }}", "not a valid Jinja template (line 1"),
     ],
 )
 def test_bad_server_flags_are_named(flag: str, value: str, expected: str) -> None:
@@ -385,6 +387,16 @@ def test_allowed_origins_take_json_or_commas() -> None:
     args = _serve_args("--port", "0")
     serve_cli.check_serve(args)
     assert args.allowed_origins is None
+
+
+def test_chat_template_takes_a_file_or_the_template(tmp_path: Path) -> None:
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    for value in (str(path), template):
+        args = _serve_args("--chat-template", value, "--port", "0")
+        serve_cli.check_serve(args)
+        assert args.chat_template == template
 
 
 def test_a_port_in_use_is_refused_by_the_checks() -> None:

@@ -33,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prefix_arguments(parser)
     parser.add_argument("--num-prompts", type=int, default=1000, help="requests per pass")
     parser.add_argument("--num-passes", type=int, default=2, help="passes over the same requests")
+    parser.add_argument(
+        "--keep-prefix-cache",
+        action="store_true",
+        help="let a later pass take the earlier passes' prefix cache (a repeat of the same requests); by "
+        "default each pass starts from an empty cache",
+    )
     parser.add_argument("--workload-seed", type=int, default=0, help="seed of the lengths and prompts")
     parser.add_argument(
         "--output-json", type=str, default=None, help="also write every figure here (default: no file)"
@@ -90,7 +96,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.num_passes):
             # Each pass computes its requests as the first did (what they share among themselves still
             # comes from the cache): a pass's figures are the engine's, not the previous pass's cache.
-            llm.reset_prefix_cache()
+            if not args.keep_prefix_cache:
+                llm.reset_prefix_cache()
             queried, hit = kv.num_queried_tokens, kv.num_hit_tokens
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -109,6 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         later_mean = pass_figures(
             mean_elapsed, args.num_prompts, sum(work.prompt_lens), sum(work.output_lens)
         )
+        later_mean["prefix_cache_hit_rate"] = sum(p["prefix_cache_hit_rate"] for p in later) / len(later)
     return {
         "first_pass": passes[0],
         "later_passes": later_mean,
@@ -119,6 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {
             **run_config(llm, args),
             "range_ratio": args.range_ratio,
+            "keep_prefix_cache": args.keep_prefix_cache,
             "max_num_seqs": llm.config.scheduler.max_num_seqs,
             "max_num_batched_tokens": llm.config.scheduler.max_num_batched_tokens,
         },

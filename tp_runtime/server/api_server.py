@@ -204,7 +204,7 @@ class _Context:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(
                 f"the model {self.model_name} has no chat template, so it cannot serve chat completions; "
-                "use /v1/completions", "messages",
+                "use /v1/completions, or start the server with --chat-template", "messages",
             )  # fmt: skip
         if not body.messages:
             raise bad_request("messages is empty; give at least one message", "messages")

@@ -15,6 +15,7 @@ import math
 import os
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -85,6 +86,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "with tools is then refused)",
     )
     group.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="TEMPLATE",
+        help="the Jinja chat template for /v1/chat/completions, a file or the template itself, as vLLM "
+        "takes it (default: the tokenizer's; a model without one serves only /v1/completions)",
+    )
+    group.add_argument(
         "--served-model-name",
         default=None,
         help="the model name clients send and responses carry (default: the --model value)",
@@ -146,6 +154,8 @@ def check_serve(args: argparse.Namespace) -> None:
         raise ConfigError(f"argument --shutdown-grace: must be at least 0, got {args.shutdown_grace:g}")
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError("argument --api-key: must not be empty")
+    if args.chat_template is not None:
+        args.chat_template = load_chat_template(args.chat_template)
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ConfigError("argument --served-model-name: must not be empty")
     tag = getattr(args, "model_tag", None)
@@ -162,6 +172,33 @@ def check_serve(args: argparse.Namespace) -> None:
     rank = torchrun_rank()
     if not rank:  # rank 0 listens; the other ranks (maybe on other hosts) do not
         check_port_free(args.host, args.port)
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the value itself when it reads as a template; it must parse as
+    Jinja (a broken template is a start-up error, not a 500 on the first chat request)."""
+    import jinja2
+
+    from tp_runtime.errors import ConfigError
+
+    flag = "argument --chat-template"
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{flag}: cannot read {path}: {exc}") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ConfigError(f"{flag}: no file {value!r}, and not a template (no {{{{ or {{% in it)")
+    if not text.strip():
+        raise ConfigError(f"{flag}: the template is empty")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"{flag}: not a valid Jinja template (line {exc.lineno}: {exc.message})") from None
+    return text
 
 
 def parse_origins(value: str) -> list[str]:

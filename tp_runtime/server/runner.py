@@ -180,6 +180,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, signals: _Signals) -> 
     try:
         config = llm.engine.config
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(config.model.path))
+        if args.chat_template is not None:  # check_serve read and parsed it
+            tokenizer.chat_template = args.chat_template
         model_name = args.served_model_name or _model_name(args.model)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host

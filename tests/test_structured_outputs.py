@@ -15,8 +15,7 @@ import torch
 
 from tp_runtime import LLM, SamplingParams, StructuredOutputsParams
 from tp_runtime.errors import InvalidRequestError, ProtocolError
-from tp_runtime.messages import CachedRequests, SchedulerOutput
-from tp_runtime.worker.model_runner import grammar_masks
+from tp_runtime.worker.model_runner import GrammarMasks
 
 pytest.importorskip("xgrammar")
 
@@ -113,6 +112,47 @@ def test_seeded_outputs_equal_at_tp_1_and_2_and_with_or_without_async_scheduling
         assert _texts(sync, params) == want
 
 
+def test_async_scheduling_keeps_the_pipeline_under_a_constraint(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With async scheduling a constrained step is sent before the previous step's output is read (its mask
+    follows once that output has advanced the grammar), exactly as an unconstrained one: the device never
+    waits for the driver's grammar work."""
+    executor = llm.engine.executor
+    calls: list[tuple[str, int, bool]] = []
+    for name in ("submit", "wait_output", "submit_grammar_mask"):
+        original = getattr(executor, name)
+
+        def recorded(arg: Any, _name: str = name, _original: Any = original) -> Any:
+            step = arg if isinstance(arg, int) else arg.step_id
+            calls.append((_name, step, bool(getattr(arg, "grammar_mask_follows", False))))
+            return _original(arg)
+
+        monkeypatch.setattr(executor, name, recorded)
+    [(text, reason)] = _texts(llm, [_params(4, json=SCHEMA)])
+    assert reason == "stop" and satisfies_schema(json.loads(text, strict=False)), text
+    submits = [(step, follows) for name, step, follows in calls if name == "submit"]
+    sampled = [step for step, follows in submits if follows]
+    assert len(sampled) >= 3  # a token of its own per step
+    for step in sampled[1:]:
+        # Step `step` is sent before step - 1's output is read, and its mask only after that.
+        order = [c[:2] for c in calls]
+        assert order.index(("submit", step)) < order.index(("wait_output", step - 1))
+        assert order.index(("wait_output", step - 1)) < order.index(("submit_grammar_mask", step))
+
+
+def test_a_mask_out_of_turn_is_a_protocol_error() -> None:
+    from tp_runtime.messages import GrammarMask
+
+    with LLM("tiny-llama", device="cpu", max_model_len=128) as engine:
+        worker = engine.engine.executor.worker  # type: ignore[attr-defined]
+        with pytest.raises(ProtocolError, match="a grammar mask for step 5 arrived while no step waits"):
+            worker.apply_grammar_mask(GrammarMask(5, b""))
+        # The engine serves on.
+        [out] = engine.generate(["hi"], _params(1, regex="[ab]{3}"), use_tqdm=False)
+        assert re.fullmatch("[ab]{3}", out.outputs[0].text)
+
+
 def test_greedy_and_n_samples_under_a_constraint(llm: LLM) -> None:
     """Greedy and n > 1 (each sample its own matcher) keep to the constraint; the logprobs returned are
     the raw model's, as for unconstrained requests."""
@@ -154,10 +194,6 @@ def test_choices_beyond_ascii(llm: LLM) -> None:
         assert text in choices and reason == "stop", text
 
 
-def _step(ids: list[int], bitmask: bytes) -> SchedulerOutput:
-    return SchedulerOutput(7, [], CachedRequests([], []), ids, [1] * len(ids), [], ids, bitmask)
-
-
 def test_workers_unpack_the_mask_and_refuse_a_malformed_one() -> None:
     vocab = 70  # three int32 words per row
     allowed = [{0, 5, 31, 32, 69}, {1, 63, 64}]
@@ -166,13 +202,14 @@ def test_workers_unpack_the_mask_and_refuse_a_malformed_one() -> None:
         for t in tokens:
             words[row, t // 32] |= 1 << (t % 32)
     packed = words.numpy().astype("<u4").tobytes()
-    rows, mask = grammar_masks(_step([8, 3], packed), [3, 4, 8], vocab, torch.device("cpu"))  # type: ignore[misc]
+    masks = GrammarMasks(max_rows=4, vocab_size=vocab, device=torch.device("cpu"))
+    rows, mask = masks.allowed(7, [8, 3], packed, [3, 4, 8])  # type: ignore[misc]
     assert rows.tolist() == [2, 0]
     assert [set(torch.nonzero(m).flatten().tolist()) for m in mask] == allowed
-    assert grammar_masks(_step([], b""), [3], vocab, torch.device("cpu")) is None
+    assert masks.allowed(7, [], b"", [3]) is None
     for ids, data in (([8, 3], packed[:-4]), ([9, 3], packed), ([3, 3], packed)):
         with pytest.raises(ProtocolError, match="grammar bitmask"):
-            grammar_masks(_step(ids, data), [3, 4, 8], vocab, torch.device("cpu"))
+            masks.allowed(7, ids, data, [3, 4, 8])
 
 
 def test_a_grammar_compiled_by_a_server_thread_is_not_compiled_again(

@@ -61,6 +61,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # the tokens each may sample (int32 little-endian words; bit i of word j allows token 32 j + i).
     structured_req_ids: list[int] = []
     grammar_bitmask: bytes = b""
+    # With async scheduling the bitmask is not known when the step is sent (it needs the previous step's
+    # tokens): the ranks run the forward and wait for the step's GrammarMask before sampling.
+    grammar_mask_follows: bool = False
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -99,6 +102,14 @@ class ExecuteModel(msgspec.Struct, tag="exec", array_like=True):
     scheduler_output: SchedulerOutput
 
 
+class GrammarMask(msgspec.Struct, tag="mask", array_like=True):
+    """The bitmask of a step sent with grammar_mask_follows (its structured_req_ids' rows, in the
+    SchedulerOutput's layout), sent once the previous step's tokens have advanced the grammars."""
+
+    step_id: int
+    bitmask: bytes
+
+
 class ControlCall(msgspec.Struct, tag="call", array_like=True):
     call_id: int
     method: str
@@ -120,7 +131,7 @@ class Hello(msgspec.Struct, tag="hello", array_like=True):
     that reaches it, so its subscription to the broadcast is then known to work."""
 
 
-DriverMessage = ExecuteModel | ControlCall | Flush | Shutdown | Hello
+DriverMessage = ExecuteModel | GrammarMask | ControlCall | Flush | Shutdown | Hello
 
 
 # Workers -> driver. (Heartbeats are empty frames on a socket of their own, not replies.)

@@ -23,7 +23,7 @@ from tp_runtime.engine.scheduler import Request, Scheduler
 from tp_runtime.engine.structured_output import GrammarCompiler, pack_bitmasks
 from tp_runtime.errors import ConfigError, InvalidRequestError
 from tp_runtime.executor.base import Executor, make_executor
-from tp_runtime.messages import ModelRunnerOutput, RequestSampling, SchedulerOutput
+from tp_runtime.messages import GrammarMask, ModelRunnerOutput, RequestSampling, SchedulerOutput
 from tp_runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from tp_runtime.sampling_params import SamplingParams
 
@@ -200,7 +200,7 @@ class LLMEngine:
         self.step_timings: list[dict[str, float]] | None = None
         self.async_scheduling = config.async_scheduling
         # Structured outputs: grammars compiled for this tokenizer, and the constrained requests not yet
-        # known to have finished (while any is, steps run one at a time: engine/structured_output.py).
+        # known to have finished (engine/structured_output.py).
         self.grammars = GrammarCompiler(tokenizer, config.model.vocab_size, sorted(self.eos_token_ids))
         self._constrained: set[int] = set()
         # Async scheduling: the step sent last, whose output is read in the next step() call.
@@ -341,16 +341,19 @@ class LLMEngine:
         t0 = time.perf_counter()
         if self._interval_start is None:
             self._interval_start = t0
-        constrained = self._has_constrained()
-        if constrained and self._in_flight is not None:
-            # A constrained request's next mask needs the in-flight step's tokens: take them first.
-            in_flight, self._in_flight = self._in_flight, None
-            return self._take_output(in_flight, t0, t0, t0, True)
         so = self.scheduler.schedule()
-        if constrained:
-            self._attach_grammar_masks(so)
+        pipelined = self.async_scheduling
+        # Structured outputs: without async scheduling the previous step's tokens are in, so the mask goes
+        # with the step; with it, the step's forward runs while the in-flight step's tokens advance the
+        # grammars, and the mask follows (GrammarMask) before the ranks sample.
+        grammar_rows = self._grammar_rows(so)
+        if grammar_rows:
+            so.structured_req_ids = [req.req_id for req in grammar_rows]
+            if pipelined:
+                so.grammar_mask_follows = True
+            else:
+                so.grammar_bitmask = self._grammar_bitmask(grammar_rows)
         t1 = time.perf_counter()
-        pipelined = self.async_scheduling and not constrained
         if so.scheduled_req_ids or not pipelined:
             self.executor.submit(so)
             sent: SchedulerOutput | None = so
@@ -362,28 +365,29 @@ class LLMEngine:
             done, self._in_flight = self._in_flight, sent
         else:
             done = sent
-        if done is None:
+        outputs = [] if done is None else self._take_output(done, t0, t1, t2, sent is None)
+        if so.grammar_mask_follows:
+            self.executor.submit_grammar_mask(GrammarMask(so.step_id, self._grammar_bitmask(grammar_rows)))
+        return outputs
+
+    def _grammar_rows(self, so: SchedulerOutput) -> list[Request]:
+        """The constrained requests that sample in `so` (each holds this step's placeholder by now)."""
+        if not self._constrained:
             return []
-        return self._take_output(done, t0, t1, t2, sent is None)
-
-    def _has_constrained(self) -> bool:
-        if self._constrained:
-            self._constrained &= self.scheduler.requests.keys()
-        return bool(self._constrained)
-
-    def _attach_grammar_masks(self, so: SchedulerOutput) -> None:
-        """The allowed tokens of each constrained request that samples in `so` (stepping synchronously, a
-        request scheduled to sample holds exactly this step's placeholder)."""
+        self._constrained &= self.scheduler.requests.keys()
         requests = self.scheduler.requests
-        sampling = [
+        return [
             req
             for req in (requests[r] for r in so.scheduled_req_ids)
             if req.grammar is not None and req.num_placeholders > 0
         ]
-        if sampling:
-            so.structured_req_ids = [req.req_id for req in sampling]
-            states = [req.grammar for req in sampling]
-            so.grammar_bitmask = pack_bitmasks(states, self.config.model.vocab_size)
+
+    def _grammar_bitmask(self, rows: list[Request]) -> bytes:
+        """The rows' allowed tokens now; a request that has ended since it was scheduled (its token will be
+        dropped) may take any."""
+        live = self.scheduler.requests
+        states = [req.grammar if live.get(req.req_id) is req else None for req in rows]
+        return pack_bitmasks(states, self.config.model.vocab_size)
 
     def _take_output(
         self, done: SchedulerOutput, t0: float, t1: float, t2: float, idle: bool

@@ -5,9 +5,10 @@ The driver owns every matcher. A step's scheduler output carries, for the constr
 in it, the packed bitmask of their allowed tokens (int32 words, bit i of word j allowing token 32 j + i,
 xgrammar's layout); every rank applies it to those rows' logits before penalties and sampling, so every
 rank samples the same token. The matcher then advances on the sampled id. With async scheduling the driver
-would schedule a step before it knows the previous step's ids, so while a constrained request is
-unfinished the engine steps synchronously (see LLMEngine.step): what that costs is the overlap of the
-driver's work with the device's, per step.
+sends a step before it knows the previous step's ids, so the step goes out with grammar_mask_follows: the
+ranks queue its forward, the driver advances the matchers on the previous step's ids meanwhile, and then
+broadcasts the step's mask (a GrammarMask message), which the ranks apply before sampling. The device only
+waits when the driver's update and mask take longer than the forward.
 
 xgrammar (a C++ library used by vLLM and SGLang) is imported on first use; compiling is thread-safe and
 cached by the grammar's text, and the tokenizer's vocabulary is read once per engine.
@@ -136,11 +137,13 @@ class GrammarState:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def pack_bitmasks(states: list[GrammarState], vocab_size: int) -> bytes:
-    """The allowed-token bitmask of each state, one row each, as little-endian int32 words."""
+def pack_bitmasks(states: list[GrammarState | None], vocab_size: int) -> bytes:
+    """The allowed-token bitmask of each state, one row each, as little-endian int32 words; None: every
+    token (a request that ended, whose token is dropped)."""
     import xgrammar
 
-    bitmask = xgrammar.allocate_token_bitmask(len(states), vocab_size)
+    bitmask = xgrammar.allocate_token_bitmask(len(states), vocab_size)  # all allowed
     for row, state in enumerate(states):
-        state.fill(bitmask, row)
+        if state is not None:
+            state.fill(bitmask, row)
     return np.ascontiguousarray(bitmask.numpy(), dtype="<i4").tobytes()

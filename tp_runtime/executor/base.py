@@ -10,10 +10,7 @@ from tp_runtime.config import EngineConfig, torchrun_rank
 from tp_runtime.errors import (
     ConfigError,
 )
-from tp_runtime.messages import (
-    ModelRunnerOutput,
-    SchedulerOutput,
-)
+from tp_runtime.messages import GrammarMask, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:  # a local rank's pending step (in-process, torchrun rank 0)
     from tp_runtime.worker.outputs import PendingOutput
@@ -32,6 +29,10 @@ class Executor(Protocol):
 
     def submit(self, so: SchedulerOutput) -> None:
         """Send a step to every rank; returns without waiting for its output."""
+        ...
+
+    def submit_grammar_mask(self, mask: GrammarMask) -> None:
+        """Send the grammar mask of a submitted step that was sent with grammar_mask_follows."""
         ...
 
     def wait_output(self, step_id: int) -> ModelRunnerOutput:

@@ -6,10 +6,7 @@ from typing import Any
 
 from tp_runtime.config import EngineConfig
 from tp_runtime.executor.base import PendingSteps, size_kv_cache
-from tp_runtime.messages import (
-    ModelRunnerOutput,
-    SchedulerOutput,
-)
+from tp_runtime.messages import GrammarMask, ModelRunnerOutput, SchedulerOutput
 from tp_runtime.worker.worker import Worker
 
 
@@ -25,7 +22,12 @@ class InProcessExecutor:
         return size_kv_cache(self)
 
     def submit(self, so: SchedulerOutput) -> None:
-        self.pending.add(self.worker.execute_model(so))
+        launched = self.worker.execute_model(so)
+        if launched is not None:  # else it waits for its grammar mask
+            self.pending.add(launched)
+
+    def submit_grammar_mask(self, mask: GrammarMask) -> None:
+        self.pending.add(self.worker.apply_grammar_mask(mask))
 
     def wait_output(self, step_id: int) -> ModelRunnerOutput:
         return self.pending.resolve(step_id)

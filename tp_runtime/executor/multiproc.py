@@ -32,6 +32,7 @@ from tp_runtime.messages import (
     ControlCall,
     ExecuteModel,
     Flush,
+    GrammarMask,
     ModelRunnerOutput,
     SchedulerOutput,
     Shutdown,
@@ -225,6 +226,13 @@ class MultiprocExecutor:
             self.workers.submitted(so.step_id)
             self._last_sent_step = so.step_id
             self.last_step_timings = {"encode_broadcast": time.perf_counter() - t0}
+
+        self._guarded(run)
+
+    def submit_grammar_mask(self, mask: GrammarMask) -> None:
+        def run() -> None:
+            self._check_open()
+            self.workers.broadcast(mask)
 
         self._guarded(run)
 

@@ -35,6 +35,7 @@ from tp_runtime.ipc import QUIET_S, DriverChannel, ipc_channel, message_limits
 from tp_runtime.messages import (
     ControlCall,
     ExecuteModel,
+    GrammarMask,
     ModelRunnerOutput,
     SchedulerOutput,
     Shutdown,
@@ -137,7 +138,17 @@ class TorchrunExecutor:
             self.channel.discard_inbound()
             self.remote.broadcast(ExecuteModel(so))
             self.last_step_timings = {"encode_broadcast": time.perf_counter() - t0}
-            self.pending.add(self._local(lambda: self.worker.execute_model(so)))
+            launched = self._local(lambda: self.worker.execute_model(so))
+            if launched is not None:  # else it waits for its grammar mask
+                self.pending.add(launched)
+
+        self._guarded(run)
+
+    def submit_grammar_mask(self, mask: GrammarMask) -> None:
+        def run() -> None:
+            self._check_open()
+            self.remote.broadcast(mask)
+            self.pending.add(self._local(lambda: self.worker.apply_grammar_mask(mask)))
 
         self._guarded(run)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,7 +27,7 @@ from tp_runtime.config import EngineConfig
 from tp_runtime.errors import ProtocolError
 from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk, make_attention_backend
 from tp_runtime.layers.linear import decode_graph_pass
-from tp_runtime.messages import SchedulerOutput
+from tp_runtime.messages import GrammarMask, SchedulerOutput
 from tp_runtime.worker.cuda_graphs import DecodeGraphs
 from tp_runtime.worker.inputs import (
     GraphDecodeBatch,
@@ -44,31 +45,74 @@ if TYPE_CHECKING:  # any model class behind the interface; the runner knows no a
     from tp_runtime.models.interface import CausalLM
 
 
-def grammar_masks(
-    so: SchedulerOutput, sampled_req_ids: list[int], vocab_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The sampling rows of a step's constrained requests and their allowed tokens ([rows, vocab] bool),
-    unpacked on the device from the scheduler output's bitmask; None when nothing is constrained."""
-    ids = so.structured_req_ids
-    if not ids:
-        return None
-    words = -(-vocab_size // 32)
-    position = {r: i for i, r in enumerate(sampled_req_ids)}
-    if (
-        len(so.grammar_bitmask) != 4 * words * len(ids)
-        or len(set(ids)) != len(ids)
-        or any(r not in position for r in ids)
-    ):
-        raise ProtocolError(
-            f"step {so.step_id}: a grammar bitmask of {len(so.grammar_bitmask)} bytes for requests {ids[:4]} "
-            f"does not fit the {len(sampled_req_ids)} requests sampling and a vocabulary of {vocab_size}"
-        )
-    packed = np.frombuffer(so.grammar_bitmask, dtype="<i4").reshape(len(ids), words)
-    bits = torch.from_numpy(packed.astype(np.int32)).to(device, non_blocking=True)
-    token = torch.arange(vocab_size, dtype=torch.int32, device=device)  # int32 temporaries: [rows, vocab]
-    allowed = ((bits[:, token >> 5] >> (token & 31)) & 1).bool()
-    rows = torch.tensor([position[r] for r in ids], dtype=torch.int64, device=device)
-    return rows, allowed
+class GrammarMasks:
+    """Structured outputs on the worker: a step's packed bitmask (int32 words, bit i of word j allowing token
+    32 j + i) unpacked on the device into the constrained rows' allowed tokens. The words go through two
+    pinned host buffers, used in turn: a copy from pageable memory would first wait for the stream, that is
+    for the forward the mask is meant to overlap."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+        self.words = -(-vocab_size // 32)
+        self.vocab_size = vocab_size
+        self.device = device
+        self._max_rows = max_rows
+        self._staging: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._turn = 0
+        on_device = device.type != "cpu"
+        self._token = torch.arange(vocab_size, dtype=torch.int32, device=device) if on_device else None
+
+    def allowed(
+        self, step_id: int, ids: list[int], bitmask: bytes, sampled_req_ids: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the constrained requests' sampling rows, their allowed tokens [rows, vocab] bool); None when
+        nothing is constrained. A bitmask that does not fit the step is a ProtocolError."""
+        if not ids:
+            return None
+        position = {r: i for i, r in enumerate(sampled_req_ids)}
+        if (
+            len(bitmask) != 4 * self.words * len(ids)
+            or len(set(ids)) != len(ids)
+            or any(r not in position for r in ids)
+        ):
+            raise ProtocolError(
+                f"step {step_id}: a grammar bitmask of {len(bitmask)} bytes for requests {ids[:4]} does not "
+                f"fit the {len(sampled_req_ids)} requests sampling and a vocabulary of {self.vocab_size}"
+            )
+        packed = np.frombuffer(bitmask, dtype="<i4").reshape(len(ids), self.words)
+        rows_host = torch.tensor([position[r] for r in ids], dtype=torch.int64)
+        if self.device.type == "cpu":
+            bits, rows = torch.from_numpy(packed.astype(np.int32)), rows_host
+        else:
+            if not self._staging:
+                self._staging = [
+                    (torch.empty((self._max_rows, self.words), dtype=torch.int32, pin_memory=True),
+                     torch.empty(self._max_rows, dtype=torch.int64, pin_memory=True))
+                    for _ in range(2)
+                ]  # fmt: skip
+            words_pinned, rows_pinned = self._staging[self._turn]
+            self._turn ^= 1
+            words_pinned[: len(ids)].numpy()[:] = packed
+            rows_pinned[: len(ids)].copy_(rows_host)
+            bits = words_pinned[: len(ids)].to(self.device, non_blocking=True)
+            rows = rows_pinned[: len(ids)].to(self.device, non_blocking=True)
+        token = self._token if self._token is not None else torch.arange(self.vocab_size, dtype=torch.int32)
+        allowed = ((bits[:, token >> 5] >> (token & 31)) & 1).bool()  # int32 temporaries: [rows, vocab]
+        return rows, allowed
+
+
+@dataclass
+class _AwaitingMask:
+    """A step sent with grammar_mask_follows, its forward queued, waiting for its GrammarMask to sample."""
+
+    so: SchedulerOutput
+    inputs: StepInputs
+    logits: torch.Tensor
+    prompt_packed: torch.Tensor | None
+    rows_dev: torch.Tensor
+    t0: float
+    t_prep: float
+    forward_start: torch.cuda.Event | float | None
+    timings: dict[str, float] | None
 
 
 def pick_kernels(backend: str, device: torch.device) -> str:
@@ -160,6 +204,8 @@ class ModelRunner:
         self.collect_timings = False
         self._use_cuda = device.type == "cuda"
         self._last_forward_end: torch.cuda.Event | float | None = None
+        self.grammar_masks = GrammarMasks(config.scheduler.max_num_seqs, mc.vocab_size, device)
+        self._awaiting_mask: _AwaitingMask | None = None
 
     # ----------------------------------------------------------------- KV cache
     def kv_bytes_per_block(self) -> int:
@@ -355,23 +401,52 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- step
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> PendingOutput:
-        """Queue one step (inputs, forward, sampling) and return without waiting for the device."""
+    def execute_model(self, so: SchedulerOutput) -> PendingOutput | None:
+        """Queue one step (inputs, forward, sampling) and return without waiting for the device. A step
+        sent with grammar_mask_follows queues its forward and returns None: `apply_grammar_mask` then
+        samples it."""
+        if self._awaiting_mask is not None:
+            waiting = self._awaiting_mask.so.step_id
+            raise ProtocolError(f"step {so.step_id} arrived while step {waiting} waits for its grammar mask")
         timings: dict[str, float] | None = {} if self.collect_timings else None
         t0 = time.perf_counter()
         self.batch.update(so)
         if not so.scheduled_req_ids:
+            if so.grammar_mask_follows:
+                raise ProtocolError(f"step {so.step_id}: a grammar mask follows a step that runs nothing")
             return PendingOutput(step_id=so.step_id, req_ids=[], transfer=None, num_sampled=0)
         inputs = self.inputs.prepare(so)
         t_prep = time.perf_counter()
         forward_start = self._now_event(timings)
         logits, prompt_packed, rows_dev = self._forward(inputs)
+        step = _AwaitingMask(so, inputs, logits, prompt_packed, rows_dev, t0, t_prep, forward_start, timings)
+        if so.grammar_mask_follows:
+            self._awaiting_mask = step
+            return None
+        return self._sample_and_finish(step, so.grammar_bitmask)
+
+    @torch.inference_mode()
+    def apply_grammar_mask(self, mask: GrammarMask) -> PendingOutput:
+        """Sample the step waiting for this mask (see execute_model)."""
+        step = self._awaiting_mask
+        if step is None or step.so.step_id != mask.step_id:
+            waiting = "no step" if step is None else f"step {step.so.step_id}"
+            raise ProtocolError(
+                f"a grammar mask for step {mask.step_id} arrived while {waiting} waits for one"
+            )
+        self._awaiting_mask = None
+        return self._sample_and_finish(step, mask.bitmask)
+
+    def _sample_and_finish(self, step: _AwaitingMask, bitmask: bytes) -> PendingOutput:
+        so, inputs, logits, timings = step.so, step.inputs, step.logits, step.timings
         sampled = None
         if inputs.sampling is not None:
-            allowed = grammar_masks(so, inputs.req_ids, logits.shape[1], logits.device)
-            sampled = self._sample(logits, inputs.sampling, inputs.sample_rows, rows_dev, allowed)
+            allowed = self.grammar_masks.allowed(so.step_id, so.structured_req_ids, bitmask, inputs.req_ids)
+            sampled = self._sample(logits, inputs.sampling, inputs.sample_rows, step.rows_dev, allowed)
+        elif so.structured_req_ids:
+            raise ProtocolError(f"step {so.step_id}: a grammar bitmask for a step where no request samples")
         plan = inputs.prompt_logprobs
-        prompt = None if plan is None or prompt_packed is None else (prompt_packed, plan)
+        prompt = None if plan is None or step.prompt_packed is None else (step.prompt_packed, plan)
         forward_end = self._now_event(timings)
         t_dispatch = time.perf_counter()
 
@@ -396,11 +471,11 @@ class ModelRunner:
             step_id=so.step_id, req_ids=inputs.req_ids, transfer=transfer, num_sampled=len(inputs.sample_rows)
         )
         if timings is not None:
-            timings["prepare_inputs"] = t_prep - t0
-            timings["forward_dispatch"] = t_dispatch - t_prep
+            timings["prepare_inputs"] = step.t_prep - step.t0
+            timings["forward_dispatch"] = t_dispatch - step.t_prep
             timings.update(phases)
             pending.timings = timings
-            pending.device_marks = (self._last_forward_end, forward_start, forward_end)
+            pending.device_marks = (self._last_forward_end, step.forward_start, forward_end)
             self._last_forward_end = forward_end
         return pending
 

@@ -35,6 +35,7 @@ from tp_runtime.messages import (
     ControlCall,
     ExecuteModel,
     Flush,
+    GrammarMask,
     Hello,
     ReplyKind,
     SchedulerOutput,
@@ -219,8 +220,12 @@ class Worker:
         method."""
         raise RuntimeError(message)
 
-    def execute_model(self, so: SchedulerOutput) -> PendingOutput:
+    def execute_model(self, so: SchedulerOutput) -> PendingOutput | None:
+        """The step queued; None for one that waits for its GrammarMask (`apply_grammar_mask`)."""
         return self._runner().execute_model(so)
+
+    def apply_grammar_mask(self, mask: GrammarMask) -> PendingOutput:
+        return self._runner().apply_grammar_mask(mask)
 
     def call(self, method: str, args: list[Any]) -> Any:
         if method not in self.control_methods:
@@ -410,6 +415,17 @@ def _serve(
             if isinstance(message, ExecuteModel):
                 call_id = message.scheduler_output.step_id
                 launched = worker.execute_model(message.scheduler_output)
+                if rank == 0:
+                    # A step waiting for its grammar mask: the previous step's answer (whose tokens the
+                    # driver needs to make that mask) goes now.
+                    if launched is None:
+                        replies.answer_held()
+                    else:
+                        replies.step(launched)
+                continue
+            if isinstance(message, GrammarMask):
+                call_id = message.step_id
+                launched = worker.apply_grammar_mask(message)
                 if rank == 0:
                     replies.step(launched)
                 continue

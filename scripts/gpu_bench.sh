@@ -196,7 +196,7 @@ case $part in
       server=$!
       wait_healthy 8301 $server "$out/$name.server.log"
       $py -m tp_runtime.cli bench serve --base-url http://127.0.0.1:8301 --endpoint /v1/chat/completions \
-        --multi-turn 8 --num-prompts 16 --request-rate 2 --input-len 300 --output-len 64 --no-progress \
+        --multi-turn 6 --num-prompts 16 --request-rate 2 --input-len 300 --output-len 64 --no-progress \
         --output-json "$out/$name.json" 2>&1 | tail -16 | tee "$out/$name.txt" || true
       kill -TERM $server
       wait $server || true

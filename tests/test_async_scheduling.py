@@ -484,3 +484,50 @@ def test_scheduler_brute_force_async_equals_sync(model_dir: Path, seed: int) -> 
         assert out == want
         assert reason == ("stop" if want[-1] in params.stop_token_ids and len(want) >= params.min_tokens
                           else "length")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- waiting for arrivals
+def _decode_step(step_id: int, rows: int = 4) -> SchedulerOutput:
+    ids = list(range(rows))
+    return SchedulerOutput(step_id, [], CachedRequests([], []), ids, [1] * rows, [])
+
+
+def test_schedule_slack_ends_a_send_before_the_decode_step_in_flight_does() -> None:
+    """The driver may wait for arrivals until the in-flight decode step's expected end less its own send
+    time and a margin; a step sent late (the device idle meanwhile) is timed from its send, so waiting
+    never lengthens the estimate; a prefill step, a batch of another size or an unmeasured pace: none."""
+    from tp_runtime.engine.llm_engine import _DecodePace
+
+    pace, step_s, send_s = _DecodePace(), 0.005, 0.001
+    pace.sent(_decode_step(1), 0.0, send_s)
+    pace.sent(_decode_step(2), 0.0015, 0.0015 + send_s)
+    pace.answered(_decode_step(1), 0.001 + step_s)
+    assert pace.slack(_decode_step(2), 0.0062) == 0.0  # one step answered: no pace yet
+    pace.sent(_decode_step(3), 0.0065, 0.0065 + send_s)
+    pace.answered(_decode_step(2), 0.011)
+    want = 0.011 + step_s - send_s - _DecodePace.MARGIN_S - 0.0112
+    assert pace.slack(_decode_step(3), 0.0112) == pytest.approx(want)
+    assert pace.slack(_decode_step(3), 0.0152) == 0.0  # past the point to send
+    pace.answered(_decode_step(3), 0.016)
+    pace.sent(_decode_step(4), 0.020, 0.020 + send_s)  # late: the device waited 5 ms for it
+    pace.answered(_decode_step(4), 0.021 + step_s)
+    pace.sent(_decode_step(5), 0.0262, 0.0262 + send_s)
+    assert pace.slack(_decode_step(5), 0.0275) == pytest.approx(
+        0.0262 + send_s + step_s - send_s - _DecodePace.MARGIN_S - 0.0275
+    )  # started when it was sent (after step 4's answer), and the pace is still 5 ms
+    assert pace.slack(_decode_step(5, rows=3), 0.0275) == 0.0
+    prefill = SchedulerOutput(5, [], CachedRequests([], []), [0, 1, 2, 3], [1, 1, 9, 1], [])
+    assert pace.slack(prefill, 0.0275) == 0.0
+
+
+def test_schedule_slack_only_with_async_scheduling(model_dir: Path) -> None:
+    from tp_runtime.engine.llm_engine import _DecodePace
+
+    for async_scheduling in (False, True):
+        with _llm(model_dir, async_scheduling) as llm:
+            engine = llm.engine
+            engine.add_request([5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                engine.step()
+                slack = engine.schedule_slack()
+                assert 0.0 <= slack <= _DecodePace.MAX_SLACK_S and (async_scheduling or slack == 0.0)

@@ -287,29 +287,37 @@ def _join(config: EngineConfig, make_driver: bool) -> tuple[Worker, TorchrunExec
         ch = executor.channel
         fields = [ch.broadcast_addr, ch.results_addr, ch.watchdog.address, nonce.hex(), key_check(key).hex()]
         payload = "\n".join(fields).encode()  # ipc paths may hold spaces
-    try:
-        with _termination_as_exit(executor is not None):
+    with _termination_as_exit(executor is not None) as termination:
+        try:
             return _agree_and_load(config, worker, executor, payload, secret)
-    except BaseException:
-        if executor is not None:  # its sockets, watchdog and socket folder go with the failed start
-            executor.close_channel()
-        raise
+        except BaseException:
+            termination.deferred = True  # a SIGTERM now must not cut the clean-up short
+            if executor is not None:  # its sockets, watchdog and socket folder go with the failed start
+                executor.close_channel()
+            raise
+
+
+class _Termination:
+    deferred = False
 
 
 @contextlib.contextmanager
-def _termination_as_exit(enabled: bool) -> Iterator[None]:
+def _termination_as_exit(enabled: bool) -> Iterator[_Termination]:
     """While rank 0 starts: SIGTERM raises SystemExit, so the driver's socket folder is removed when torchrun
-    ends the job because another rank failed (its default action would kill the process first)."""
+    ends the job because another rank failed (its default action would kill the process first); once the
+    failed start is cleaning up (`deferred`), a SIGTERM is ignored: the process is exiting already."""
+    termination = _Termination()
     if not enabled or threading.current_thread() is not threading.main_thread():
-        yield
+        yield termination
         return
 
     def stop(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
+        if not termination.deferred:
+            raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        yield
+        yield termination
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -267,13 +267,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Before the first request: run the eager attention kernels once (Triton compiles them on first
-        use) and capture every CUDA graph, rank 0 showing progress on stderr. Nothing without capture."""
+        """Before the first request: run the eager attention and sampling kernels once (Triton compiles
+        them on first use) and capture every CUDA graph, rank 0 showing progress on stderr. Nothing
+        without capture."""
         decode, mixed = self.decode_graphs, self.mixed_graphs
         if decode is None or mixed is None or not decode.capture:
             return
         progress = CaptureProgress(len(mixed.token_sizes), len(decode.shapes()), show=self.rank == 0)
         self._run_attention_warm_up()
+        self.sampler.warm_up(self.config.model.vocab_size)
         mixed.capture_all(progress.step)
         decode.capture_all(progress.step)
         torch.cuda.synchronize(self.device)

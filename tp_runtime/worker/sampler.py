@@ -142,6 +142,17 @@ class Sampler:
 
             self._race_argmax = sampling_triton.race_argmax
 
+    def warm_up(self, vocab_size: int) -> None:
+        """Run each variant of the final argmax once (greedy, temperature, filtered scores): as Triton
+        kernels each is compiled on first use, which the first requests would otherwise wait for."""
+        logits = torch.zeros((2, vocab_size), dtype=torch.float32, device=self._device)
+        noise = torch.full_like(logits, 0.5)
+        greedy = torch.tensor([True, False], device=self._device)
+        temperature = torch.ones(2, dtype=torch.float32, device=self._device)
+        self._race_argmax(logits)
+        self._race_argmax(logits, greedy, noise, temperature, None)
+        self._race_argmax(logits, greedy, noise, temperature, logits.clone())
+
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch, raw: torch.Tensor | None = None
     ) -> SamplerOutput:

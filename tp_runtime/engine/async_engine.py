@@ -224,9 +224,7 @@ class AsyncLLMEngine:
         try:
             while True:
                 idle = not engine.has_unfinished_requests() and self._drain_deadline is None
-                # While a decode step runs, a request that arrives before the next step is sent joins it.
-                slack = 0.0 if idle or self._drain_deadline is not None else engine.schedule_slack()
-                commands = self._take(block=idle, wait_s=slack)
+                commands = self._take(block=idle)
                 if idle and not commands:  # nothing to do for idle_check_s: are the workers alive?
                     engine.check_alive()
                 for command in commands:
@@ -249,13 +247,12 @@ class AsyncLLMEngine:
                 logger.exception("shutting the engine down failed")
             self._publish_stats()
 
-    def _take(self, block: bool, wait_s: float = 0.0) -> list[_Command]:
-        """The commands queued; with `block`, waits up to idle_check_s for one ([] if none came), else up to
-        `wait_s`."""
+    def _take(self, block: bool) -> list[_Command]:
+        """The commands queued; with `block`, waits up to idle_check_s for one ([] if none came)."""
         commands = []
-        if block or wait_s > 0:
+        if block:
             try:
-                commands.append(self._commands.get(timeout=self.idle_check_s if block else wait_s))
+                commands.append(self._commands.get(timeout=self.idle_check_s))
             except queue.Empty:
                 return []
         while True:

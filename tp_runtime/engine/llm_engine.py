@@ -207,7 +207,6 @@ class LLMEngine:
         self._in_flight: SchedulerOutput | None = None
         # Timings: when the interval that produces the next output began (the last output's arrival).
         self._interval_start: float | None = None
-        self._pace = _DecodePace()
         if config.device == "cuda":
             # The driver's start-up heap (tokenizer, executor, an in-process worker's model and graphs) out
             # of the cyclic collector's sight, as the workers do (worker.freeze_start_up_objects says why).
@@ -362,8 +361,6 @@ class LLMEngine:
             sent = None  # nothing can run before the in-flight step's tokens are in
             self.scheduler.return_freed(so.freed_req_ids)
         t2 = time.perf_counter()
-        if sent is not None:
-            self._pace.sent(sent, t0, t2)
         if pipelined:
             done, self._in_flight = self._in_flight, sent
         else:
@@ -372,15 +369,6 @@ class LLMEngine:
         if so.grammar_mask_follows:
             self.executor.submit_grammar_mask(GrammarMask(so.step_id, self._grammar_bitmask(grammar_rows)))
         return outputs
-
-    def schedule_slack(self) -> float:
-        """Seconds the caller may wait for new requests before the next step() without the device running
-        dry: with async scheduling and a decode step in flight, until that step's expected end less the
-        time it takes to send the next one (a request that arrives meanwhile then starts one step
-        sooner). 0 when that cannot be told."""
-        if not self.async_scheduling or self._in_flight is None:
-            return 0.0
-        return self._pace.slack(self._in_flight, time.perf_counter())
 
     def _grammar_rows(self, so: SchedulerOutput) -> list[Request]:
         """The constrained requests that sample in `so` (each holds this step's placeholder by now)."""
@@ -407,7 +395,6 @@ class LLMEngine:
         """Wait for step `done`'s output and apply it: tokens, stops, the outputs to report."""
         output = self.executor.wait_output(done.step_id)
         t3 = time.perf_counter()
-        self._pace.answered(done, t3)
         outputs = []
         updated = self.scheduler.update(output)
         self.num_output_tokens += len(updated)
@@ -667,46 +654,3 @@ def decode_logprobs(tokenizer: Any, entry: tuple[list[int], list[float], int]) -
             text = None if tokenizer is None else tokenizer.decode([tid])
             out[tid] = Logprob(logprob=lp, rank=rank, decoded_token=text)
     return out
-
-
-def _is_decode_step(so: SchedulerOutput) -> bool:
-    return not so.new_requests and all(n == 1 for n in so.num_scheduled_tokens)
-
-
-class _DecodePace:
-    """How long a decode step takes on the device, from when the driver sees its outputs: the gap between
-    two decode steps' outputs, or, when a step was sent after the one before it had ended (the device
-    waited for the driver), the gap from that send. So a late send never lengthens the estimate."""
-
-    MAX_SLACK_S = 0.05
-    MARGIN_S = 0.001  # beyond the driver's send time: the launch on ranks in other processes, jitter
-
-    def __init__(self) -> None:
-        self._sent_at: dict[int, float] = {}
-        self._last: tuple[SchedulerOutput, float] | None = None  # the last step answered, and when
-        self._step_s: float | None = None  # the last decode step's device time
-        self._send_s = 0.0  # what sending a decode step took the driver, last time
-
-    def sent(self, so: SchedulerOutput, started: float, done: float) -> None:
-        self._sent_at[so.step_id] = done
-        if _is_decode_step(so):
-            self._send_s = done - started
-
-    def answered(self, so: SchedulerOutput, at: float) -> None:
-        sent = self._sent_at.pop(so.step_id, None)
-        last, self._last = self._last, (so, at)
-        if sent is None or last is None or not (_is_decode_step(so) and _is_decode_step(last[0])):
-            return
-        if last[0].step_id == so.step_id - 1 and len(so.scheduled_req_ids) == len(last[0].scheduled_req_ids):
-            self._step_s = at - max(last[1], sent)
-
-    def slack(self, in_flight: SchedulerOutput, now: float) -> float:
-        last, step_s = self._last, self._step_s
-        if last is None or step_s is None or last[0].step_id != in_flight.step_id - 1:
-            return 0.0
-        same_batch = len(in_flight.scheduled_req_ids) == len(last[0].scheduled_req_ids)
-        if not (_is_decode_step(in_flight) and same_batch):
-            return 0.0
-        # The in-flight step started on the device when the one before it ended (it was queued by then).
-        started = max(last[1], self._sent_at.get(in_flight.step_id, last[1]))
-        return min(self.MAX_SLACK_S, max(0.0, started + step_s - self._send_s - self.MARGIN_S - now))

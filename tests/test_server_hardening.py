@@ -397,6 +397,12 @@ def test_chat_template_takes_a_file_or_the_template(tmp_path: Path) -> None:
         args = _serve_args("--chat-template", value, "--port", "0")
         serve_cli.check_serve(args)
         assert args.chat_template == template
+    # Longer than a file name may be, with transformers' loop controls.
+    long = "{% for m in messages %}{% if loop.index > 3 %}{% break %}{% endif %}" + "{{ m.content }}" * 30
+    long += "{% endfor %}"
+    args = _serve_args("--chat-template", long, "--port", "0")
+    serve_cli.check_serve(args)
+    assert args.chat_template == long
 
 
 def test_a_port_in_use_is_refused_by_the_checks() -> None:

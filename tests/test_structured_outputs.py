@@ -141,6 +141,27 @@ def test_async_scheduling_keeps_the_pipeline_under_a_constraint(
         assert order.index(("wait_output", step - 1)) < order.index(("submit_grammar_mask", step))
 
 
+def test_an_error_while_a_mask_is_owed_leaves_the_engine_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step sent with its mask to follow, then a failure before the mask is made (here: reading the
+    previous step's output): the ranks still get a mask, so the next generate runs."""
+    with LLM("tiny-llama", device="cpu", max_model_len=128) as engine:
+        executor = engine.engine.executor
+        real, calls = executor.wait_output, []
+
+        def failing(step_id: int) -> Any:
+            calls.append(step_id)
+            if len(calls) == 3:
+                raise RuntimeError("injected")
+            return real(step_id)
+
+        monkeypatch.setattr(executor, "wait_output", failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.generate(["hi"], _params(1, 20, regex="[ab]{10}"), use_tqdm=False)
+        monkeypatch.setattr(executor, "wait_output", real)
+        [out] = engine.generate(["hi"], _params(2, regex="[ab]{3}"), use_tqdm=False)
+        assert re.fullmatch("[ab]{3}", out.outputs[0].text)
+
+
 def test_a_mask_out_of_turn_is_a_protocol_error() -> None:
     from tp_runtime.messages import GrammarMask
 

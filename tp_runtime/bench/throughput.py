@@ -94,8 +94,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         params = [SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=n) for n in work.output_lens]
         passes = []
         for _ in range(args.num_passes):
-            # Each pass computes its requests as the first did (what they share among themselves still
-            # comes from the cache): a pass's figures are the engine's, not the previous pass's cache.
+            # By default each pass computes its requests as the first did (what they share among themselves
+            # still comes from the cache): a pass's figures are the engine's, not the previous pass's cache.
             if not args.keep_prefix_cache:
                 llm.reset_prefix_cache()
             queried, hit = kv.num_queried_tokens, kv.num_hit_tokens

@@ -9,6 +9,7 @@ add, their logprobs; `finished` on the last), else one when it finishes, with th
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import numbers
 import time
@@ -365,7 +366,16 @@ class LLMEngine:
             done, self._in_flight = self._in_flight, sent
         else:
             done = sent
-        outputs = [] if done is None else self._take_output(done, t0, t1, t2, sent is None)
+        try:
+            outputs = [] if done is None else self._take_output(done, t0, t1, t2, sent is None)
+        except BaseException:
+            if so.grammar_mask_follows:
+                # The ranks wait for this step's mask: let them finish it (every token allowed; the requests'
+                # tokens are dropped or refused by their grammars), so the engine can go on after the error.
+                with contextlib.suppress(Exception):
+                    every = pack_bitmasks([None] * len(grammar_rows), self.config.model.vocab_size)
+                    self.executor.submit_grammar_mask(GrammarMask(so.step_id, every))
+            raise
         if so.grammar_mask_follows:
             self.executor.submit_grammar_mask(GrammarMask(so.step_id, self._grammar_bitmask(grammar_rows)))
         return outputs

@@ -1,14 +1,15 @@
 """Structured outputs: a request's grammar, compiled once by xgrammar, and the matcher that says which
 tokens may come next.
 
-The driver owns every matcher. A step's scheduler output carries, for the constrained requests that sample
-in it, the packed bitmask of their allowed tokens (int32 words, bit i of word j allowing token 32 j + i,
-xgrammar's layout); every rank applies it to those rows' logits before penalties and sampling, so every
-rank samples the same token. The matcher then advances on the sampled id. With async scheduling the driver
-sends a step before it knows the previous step's ids, so the step goes out with grammar_mask_follows: the
-ranks queue its forward, the driver advances the matchers on the previous step's ids meanwhile, and then
-broadcasts the step's mask (a GrammarMask message), which the ranks apply before sampling. The device only
-waits when the driver's update and mask take longer than the forward.
+The driver owns every matcher. A step's scheduler output (or, with async scheduling, its GrammarMask)
+carries, for the constrained requests that sample in it, the packed bitmask of their allowed tokens (int32
+words, bit i of word j allowing token 32 j + i, xgrammar's layout); every rank applies it to those rows'
+logits before penalties and sampling, so every rank samples the same token. The matcher then advances on
+the sampled id. With async scheduling the driver sends a step before it knows the previous step's ids, so
+the step goes out with grammar_mask_follows: the ranks queue its forward, the driver advances the matchers
+on the previous step's ids meanwhile, and then broadcasts the step's mask (a GrammarMask message), which
+the ranks apply before sampling. The device only waits when the driver's update and mask take longer than
+the forward.
 
 xgrammar (a C++ library used by vLLM and SGLang) is imported on first use; compiling is thread-safe and
 cached by the grammar's text, and the tokenizer's vocabulary is read once per engine.

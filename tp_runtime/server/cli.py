@@ -178,12 +178,17 @@ def load_chat_template(value: str) -> str:
     """--chat-template: a file's text, or the value itself when it reads as a template; it must parse as
     Jinja (a broken template is a start-up error, not a 500 on the first chat request)."""
     import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
 
     from tp_runtime.errors import ConfigError
 
     flag = "argument --chat-template"
     path = Path(value).expanduser()
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a template longer than a file name may be
+        is_file = False
+    if is_file:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -195,7 +200,7 @@ def load_chat_template(value: str) -> str:
     if not text.strip():
         raise ConfigError(f"{flag}: the template is empty")
     try:
-        jinja2.Environment().parse(text)
+        _compile_jinja_template(text)  # the environment transformers renders it in (loop controls, ...)
     except jinja2.TemplateSyntaxError as exc:
         raise ConfigError(f"{flag}: not a valid Jinja template (line {exc.lineno}: {exc.message})") from None
     return text

@@ -4,9 +4,11 @@
 `run_worker_loop` is the process main loop used by spawned workers and by torchrun ranks > 0:
 receive a broadcast message -> execute -> rank 0 replies (control calls may ask every rank to reply).
 With async scheduling, rank 0 answers a step whose ids are not on the host yet (a GPU step) only after it
-has queued the next step, or when any other message (Flush, a control call, Shutdown) arrives, so the
-device always has the next step before the host waits for the previous one's ids. A step whose ids are
-already there (CPU) is answered at once.
+has queued the next step (for a step sent with grammar_mask_follows: its forward, the driver needing the
+answer to make the mask; the step's GrammarMask then samples it, and its answer is held in turn), or when
+any other message (Flush, a control call, Shutdown) arrives, so the device always has the next step
+before the host waits for the previous one's ids. A step whose ids are already there (CPU) is answered at
+once.
 """
 
 from __future__ import annotations

@@ -58,8 +58,8 @@ class GrammarMasks:
         self._max_rows = max_rows
         self._staging: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._turn = 0
-        on_device = device.type != "cpu"
-        self._token = torch.arange(vocab_size, dtype=torch.int32, device=device) if on_device else None
+        token = torch.arange(vocab_size, dtype=torch.int32, device=device)
+        self._word, self._bit = token >> 5, token & 31  # each token's word and bit, made once
 
     def allowed(
         self, step_id: int, ids: list[int], bitmask: bytes, sampled_req_ids: list[int]
@@ -95,8 +95,7 @@ class GrammarMasks:
             rows_pinned[: len(ids)].copy_(rows_host)
             bits = words_pinned[: len(ids)].to(self.device, non_blocking=True)
             rows = rows_pinned[: len(ids)].to(self.device, non_blocking=True)
-        token = self._token if self._token is not None else torch.arange(self.vocab_size, dtype=torch.int32)
-        allowed = ((bits[:, token >> 5] >> (token & 31)) & 1).bool()  # int32 temporaries: [rows, vocab]
+        allowed = ((bits[:, self._word] >> self._bit) & 1).bool()  # int32 temporaries: [rows, vocab]
         return rows, allowed
 
 

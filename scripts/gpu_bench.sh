@@ -139,7 +139,7 @@ case $part in
     ;;
   traffic)  # issue 25's serving rows: a fresh server per rate, Poisson arrivals of 600 requests (input 512
             # +-90 %, output 128), sent twice: pass 1 is the fresh server's cold start, pass 2 its steady state.
-            # TRAFFIC_RATES (default "24 8"), TRAFFIC_TP (1), TRAFFIC_ARGS (extra serve flags).
+            # TRAFFIC_RATES (default "24 8"), TRAFFIC_TP (1), TRAFFIC_ARGS (extra serve flags), TRAFFIC_PASSES (2).
     tp=${TRAFFIC_TP:-1}
     port=$((8200 + tp))
     for rate in ${TRAFFIC_RATES:-24 8}; do
@@ -152,9 +152,12 @@ case $part in
       wait_healthy $port $server "$out/$name.server.log"
       echo "$name: server ready in $($py -c "import time; print(round(time.time() - $start, 1))") s"
       $py -m tp_runtime.cli bench serve --base-url "http://127.0.0.1:$port" --request-rate "$rate" \
-        --input-len 512 --range-ratio 0.9 --output-len 128 --num-prompts 600 --vocab-size 120000 --passes 2 \
-        --no-progress --output-json "$out/$name.json" 2>&1 | grep -E "pass|TTFT|TPOT|ITL|throughput|Failed" \
-        | tee "$out/$name.txt"
+        --input-len 512 --range-ratio 0.9 --output-len 128 --num-prompts 600 --vocab-size 120000 \
+        --passes "${TRAFFIC_PASSES:-2}" --no-progress --output-json "$out/$name.json" 2>&1 \
+        | grep -E "pass|TTFT|TPOT|ITL|throughput|Failed" | tee "$out/$name.txt"
+      # The server's own TTFT (from the request's arrival to its first token, every pass together).
+      $py -c "import httpx; print(httpx.get('http://127.0.0.1:$port/metrics').text)" \
+        | grep -E "^tp_runtime:time_to_first_token_seconds_(sum|count)" | tee -a "$out/$name.txt"
       kill -TERM $server
       wait $server || true
     done

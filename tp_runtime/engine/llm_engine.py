@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import numbers
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -175,10 +176,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any, executor: Executor | None = None) -> None:
         """`executor`: how the engine reaches its workers, not yet initialized (default: the one
         make_executor picks for the config)."""
+        start = time.perf_counter()
         self.config = config
         self.tokenizer = tokenizer
         self.executor = executor if executor is not None else make_executor(config)
         self.num_kv_blocks = self.executor.initialize()
+        if config.device == "cuda":  # with the workers' phase lines (worker.py, model_runner.py)
+            print(f"tp-runtime: engine started in {time.perf_counter() - start:.1f} s", file=sys.stderr,
+                  flush=True)  # fmt: skip
         max_blocks = -(-config.model.max_model_len // config.cache.block_size)
         if self.num_kv_blocks < max_blocks:
             self.executor.shutdown()

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
+import os
 import signal
 import socket
 import sys
@@ -193,11 +194,11 @@ def _serve(args: argparse.Namespace, sock: socket.socket, signals: _Signals) -> 
             )  # fmt: skip
 
         def ready() -> None:
-            print(
-                f"tp-runtime serve: ready on http://{shown}:{port} (model {model_name}, TP "
-                f"{config.parallel.tensor_parallel_size}, max_model_len {config.model.max_model_len})",
-                flush=True,
-            )
+            age = process_age_s()
+            started = "" if age is None else f"; started in {age:.1f} s"
+            tp, max_len = config.parallel.tensor_parallel_size, config.model.max_model_len
+            print(f"tp-runtime serve: ready on http://{shown}:{port} (model {model_name}, TP {tp}, "
+                  f"max_model_len {max_len}{started})", flush=True)  # fmt: skip
 
         app, begin_drain = build_app(engine, tokenizer, model_name=model_name, api_key=api_key,
                                      on_ready=ready, allowed_origins=args.allowed_origins,
@@ -218,6 +219,18 @@ def _serve(args: argparse.Namespace, sock: socket.socket, signals: _Signals) -> 
         # After a drain the engine is shut down already; otherwise (uvicorn failed, a signal before it
         # served) this aborts whatever is left and stops the workers.
         engine.shutdown(grace_s=0.0)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process began (imports included), from Linux's /proc; None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": field 3 onwards
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time, clock ticks
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _model_name(model: str | None) -> str:

@@ -152,15 +152,33 @@ class DecodeGraphs:
         shapes = {(r, self.graph_width(r, b)) for r in self.batch_sizes for b in self.block_sizes}
         return sorted(shapes, reverse=True)
 
-    def capture_all(self, progress: Callable[[], None] = lambda: None) -> None:
-        """Capture every graph now (`progress()` after each), on inputs that are all padding rows."""
-        if not self.capture:
-            return
+    def _reset_inputs(self) -> None:
+        """Every row a padding row (what start-up captures the graphs on)."""
         inputs = self._inputs
         inputs.zero_()
         inputs[:, _SLOT] = self.trash_slot
         inputs[:, _LEN] = 1
         inputs[:, _FEED] = -1
+
+    def run_warm_ups(self) -> None:
+        """Each graph's warm-up forward, eagerly and without capturing (the kernel precompiler's dry pass
+        runs these to find the Triton kernels the graphs launch)."""
+        if not self.capture:
+            return
+        self._reset_inputs()
+        with self._graph_pass():
+            stream, current = self._side_stream(), torch.cuda.current_stream(self.device)
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                for rows, blocks in self.shapes():
+                    self._run_forward(rows, blocks)
+            current.wait_stream(stream)
+
+    def capture_all(self, progress: Callable[[], None] = lambda: None) -> None:
+        """Capture every graph now (`progress()` after each), on inputs that are all padding rows."""
+        if not self.capture:
+            return
+        self._reset_inputs()
         for rows, blocks in self.shapes():
             if (rows, blocks) not in self._graphs:
                 self._graphs[(rows, blocks)] = self._capture(rows, blocks)

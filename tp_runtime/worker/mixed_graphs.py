@@ -153,6 +153,22 @@ class MixedStepGraphs:
                 self._pieces[tokens] = self._record(tokens)
             progress()
 
+    def run_warm_ups(self) -> None:
+        """Each bucket's warm-up, eagerly and without recording (the kernel precompiler's dry pass runs
+        these to find the Triton kernels the pieces launch)."""
+        if not self.capture:
+            return
+        self._reset_inputs()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        stream, current = self._stream, torch.cuda.current_stream(self.device)
+        with self._graph_pass():
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                for tokens in reversed(self.token_sizes):
+                    self._run_pieces(tokens, _Boundary(self, pieces=None, step=None))
+            current.wait_stream(stream)
+
     def _record(self, tokens: int) -> _Pieces:
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)

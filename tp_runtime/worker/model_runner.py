@@ -36,6 +36,7 @@ from tp_runtime.worker.inputs import (
     PromptLogprobPlan,
     StepInputs,
 )
+from tp_runtime.worker.kernel_precompile import KernelPrecompiler, compile_threads
 from tp_runtime.worker.mixed_graphs import MIXED_GRAPH_MAX_TOKENS, MixedStepGraphs
 from tp_runtime.worker.outputs import HostTransfer, PendingOutput, pack_prompt_logprobs, start_host_transfer
 from tp_runtime.worker.persistent_batch import PenaltyState, PersistentBatch
@@ -272,13 +273,32 @@ class ModelRunner:
         decode, mixed = self.decode_graphs, self.mixed_graphs
         if decode is None or mixed is None or not decode.capture:
             return
-        progress = CaptureProgress(len(mixed.token_sizes), len(decode.shapes()), show=self.rank == 0)
-        self._run_attention_warm_up()
-        self.sampler.warm_up(self.config.model.vocab_size)
+        show = self.rank == 0
+        # The same forwards twice: a dry pass that finds the Triton kernels and compiles them in parallel,
+        # then the real warm-up and capture, which find them compiled (worker/kernel_precompile.py).
+        threads = compile_threads(self.config.parallel.tensor_parallel_size)
+        precompiler = KernelPrecompiler(self.device, threads)
+        with precompiler.dry_pass():
+            self._run_warm_ups()
+        report = precompiler.compile_all()
+        if show and report.kernels:
+            print(f"tp-runtime: compiled {report.kernels} Triton kernels in {report.seconds:.1f} s "
+                  f"({precompiler.threads} threads)", file=sys.stderr, flush=True)  # fmt: skip
+        progress = CaptureProgress(len(mixed.token_sizes), len(decode.shapes()), show=show)
+        self._run_warm_ups(graphs=False)
         mixed.capture_all(progress.step)
         decode.capture_all(progress.step)
         torch.cuda.synchronize(self.device)
         progress.finish()
+
+    def _run_warm_ups(self, graphs: bool = True) -> None:
+        """The eager kernels a step runs outside the graphs, and (`graphs`) each graph's warm-up forward."""
+        self._run_attention_warm_up()
+        self.sampler.warm_up(self.config.model.vocab_size)
+        if graphs:
+            assert self.mixed_graphs is not None and self.decode_graphs is not None
+            self.mixed_graphs.run_warm_ups()
+            self.decode_graphs.run_warm_ups()
 
     def _run_attention_warm_up(self) -> None:
         """Eager steps in the trash block (no sequence's cache is touched) that take each attention path a

@@ -143,7 +143,13 @@ class Worker:
                 model_dtype=_DTYPES[self.config.model.dtype],
             )  # fmt: skip
 
+    def _report(self, text: str) -> None:
+        """A start-up phase's line on stderr: rank 0, on GPUs (where start-up takes long enough to ask)."""
+        if self.rank == 0 and self.device.type == "cuda":
+            print(f"tp-runtime: {text}", file=sys.stderr, flush=True)
+
     def load_model(self) -> None:
+        start = time.perf_counter()
         mc = self.config.model
         dtype = _DTYPES[mc.dtype]
         fused = pick_kernels(self.config.fused_kernels, self.device) == "triton"
@@ -154,6 +160,10 @@ class Worker:
             load_weights(model, mc.path, dtype, mc.quantization)
         model.eval()
         self.runner = ModelRunner(self.config, model, self.device, self.rank)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            held = torch.cuda.memory_allocated(self.device) / 2**30
+            self._report(f"loaded the model in {time.perf_counter() - start:.1f} s ({held:.2f} GiB a rank)")
 
     def _runner(self) -> ModelRunner:
         if self.runner is None:
@@ -162,6 +172,7 @@ class Worker:
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks this rank can hold, agreed across ranks (the minimum)."""
+        start = time.perf_counter()
         runner = self._runner()
         cache = self.config.cache
         per_block = runner.kv_bytes_per_block()
@@ -186,7 +197,10 @@ class Worker:
             blocks = cpu_kv_cache_blocks(
                 per_block, self.config.scheduler.max_num_seqs, runner.max_blocks, available, share, ranks
             )
-        return self.tp.all_reduce_min_int(blocks, self.device)
+        blocks = self.tp.all_reduce_min_int(blocks, self.device)
+        self._report(f"sized the KV cache in {time.perf_counter() - start:.1f} s: {blocks} blocks of "
+                     f"{cache.block_size} tokens ({blocks * per_block / 2**30:.2f} GiB a rank)")  # fmt: skip
+        return blocks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then warm up: every CUDA graph is captured before the engine is ready."""

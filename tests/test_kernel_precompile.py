@@ -1,0 +1,120 @@
+"""The start-up kernel precompiler (worker/kernel_precompile.py): its Triton hook records and declines only
+the dry pass's own launches, is removed afterwards (also after an error), reads what this Triton's hook
+really passes, and the recorded kernels compile in parallel with failures reported rather than raised.
+Compiling and launching need a GPU; scripts/gpu_check.py checks that start-up then compiles nothing more."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from tp_runtime.worker import kernel_precompile
+from tp_runtime.worker.kernel_precompile import KernelPrecompiler, _Recorder, compile_threads
+
+triton = pytest.importorskip("triton")
+knobs = triton.knobs.runtime
+
+
+class _FakeKernel:
+    def __init__(self, name: str, fail: bool = False) -> None:
+        self.__name__ = name
+        self.fail = fail
+        self.preloaded: list[tuple[str, str]] = []
+        self.lock = threading.Lock()
+
+    def preload(self, data: str) -> None:
+        if self.fail:
+            raise RuntimeError("ptxas error")
+        with self.lock:
+            self.preloaded.append((data, threading.current_thread().name))
+
+
+class _Info:
+    def __init__(self, jit_function: object) -> None:
+        self.jit_function = jit_function
+
+
+def _call(hook: object, kernel: object, key: str) -> bool | None:
+    return hook(key=key, repr="", fn=_Info(kernel), compile={"specialization_data": f"data-{key}"},  # type: ignore[operator]
+                is_manual_warmup=False, already_compiled=False)  # fmt: skip
+
+
+def test_recorder_declines_only_its_own_threads_launches_and_passes_the_rest_on() -> None:
+    seen: list[str] = []
+
+    def previous(**kwargs: object) -> None:
+        seen.append(str(kwargs["key"]))
+
+    recorder = _Recorder(previous)
+    kernel = _FakeKernel("k")
+    assert _call(recorder, kernel, "a") is True
+    assert _call(recorder, kernel, "a") is True  # the same specialization again: kept once
+    assert _call(recorder, kernel, "b") is True
+    other: list[bool | None] = []
+    thread = threading.Thread(target=lambda: other.append(_call(recorder, kernel, "c")))
+    thread.start()
+    thread.join()
+    assert other == [None] and seen == ["c"]  # another thread's launch compiles and runs as usual
+    recorder.active = False
+    assert _call(recorder, kernel, "d") is None and seen == ["c", "d"]
+    assert sorted(data for _, data in recorder.found.values()) == ["data-a", "data-b"]
+    # A hook call without what the recorder needs: the kernel compiles at once instead.
+    assert _Recorder(None)(key="x", fn=object(), compile={}) is None
+
+
+def test_dry_pass_installs_the_hook_and_removes_it_after_an_error() -> None:
+    before = knobs.jit_cache_hook
+    pre = KernelPrecompiler(torch.device("cuda", 0), threads=2)
+    with pytest.raises(RuntimeError, match="boom"), pre.dry_pass():
+        assert isinstance(knobs.jit_cache_hook, _Recorder)
+        raise RuntimeError("boom")
+    assert knobs.jit_cache_hook is before
+    # On the CPU nothing is installed and nothing compiles.
+    cpu = KernelPrecompiler(torch.device("cpu"), threads=2)
+    with cpu.dry_pass():
+        assert knobs.jit_cache_hook is before
+    assert cpu.compile_all().kernels == 0
+
+
+def test_recorder_reads_this_tritons_hook_arguments() -> None:
+    """Triton's own hook call (as its JIT makes it on a cache miss) against the recorder: the recorded
+    specialization is the JITFunction's, in the serialized form its preload reads."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    import tp_runtime.layers.fused_triton as fused
+
+    kernel = next(v for v in vars(fused).values() if isinstance(v, triton.runtime.jit.JITFunction))
+    target = GPUTarget("cuda", 90, 32)
+    options = CUDABackend(target).parse_options({})
+    recorder = _Recorder(None)
+    key = ("spec", ("*fp32",))
+    declined = kernel._call_hook(recorder, key, {"x": "*fp32"}, target, 0, {}, options, [{}], False)
+    assert declined is True
+    ((jit_function, data),) = recorder.found.values()
+    assert jit_function is kernel and hasattr(kernel, "preload")
+    assert json.loads(data)["name"] == kernel._fn_name
+
+
+def test_compile_all_compiles_in_parallel_and_reports_failures(capsys: pytest.CaptureFixture[str]) -> None:
+    pre = KernelPrecompiler(torch.device("cpu"), threads=3)
+    good, bad = _FakeKernel("good"), _FakeKernel("bad", fail=True)
+    recorder = _Recorder(None)
+    for key in "abcdef":
+        _call(recorder, good, key)
+    _call(recorder, bad, "z")
+    pre._recorder = recorder
+    report = pre.compile_all()
+    assert report.kernels == 7 and len(report.failed) == 1 and "ptxas error" in report.failed[0]
+    assert sorted(d for d, _ in good.preloaded) == [f"data-{k}" for k in "abcdef"]
+    assert all(name.startswith("tp-runtime-triton") for _, name in good.preloaded)
+    assert "1 of 7 Triton kernels did not compile ahead" in capsys.readouterr().err
+    assert pre.compile_all().kernels == 0  # what was found is compiled once
+
+
+def test_compile_threads_share_the_cores_between_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel_precompile.os, "sched_getaffinity", lambda _: set(range(16)))
+    assert compile_threads(1) == 16 and compile_threads(2) == 8 and compile_threads(64) == 1

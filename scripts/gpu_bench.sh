@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements recorded in BENCHMARKS.md (run on the device machines; see the device README).
-#   scripts/gpu_bench.sh smoke|checks|rows|rows8b|serve|traffic|prefix|structured|fp8|families|compare|compare1|tp1|tp2|fused|profile|profile2|matmuls|messaging|peer OUT_DIR
+#   scripts/gpu_bench.sh smoke|checks|rows|rows1|rows8b|serve|traffic|throughput|fresh|prefix|structured|fp8|families|compare|compare1|tp1|tp2|fused|profile|profile2|matmuls|messaging|peer OUT_DIR
 set -euo pipefail
 part=$1
 out=${2:-/tmp/tp-runtime-bench}
@@ -33,6 +33,15 @@ case $part in
       --output-json "$out/compare_split.json" 2>&1 | grep -E "identical|model=|Error" || true
     bench tp2_b1_nccl --model llama-3-8b -tp 2 --batch-size 1 --input-len 32 --output-len 128 --num-iters 3 \
       --all-reduce nccl
+    ;;
+  rows1)  # the TP=1 latency rows (one GPU) with HF static as the peer
+    common=(--num-iters-warmup 1)
+    bench tp1_b32 --model llama-3-8b --batch-size 32 --input-len 1000 --output-len 128 --num-iters 3 "${common[@]}"
+    bench tp1_b1 --model llama-3-8b --batch-size 1 --input-len 32 --output-len 128 --num-iters 5 "${common[@]}"
+    $py scripts/bench_hf_peer.py --model llama-3-8b --batch-size 32 --input-len 1000 --output-len 128 \
+      --cache-implementation static --output-json "$out/hf_static_b32.json"
+    $py scripts/bench_hf_peer.py --model llama-3-8b --batch-size 1 --input-len 32 --output-len 128 \
+      --cache-implementation static --num-iters 5 --output-json "$out/hf_static_b1.json"
     ;;
   rows8b)  # the rows below without the 70B one
     common=(--num-iters-warmup 1)
@@ -216,6 +225,21 @@ case $part in
     ;;
   families)  # fp32: every new family gives the same greedy tokens at TP 1 and 2, and HF's (nvidia-h200-x2)
     $py scripts/check_families.py --device cuda --tp-sizes 1 2 --output-json "$out/families.json"
+    ;;
+  throughput)  # issue 25's offline row: 256 prompts of 100-1000 tokens, 23-232 out, two passes; HF's
+              # continuous batching (generate_batch) on the same prompts as the peer. THROUGHPUT_ARGS: extra
+              # engine flags (e.g. --max-num-batched-tokens 4096), THROUGHPUT_TAG names the run.
+    name="throughput${THROUGHPUT_TAG:-}"
+    # shellcheck disable=SC2086
+    $py -m tp_runtime.cli bench throughput --model llama-3-8b --load-format dummy --dtype bfloat16 \
+      --input-len 550 --range-ratio 0.818 --output-len 128 --num-prompts 256 --num-passes 2 \
+      ${THROUGHPUT_ARGS:-} --output-json "$out/$name.json" 2>&1 | grep -E "pass|requests," | tee "$out/$name.txt"
+    [ -n "${THROUGHPUT_NO_PEER:-}" ] || $py scripts/bench_hf_throughput.py --num-passes 1 \
+      --output-json "$out/hf_generate_batch.json" 2>&1 | tail -3
+    ;;
+  fresh)  # issue 25: a prompt length never seen before against a repeat, and a 145-token prompt's TTFT
+          # against its forward's device time; HF transformers' forward in the same process
+    $py scripts/bench_fresh_prompts.py --model llama-3-8b --output-json "$out/fresh_prompts.json" 2>&1 | tail -4
     ;;
   peer)
     for cache in static dynamic; do

@@ -709,3 +709,31 @@ def test_a_stop_string_within_the_min_tokens_text_is_not_found(model_config: Any
         final = outputs[str(whole)][0].outputs[0]
         assert (final.text, final.finish_reason) == (text, reason), stops
         assert joined(outputs[str(streamed)])[0] == text, stops
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_request_metrics_order_arrival_scheduling_and_first_token(
+    model_config: Any, tokenizer: Any, async_scheduling: bool
+) -> None:
+    """RequestOutput.metrics: each request is first scheduled after it arrived and gets its first token
+    after that; the two requests beyond max_num_seqs=4 wait in the queue until a running one has
+    finished, so they are first scheduled after every running request's first token."""
+    ids = tokenizer("hello there world", add_special_tokens=False)["input_ids"]
+    engine = make_engine(model_config, tokenizer, ScriptedExecutor(text_script(ids, len(PROMPT))),
+                         async_scheduling)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    req_ids = [engine.add_request(PROMPT, params, stream=i % 2 == 0) for i in range(6)]
+    outputs = run_all(engine)
+    times = []
+    for req_id in req_ids:
+        outs = outputs[str(req_id)]
+        m = outs[-1].metrics
+        assert m is not None and m.first_scheduled_time is not None and m.first_token_time is not None
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time
+        assert m.time_in_queue == m.first_scheduled_time - m.arrival_time
+        # A stream's first delta with a token already says when that token came.
+        first = next(o for o in outs if o.outputs[0].token_ids)
+        assert first.metrics is not None and first.metrics.first_token_time == m.first_token_time
+        times.append(m)
+    running, queued = times[:4], times[4:]
+    assert all(q.first_scheduled_time > max(r.first_token_time for r in running) for q in queued)  # type: ignore[operator]

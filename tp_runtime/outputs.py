@@ -29,6 +29,22 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request went through the engine, as `time.monotonic()` values (vLLM's RequestMetrics):
+    added to the engine, first scheduled (its prompt's first chunk sent to the workers), and its first
+    token back on the host. None where that has not happened yet."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Seconds from arrival until first scheduled."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -41,3 +57,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Prompt tokens whose KV came from the prefix cache when the request started (0: none, or caching off).
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

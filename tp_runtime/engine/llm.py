@@ -307,8 +307,9 @@ class LLM:
             results[i].outputs.append(completion)
             if out.prompt_logprobs is not None:
                 results[i].prompt_logprobs = out.prompt_logprobs
-            if j == 0:  # the sample that computes the prompt: what the prompt found cached
+            if j == 0:  # the sample that computes the prompt: what the prompt found cached, its times
                 results[i].num_cached_tokens = out.num_cached_tokens
+                results[i].metrics = out.metrics
         for result, params in zip(results, params_list, strict=True):
             result.outputs = best_samples(params, result.outputs)
         return results

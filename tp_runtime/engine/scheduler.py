@@ -16,6 +16,7 @@ placeholders already reach max_tokens or max_model_len is not scheduled again.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +65,10 @@ class Request:
     decode_context: list[int] = field(default_factory=list)
     # Structured outputs: where the request is in its grammar (engine/structured_output.GrammarState).
     grammar: Any = None
+    # time.monotonic() when added, first scheduled, and when its first token came back (RequestMetrics).
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -170,6 +175,7 @@ class Scheduler:
                 break
             req.num_computed_tokens = start
             if not req.num_preemptions:  # the metrics count prompts looked up, once each
+                req.first_scheduled_time = time.monotonic()
                 req.num_cached_tokens = start
                 if req.prompt_logprobs is None:
                     kv.count_lookup(req.num_tokens, start)
@@ -221,6 +227,8 @@ class Scheduler:
                 continue  # finished (a stop in the step before) while this step was in flight
             req.output_token_ids.append(token)
             req.num_placeholders -= 1
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
             if lp is not None and req.sampling.num_logprobs >= 0:
                 k = req.sampling.num_logprobs
                 req.logprobs.append((lp.token_ids[i][: 1 + k], lp.logprobs[i][: 1 + k], lp.sampled_ranks[i]))

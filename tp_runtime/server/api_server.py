@@ -48,7 +48,7 @@ from tp_runtime.engine.async_engine import AsyncLLMEngine, RequestStream
 from tp_runtime.engine.llm import template_variables
 from tp_runtime.engine.llm_engine import child_params
 from tp_runtime.errors import EngineClosedError, InvalidRequestError, TPRuntimeError
-from tp_runtime.outputs import CompletionOutput
+from tp_runtime.outputs import CompletionOutput, RequestMetrics
 from tp_runtime.sampling_params import SamplingParams, StructuredOutputsParams
 from tp_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from tp_runtime.server.openai_format import (
@@ -431,7 +431,7 @@ class _Run:
             if self.fmt.prompt_only:
                 finish = None if c.finish_reason is None else "length"
                 c = replace(c, text="", token_ids=[], logprobs=None, finish_reason=finish, stop_reason=None)
-            self.observe(index, c, out.finished)
+            self.observe(index, c, out.finished, out.metrics)
             self.cached_tokens[index] = out.num_cached_tokens
             if out.prompt_logprobs is not None or len(c.token_ids) > _PIECE_OFF_LOOP_TOKENS:
                 # Much to format (a prompt's logprobs, a long output's): off the event loop.
@@ -439,7 +439,9 @@ class _Run:
             else:
                 yield self.fmt.piece(index, c, out.finished, out.prompt_logprobs)
 
-    def observe(self, index: int, out: CompletionOutput, finished: bool) -> None:
+    def observe(
+        self, index: int, out: CompletionOutput, finished: bool, times: RequestMetrics | None = None
+    ) -> None:
         now = time.monotonic()
         metrics = self.ctx.metrics
         count = len(out.token_ids)
@@ -447,6 +449,11 @@ class _Run:
             metrics.generation_tokens.inc(count)
             if self.tokens[index] == 0:
                 metrics.time_to_first_token.observe(now - self.arrival)
+                scheduled = None if times is None else times.first_scheduled_time
+                if times is not None and scheduled is not None:
+                    metrics.request_queue_time.observe(scheduled - times.arrival_time)
+                    if times.first_token_time is not None:
+                        metrics.request_prefill_time.observe(times.first_token_time - scheduled)
             else:
                 metrics.inter_token_latency.observe(now - self._last[index])
             self.tokens[index] += count

@@ -48,6 +48,22 @@ class ServerMetrics:
             buckets=_TTFT_BUCKETS,
             registry=registry,
         ).labels(model_name)
+        # TTFT's engine-side parts (vLLM's names): arrival at the engine to first scheduled, and first
+        # scheduled to first token on the host; the rest of TTFT is the HTTP path.
+        self.request_queue_time = Histogram(
+            f"{PREFIX}request_queue_time_seconds",
+            "Time from a request's arrival at the engine until its prompt is first scheduled",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+        self.request_prefill_time = Histogram(
+            f"{PREFIX}request_prefill_time_seconds",
+            "Time from a request's first scheduling until its first token is on the host",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
         self.inter_token_latency = Histogram(
             f"{PREFIX}inter_token_latency_seconds",
             "Time between two consecutive tokens of a request",

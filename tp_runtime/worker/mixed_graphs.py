@@ -44,10 +44,12 @@ MIXED_GRAPH_MAX_TOKENS = 2048
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Token counts the pieces are recorded for: a step pads by at most 16 tokens or half its own up to 256
-    tokens (where it costs its launches more than its compute), by at most a quarter above."""
-    sizes = [16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512, *range(640, 1024, 128)]
-    sizes += range(1024, max_tokens, 256)
+    """Token counts the pieces are recorded for. A padded token costs its compute, so a step pads by at
+    most 16 tokens or a quarter of its own up to 256 tokens, 64 up to 1024 and 128 above (prompts of 50
+    to 1000 tokens pad by 7 % on average, against 11 % with steps of 128 from 512 up); each bucket is one
+    more set of graphs recorded at start-up."""
+    sizes = [16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, *range(320, 1024, 64)]
+    sizes += range(1024, max_tokens, 128)
     return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
 
 

@@ -164,9 +164,10 @@ case $part in
         --input-len 512 --range-ratio 0.9 --output-len 128 --num-prompts 600 --vocab-size 120000 \
         --passes "${TRAFFIC_PASSES:-2}" --no-progress --output-json "$out/$name.json" 2>&1 \
         | grep -E "pass|TTFT|TPOT|ITL|throughput|Failed" | tee "$out/$name.txt"
-      # The server's own TTFT (from the request's arrival to its first token, every pass together).
+      # The server's own TTFT and its engine-side parts (every pass together).
       $py -c "import httpx; print(httpx.get('http://127.0.0.1:$port/metrics').text)" \
-        | grep -E "^tp_runtime:time_to_first_token_seconds_(sum|count)" | tee -a "$out/$name.txt"
+        | grep -E "^tp_runtime:(time_to_first_token|request_queue_time|request_prefill_time)_seconds_(sum|count)" \
+        | tee -a "$out/$name.txt"
       kill -TERM $server
       wait $server || true
     done

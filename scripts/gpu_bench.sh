@@ -167,7 +167,7 @@ case $part in
       # The server's own TTFT and its engine-side parts (every pass together).
       $py -c "import httpx; print(httpx.get('http://127.0.0.1:$port/metrics').text)" \
         | grep -E "^tp_runtime:(time_to_first_token|request_queue_time|request_prefill_time)_seconds_(sum|count)" \
-        | tee -a "$out/$name.txt"
+        | tee -a "$out/$name.txt" || true
       kill -TERM $server
       wait $server || true
     done

@@ -1,7 +1,8 @@
 """The start-up kernel precompiler (worker/kernel_precompile.py): its Triton hook records and declines only
 the dry pass's own launches, is removed afterwards (also after an error), reads what this Triton's hook
 really passes, and the recorded kernels compile in parallel with failures reported rather than raised.
-Compiling and launching need a GPU; scripts/gpu_check.py checks that start-up then compiles nothing more."""
+Compiling and launching need a GPU; there, start-up counts the kernels that still compiled during the real
+warm-up (the `counting` recorder tested here) and warns if any did."""
 
 from __future__ import annotations
 
@@ -65,6 +66,19 @@ def test_recorder_declines_only_its_own_threads_launches_and_passes_the_rest_on(
     assert _Recorder(None)(key="x", fn=object(), compile={}) is None
 
 
+def test_counting_lets_kernels_compile_and_lists_them() -> None:
+    seen: list[str] = []
+
+    def previous(**kwargs: object) -> bool | None:
+        seen.append(str(kwargs["key"]))
+        return None
+
+    counter = _Recorder(previous, decline=False)
+    kernel = _FakeKernel("k")
+    assert _call(counter, kernel, "a") is None and seen == ["a"]  # compiles: the hook before decides
+    assert [data for _, data in counter.found.values()] == ["data-a"]
+
+
 def test_dry_pass_installs_the_hook_and_removes_it_after_an_error() -> None:
     before = knobs.jit_cache_hook
     pre = KernelPrecompiler(torch.device("cuda", 0), threads=2)
@@ -72,11 +86,17 @@ def test_dry_pass_installs_the_hook_and_removes_it_after_an_error() -> None:
         assert isinstance(knobs.jit_cache_hook, _Recorder)
         raise RuntimeError("boom")
     assert knobs.jit_cache_hook is before
-    # On the CPU nothing is installed and nothing compiles.
+    with pre.counting() as late:
+        assert knobs.jit_cache_hook is late and not late.decline
+    assert knobs.jit_cache_hook is before
+    # On the CPU there is no dry pass: nothing is installed and nothing compiles.
     cpu = KernelPrecompiler(torch.device("cpu"), threads=2)
+    assert pre.available and not cpu.available
     with cpu.dry_pass():
         assert knobs.jit_cache_hook is before
-    assert cpu.compile_all().kernels == 0
+    with cpu.counting() as late:
+        assert knobs.jit_cache_hook is before
+    assert cpu.compile_all().kernels == 0 and not late.found
 
 
 def test_recorder_reads_this_tritons_hook_arguments() -> None:

@@ -418,6 +418,7 @@ class _Run:
         self.tokens = [0] * num_choices
         self.cached_tokens = [0] * num_choices  # prompt tokens each choice found in the prefix cache
         self._last = [self.arrival] * num_choices
+        self._queue_observed = [False] * num_choices
         self.samples_per_prompt = max(1, samples_per_prompt)
 
     @property
@@ -445,15 +446,17 @@ class _Run:
         now = time.monotonic()
         metrics = self.ctx.metrics
         count = len(out.token_ids)
+        scheduled = None if times is None else times.first_scheduled_time
+        if times is not None and scheduled is not None and not self._queue_observed[index]:
+            # Once per choice, also for one aborted before its first token (as vLLM counts it).
+            self._queue_observed[index] = True
+            metrics.request_queue_time.observe(scheduled - times.arrival_time)
         if count:
             metrics.generation_tokens.inc(count)
             if self.tokens[index] == 0:
                 metrics.time_to_first_token.observe(now - self.arrival)
-                scheduled = None if times is None else times.first_scheduled_time
-                if times is not None and scheduled is not None:
-                    metrics.request_queue_time.observe(scheduled - times.arrival_time)
-                    if times.first_token_time is not None:
-                        metrics.request_prefill_time.observe(times.first_token_time - scheduled)
+                if times is not None and scheduled is not None and times.first_token_time is not None:
+                    metrics.request_prefill_time.observe(times.first_token_time - scheduled)
             else:
                 metrics.inter_token_latency.observe(now - self._last[index])
             self.tokens[index] += count

@@ -48,8 +48,9 @@ class ServerMetrics:
             buckets=_TTFT_BUCKETS,
             registry=registry,
         ).labels(model_name)
-        # TTFT's engine-side parts (vLLM's names): arrival at the engine to first scheduled, and first
-        # scheduled to first token on the host; the rest of TTFT is the HTTP path.
+        # TTFT's engine-side parts (vLLM's names): the engine thread taking the request to its first
+        # scheduling, and that to its first token on the host. The rest of TTFT is the HTTP path, the
+        # request's checks, and its wait for the engine thread to take it (between two steps).
         self.request_queue_time = Histogram(
             f"{PREFIX}request_queue_time_seconds",
             "Time from a request's arrival at the engine until its prompt is first scheduled",

@@ -9,7 +9,8 @@ runs outside the GIL), and the real warm-up finds each kernel compiled.
 
 Triton's hook is one per process, so it is set only for the dry pass and only declines launches from the
 thread running it; other threads' launches go to whatever hook was there before. Where the installed
-Triton lacks the hook or `JITFunction.preload`, nothing is done and kernels compile on first use as before.
+Triton lacks the hook or `JITFunction.preload`, there is no dry pass and kernels compile on first use as
+before. The real warm-up then counts the kernels that still compiled on launch: start-up warns if any did.
 """
 
 from __future__ import annotations
@@ -41,18 +42,24 @@ class PrecompileReport:
 
 
 class _Recorder:
-    """Triton's `jit_cache_hook` for the dry pass: declines the owner thread's uncompiled launches."""
+    """Triton's `jit_cache_hook` (called where a launch finds its kernel not compiled yet) for the owner
+    thread: records each such kernel and, with `decline`, skips its compile and launch (the dry pass);
+    without, lets it compile as usual (counting what the dry pass missed)."""
 
-    def __init__(self, previous: Any) -> None:
+    def __init__(self, previous: Any, decline: bool = True) -> None:
         self.owner = threading.get_ident()
         self.previous = previous
+        self.decline = decline
         self.active = True
         # (kernel, specialization key) -> (the JITFunction, its serialized specialization)
         self.found: dict[tuple[int, str], tuple[Any, str]] = {}
 
+    def _pass_on(self, kwargs: dict[str, Any]) -> bool | None:
+        return self.previous(**kwargs) if self.previous is not None else None
+
     def __call__(self, **kwargs: Any) -> bool | None:
         if not self.active or threading.get_ident() != self.owner:
-            return self.previous(**kwargs) if self.previous is not None else None
+            return self._pass_on(kwargs)
         try:
             jit_function = kwargs["fn"].jit_function
             data = kwargs["compile"]["specialization_data"]
@@ -62,7 +69,7 @@ class _Recorder:
         if not hasattr(jit_function, "preload"):
             return None
         self.found.setdefault((id(jit_function), key), (jit_function, data))
-        return True  # skip: compile and launch nothing
+        return True if self.decline else self._pass_on(kwargs)  # True: compile and launch nothing
 
 
 def _runtime_knobs() -> Any:
@@ -84,30 +91,52 @@ def compile_threads(ranks_on_host: int) -> int:
 
 
 class KernelPrecompiler:
-    """`with pre.dry_pass(): <warm-up forwards>` then `pre.compile_all()`."""
+    """Where `available`: `with pre.dry_pass(): <warm-up forwards>`, `pre.compile_all()`, then the real
+    warm-up inside `with pre.counting() as late:`, after which `late.found` lists what compiled there."""
 
     def __init__(self, device: torch.device, threads: int) -> None:
         self.device = device
         self.threads = threads
         self._recorder: _Recorder | None = None
 
+    @property
+    def available(self) -> bool:
+        """A GPU, and a Triton with the cache hook and `JITFunction.preload` (3.4 and later)."""
+        if self.device.type != "cuda" or _runtime_knobs() is None:
+            return False
+        from triton.runtime.jit import JITFunction
+
+        return hasattr(JITFunction, "preload")
+
     @contextmanager
-    def dry_pass(self) -> Iterator[None]:
-        """Inside: this thread's launches of uncompiled Triton kernels are recorded, not run."""
+    def _hooked(self, decline: bool) -> Iterator[_Recorder]:
         knobs = _runtime_knobs()
-        if knobs is None or self.device.type != "cuda":
-            yield
+        if knobs is None or not self.available:
+            yield _Recorder(None, decline)  # records nothing: no hook calls it
             return
         with _HOOK_LOCK:
-            recorder = _Recorder(knobs.jit_cache_hook)
+            recorder = _Recorder(knobs.jit_cache_hook, decline)
             knobs.jit_cache_hook = recorder
             try:
-                yield
+                yield recorder
             finally:
                 recorder.active = False
                 if knobs.jit_cache_hook is recorder:
                     knobs.jit_cache_hook = recorder.previous
+
+    @contextmanager
+    def dry_pass(self) -> Iterator[None]:
+        """Inside: this thread's launches of uncompiled Triton kernels are recorded, not run."""
+        with self._hooked(decline=True) as recorder:
+            yield
         self._recorder = recorder
+
+    @contextmanager
+    def counting(self) -> Iterator[_Recorder]:
+        """Inside: this thread's kernels that still compile on launch (none, if the dry pass found every
+        one) compile as usual and are listed in the yielded recorder's `found`."""
+        with self._hooked(decline=False) as recorder:
+            yield recorder
 
     def compile_all(self) -> PrecompileReport:
         """Compile what the dry pass found, in parallel; each lands in its kernel's in-memory cache."""

@@ -267,8 +267,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Before the first request: run the eager attention and sampling kernels once (Triton compiles
-        them on first use) and capture every CUDA graph, rank 0 showing progress on stderr. Nothing
+        """Before the first request: compile the Triton kernels a step can launch, run the eager attention
+        and sampling kernels, and capture every CUDA graph, rank 0 showing progress on stderr. Nothing
         without capture."""
         decode, mixed = self.decode_graphs, self.mixed_graphs
         if decode is None or mixed is None or not decode.capture:
@@ -278,18 +278,27 @@ class ModelRunner:
         # then the real warm-up and capture, which find them compiled (worker/kernel_precompile.py).
         threads = compile_threads(self.config.parallel.tensor_parallel_size)
         precompiler = KernelPrecompiler(self.device, threads)
-        with precompiler.dry_pass():
-            self._run_warm_ups()
-        report = precompiler.compile_all()
-        if show and report.kernels:
-            print(f"tp-runtime: compiled {report.kernels} Triton kernels in {report.seconds:.1f} s "
-                  f"({precompiler.threads} threads)", file=sys.stderr, flush=True)  # fmt: skip
+        if precompiler.available:
+            start = time.perf_counter()
+            with precompiler.dry_pass():
+                self._run_warm_ups()
+            dry_s = time.perf_counter() - start
+            report = precompiler.compile_all()
+            if show and report.kernels:
+                print(f"tp-runtime: found {report.kernels} Triton kernels in {dry_s:.1f} s and compiled "
+                      f"them in {report.seconds:.1f} s ({threads} threads)", file=sys.stderr,
+                      flush=True)  # fmt: skip
         progress = CaptureProgress(len(mixed.token_sizes), len(decode.shapes()), show=show)
-        self._run_warm_ups(graphs=False)
-        mixed.capture_all(progress.step)
-        decode.capture_all(progress.step)
+        with precompiler.counting() as late:
+            self._run_warm_ups(graphs=False)
+            mixed.capture_all(progress.step)
+            decode.capture_all(progress.step)
         torch.cuda.synchronize(self.device)
         progress.finish()
+        if show and late.found:
+            names = sorted({getattr(fn, "__name__", str(fn)) for fn, _ in late.found.values()})
+            print(f"tp-runtime: warning: {len(late.found)} Triton kernels compiled one at a time during the "
+                  f"warm-up, not ahead ({', '.join(names[:4])})", file=sys.stderr, flush=True)  # fmt: skip
 
     def _run_warm_ups(self, graphs: bool = True) -> None:
         """The eager kernels a step runs outside the graphs, and (`graphs`) each graph's warm-up forward."""

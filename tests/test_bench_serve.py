@@ -378,11 +378,15 @@ class Stub:
             )
 
             def chunk(i: int) -> str:
+                # The first `held` tokens come with empty text (a server holding an incomplete character
+                # back); the chunk after them brings their text.
+                text = "" if i < self.held else "".join(f"t{j} " for j in range(self.held)) + f"t{i} " \
+                    if i == self.held else f"t{i} "
                 if chat:
-                    choice = {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}
+                    choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
                     obj = "chat.completion.chunk"
                 else:
-                    choice = {"index": 0, "text": f"t{i} ", "finish_reason": None}
+                    choice = {"index": 0, "text": text, "finish_reason": None}
                     obj = "text_completion"
                 return "data: " + json.dumps({"id": "x", "object": obj, "choices": [choice]}) + "\n\n"
 
@@ -440,6 +444,7 @@ class Stub:
         self.cached_share: float = settings.get("cached_share", 0.0)
         self.api_key: str | None = settings.get("api_key")
         self.delay: float = settings.get("delay", 0.002)
+        self.held: int = settings.get("held", 0)
         self.arrived = 0
         self.active = 0
         self.max_active = 0
@@ -709,6 +714,24 @@ def test_one_token_outputs(stub: tuple[Stub, str], tmp_path: Path) -> None:
     assert s["completed"] == 3 and s["mean_tpot_ms"] is None and s["p99_itl_ms"] is None
     assert s["mean_ttft_ms"] is not None
     assert all(r["tpot_ms"] is None and r["itl_ms"] == [] for r in result["requests"])
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_tokens_streamed_with_their_text_held_back_count(
+    stub: tuple[Stub, str], tmp_path: Path, endpoint: str
+) -> None:
+    """A chunk with empty text before the end is a token whose text the server holds back (vLLM's streams
+    and this project's send one per token): it times the first token and counts as one."""
+    server, url = stub
+    server.reset(held=2, delay=0.02)
+    result = _run(url, "--endpoint", endpoint, "--num-prompts", "3", "--input-len", "4", "--output-len", "5",
+                  "--no-ignore-eos", tmp_path=tmp_path)  # fmt: skip
+    assert result["summary"]["completed"] == 3
+    for r in result["requests"]:
+        times = r["token_times_s"]
+        assert len(times) == 5 and r["ttft_ms"] == pytest.approx(1e3 * (times[0] - r["sent_s"]))
+        # The first token came a chunk's delay after the request, not three.
+        assert r["ttft_ms"] < 1e3 * (times[2] - r["sent_s"])
 
 
 def test_chat_endpoint(stub: tuple[Stub, str], tmp_path: Path) -> None:

@@ -1047,6 +1047,29 @@ def test_text_offsets_point_into_the_text(scripted_config: Any, byte_tokenizer: 
         asyncio.run(main(served))
 
 
+def test_a_stream_sends_every_token_also_while_its_text_is_held_back(
+    scripted_config: Any, byte_tokenizer: Any
+) -> None:
+    """Each engine output that brings a token is a chunk (vLLM's streams): where the text is held back
+    (the byte-level tokenizer splits characters across tokens), its text is empty; the texts still join
+    into the whole text, and a client sees every token come (one output per token here). Chat's deltas
+    go through the same Piece.worth_sending."""
+    ids = byte_tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    executor = ScriptedExecutor(text_script(ids, len(PROMPT)))
+    request = {"prompt": PROMPT, "max_tokens": len(ids), "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def main(served: InProcess) -> None:
+        async with served.client() as client:
+            events = _events(await client.post("/v1/completions", json=request))
+            texts = [e["choices"][0]["text"] for e in events if isinstance(e, dict) and e.get("choices")]
+            assert len(texts) == len(ids), (len(texts), len(ids))
+            assert "".join(texts) == TEXT and not any("\ufffd" in t for t in texts)
+            assert sum(1 for t in texts if not t) > 0, "the script should hold some text back"
+
+    with InProcess(scripted_config, byte_tokenizer, executor) as served:
+        asyncio.run(main(served))
+
+
 def test_text_offsets_count_bytes_that_never_make_a_character(byte_tokenizer: Any) -> None:
     """A byte that begins a character no later token completes stays U+FFFD in the text: the tokens after
     it start one character later. Against a brute force: token i starts where the decode of the tokens

@@ -13,7 +13,7 @@ request's input and output length is drawn uniformly from [len·(1-r), len·(1+r
 for `max_tokens` = its output length and, unless --no-ignore-eos, also sends `"ignore_eos": true` and
 `"min_tokens"` = its output length (vLLM's extra fields): the output has exactly that length only when
 the server honors them. The benchmark never assumes it: the output tokens counted are `usage`'s
-completion_tokens (else the number of chunks that carried text), and the report says how many requests
+completion_tokens (else the number of chunks that carried a token), and the report says how many requests
 came back shorter or longer than asked.
 
 Arrivals: request 0 is sent at t=0 and the gaps between requests are
@@ -21,11 +21,14 @@ Arrivals: request 0 is sent at t=0 and the gaps between requests are
 come from `numpy.random.default_rng([seed, 1])`.
 
 Metrics, per successful request (times from the moment the request is sent, after any wait for a
-concurrency slot): TTFT, the first chunk that carries text; E2E latency, the last such chunk (as vLLM's
-benchmark); ITL, the gaps between consecutive such chunks; TPOT = (E2E - TTFT) / (output tokens - 1),
+concurrency slot): TTFT, the first chunk that carries a token; E2E latency, the last such chunk (as vLLM's
+benchmark); ITL, the gaps between consecutive such chunks. A chunk carries a token when it has text, or
+when its text is empty before the end (a server that streams every token, as vLLM's and this project's
+do, while it holds back an incomplete character); chat's opening role chunk and a last chunk that only
+gives the finish reason carry none. TPOT = (E2E - TTFT) / (output tokens - 1),
 undefined for a one-token output. Throughputs divide by the benchmark's duration, from the first request
 sent to the last one finished. A request fails on an HTTP error status, a connection error or timeout, an
-`error` object in the stream, a stream that ends without `data: [DONE]`, or no text at all; failures are
+`error` object in the stream, a stream that ends without `data: [DONE]`, or no token at all; failures are
 counted with their messages and left out of every latency figure.
 
 --output-json writes one object: `config` (every setting, the resolved model and URL), `summary`
@@ -370,6 +373,21 @@ def build_payload(
     return payload
 
 
+def _carries_token(choice: Any, kind: str, text: str) -> bool:
+    """Whether a stream chunk's choice stands for generated tokens (see the module's doc)."""
+    if not isinstance(choice, dict):
+        return False
+    if text:
+        return True
+    if kind == CHAT:
+        delta = choice.get("delta")
+        if not isinstance(delta, dict) or "role" in delta:
+            return False
+    elif "text" not in choice:
+        return False
+    return choice.get("finish_reason") is None
+
+
 def _chunk_text(choice: Any, kind: str) -> str:
     if not isinstance(choice, dict):
         return ""
@@ -422,13 +440,14 @@ async def send_request(
                         rec.cached_tokens = details["cached_tokens"]
                 choices = chunk.get("choices") or []
                 text = _chunk_text(choices[0], kind) if choices else ""
-                if text:
+                if choices and _carries_token(choices[0], kind, text):
                     rec.token_times_s.append(now)
+                if text:
                     rec.text_parts.append(text)
             if not done:
                 rec.error = "broken stream: it ended without `data: [DONE]`"
             elif not rec.token_times_s:
-                rec.error = "the stream carried no text"
+                rec.error = "the stream carried no token"
             else:
                 rec.success = True
     except httpx.TimeoutException as exc:

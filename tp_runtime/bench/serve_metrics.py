@@ -35,7 +35,7 @@ class RequestRecord:
     output_len: int
     scheduled_s: float
     sent_s: float | None = None
-    token_times_s: list[float] = field(default_factory=list)  # arrivals of chunks that carried text
+    token_times_s: list[float] = field(default_factory=list)  # arrivals of chunks that carried a token
     end_s: float | None = None  # the stream's end (or the failure)
     success: bool = False
     error: str | None = None
@@ -48,7 +48,7 @@ class RequestRecord:
 
     @property
     def output_tokens(self) -> int:
-        """`usage`'s completion_tokens when the server sent it, else the chunks that carried text."""
+        """`usage`'s completion_tokens when the server sent it, else the chunks that carried a token."""
         if self.usage_output_tokens is not None:
             return self.usage_output_tokens
         return len(self.token_times_s)

@@ -297,11 +297,13 @@ class Piece:
     finish_reason: str | None
     stop_reason: int | str | None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, on a choice's first piece when asked for
+    num_tokens: int = 0  # tokens the output brings
 
     def worth_sending(self) -> bool:
-        """Whether a stream sends it: text held back (an incomplete character, a possible stop string)
-        leaves some outputs with nothing to say."""
-        return bool(self.text) or self.finished or self.num_logprobs > 0
+        """Whether a stream sends it: each output that brings a token, as vLLM's streams do, also while
+        its text is held back (an incomplete character, a possible stop string: the chunk's text is then
+        empty, and the client still sees the token come), and the last one."""
+        return bool(self.text) or self.finished or self.num_logprobs > 0 or self.num_tokens > 0
 
 
 class Format:
@@ -321,7 +323,7 @@ class Format:
             index=index, text=out.text, logprobs=logprobs, num_logprobs=count, finished=finished,
             finish_reason=out.finish_reason if finished else None,
             stop_reason=out.stop_reason if finished else None,
-            prompt_logprobs=self._prompt_entries(prompt_logprobs),
+            prompt_logprobs=self._prompt_entries(prompt_logprobs), num_tokens=len(out.token_ids),
         )  # fmt: skip
 
     def _prompt_entries(

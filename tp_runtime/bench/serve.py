@@ -24,8 +24,9 @@ Metrics, per successful request (times from the moment the request is sent, afte
 concurrency slot): TTFT, the first chunk that carries a token; E2E latency, the last such chunk (as vLLM's
 benchmark); ITL, the gaps between consecutive such chunks. A chunk carries a token when it has text, or
 when its text is empty before the end (a server that streams every token, as vLLM's and this project's
-do, while it holds back an incomplete character); chat's opening role chunk and a last chunk that only
-gives the finish reason carry none. TPOT = (E2E - TTFT) / (output tokens - 1),
+do, while it holds back an incomplete character); chat's opening role chunk carries none, and a last
+chunk with no text only when `usage` counts no token more than the chunks before it did (OpenAI's end mark
+against a last token whose text is empty, such as a stop token). TPOT = (E2E - TTFT) / (output tokens - 1),
 undefined for a one-token output. Throughputs divide by the benchmark's duration, from the first request
 sent to the last one finished. A request fails on an HTTP error status, a connection error or timeout, an
 `error` object in the stream, a stream that ends without `data: [DONE]`, or no token at all; failures are
@@ -414,6 +415,7 @@ async def send_request(
                 rec.error = f"HTTP {resp.status_code}: {_body_message(await resp.aread())}"
                 return
             done = False
+            finish_s: float | None = None
             async for raw in resp.aiter_lines():
                 now = time.perf_counter() - t0
                 line = raw.strip()
@@ -442,8 +444,15 @@ async def send_request(
                 text = _chunk_text(choices[0], kind) if choices else ""
                 if choices and _carries_token(choices[0], kind, text):
                     rec.token_times_s.append(now)
+                elif choices and isinstance(choices[0], dict) and choices[0].get("finish_reason") is not None:
+                    finish_s = now  # a last chunk with no text: a token (usage tells), or OpenAI's end mark
                 if text:
                     rec.text_parts.append(text)
+            # The last token's text may be empty (an EOS or stop token, a stop string cut off): when usage
+            # counts a token more than the chunks did, the finish chunk carried it.
+            usage_tokens = rec.usage_output_tokens
+            if finish_s is not None and usage_tokens is not None and usage_tokens > len(rec.token_times_s):
+                rec.token_times_s.append(finish_s)
             if not done:
                 rec.error = "broken stream: it ended without `data: [DONE]`"
             elif not rec.token_times_s:

@@ -596,7 +596,8 @@ class ChatFormat(Format):
         tools = self.tools
         finish = piece.finish_reason
         if tools is None:
-            delta = DeltaMessage(content=piece.text) if piece.text else DeltaMessage()
+            # A token whose text is held back goes out as empty content (vLLM's chunk), the end as {}.
+            delta = DeltaMessage(content=piece.text) if piece.text or not piece.finished else DeltaMessage()
         elif tools.named is not None:
             arguments = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=piece.text))
             delta = DeltaMessage(tool_calls=[arguments]) if piece.text else DeltaMessage()

@@ -11,6 +11,7 @@ time a request waited in the queue.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -41,44 +42,31 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             f"{PREFIX}generation_tokens", "Tokens generated", labels, registry=registry
         ).labels(model_name)
-        self.time_to_first_token = Histogram(
-            f"{PREFIX}time_to_first_token_seconds",
-            "Time from a request's arrival to its first token",
-            labels,
-            buckets=_TTFT_BUCKETS,
-            registry=registry,
-        ).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            metric = Histogram(f"{PREFIX}{name}", doc, labels, buckets=buckets, registry=registry)
+            return metric.labels(model_name)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time from a request's arrival to its first token", _TTFT_BUCKETS
+        )
         # TTFT's engine-side parts (vLLM's names): the engine thread taking the request to its first
         # scheduling, and that to its first token on the host. The rest of TTFT is the HTTP path, the
         # request's checks, and its wait for the engine thread to take it (between two steps).
-        self.request_queue_time = Histogram(
-            f"{PREFIX}request_queue_time_seconds",
-            "Time from a request's arrival at the engine until its prompt is first scheduled",
-            labels,
-            buckets=_TTFT_BUCKETS,
-            registry=registry,
-        ).labels(model_name)
-        self.request_prefill_time = Histogram(
-            f"{PREFIX}request_prefill_time_seconds",
-            "Time from a request's first scheduling until its first token is on the host",
-            labels,
-            buckets=_TTFT_BUCKETS,
-            registry=registry,
-        ).labels(model_name)
-        self.inter_token_latency = Histogram(
-            f"{PREFIX}inter_token_latency_seconds",
-            "Time between two consecutive tokens of a request",
-            labels,
-            buckets=_ITL_BUCKETS,
-            registry=registry,
-        ).labels(model_name)
-        self.e2e_request_latency = Histogram(
-            f"{PREFIX}e2e_request_latency_seconds",
-            "Time from a request's arrival to its last token",
-            labels,
-            buckets=_E2E_BUCKETS,
-            registry=registry,
-        ).labels(model_name)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds",
+            "Time from a request's arrival at the engine until its prompt is first scheduled", _TTFT_BUCKETS,
+        )  # fmt: skip
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "Time from a request's first scheduling until its first token is on the host", _TTFT_BUCKETS,
+        )  # fmt: skip
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between two consecutive tokens of a request", _ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Time from a request's arrival to its last token", _E2E_BUCKETS
+        )
         registry.register(_EngineCollector(model_name, stats))
 
     def render(self) -> bytes:

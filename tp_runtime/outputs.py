@@ -32,7 +32,8 @@ class CompletionOutput:
 class RequestMetrics:
     """When a request went through the engine, as `time.monotonic()` values (vLLM's RequestMetrics):
     added to the engine, first scheduled (its prompt's first chunk sent to the workers), and its first
-    token back on the host. None where that has not happened yet."""
+    token back on the host. None where that has not happened yet. The engine fills in the request's one
+    object, which its outputs share."""
 
     arrival_time: float
     first_scheduled_time: float | None = None

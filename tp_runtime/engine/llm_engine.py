@@ -26,7 +26,7 @@ from tp_runtime.engine.structured_output import GrammarCompiler, pack_bitmasks
 from tp_runtime.errors import ConfigError, InvalidRequestError
 from tp_runtime.executor.base import Executor, make_executor
 from tp_runtime.messages import GrammarMask, ModelRunnerOutput, RequestSampling, SchedulerOutput
-from tp_runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tp_runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from tp_runtime.sampling_params import SamplingParams
 
 
@@ -123,10 +123,6 @@ class _TextState:
     sent_chars: int = 0  # text reported so far (stream)
     sent_tokens: int = 0  # token ids and logprobs reported so far (stream)
     cumulative_logprob: float = 0.0
-
-
-def _metrics(req: Request) -> RequestMetrics:
-    return RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time)
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -476,7 +472,7 @@ class LLMEngine:
             finished=True,
             prompt_logprobs=self._prompt_logprobs(req),
             num_cached_tokens=req.num_cached_tokens,
-            metrics=_metrics(req),
+            metrics=req.metrics,
         )
 
     def _delta_output(self, req: Request, state: _TextState) -> RequestOutput:
@@ -522,7 +518,7 @@ class LLMEngine:
             finished=finished,
             prompt_logprobs=self._prompt_logprobs(req) if first else None,
             num_cached_tokens=req.num_cached_tokens,
-            metrics=_metrics(req),
+            metrics=req.metrics,
         )
 
     def _prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None] | None:

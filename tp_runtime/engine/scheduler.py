@@ -32,6 +32,7 @@ from tp_runtime.messages import (
     RequestSampling,
     SchedulerOutput,
 )
+from tp_runtime.outputs import RequestMetrics
 from tp_runtime.sampling_params import SamplingParams
 
 
@@ -65,10 +66,8 @@ class Request:
     decode_context: list[int] = field(default_factory=list)
     # Structured outputs: where the request is in its grammar (engine/structured_output.GrammarState).
     grammar: Any = None
-    # time.monotonic() when added, first scheduled, and when its first token came back (RequestMetrics).
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
+    # When it was added, first scheduled, and got its first token back; its outputs share the object.
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     def __post_init__(self) -> None:
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -175,7 +174,7 @@ class Scheduler:
                 break
             req.num_computed_tokens = start
             if not req.num_preemptions:  # the metrics count prompts looked up, once each
-                req.first_scheduled_time = time.monotonic()
+                req.metrics.first_scheduled_time = time.monotonic()
                 req.num_cached_tokens = start
                 if req.prompt_logprobs is None:
                     kv.count_lookup(req.num_tokens, start)
@@ -227,8 +226,8 @@ class Scheduler:
                 continue  # finished (a stop in the step before) while this step was in flight
             req.output_token_ids.append(token)
             req.num_placeholders -= 1
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = time.monotonic()
             if lp is not None and req.sampling.num_logprobs >= 0:
                 k = req.sampling.num_logprobs
                 req.logprobs.append((lp.token_ids[i][: 1 + k], lp.logprobs[i][: 1 + k], lp.sampled_ranks[i]))

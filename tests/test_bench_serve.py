@@ -382,6 +382,7 @@ class Stub:
                 # back); the chunk after them brings their text.
                 text = "" if i < self.held else "".join(f"t{j} " for j in range(self.held)) + f"t{i} " \
                     if i == self.held else f"t{i} "
+                text += self.text_suffix if text else ""
                 if chat:
                     choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
                     obj = "chat.completion.chunk"
@@ -423,7 +424,21 @@ class Stub:
                     yield "data: " + json.dumps({"choices": [], "usage": u}) + "\n\n"
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(stream(), media_type="text/event-stream")
+            async def fragmented() -> Any:
+                # What TCP may do to a stream: a line cut anywhere (a multi-byte character included), and
+                # two events in one read.
+                carried = b""
+                async for event in stream():
+                    data = carried + event.encode()
+                    cut = 1 + len(data) // 3
+                    yield data[:cut]
+                    await asyncio.sleep(0.001)
+                    yield data[cut:-5]
+                    carried = data[-5:]
+                yield carried
+
+            body_stream = fragmented() if self.fragment else stream()
+            return StreamingResponse(body_stream, media_type="text/event-stream")
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Any:
@@ -445,6 +460,8 @@ class Stub:
         self.api_key: str | None = settings.get("api_key")
         self.delay: float = settings.get("delay", 0.002)
         self.held: int = settings.get("held", 0)
+        self.fragment: bool = settings.get("fragment", False)  # events cut and joined across body writes
+        self.text_suffix: str = settings.get("text_suffix", "")  # appended to every token's text
         # The last token comes in the finish chunk, with empty text (a stop token), not before it.
         self.last_token_in_finish: bool = settings.get("last_token_in_finish", False)
         self.arrived = 0
@@ -732,6 +749,20 @@ def test_tokens_streamed_with_their_text_held_back_count(
     for r in result["requests"]:
         times = r["token_times_s"]  # the two held tokens' chunks are the first two
         assert len(times) == 5 and r["ttft_ms"] == pytest.approx(1e3 * (times[0] - r["sent_s"]))
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_events_cut_across_reads(stub: tuple[Stub, str], tmp_path: Path, endpoint: str) -> None:
+    """Events arrive in pieces (a line, and a UTF-8 character, cut between two reads) and several in one
+    read: each line is parsed whole (a character cut in two is no bad chunk), every token counted once."""
+    server, url = stub
+    server.reset(fragment=True, text_suffix="é€")
+    result = _run(url, "--endpoint", endpoint, "--num-prompts", "3", "--input-len", "4", "--output-len", "6",
+                  tmp_path=tmp_path)  # fmt: skip
+    assert result["summary"]["completed"] == 3 and result["errors"] == []
+    for r in result["requests"]:
+        assert r["output_tokens"] == 6 and len(r["token_times_s"]) == 6
+        assert r["output_tokens_source"] == "usage"
 
 
 @pytest.mark.parametrize("send_usage", [True, False])

@@ -203,7 +203,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, signals: _Signals) -> 
         app, begin_drain = build_app(engine, tokenizer, model_name=model_name, api_key=api_key,
                                      on_ready=ready, allowed_origins=args.allowed_origins,
                                      tool_call_parser=args.tool_call_parser)  # fmt: skip
-        # h11, with the header timeout and the connection cap uvicorn lacks (server.connections).
+        # h11, with the header timeout and the connection cap uvicorn lacks (server.connections); the
+        # event loop is uvloop where it is installed (uvicorn's "auto"), which every Linux install has.
         protocol = guarded_protocol(args.timeout_headers, args.max_connections)
         uv_config = uvicorn.Config(
             app, host=host, port=port, log_level=args.log_level, access_log=args.access_log,

@@ -2,9 +2,10 @@
 GPU, for the linear layers of a built-in model's shard, at decode and prefill row counts:
 
 - `bf16`: F.linear on the bf16 weight (what the unquantized model runs);
-- `fp8 default`: the engine's choice (weight-only Triton kernel for 1-32 rows, W8A8 _scaled_mm above);
+- `fp8 default`: the engine's choice (weight-only Triton kernel for 1-16 rows, W8A8 _scaled_mm above);
 - `fp8 triton best`: the fastest launch shape of the weight-only kernels in a sweep (1-32 rows);
-- `w8a8`: per-token activation quantization + torch._scaled_mm at every row count.
+- `w8a8`: per-token activation quantization (the engine's Triton kernel) + torch._scaled_mm at every row
+  count.
 
     PYTHONPATH=$PWD python scripts/check_fp8_gemm.py --model llama-3-8b llama-3-70b
 
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tp_runtime.config import FP8_E4M3_MAX
+from tp_runtime.layers.quantization.activation_quant_triton import quantize_rows_fp8
 from tp_runtime.layers.quantization.fp8 import CudaFp8Kernels
 from tp_runtime.layers.skinny_gemm_triton import SkinnyConfig, few_rows_linear, skinny_linear
 
@@ -33,9 +35,7 @@ from check_skinny_gemm import DOT_SWEEP, SWEEP, layer_shapes, time_graph
 
 
 def w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32).clamp_(min=1e-12)
-    x_scale = amax / FP8_E4M3_MAX
-    xq = (x.to(torch.float32) / x_scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    xq, x_scale = quantize_rows_fp8(x)
     return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
 
 

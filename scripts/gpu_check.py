@@ -157,12 +157,24 @@ def fresh_prompt_checks() -> list[dict[str, Any]]:
 
 def fp8_checks() -> list[dict[str, Any]]:
     """The FP8 linear layer's CUDA kernels (layers/quantization/fp8.py) against float64 brute force on the
-    dequantized weight: weight-only Triton kernels for 1-32 rows (exact products: only the output's
-    rounding), W8A8 _scaled_mm for more rows (each row of x rounded to e4m3 too: a looser bound)."""
-    from tp_runtime.layers.quantization.fp8 import CudaFp8Kernels, dequantize
+    dequantized weight: weight-only Triton kernels for 1-16 rows (exact products: only the output's
+    rounding), W8A8 _scaled_mm for more rows (each row of x rounded to e4m3 too: a looser bound); and the
+    activations' quantization kernel bit for bit against its torch expression."""
+    from tp_runtime.layers.quantization.activation_quant_triton import (
+        quantize_rows_fp8,
+        quantize_rows_fp8_reference,
+    )
+    from tp_runtime.layers.quantization.fp8 import FP8_WEIGHT_ONLY_MAX_ROWS, CudaFp8Kernels, dequantize
 
     results = []
     gen = torch.Generator().manual_seed(0)
+    for rows, k in ((1, 4096), (32, 14336), (512, 4096), (7, 100)):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = (torch.randn(rows, k, generator=gen) * torch.logspace(-4, 3, rows)[:, None]).to(dtype).cuda()
+            q, scale = quantize_rows_fp8(x)
+            q_ref, scale_ref = quantize_rows_fp8_reference(x)
+            same = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
+            _report(results, {"check": f"fp8 activation quantization rows={rows} k={k} {dtype}", "ok": same})
     kernels = CudaFp8Kernels(torch.cuda.get_device_properties(0).multi_processor_count)
     shapes = [(4096, 4096, 0), (6144, 4096, 128), (1024, 14336, 0), (28672, 4096, 128), (200, 96, 0)]
     for n, k, block_k in shapes:
@@ -173,7 +185,7 @@ def fp8_checks() -> list[dict[str, Any]]:
         wq = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn).cuda()
         scale = scale.cuda()
         wd = dequantize(wq, scale, block_k or k, torch.float64)
-        for rows in (1, 4, 32, 33, 512):
+        for rows in (1, 4, 16, 17, 32, 512):
             for silu_mul in (False, True) if rows in (1, 512) else (False,):
                 x = torch.randn(rows, 2 * k if silu_mul else k, generator=gen).to(torch.bfloat16).cuda()
                 got = kernels.linear(x, wq, scale, block_k or k, None, silu_mul).double()
@@ -183,7 +195,7 @@ def fp8_checks() -> list[dict[str, Any]]:
                     xin = act.to(torch.bfloat16).double()
                 want = xin @ wd.T
                 err = ((got - want).abs().max() / want.abs().max()).item()
-                bound = 1e-2 if rows <= 32 or block_k else 6e-2
+                bound = 1e-2 if rows <= FP8_WEIGHT_ONLY_MAX_ROWS or block_k else 6e-2
                 _report(results, {
                     "check": f"fp8 linear {n}x{k} block_k={block_k} rows={rows} silu_mul={silu_mul}",
                     "rel_err_vs_fp64": err, "ok": err < bound,

@@ -272,7 +272,7 @@ for rows, n, k in ((1, 64, 256), (1, 37, 200), (3, 33, 130), (17, 48, 96)):
                 err = ((got.double() - want).abs() / bound).max().item()
                 assert got.dtype == torch.float32 and err <= 1e-6, (rows, n, k, block_k, with_bias, silu, err)
                 checked += 1
-# The CUDA method's dispatch, 1-32 rows: the kernels above (a 16-bit x; its weight converted in registers).
+# The CUDA method's dispatch, 1-16 rows: the kernels above (a 16-bit x; its weight converted in registers).
 kernels = CudaFp8Kernels(132)
 w = torch.randn(64, 128).to(torch.float8_e4m3fn)
 scale = torch.rand(64, 1) + 0.5
@@ -295,3 +295,42 @@ print("OK", checked)
 def test_fp8_kernels_match_float64() -> None:
     status, checked = _run(FP8_VS_FLOAT64).split()
     assert status == "OK" and int(checked) == 4 * 3 * 2 + 2 * 3 * 2
+
+
+ACTIVATION_QUANT_VS_TORCH = """
+import torch
+from tp_runtime.config import FP8_E4M3_MAX
+from tp_runtime.layers.quantization import activation_quant_triton as aq
+torch.manual_seed(0)
+checked = 0
+# Rows of very different magnitudes (one all zero), K that the block divides and that it does not, a
+# row stride wider than K. The interpreter rounds to e4m3 unlike CUDA, so the kernel writes its float32
+# quotients here: they and the scales must be the correctly rounded ones bit for bit (scripts/gpu_check.py
+# checks the e4m3 bytes on a GPU).
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for rows, k, width in ((1, 4096, 4096), (3, 100, 100), (32, 1500, 1500), (5, 1, 1), (4, 2048, 2100)):
+        x = (torch.randn(rows, width) * torch.logspace(-6, 3, rows)[:, None]).to(dtype)[:, :k]
+        if rows > 2:
+            x[1] = 0
+        q32, scale = torch.empty(rows, k), torch.empty(rows, 1)
+        aq._launch(x, q32, scale)
+        q_ref, scale_ref = aq.quantize_rows_fp8_reference(x)
+        assert torch.equal(scale, scale_ref), (dtype, rows, k, (scale - scale_ref).abs().max())
+        quotient = (x.double() / scale_ref.double()).float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        assert torch.equal(q32, quotient), (dtype, rows, k)
+        assert torch.equal(q32.to(torch.float8_e4m3fn).view(torch.uint8), q_ref.view(torch.uint8))
+        checked += 1
+for bad in (torch.zeros(4), torch.zeros(4, 8).t(), torch.zeros(4, 8, dtype=torch.int32)):
+    try:
+        aq.quantize_rows_fp8(bad)
+    except ValueError as e:
+        assert "quantize_rows_fp8 takes" in str(e)
+    else:
+        raise AssertionError(f"{bad.shape} {bad.dtype} was accepted")
+print("OK", checked)
+"""
+
+
+def test_activation_quantization_matches_torch() -> None:
+    status, checked = _run(ACTIVATION_QUANT_VS_TORCH).split()
+    assert status == "OK" and int(checked) == 3 * 5

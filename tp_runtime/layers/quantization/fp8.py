@@ -9,8 +9,8 @@ kernel finds a row's scales at a fixed stride. That costs 4 bytes per 128 weight
 
 The matmul is `Fp8Kernels`, picked from the device: on the CPU the dequantized weight in the compute dtype
 (what the tests compare against transformers running the same dequantized weights); on CUDA weight-only
-Triton kernels for up to 32 rows (decode: the weight's bytes are the step's cost) and FP8 tensor cores
-for more (torch._scaled_mm with per-token activation scales).
+Triton kernels for up to 16 rows (decode: the weight's bytes are the step's cost) and FP8 tensor cores
+for more (torch._scaled_mm with per-token activation scales, made by one Triton kernel).
 """
 
 from __future__ import annotations
@@ -97,10 +97,17 @@ class Fp8Kernels:
         return F.linear(x, dequantize(weight, scale, block_k, x.dtype), bias)
 
 
+# Rows up to which the weight-only kernels run; more take W8A8. At 32 rows the weight-only few-rows kernel
+# took 29-88 µs a Llama-3-8B layer against 16-58 µs for bf16 cuBLAS (BENCHMARKS.md, "GPU: FP8"), and W8A8
+# with one quantization kernel costs the FP8 matmul plus a few µs.
+FP8_WEIGHT_ONLY_MAX_ROWS = 16
+
+
 class CudaFp8Kernels(Fp8Kernels):
-    """Up to MAX_FEW_ROWS rows: the weight-only Triton kernels (layers/skinny_gemm_triton.py), which read
-    the FP8 weight once and dequantize in registers. More rows: W8A8 on FP8 tensor cores, each row of x
-    quantized with its own scale; block-scaled weights dequantized first (no block-scaled GEMM here yet)."""
+    """Up to FP8_WEIGHT_ONLY_MAX_ROWS rows: the weight-only Triton kernels (layers/skinny_gemm_triton.py),
+    which read the FP8 weight once and dequantize in registers. More rows: W8A8 on FP8 tensor cores, each
+    row of x quantized with its own scale by one Triton kernel (activation_quant_triton.py); block-scaled
+    weights dequantized first (no block-scaled GEMM here yet)."""
 
     def __init__(self, num_sms: int) -> None:
         self.num_sms = num_sms
@@ -115,9 +122,10 @@ class CudaFp8Kernels(Fp8Kernels):
         silu_mul: bool,
     ) -> torch.Tensor:
         from tp_runtime.layers import skinny_gemm_triton as kernels  # Triton: imported where it runs
+        from tp_runtime.layers.quantization.activation_quant_triton import quantize_rows_fp8
 
         rows = x.shape[0] if x.dim() == 2 else -1
-        if 1 <= rows <= kernels.MAX_FEW_ROWS:
+        if 1 <= rows <= min(FP8_WEIGHT_ONLY_MAX_ROWS, kernels.MAX_FEW_ROWS):
             if rows == 1:
                 return kernels.skinny_linear(
                     x,
@@ -138,9 +146,7 @@ class CudaFp8Kernels(Fp8Kernels):
         if scale.shape[1] != 1 or x.dim() != 2 or x.dtype != torch.bfloat16 or n % 16 or k % 16:
             # (_scaled_mm takes bfloat16 output with per-row scales, and sizes in multiples of 16)
             return super().linear(x, weight, scale, block_k, bias, silu_mul=False)
-        x_amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32).clamp_(min=1e-12)
-        x_scale = x_amax / FP8_E4M3_MAX
-        xq = (x.to(torch.float32) / x_scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8)
+        xq, x_scale = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous())
         w_scale = scale.reshape(1, n)
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
         return out if bias is None else out + bias

@@ -282,6 +282,14 @@ assert torch.equal(kernels.linear(x1, w, scale, 128, None, False), want1)
 got = kernels.linear(x4, w, scale, 128, None, True)
 want = silu_and_mul(x4.double()) @ (w.double() * scale.double()).T
 assert ((got.double() - want).abs().max() / want.abs().max()).item() < 4e-3
+# 17-32 rows of what W8A8 cannot take (a 16-bit x that is not bfloat16; block scales) stay on the
+# weight-only kernel; only per-row-scaled weights under bfloat16 x leave it past 16 rows.
+from tp_runtime.layers.skinny_gemm_triton import fp8_few_rows_config
+x24 = torch.randn(24, 128)
+blocks = torch.rand(64, 4) + 0.5
+for x, s, bk in ((x24.half(), scale, 128), (x24.bfloat16(), blocks, 32)):
+    want = few_rows_linear(x, w, None, fp8_few_rows_config(64, 24, 132), scale=s, scale_block_k=bk)
+    assert torch.equal(kernels.linear(x, w, s, bk, None, False), want)
 try:
     skinny_linear(x1, w)
 except ValueError as e:

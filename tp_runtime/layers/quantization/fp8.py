@@ -97,17 +97,17 @@ class Fp8Kernels:
         return F.linear(x, dequantize(weight, scale, block_k, x.dtype), bias)
 
 
-# Rows up to which the weight-only kernels run; more take W8A8. At 32 rows the weight-only few-rows kernel
-# took 29-88 µs a Llama-3-8B layer against 16-58 µs for bf16 cuBLAS (BENCHMARKS.md, "GPU: FP8"), and W8A8
-# with one quantization kernel costs the FP8 matmul plus a few µs.
+# Rows up to which the weight-only kernels run where W8A8 can take the rest; more take W8A8. At 32 rows
+# the weight-only few-rows kernel took 29-88 µs a Llama-3-8B layer, W8A8 17-52 µs (BENCHMARKS.md, "GPU:
+# FP8"). Block-scaled weights, which W8A8 here cannot take, stay on the weight-only kernels to 32 rows.
 FP8_WEIGHT_ONLY_MAX_ROWS = 16
 
 
 class CudaFp8Kernels(Fp8Kernels):
-    """Up to FP8_WEIGHT_ONLY_MAX_ROWS rows: the weight-only Triton kernels (layers/skinny_gemm_triton.py),
-    which read the FP8 weight once and dequantize in registers. More rows: W8A8 on FP8 tensor cores, each
-    row of x quantized with its own scale by one Triton kernel (activation_quant_triton.py); block-scaled
-    weights dequantized first (no block-scaled GEMM here yet)."""
+    """Up to FP8_WEIGHT_ONLY_MAX_ROWS rows (MAX_FEW_ROWS for block-scaled weights): the weight-only Triton
+    kernels (layers/skinny_gemm_triton.py), which read the FP8 weight once and dequantize in registers.
+    More rows: W8A8 on FP8 tensor cores, each row of x quantized with its own scale by one Triton kernel
+    (activation_quant_triton.py); block-scaled weights dequantized first (no block-scaled GEMM here yet)."""
 
     def __init__(self, num_sms: int) -> None:
         self.num_sms = num_sms
@@ -125,7 +125,12 @@ class CudaFp8Kernels(Fp8Kernels):
         from tp_runtime.layers.quantization.activation_quant_triton import quantize_rows_fp8
 
         rows = x.shape[0] if x.dim() == 2 else -1
-        if 1 <= rows <= min(FP8_WEIGHT_ONLY_MAX_ROWS, kernels.MAX_FEW_ROWS):
+        n, k = weight.shape
+        # _scaled_mm takes bfloat16 output with per-row scales, and sizes in multiples of 16; a weight it
+        # cannot take stays on the weight-only kernels as far as they go (past them it is dequantized).
+        w8a8 = scale.shape[1] == 1 and x.dim() == 2 and x.dtype == torch.bfloat16 and not (n % 16 or k % 16)
+        weight_only_rows = FP8_WEIGHT_ONLY_MAX_ROWS if w8a8 else kernels.MAX_FEW_ROWS
+        if 1 <= rows <= min(weight_only_rows, kernels.MAX_FEW_ROWS):
             if rows == 1:
                 return kernels.skinny_linear(
                     x,
@@ -142,9 +147,7 @@ class CudaFp8Kernels(Fp8Kernels):
             return kernels.few_rows_linear(x, weight, bias, cfg, scale=scale, scale_block_k=block_k)
         if silu_mul:
             x = silu_and_mul(x, fused=True)
-        n, k = weight.shape
-        if scale.shape[1] != 1 or x.dim() != 2 or x.dtype != torch.bfloat16 or n % 16 or k % 16:
-            # (_scaled_mm takes bfloat16 output with per-row scales, and sizes in multiples of 16)
+        if not w8a8:
             return super().linear(x, weight, scale, block_k, bias, silu_mul=False)
         xq, x_scale = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous())
         w_scale = scale.reshape(1, n)

@@ -157,9 +157,10 @@ def fresh_prompt_checks() -> list[dict[str, Any]]:
 
 def fp8_checks() -> list[dict[str, Any]]:
     """The FP8 linear layer's CUDA kernels (layers/quantization/fp8.py) against float64 brute force on the
-    dequantized weight: weight-only Triton kernels for 1-16 rows (exact products: only the output's
-    rounding), W8A8 _scaled_mm for more rows (each row of x rounded to e4m3 too: a looser bound); and the
-    activations' quantization kernel bit for bit against its torch expression."""
+    dequantized weight: weight-only Triton kernels for 1-16 rows, and to 32 for block-scaled weights
+    (exact products: only the output's rounding), W8A8 _scaled_mm for more rows of per-channel weights
+    (each row of x rounded to e4m3 too: a looser bound), block-scaled ones dequantized past 32 rows; and
+    the activations' quantization kernel bit for bit against its reference, NaN and inf included."""
     from tp_runtime.layers.quantization.activation_quant_triton import (
         quantize_rows_fp8,
         quantize_rows_fp8_reference,
@@ -175,6 +176,18 @@ def fp8_checks() -> list[dict[str, Any]]:
             q_ref, scale_ref = quantize_rows_fp8_reference(x)
             same = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
             _report(results, {"check": f"fp8 activation quantization rows={rows} k={k} {dtype}", "ok": same})
+    # A NaN or an infinity makes its row's scale NaN or infinite and its values NaN (CUDA's plain max and
+    # min would hide them), as torch's arithmetic does.
+    x = torch.randn(4, 300, generator=gen).cuda()
+    x[0, 7], x[1, 3], x[2, 5] = float("nan"), float("inf"), -float("inf")
+    q, scale = quantize_rows_fp8(x)
+    q_ref, scale_ref = quantize_rows_fp8_reference(x)
+    values = q.float()
+    nan_kept = bool(scale[0].isnan() and scale[1].isinf() and values[0].isnan().all())
+    nan_kept = nan_kept and bool(values[1, 3].isnan())
+    same = torch.equal(q[3].view(torch.uint8), q_ref[3].view(torch.uint8))
+    same = same and torch.equal(scale[3], scale_ref[3])
+    _report(results, {"check": "fp8 activation quantization of NaN and inf rows", "ok": nan_kept and same})
     kernels = CudaFp8Kernels(torch.cuda.get_device_properties(0).multi_processor_count)
     shapes = [(4096, 4096, 0), (6144, 4096, 128), (1024, 14336, 0), (28672, 4096, 128), (200, 96, 0)]
     for n, k, block_k in shapes:

@@ -389,7 +389,8 @@ class Stub:
                 else:
                     choice = {"index": 0, "text": text, "finish_reason": None}
                     obj = "text_completion"
-                return "data: " + json.dumps({"id": "x", "object": obj, "choices": [choice]}) + "\n\n"
+                event = {"id": "x", "object": obj, "choices": [choice]}
+                return "data: " + json.dumps(event, ensure_ascii=False) + "\n\n"  # raw UTF-8, as servers send
 
             async def stream() -> Any:
                 self.active += 1
@@ -437,8 +438,18 @@ class Stub:
                     carried = data[-5:]
                 yield carried
 
-            body_stream = fragmented() if self.fragment else stream()
+            async def line_ends() -> Any:
+                async for event in stream():
+                    if event == "data: [DONE]\n\n" and not self.final_line_end:
+                        event = "data: [DONE]"
+                    yield event.replace("\n", self.line_end)
+
+            body_stream = fragmented() if self.fragment else line_ends()
             return StreamingResponse(body_stream, media_type="text/event-stream")
+
+        @app.post("/moved")
+        async def moved() -> Any:
+            return JSONResponse({}, status_code=307, headers={"Location": "/v1/completions"})
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Any:
@@ -462,6 +473,8 @@ class Stub:
         self.held: int = settings.get("held", 0)
         self.fragment: bool = settings.get("fragment", False)  # events cut and joined across body writes
         self.text_suffix: str = settings.get("text_suffix", "")  # appended to every token's text
+        self.line_end: str = settings.get("line_end", "\n")  # SSE allows \n, \r\n and \r
+        self.final_line_end: bool = settings.get("final_line_end", True)  # after `data: [DONE]`
         # The last token comes in the finish chunk, with empty text (a stop token), not before it.
         self.last_token_in_finish: bool = settings.get("last_token_in_finish", False)
         self.arrived = 0
@@ -751,10 +764,27 @@ def test_tokens_streamed_with_their_text_held_back_count(
         assert len(times) == 5 and r["ttft_ms"] == pytest.approx(1e3 * (times[0] - r["sent_s"]))
 
 
+def _send_one(url: str, endpoint: str, output_len: int = 6) -> RequestRecord:
+    """One request through bench serve's client, its record (with the text it received)."""
+    args = _args("--base-url", url, "--request-timeout", "30")
+    kind = serve.endpoint_kind(endpoint) if endpoint.startswith("/v1/") else serve.COMPLETIONS
+    prompt: list[int] | str = "a b c d" if kind == serve.CHAT else [5, 6, 7, 8]
+    payload = serve.build_payload(kind, "stub-model", prompt, output_len, 0.0, True)
+    rec = RequestRecord(index=0, prompt_len=4, output_len=output_len, scheduled_s=0.0)
+
+    async def go() -> None:
+        async with serve._session(args) as session:
+            start = time.perf_counter()
+            await serve.send_request(session, url + endpoint, {}, payload, kind, rec, start, 30.0)
+
+    asyncio.run(go())
+    return rec
+
+
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 def test_events_cut_across_reads(stub: tuple[Stub, str], tmp_path: Path, endpoint: str) -> None:
     """Events arrive in pieces (a line, and a UTF-8 character, cut between two reads) and several in one
-    read: each line is parsed whole (a character cut in two is no bad chunk), every token counted once."""
+    read: each line is parsed whole, every token counted once, and the text arrives whole."""
     server, url = stub
     server.reset(fragment=True, text_suffix="é€")
     result = _run(url, "--endpoint", endpoint, "--num-prompts", "3", "--input-len", "4", "--output-len", "6",
@@ -763,6 +793,25 @@ def test_events_cut_across_reads(stub: tuple[Stub, str], tmp_path: Path, endpoin
     for r in result["requests"]:
         assert r["output_tokens"] == 6 and len(r["token_times_s"]) == 6
         assert r["output_tokens_source"] == "usage"
+    rec = _send_one(url, endpoint)
+    assert rec.success and "".join(rec.text_parts) == "".join(f"t{i} é€" for i in range(6))
+
+
+@pytest.mark.parametrize(("line_end", "final"), [("\r\n", True), ("\r", True), ("\n", False)])
+def test_every_sse_line_end_and_a_last_line_without_one(
+    stub: tuple[Stub, str], line_end: str, final: bool
+) -> None:
+    server, url = stub
+    server.reset(line_end=line_end, final_line_end=final)
+    rec = _send_one(url, "/v1/completions")
+    assert rec.success and rec.error is None and len(rec.token_times_s) == 6
+
+
+def test_a_redirect_is_reported_not_followed(stub: tuple[Stub, str]) -> None:
+    server, url = stub
+    rec = _send_one(url, "/moved")
+    assert not rec.success and rec.http_status == 307 and rec.error is not None and "HTTP 307" in rec.error
+    assert server.arrived == 0
 
 
 @pytest.mark.parametrize("send_usage", [True, False])
@@ -830,3 +879,26 @@ def test_multi_turn_conversations_resend_their_history(stub: tuple[Stub, str], t
     assert all(t["mean_ttft_ms"] is not None and t["mean_ttft_ms"] >= 0 for t in turns)
     with pytest.raises(ConfigError, match="--multi-turn"):
         serve.check(_args("--base-url", url, "--multi-turn", "2"))
+
+
+def test_a_server_that_stops_reading_the_body_times_out() -> None:
+    """--request-timeout bounds the sending too: a server that accepts the connection and never reads a
+    body larger than the sockets' buffers fails the request as timed out, instead of hanging."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1/completions"
+    args = _args("--request-timeout", "1")
+    rec = RequestRecord(index=0, prompt_len=1, output_len=1, scheduled_s=0.0)
+    payload = {"prompt": "x" * (64 << 20), "max_tokens": 1, "stream": True}
+
+    async def go() -> None:
+        async with serve._session(args) as session:
+            start = time.perf_counter()
+            await serve.send_request(session, url, {}, payload, serve.COMPLETIONS, rec, start, 1.0)
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        listener.close()
+    assert not rec.success and rec.error is not None and rec.error.startswith("timed out"), rec.error

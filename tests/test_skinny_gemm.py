@@ -328,6 +328,16 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         assert torch.equal(q32, quotient), (dtype, rows, k)
         assert torch.equal(q32.to(torch.float8_e4m3fn).view(torch.uint8), q_ref.view(torch.uint8))
         checked += 1
+# NaN and infinities propagate as in torch: a row holding one gets a NaN or infinite scale, NaN values.
+x = torch.randn(4, 300)
+x[0, 7], x[1, 3], x[2, 5] = float("nan"), float("inf"), -float("inf")
+q32, scale = torch.empty(4, 300), torch.empty(4, 1)
+aq._launch(x, q32, scale)
+q_ref, scale_ref = aq.quantize_rows_fp8_reference(x)
+quotient = (x.double() / scale_ref.double()).float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0, equal_nan=True)
+torch.testing.assert_close(q32, quotient, rtol=0, atol=0, equal_nan=True)
+assert scale[0].isnan() and scale[1].isinf() and q32[0].isnan().all() and q32[1, 3].isnan()
 for bad in (torch.zeros(4), torch.zeros(4, 8).t(), torch.zeros(4, 8, dtype=torch.int32)):
     try:
         aq.quantize_rows_fp8(bad)

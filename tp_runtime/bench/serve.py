@@ -48,6 +48,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -333,7 +334,7 @@ def _headers(api_key: str | None) -> dict[str, str]:
 
 
 def _exc_text(exc: BaseException) -> str:
-    text = str(exc).strip()
+    text = " ".join(str(exc).split())  # one line (aiohttp's messages span several)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -401,29 +402,42 @@ def _chunk_text(choice: Any, kind: str) -> str:
     return text if isinstance(text, str) else ""
 
 
+_LINE_END = re.compile(rb"\r\n|\r|\n")  # the three line ends server-sent events allow
+
+
 async def _sse_data(resp: Any, t0: float) -> AsyncIterator[tuple[float, bytes]]:
     """The `data:` fields of a server-sent event stream, each with the time (from t0) its read arrived.
-    Lines are split from the raw bytes, so a line (or a character) cut between two reads is read whole."""
+    Lines are split from the raw bytes, so a line (or a character) cut between two reads is read whole; a
+    last line without its line end counts too."""
     pending = b""
+    now = time.perf_counter() - t0
     async for piece in resp.content.iter_any():
         now = time.perf_counter() - t0
-        *lines, pending = (pending + piece).split(b"\n")
+        *lines, pending = _LINE_END.split(pending + piece)
         for raw in lines:
             line = raw.strip()
             if line.startswith(b"data:"):  # not blank lines, comments, event:/id:/retry: fields
                 yield now, line[len(b"data:") :].strip()
+    last = pending.strip()
+    if last.startswith(b"data:"):
+        yield now, last[len(b"data:") :].strip()
 
 
 async def send_request(
     session: Any, url: str, headers: dict[str, str], payload: dict[str, Any], kind: str,
-    rec: RequestRecord, t0: float,
+    rec: RequestRecord, t0: float, request_timeout: float,
 ) -> None:  # fmt: skip
-    """POST one streaming request and fill `rec` (never raises, but for cancellation)."""
+    """POST one streaming request and fill `rec` (never raises, but for cancellation). `request_timeout`
+    bounds the sending and the wait for the response's headers, then each wait for a chunk."""
     import aiohttp
 
     rec.sent_s = time.perf_counter() - t0
     try:
-        async with session.post(url, json=payload, headers=headers) as resp:
+        # Redirects are not followed (a redirect is an answer to report, not part of the request); aiohttp's
+        # read timeout only starts once the body is sent, so the sending is bounded here.
+        request = session.post(url, json=payload, headers=headers, allow_redirects=False)
+        resp = await asyncio.wait_for(request, request_timeout)
+        async with resp:
             rec.http_status = resp.status
             if resp.status != 200:
                 rec.error = f"HTTP {resp.status}: {_body_message(await resp.read())}"
@@ -434,7 +448,8 @@ async def send_request(
                 if data == b"[DONE]":
                     done = True
                     break
-                chunk = json.loads(data)
+                # As a browser reads a stream: a byte that is not UTF-8 becomes U+FFFD.
+                chunk = json.loads(data.decode("utf-8", "replace"))
                 if not isinstance(chunk, dict):
                     raise ValueError(f"a chunk that is not a JSON object: {data[:100]!r}")
                 if chunk.get("error") is not None:
@@ -472,7 +487,7 @@ async def send_request(
         rec.error = f"timed out (--request-timeout): {_exc_text(exc)}"
     except aiohttp.ClientError as exc:
         rec.error = f"broken stream or connection: {_exc_text(exc)}"
-    except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError included
+    except ValueError as exc:  # json.JSONDecodeError
         rec.error = f"bad chunk: {_exc_text(exc)}"
     finally:
         rec.end_s = time.perf_counter() - t0
@@ -499,7 +514,7 @@ async def _models(args: argparse.Namespace, url: str) -> tuple[int, bytes]:
     timeout = aiohttp.ClientTimeout(total=min(args.request_timeout, 30.0))
     async with (
         aiohttp.ClientSession(timeout=timeout, trust_env=False) as session,
-        session.get(url, headers=_headers(args.api_key)) as resp,
+        session.get(url, headers=_headers(args.api_key), allow_redirects=False) as resp,
     ):
         return resp.status, await resp.read()
 
@@ -560,7 +575,8 @@ async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
                 args.temperature, args.ignore_eos,
             )  # fmt: skip
             warm = RequestRecord(index=-1, prompt_len=0, output_len=0, scheduled_s=0.0)
-            await send_request(session, url, headers, payload, kind, warm, time.perf_counter())
+            await send_request(session, url, headers, payload, kind, warm, time.perf_counter(),
+                               args.request_timeout)
             if not warm.success:
                 raise ConfigError(
                     f"warmup request {i + 1} to {url} failed: {warm.error}; check --model, --endpoint "
@@ -633,10 +649,10 @@ async def _timed_pass(
             kind, model, prompt, rec.output_len, args.temperature, args.ignore_eos, history
         )
         if limit is None:
-            await send_request(session, url, headers, payload, kind, rec, t0)
+            await send_request(session, url, headers, payload, kind, rec, t0, args.request_timeout)
         else:
             async with limit:
-                await send_request(session, url, headers, payload, kind, rec, t0)
+                await send_request(session, url, headers, payload, kind, rec, t0, args.request_timeout)
         progress.update(1)
 
     async def conversation(turns: list[RequestRecord]) -> None:

@@ -29,17 +29,22 @@ def _quantize_rows_kernel(
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     q_row = q_ptr + row * q_stride
+    # NaN propagates, as in torch: a row holding one gets a NaN scale and NaN values, never finite ones
+    # (CUDA's plain max/min return the operand that is not NaN).
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         k = k_start + tl.arange(0, BLOCK_K)
         v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), FP8_MAX)
+        amax = tl.maximum(amax, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)
+    row_max = tl.maximum(tl.max(amax, axis=0), MIN_AMAX)
+    row_max = tl.where(tl.sum((amax != amax).to(tl.int32), axis=0) > 0, float("nan"), row_max)
+    scale = tl.math.div_rn(row_max, FP8_MAX)
     tl.store(scale_ptr + row, scale)
     for k_start in range(0, K, BLOCK_K):
         k = k_start + tl.arange(0, BLOCK_K)
         v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)
+        q = tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.minimum(q, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_row + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
 
 

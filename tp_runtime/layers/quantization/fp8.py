@@ -98,7 +98,8 @@ class Fp8Kernels:
 
 
 # Rows up to which the weight-only kernels run where W8A8 can take the rest; more take W8A8. At 32 rows
-# the weight-only few-rows kernel took 29-88 µs a Llama-3-8B layer, W8A8 17-52 µs (BENCHMARKS.md, "GPU:
+# the weight-only few-rows kernel took 15.6-88.1 µs a Llama-3-8B layer (58.3 µs on average), W8A8
+# 16.7-52.4 (33.6); at 16 rows the weight-only kernel was faster on every layer (BENCHMARKS.md, "GPU:
 # FP8"). Block-scaled weights, which W8A8 here cannot take, stay on the weight-only kernels to 32 rows.
 FP8_WEIGHT_ONLY_MAX_ROWS = 16
 

@@ -496,11 +496,28 @@ def _exit_interrupted(signum: int, frame: Any) -> None:
     os._exit(EXIT_INTERRUPTED)
 
 
+@contextlib.contextmanager
+def _interrupts_held() -> Any:
+    """Inside, a Ctrl-C is held and raised as KeyboardInterrupt on leaving: one raised inside torch's
+    import, in its C++ module set-up, is an exception pybind11 cannot carry, and the process aborts."""
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     if os.environ.get(LAUNCHED_ENV) and torchrun_rank() is not None:
         signal.signal(signal.SIGINT, _exit_interrupted)
     try:
         args = parse_and_check(argv, under_torchrun=torchrun_rank() is not None)
+        if hasattr(args, "model") and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            with _interrupts_held():  # a command that starts an engine imports torch
+                import torch  # noqa: F401
         if torchrun_rank() and hasattr(args, "model"):  # a rank > 0, of a command that starts an engine
             serve_torchrun_rank(args)
         else:

@@ -80,13 +80,14 @@ class _Interrupts:
         os._exit(cli.EXIT_INTERRUPTED)
 
 
-def _quiet_interrupts_in_finalizers() -> None:
+def _quiet_interrupts_in_finalizers(interrupts: _Interrupts) -> None:
     """A Ctrl-C that lands in a finalizer (__del__) is printed as "Exception ignored" and swallowed;
-    _Interrupts remembers it, so drop the report."""
+    _Interrupts remembers it, so drop the report. After a Ctrl-C, so are the errors of finalizers that
+    the teardown runs (torch's elastic agent has one that joins its own thread)."""
     default = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
-        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt) and not interrupts.seen:
             default(unraisable)
 
     sys.unraisablehook = hook
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     torchrun_argv, command_argv = _split(sys.argv[1:] if argv is None else argv)
     interrupts = _Interrupts()
     signal.signal(signal.SIGINT, interrupts)
-    _quiet_interrupts_in_finalizers()
+    _quiet_interrupts_in_finalizers(interrupts)
     try:
         once = cli.once_only_command(command_argv)
         if once is not None:  # before parsing: launch_tp.sh adds --tensor-parallel-size, which it lacks

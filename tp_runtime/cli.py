@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -515,7 +516,11 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGINT, _exit_interrupted)
     try:
         args = parse_and_check(argv, under_torchrun=torchrun_rank() is not None)
-        if hasattr(args, "model") and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        if (
+            hasattr(args, "model")
+            and threading.current_thread() is threading.main_thread()  # where signal handlers are set
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
             with _interrupts_held():  # a command that starts an engine imports torch
                 import torch  # noqa: F401
         if torchrun_rank() and hasattr(args, "model"):  # a rank > 0, of a command that starts an engine

@@ -130,8 +130,7 @@ class CudaFp8Kernels(Fp8Kernels):
         # _scaled_mm takes bfloat16 output with per-row scales, and sizes in multiples of 16; a weight it
         # cannot take stays on the weight-only kernels as far as they go (past them it is dequantized).
         w8a8 = scale.shape[1] == 1 and x.dim() == 2 and x.dtype == torch.bfloat16 and not (n % 16 or k % 16)
-        weight_only_rows = FP8_WEIGHT_ONLY_MAX_ROWS if w8a8 else kernels.MAX_FEW_ROWS
-        if 1 <= rows <= min(weight_only_rows, kernels.MAX_FEW_ROWS):
+        if 1 <= rows <= (FP8_WEIGHT_ONLY_MAX_ROWS if w8a8 else kernels.MAX_FEW_ROWS):
             if rows == 1:
                 return kernels.skinny_linear(
                     x,

@@ -219,3 +219,17 @@ def test_ctrl_c_prints_one_line(tp: int, after_s: float) -> None:
     # C code (an import of torch), whatever status the program chose.
     assert status in (130, -signal.SIGINT), output[-3000:]
     assert output.strip() == "tp-runtime: interrupted", output[-3000:]
+
+
+def test_a_ctrl_c_during_the_torch_import_is_held_until_it_ends() -> None:
+    """The CLI imports torch with SIGINT held (a KeyboardInterrupt inside its C++ set-up aborts the
+    process): a Ctrl-C that arrives inside is raised when the block ends, not before."""
+    from tp_runtime.cli import _interrupts_held
+
+    reached_end = False
+    with pytest.raises(KeyboardInterrupt):
+        with _interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler has run by now (signals are handled between bytecodes)
+            reached_end = True
+    assert reached_end and signal.getsignal(signal.SIGINT) is signal.default_int_handler

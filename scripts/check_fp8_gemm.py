@@ -5,7 +5,12 @@ GPU, for the linear layers of a built-in model's shard, at decode and prefill ro
 - `fp8 default`: the engine's choice (weight-only Triton kernel for 1-16 rows, W8A8 _scaled_mm above);
 - `fp8 triton best`: the fastest launch shape of the weight-only kernels in a sweep (1-32 rows);
 - `w8a8`: per-token activation quantization (the engine's Triton kernel) + torch._scaled_mm at every row
-  count.
+  count;
+- `triton_w8a8`: the same quantization + the Triton FP8 GEMM (fp8_gemm_triton.py), per-row scales;
+- `block_*`: 128x128 block-scaled weights: the engine's path (`block_engine`), the Triton GEMM on
+  per-128-column activation scales (`block_triton`), the weight-only kernels (to 32 rows) and the old
+  dequantize-then-bf16 path (`block_dequant`);
+- with `--sweep-gemm`, the fastest launch shape of the Triton GEMM at each row count.
 
     PYTHONPATH=$PWD python scripts/check_fp8_gemm.py --model llama-3-8b llama-3-70b
 
@@ -26,9 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from tp_runtime.config import FP8_E4M3_MAX
-from tp_runtime.layers.quantization.activation_quant_triton import quantize_rows_fp8
-from tp_runtime.layers.quantization.fp8 import CudaFp8Kernels
-from tp_runtime.layers.skinny_gemm_triton import SkinnyConfig, few_rows_linear, skinny_linear
+from tp_runtime.layers.quantization.activation_quant_triton import quantize_groups_fp8, quantize_rows_fp8
+from tp_runtime.layers.quantization.fp8 import CudaFp8Kernels, dequantize
+from tp_runtime.layers.quantization.fp8_gemm_triton import Fp8GemmConfig, fp8_gemm
+from tp_runtime.layers.skinny_gemm_triton import (
+    SkinnyConfig,
+    few_rows_linear,
+    fp8_few_rows_config,
+    skinny_linear,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_skinny_gemm import DOT_SWEEP, SWEEP, layer_shapes, time_graph
@@ -39,14 +50,30 @@ def w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
 
 
+def gemm_sweep(rows: int, block: bool) -> list[Fp8GemmConfig]:
+    """Launch shapes of the Triton FP8 GEMM worth trying at `rows` tokens (a token tile just covering
+    them up to 64 rows, 64 or 128 past them)."""
+    tiles_m = [max(16, 1 << (rows - 1).bit_length())] if rows <= 64 else [64, 128]
+    return [
+        Fp8GemmConfig(block_n, block_m, block_k, 8 if block_n * block_m >= 16384 else 4, stages)
+        for block_n in (32, 64, 128)
+        for block_m in tiles_m
+        for block_k in ((128,) if block else (128, 256))
+        for stages in (3, 5)
+        if (block_n + block_m) * block_k * stages <= 200_000
+    ]
+
+
 def measure_layer(
     model: str, name: str, n: int, k: int, rows_list: list[int], replays: int, sweep: bool,
-    kernels: CudaFp8Kernels,
+    kernels: CudaFp8Kernels, sweep_gemm: bool,
 ) -> list[dict[str, object]]:  # fmt: skip
     copies = max(2, math.ceil(400e6 / (n * k)))  # > L2 even at one byte per weight
     w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     scales = [w.abs().amax(dim=1, keepdim=True).float() / FP8_E4M3_MAX for w in w16]
     w8 = [(w / s).to(torch.float8_e4m3fn) for w, s in zip(w16, scales, strict=True)]
+    # Block scales: timing does not depend on their values; the per-row scale over every block.
+    blocks = [s.expand(n, -(-k // 128)).contiguous() for s in scales]
     out = []
     for rows in rows_list:
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -61,6 +88,38 @@ def measure_layer(
                    fp8_default_TBps=n * k / fp8 / 1e6)  # fmt: skip
         if n % 16 == 0 and k % 16 == 0:
             row["w8a8_us"] = timed(lambda x, i: w8a8(x, w8[i], scales[i]))
+
+        def triton_w8a8(x: torch.Tensor, i: int, cfg: Fp8GemmConfig | None = None) -> torch.Tensor:
+            xq, xs = quantize_rows_fp8(x)
+            return fp8_gemm(xq, xs, w8[i], scales[i], k, x.dtype, None, cfg)
+
+        def block_triton(x: torch.Tensor, i: int, cfg: Fp8GemmConfig | None = None) -> torch.Tensor:
+            xq, xs = quantize_groups_fp8(x, 128)
+            return fp8_gemm(xq, xs, w8[i], blocks[i], 128, x.dtype, None, cfg)
+
+        row["triton_w8a8_us"] = timed(triton_w8a8)
+        row["block_engine_us"] = timed(lambda x, i: kernels.linear(x, w8[i], blocks[i], 128, None, False))
+        row["block_triton_us"] = timed(block_triton)
+        row["block_dequant_us"] = timed(
+            lambda x, i: F.linear(x, dequantize(w8[i], blocks[i], 128, x.dtype))
+        )
+        if 2 <= rows <= 32:
+            few = fp8_few_rows_config(n, rows, kernels.num_sms)
+            row["block_weight_only_us"] = timed(
+                lambda x, i, c=few: few_rows_linear(x, w8[i], None, c, scale=blocks[i], scale_block_k=128)
+            )
+        if sweep_gemm:
+            paths = (("triton_w8a8", triton_w8a8, False), ("block_triton", block_triton, True))
+            for label, fn, block in paths:
+                best_gemm: tuple[float, Fp8GemmConfig | None] = (math.inf, None)
+                for cfg in gemm_sweep(rows, block):
+                    try:
+                        us = timed(lambda x, i, c=cfg, f=fn: f(x, i, c))  # type: ignore[misc]
+                    except Exception as e:  # a shape this GPU's shared memory cannot hold
+                        print(f"# {label} {cfg}: {type(e).__name__}", flush=True)
+                        continue
+                    best_gemm = min(best_gemm, (us, cfg), key=lambda b: b[0])
+                row[f"{label}_best_us"], row[f"{label}_best_config"] = best_gemm[0], list(best_gemm[1] or ())
         if sweep and rows <= 32:
             best: tuple[float, SkinnyConfig | None] = (math.inf, None)
             for cfg in SWEEP if rows == 1 else DOT_SWEEP:
@@ -84,6 +143,7 @@ def main() -> int:
     p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 32, 64, 512])
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="also time every launch shape of the Triton kernels")
+    p.add_argument("--sweep-gemm", action="store_true", help="also sweep the Triton FP8 GEMM's launch shapes")
     p.add_argument("--layers", nargs="+", default=None, help="only these layers (qkv o_proj gate_up down)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -92,7 +152,9 @@ def main() -> int:
     for model in args.model:
         for name, (n, k) in layer_shapes(model, 1).items():
             if name not in ("lm_head", "down+silu") and (args.layers is None or name in args.layers):
-                results += measure_layer(model, name, n, k, args.rows, args.replays, args.sweep, kernels)
+                results += measure_layer(
+                    model, name, n, k, args.rows, args.replays, args.sweep, kernels, args.sweep_gemm
+                )
                 torch.cuda.empty_cache()
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

@@ -157,11 +157,13 @@ def fresh_prompt_checks() -> list[dict[str, Any]]:
 
 def fp8_checks() -> list[dict[str, Any]]:
     """The FP8 linear layer's CUDA kernels (layers/quantization/fp8.py) against float64 brute force on the
-    dequantized weight: weight-only Triton kernels for 1-16 rows, and to 32 for block-scaled weights
-    (exact products: only the output's rounding), W8A8 _scaled_mm for more rows of per-channel weights
-    (each row of x rounded to e4m3 too: a looser bound), block-scaled ones dequantized past 32 rows; and
-    the activations' quantization kernel bit for bit against its reference, NaN and inf included."""
+    dequantized weight: weight-only Triton kernels for 1-16 rows (exact products: only the output's
+    rounding), W8A8 for more (each row of x rounded to e4m3 too: a looser bound): _scaled_mm for
+    per-channel weights under bfloat16, the Triton FP8 GEMM for block-scaled weights and float16 x; and
+    the activations' quantization kernels (per row, per row and 128 columns) bit for bit against their
+    reference, NaN and inf included."""
     from tp_runtime.layers.quantization.activation_quant_triton import (
+        quantize_groups_fp8,
         quantize_rows_fp8,
         quantize_rows_fp8_reference,
     )
@@ -176,6 +178,10 @@ def fp8_checks() -> list[dict[str, Any]]:
             q_ref, scale_ref = quantize_rows_fp8_reference(x)
             same = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
             _report(results, {"check": f"fp8 activation quantization rows={rows} k={k} {dtype}", "ok": same})
+            q, scale = quantize_groups_fp8(x, 128)
+            q_ref, scale_ref = quantize_rows_fp8_reference(x, 128)
+            same = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
+            _report(results, {"check": f"fp8 group quantization rows={rows} k={k} {dtype}", "ok": same})
     # A NaN or an infinity makes its row's scale NaN or infinite and its values NaN (CUDA's plain max and
     # min would hide them), as torch's arithmetic does.
     x = torch.randn(4, 300, generator=gen).cuda()
@@ -198,19 +204,21 @@ def fp8_checks() -> list[dict[str, Any]]:
         wq = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn).cuda()
         scale = scale.cuda()
         wd = dequantize(wq, scale, block_k or k, torch.float64)
-        for rows in (1, 4, 16, 17, 32, 512):
+        cases = [(r, torch.bfloat16) for r in (1, 4, 16, 17, 32, 512)]
+        cases += [(48, torch.float16), (600, torch.float16)]
+        for rows, dtype in cases:
             for silu_mul in (False, True) if rows in (1, 512) else (False,):
-                x = torch.randn(rows, 2 * k if silu_mul else k, generator=gen).to(torch.bfloat16).cuda()
+                x = torch.randn(rows, 2 * k if silu_mul else k, generator=gen).to(dtype).cuda()
                 got = kernels.linear(x, wq, scale, block_k or k, None, silu_mul).double()
                 xin = x.double()
                 if silu_mul:
                     act = torch.nn.functional.silu(x[:, :k].float()) * x[:, k:].float()
-                    xin = act.to(torch.bfloat16).double()
+                    xin = act.to(dtype).double()
                 want = xin @ wd.T
                 err = ((got - want).abs().max() / want.abs().max()).item()
-                bound = 1e-2 if rows <= FP8_WEIGHT_ONLY_MAX_ROWS or block_k else 6e-2
+                bound = 1e-2 if rows <= FP8_WEIGHT_ONLY_MAX_ROWS else 6e-2
                 _report(results, {
-                    "check": f"fp8 linear {n}x{k} block_k={block_k} rows={rows} silu_mul={silu_mul}",
+                    "check": f"fp8 linear {n}x{k} block_k={block_k} rows={rows} {dtype} silu_mul={silu_mul}",
                     "rel_err_vs_fp64": err, "ok": err < bound,
                 })  # fmt: skip
     return results

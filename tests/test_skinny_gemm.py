@@ -282,14 +282,20 @@ assert torch.equal(kernels.linear(x1, w, scale, 128, None, False), want1)
 got = kernels.linear(x4, w, scale, 128, None, True)
 want = silu_and_mul(x4.double()) @ (w.double() * scale.double()).T
 assert ((got.double() - want).abs().max() / want.abs().max()).item() < 4e-3
-# 17-32 rows of what W8A8 cannot take (a 16-bit x that is not bfloat16; block scales) stay on the
-# weight-only kernel; only per-row-scaled weights under bfloat16 x leave it past 16 rows.
+# 17-32 rows: what no W8A8 path takes (scale blocks narrower than an FP8 MMA's K) stays on the weight-only
+# kernel; per-row-scaled weights (to 64 rows under bfloat16) and 32-column blocks go to the Triton W8A8
+# GEMM (its own test below).
+from tp_runtime.layers.quantization import activation_quant_triton as aq
+from tp_runtime.layers.quantization.fp8_gemm_triton import fp8_gemm
 from tp_runtime.layers.skinny_gemm_triton import fp8_few_rows_config
 x24 = torch.randn(24, 128)
+narrow = torch.rand(64, 8) + 0.5
+want = few_rows_linear(x24.half(), w, None, fp8_few_rows_config(64, 24, 132), scale=narrow, scale_block_k=16)
+assert torch.equal(kernels.linear(x24.half(), w, narrow, 16, None, False), want)
 blocks = torch.rand(64, 4) + 0.5
-for x, s, bk in ((x24.half(), scale, 128), (x24.bfloat16(), blocks, 32)):
-    want = few_rows_linear(x, w, None, fp8_few_rows_config(64, 24, 132), scale=s, scale_block_k=bk)
-    assert torch.equal(kernels.linear(x, w, s, bk, None, False), want)
+for x, s, bk in ((x24.half(), scale, 128), (x24.bfloat16(), scale, 128), (x24.bfloat16(), blocks, 32)):
+    xq, xs = aq.quantize_rows_fp8(x) if bk == 128 else aq.quantize_groups_fp8(x, bk)
+    assert torch.equal(kernels.linear(x, w, s, bk, None, False), fp8_gemm(xq, xs, w, s, bk, x.dtype))
 try:
     skinny_linear(x1, w)
 except ValueError as e:
@@ -347,6 +353,110 @@ for bad in (torch.zeros(4), torch.zeros(4, 8).t(), torch.zeros(4, 8, dtype=torch
         raise AssertionError(f"{bad.shape} {bad.dtype} was accepted")
 print("OK", checked)
 """
+
+
+FP8_GEMM_VS_FLOAT64 = """
+import torch
+from tp_runtime.layers.quantization import activation_quant_triton as aq
+from tp_runtime.layers.quantization.fp8_gemm_triton import Fp8GemmConfig, fp8_gemm
+torch.manual_seed(0)
+checked = 0
+# The W8A8 GEMM on e4m3 operands (their products exact in float32), against float64 sums of the
+# dequantized operands: per-row scales on both sides, or per 32/64/128-column block (the weight's scale
+# repeated over its rows, x's per row and block). Sizes the tiles divide and do not, a K shorter than a
+# tile and not a whole number of blocks, more rows than one token tile, a bias, a strided x.
+CONFIGS = [None, Fp8GemmConfig(16, 16, 32, 1, 1, 2), Fp8GemmConfig(32, 32, 64, 2, 2, 1)]
+for rows, n, k in ((1, 64, 256), (17, 48, 96), (40, 33, 130), (5, 100, 512), (70, 20, 64)):
+    for block_k in (0, 32, 64, 128):
+        for with_bias in (False, True):
+            for cfg in CONFIGS:
+                groups = 1 if block_k == 0 else -(-k // block_k)
+                w = (torch.randn(n, k) * 40).to(torch.float8_e4m3fn)
+                ws = torch.rand(n, groups) + 0.5
+                xq = (torch.randn(rows, k + 3) * 40).to(torch.float8_e4m3fn)[:, :k]
+                xs = torch.rand(rows, groups) + 0.5
+                b = torch.randn(n) if with_bias else None
+                cols = block_k or k
+                wd = w.double() * ws.double().repeat_interleave(cols, 1)[:, :k]
+                xd = xq.double() * xs.double().repeat_interleave(cols, 1)[:, :k]
+                want = xd @ wd.T + (b.double() if with_bias else 0)
+                bound = xd.abs() @ wd.abs().T + (b.double().abs() if with_bias else 0)
+                # (the interpreter rounds to bfloat16 toward zero: a few units of its last place)
+                for out_dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 4 * 2 ** -8)):
+                    got = fp8_gemm(xq, xs, w, ws, cols, out_dtype, b, cfg)
+                    assert got.dtype == out_dtype and got.shape == (rows, n)
+                    err = ((got.double() - want).abs() / bound).max().item()
+                    assert err <= tol, (rows, n, k, block_k, with_bias, cfg, out_dtype, err)
+                checked += 1
+empty = fp8_gemm(torch.empty(3, 0, dtype=torch.float8_e4m3fn), torch.ones(3, 1), torch.empty(
+    5, 0, dtype=torch.float8_e4m3fn), torch.ones(5, 1), 1, torch.float32, torch.arange(5.0))
+assert torch.equal(empty, torch.arange(5.0).expand(3, 5))
+w8 = torch.randn(8, 64).to(torch.float8_e4m3fn)
+for bad in (
+    lambda: fp8_gemm(torch.randn(2, 64), torch.ones(2, 1), w8, torch.ones(8, 1), 64, torch.float32),
+    lambda: fp8_gemm(w8[:2], torch.ones(2, 2), w8, torch.ones(8, 1), 64, torch.float32),
+    lambda: fp8_gemm(w8[:2], torch.ones(2, 4), w8, torch.ones(8, 4), 16, torch.float32),
+    lambda: fp8_gemm(w8[:2], torch.ones(2, 2), w8, torch.ones(8, 2), 48, torch.float32),
+):
+    try:
+        bad()
+    except ValueError as e:
+        assert "fp8_gemm:" in str(e)
+    else:
+        raise AssertionError("a misfit fp8_gemm call was accepted")
+print("OK", checked)
+"""
+
+
+def test_fp8_gemm_matches_float64() -> None:
+    status, checked = _run(FP8_GEMM_VS_FLOAT64).split()
+    assert status == "OK" and int(checked) == 5 * 4 * 2 * 3
+
+
+GROUP_QUANT_VS_TORCH = """
+import torch
+from tp_runtime.config import FP8_E4M3_MAX
+from tp_runtime.layers.quantization import activation_quant_triton as aq
+torch.manual_seed(0)
+checked = 0
+# As the per-row test below, by groups of columns: groups of very different magnitudes (one all zero), K
+# that the groups divide and that they do not (a short last group), more groups than one program holds.
+for dtype in (torch.bfloat16, torch.float32):
+    for rows, k, group in ((1, 4096, 128), (3, 100, 32), (2, 5000, 128), (4, 7, 16), (2, 300, 256)):
+        groups = -(-k // group)
+        x = (torch.randn(rows, k + 5) * torch.logspace(-6, 3, k + 5)).to(dtype)[:, :k]
+        x[0, :group] = 0
+        q32, scale = torch.empty(rows, k), torch.empty(rows, groups)
+        aq._launch_groups(x, q32, scale, group)
+        q_ref, scale_ref = aq.quantize_rows_fp8_reference(x, group)
+        assert scale_ref.shape == (rows, groups)
+        assert torch.equal(scale, scale_ref), (dtype, rows, k, group, (scale - scale_ref).abs().max())
+        per_col = scale_ref.double().repeat_interleave(group, 1)[:, :k]
+        quotient = (x.double() / per_col).float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        assert torch.equal(q32, quotient), (dtype, rows, k, group)
+        assert torch.equal(quotient.to(torch.float8_e4m3fn).view(torch.uint8), q_ref.view(torch.uint8))
+        checked += 1
+# A NaN or an infinity reaches only its own group's scale and values.
+x = torch.randn(2, 256)
+x[0, 7], x[1, 200] = float("nan"), float("inf")
+q32, scale = torch.empty(2, 256), torch.empty(2, 2)
+aq._launch_groups(x, q32, scale, 128)
+assert scale[0, 0].isnan() and scale[1, 1].isinf() and q32[0, :128].isnan().all() and q32[1, 200].isnan()
+assert scale[0, 1].isfinite() and scale[1, 0].isfinite() and q32[0, 128:].isfinite().all()
+for bad, group in ((torch.zeros(4, 8).t(), 4), (torch.zeros(4, 8), 3)):
+    try:
+        aq.quantize_groups_fp8(bad, group)
+    except ValueError as e:
+        assert "quantize_groups_fp8 takes" in str(e)
+    else:
+        raise AssertionError(f"{bad.shape} in groups of {group} was accepted")
+print("OK", checked)
+"""
+
+
+def test_group_activation_quantization_matches_torch() -> None:
+    status, checked = _run(GROUP_QUANT_VS_TORCH).split()
+    assert status == "OK" and int(checked) == 2 * 5
 
 
 def test_activation_quantization_matches_torch() -> None:

@@ -1,11 +1,15 @@
-"""Per-token FP8 quantization of activations in one Triton kernel, for the W8A8 matmul (fp8.py).
+"""Dynamic FP8 quantization of activations for the W8A8 matmuls (fp8.py), one Triton kernel each way:
 
-Each row of x gets the scale amax(|row|) / 448 (amax at least 1e-12), and is divided by it, clamped to
-±448 and rounded to e4m3, both divisions correctly rounded float32 ones (`quantize_rows_fp8_reference`
-is the same arithmetic in torch). The torch expression this replaced was five elementwise kernels and a
-reduction, each a pass over x: about 25 µs a Llama-3-8B linear layer at 32 rows on an H200, more than
-the FP8 matmul saved there. Here one program per row reads its row twice (the second time from L2) and
-writes it once.
+- per token (`quantize_rows_fp8`): each row of x gets the scale amax(|row|) / 448, for weights with one
+  scale per output row;
+- per token and group of columns (`quantize_groups_fp8`, DeepSeek-V3's 1x128 activation blocks): one
+  scale per row and `group` columns, for block-scaled weights, whose scale blocks the groups match.
+
+amax is at least 1e-12; x is divided by its scale, clamped to ±448 and rounded to e4m3, both divisions
+correctly rounded float32 ones (`quantize_rows_fp8_reference` is the same arithmetic in torch). The
+torch expression the per-token kernel replaced was five elementwise kernels and a reduction, each a pass
+over x: about 25 µs a Llama-3-8B linear layer at 32 rows on an H200, more than the FP8 matmul saved
+there. Here one program per row reads its row twice (the second time from L2) and writes it once.
 """
 
 from __future__ import annotations
@@ -48,13 +52,36 @@ def _quantize_rows_kernel(
         tl.store(q_row + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
 
 
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (16- or 32-bit floats, unit stride along K) -> (e4m3 [M, K], float32 scales [M, 1])."""
+@triton.jit
+def _quantize_groups_kernel(
+    x_ptr, q_ptr, scale_ptr, K, NUM_GROUPS, x_stride, q_stride, scale_stride,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+):  # fmt: skip
+    """One program per (row, GROUPS groups of GROUP columns): the tile is [GROUPS, GROUP]."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    v = tl.load(x_ptr + row * x_stride + k, mask=k < K, other=0.0).to(tl.float32)
+    group_max = tl.maximum(tl.max(tl.abs(v), axis=1), MIN_AMAX)
+    has_nan = tl.sum((v != v).to(tl.int32), axis=1) > 0  # tl.max would drop a NaN
+    scale = tl.math.div_rn(tl.where(has_nan, float("nan"), group_max), FP8_MAX)
+    tl.store(scale_ptr + row * scale_stride + g, scale, mask=g < NUM_GROUPS)
+    q = tl.maximum(tl.math.div_rn(v, scale[:, None]), -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    q = tl.minimum(q, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(q_ptr + row * q_stride + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+
+
+def _check_input(x: torch.Tensor, what: str) -> None:
     if x.dim() != 2 or x.stride(1) != 1 or not x.is_floating_point():
         raise ValueError(
-            f"quantize_rows_fp8 takes a 2-D float tensor contiguous along its rows, got {tuple(x.shape)} "
+            f"{what} takes a 2-D float tensor contiguous along its rows, got {tuple(x.shape)} "
             f"{x.dtype} with strides {x.stride()}"
         )
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (16- or 32-bit floats, unit stride along K) -> (e4m3 [M, K], float32 scales [M, 1])."""
+    _check_input(x, "quantize_rows_fp8")
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     _launch(x, q, scale)
@@ -75,12 +102,44 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
         scale.fill_(_MIN_AMAX / FP8_E4M3_MAX)
 
 
-def quantize_rows_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's arithmetic in torch, equal on every device: each division in float64 rounded once to
+def quantize_groups_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, cdiv(K, group)]): one scale per row and `group`
+    columns (a power of two; the last group may be short)."""
+    _check_input(x, "quantize_groups_fp8")
+    if group < 1 or group & (group - 1):
+        raise ValueError(f"quantize_groups_fp8 takes groups of a power of two columns, got {group}")
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((x.shape[0], -(-x.shape[1] // group)), dtype=torch.float32, device=x.device)
+    _launch_groups(x, q, scale, group)
+    return q, scale
+
+
+def _launch_groups(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int) -> None:
+    """As _launch, by groups of columns."""
+    m, k = x.shape
+    num_groups = scale.shape[1]
+    if m and k:
+        groups = min(triton.next_power_of_2(num_groups), max(1, _BLOCK_K * 2 // group))
+        _quantize_groups_kernel[(m, triton.cdiv(num_groups, groups))](
+            x, q, scale, k, num_groups, x.stride(0), q.stride(0), scale.stride(0),
+            FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX, GROUP=group, GROUPS=groups, num_warps=4,
+        )  # fmt: skip
+
+
+def quantize_rows_fp8_reference(
+    x: torch.Tensor, group: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' arithmetic in torch, equal on every device: each division in float64 rounded once to
     float32, which is the correctly rounded float32 quotient (torch's own division by a scalar on CUDA
-    multiplies by the reciprocal instead)."""
-    amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32).clamp_(min=_MIN_AMAX)
+    multiplies by the reciprocal instead). `group`: one scale per row and `group` columns, else per row."""
+    m, k = x.shape
+    group = group or max(k, 1)
+    num_groups = -(-k // group)
+    padded = torch.zeros((m, num_groups * group), dtype=x.dtype, device=x.device)
+    padded[:, :k] = x
+    groups = padded.view(m, num_groups, group)
+    amax = groups.abs().amax(dim=2).to(torch.float32).clamp_(min=_MIN_AMAX)
     scale = (amax.double() / FP8_E4M3_MAX).float()
-    quotient = (x.double() / scale.double()).float()
+    quotient = (groups.double() / scale.double()[:, :, None]).float().reshape(m, -1)[:, :k]
     q = quotient.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale

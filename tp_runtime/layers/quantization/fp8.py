@@ -10,7 +10,8 @@ kernel finds a row's scales at a fixed stride. That costs 4 bytes per 128 weight
 The matmul is `Fp8Kernels`, picked from the device: on the CPU the dequantized weight in the compute dtype
 (what the tests compare against transformers running the same dequantized weights); on CUDA weight-only
 Triton kernels for up to 16 rows (decode: the weight's bytes are the step's cost) and FP8 tensor cores
-for more (torch._scaled_mm with per-token activation scales, made by one Triton kernel).
+for more (torch._scaled_mm or a Triton FP8 GEMM, with dynamic activation scales made by one Triton
+kernel: per token, or per token and scale block for block-scaled weights).
 """
 
 from __future__ import annotations
@@ -100,15 +101,22 @@ class Fp8Kernels:
 # Rows up to which the weight-only kernels run where W8A8 can take the rest; more take W8A8. At 32 rows
 # the weight-only few-rows kernel took 15.6-88.1 µs a Llama-3-8B layer (58.3 µs on average), W8A8
 # 16.7-52.4 (33.6); at 16 rows the weight-only kernel was faster on every layer (BENCHMARKS.md, "GPU:
-# FP8"). Block-scaled weights, which W8A8 here cannot take, stay on the weight-only kernels to 32 rows.
+# FP8").
 FP8_WEIGHT_ONLY_MAX_ROWS = 16
+# Rows up to which per-row-scaled weights under bfloat16 take the Triton FP8 GEMM rather than
+# torch._scaled_mm: at 17-64 rows it took 12.1-45.3 µs a Llama-3-8B layer against 17.0-49.7 for
+# _scaled_mm; at 512 rows _scaled_mm was faster on every layer (BENCHMARKS.md, "GPU: FP8").
+FP8_TRITON_GEMM_MAX_ROWS = 64
 
 
 class CudaFp8Kernels(Fp8Kernels):
-    """Up to FP8_WEIGHT_ONLY_MAX_ROWS rows (MAX_FEW_ROWS for block-scaled weights): the weight-only Triton
-    kernels (layers/skinny_gemm_triton.py), which read the FP8 weight once and dequantize in registers.
-    More rows: W8A8 on FP8 tensor cores, each row of x quantized with its own scale by one Triton kernel
-    (activation_quant_triton.py); block-scaled weights dequantized first (no block-scaled GEMM here yet)."""
+    """Up to FP8_WEIGHT_ONLY_MAX_ROWS rows: the weight-only Triton kernels (layers/skinny_gemm_triton.py),
+    which read the FP8 weight once and dequantize in registers. More rows: W8A8 on FP8 tensor cores, x
+    quantized by one Triton kernel (activation_quant_triton.py) per row, or per row and scale block for
+    block-scaled weights; torch._scaled_mm (cuBLASLt) multiplies per-row-scaled weights under bfloat16
+    x past FP8_TRITON_GEMM_MAX_ROWS rows, the Triton FP8 GEMM (fp8_gemm_triton.py) the rest. What
+    neither takes (x not 2-D, scale blocks narrower than an FP8 MMA's K) stays on the weight-only
+    kernels as far as they go, and is dequantized past them."""
 
     def __init__(self, num_sms: int) -> None:
         self.num_sms = num_sms
@@ -123,13 +131,15 @@ class CudaFp8Kernels(Fp8Kernels):
         silu_mul: bool,
     ) -> torch.Tensor:
         from tp_runtime.layers import skinny_gemm_triton as kernels  # Triton: imported where it runs
-        from tp_runtime.layers.quantization.activation_quant_triton import quantize_rows_fp8
+        from tp_runtime.layers.quantization import activation_quant_triton as aq
+        from tp_runtime.layers.quantization.fp8_gemm_triton import fp8_gemm
 
         rows = x.shape[0] if x.dim() == 2 else -1
         n, k = weight.shape
-        # _scaled_mm takes bfloat16 output with per-row scales, and sizes in multiples of 16; a weight it
-        # cannot take stays on the weight-only kernels as far as they go (past them it is dequantized).
-        w8a8 = scale.shape[1] == 1 and x.dim() == 2 and x.dtype == torch.bfloat16 and not (n % 16 or k % 16)
+        per_row = scale.shape[1] == 1
+        # _scaled_mm takes bfloat16 output with per-row scales, and sizes in multiples of 16.
+        scaled_mm = per_row and x.dtype == torch.bfloat16 and not (n % 16 or k % 16)
+        w8a8 = x.dim() == 2 and (per_row or (block_k >= 32 and not block_k & (block_k - 1)))
         if 1 <= rows <= (FP8_WEIGHT_ONLY_MAX_ROWS if w8a8 else kernels.MAX_FEW_ROWS):
             if rows == 1:
                 return kernels.skinny_linear(
@@ -149,10 +159,14 @@ class CudaFp8Kernels(Fp8Kernels):
             x = silu_and_mul(x, fused=True)
         if not w8a8:
             return super().linear(x, weight, scale, block_k, bias, silu_mul=False)
-        xq, x_scale = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous())
-        w_scale = scale.reshape(1, n)
-        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
-        return out if bias is None else out + bias
+        x = x if x.stride(1) == 1 else x.contiguous()
+        if scaled_mm and rows > FP8_TRITON_GEMM_MAX_ROWS:
+            xq, x_scale = aq.quantize_rows_fp8(x)
+            w_scale = scale.reshape(1, n)
+            out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
+            return out if bias is None else out + bias
+        xq, x_scale = aq.quantize_rows_fp8(x) if per_row else aq.quantize_groups_fp8(x, block_k)
+        return fp8_gemm(xq, x_scale, weight, scale, block_k, x.dtype, bias)
 
 
 class Fp8LinearMethod(LinearMethod):

@@ -397,6 +397,7 @@ for bad in (
     lambda: fp8_gemm(w8[:2], torch.ones(2, 2), w8, torch.ones(8, 1), 64, torch.float32),
     lambda: fp8_gemm(w8[:2], torch.ones(2, 4), w8, torch.ones(8, 4), 16, torch.float32),
     lambda: fp8_gemm(w8[:2], torch.ones(2, 2), w8, torch.ones(8, 2), 48, torch.float32),
+    lambda: fp8_gemm(w8[:2], torch.ones(2, 2), w8, torch.ones(2, 8).t(), 32, torch.float32),
 ):
     try:
         bad()

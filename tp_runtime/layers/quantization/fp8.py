@@ -118,8 +118,10 @@ class CudaFp8Kernels(Fp8Kernels):
     neither takes (x not 2-D, scale blocks narrower than an FP8 MMA's K) stays on the weight-only
     kernels as far as they go, and is dequantized past them."""
 
-    def __init__(self, num_sms: int) -> None:
+    def __init__(self, num_sms: int, triton_gemm: bool = True) -> None:
         self.num_sms = num_sms
+        # The Triton GEMM's launch shapes are Hopper's (FP8 MMAs, shared memory for 5 stages).
+        self.triton_gemm = triton_gemm
 
     def linear(
         self,
@@ -138,8 +140,13 @@ class CudaFp8Kernels(Fp8Kernels):
         n, k = weight.shape
         per_row = scale.shape[1] == 1
         # _scaled_mm takes bfloat16 output with per-row scales, and sizes in multiples of 16.
-        scaled_mm = per_row and x.dtype == torch.bfloat16 and not (n % 16 or k % 16)
-        w8a8 = x.dim() == 2 and (per_row or (block_k >= 32 and not block_k & (block_k - 1)))
+        scaled_mm = x.dim() == 2 and per_row and x.dtype == torch.bfloat16 and not (n % 16 or k % 16)
+        triton_gemm = (
+            self.triton_gemm
+            and x.dim() == 2
+            and (per_row or (block_k >= 32 and not block_k & (block_k - 1)))
+        )
+        w8a8 = scaled_mm or triton_gemm
         if 1 <= rows <= (FP8_WEIGHT_ONLY_MAX_ROWS if w8a8 else kernels.MAX_FEW_ROWS):
             if rows == 1:
                 return kernels.skinny_linear(
@@ -160,12 +167,13 @@ class CudaFp8Kernels(Fp8Kernels):
         if not w8a8:
             return super().linear(x, weight, scale, block_k, bias, silu_mul=False)
         x = x if x.stride(1) == 1 else x.contiguous()
-        if scaled_mm and rows > FP8_TRITON_GEMM_MAX_ROWS:
+        if scaled_mm and (rows > FP8_TRITON_GEMM_MAX_ROWS or not triton_gemm):
             xq, x_scale = aq.quantize_rows_fp8(x)
             w_scale = scale.reshape(1, n)
             out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
             return out if bias is None else out + bias
         xq, x_scale = aq.quantize_rows_fp8(x) if per_row else aq.quantize_groups_fp8(x, block_k)
+        bias = None if bias is None else bias.contiguous()
         return fp8_gemm(xq, x_scale, weight, scale, block_k, x.dtype, bias)
 
 
@@ -180,7 +188,9 @@ class Fp8LinearMethod(LinearMethod):
     @classmethod
     def for_device(cls, config: QuantConfig, device: torch.device) -> Fp8LinearMethod:
         if device.type == "cuda":
-            return cls(config, CudaFp8Kernels(torch.cuda.get_device_properties(device).multi_processor_count))
+            props = torch.cuda.get_device_properties(device)
+            hopper = (props.major, props.minor) >= (9, 0)
+            return cls(config, CudaFp8Kernels(props.multi_processor_count, triton_gemm=hopper))
         return cls(config, Fp8Kernels())
 
     def create_weights(

@@ -129,6 +129,7 @@ def fp8_gemm(
         or w_scale.dtype != torch.float32
         or (block_scales and (groups != -(-k // scale_block_k) or scale_block_k & (scale_block_k - 1)))
         or (block_scales and scale_block_k < 32)
+        or (block_scales and (w_scale.stride(1) != 1 or x_scale.stride(1) != 1))
     ):
         raise ValueError(
             f"fp8_gemm: x {tuple(xq.shape)} {xq.dtype} with scales {tuple(x_scale.shape)}, weight "

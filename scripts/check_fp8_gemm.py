@@ -2,7 +2,9 @@
 GPU, for the linear layers of a built-in model's shard, at decode and prefill row counts:
 
 - `bf16`: F.linear on the bf16 weight (what the unquantized model runs);
-- `fp8 default`: the engine's choice (weight-only Triton kernel for 1-16 rows, W8A8 _scaled_mm above);
+- `fp8 default`: the engine's choice (CudaFp8Kernels.linear);
+- `weight_only`: the weight-only Triton kernels (one row; few rows to 32);
+- `quantize`: the per-token activation quantization alone;
 - `fp8 triton best`: the fastest launch shape of the weight-only kernels in a sweep (1-32 rows);
 - `w8a8`: per-token activation quantization (the engine's Triton kernel) + torch._scaled_mm at every row
   count;
@@ -91,18 +93,30 @@ def measure_layer(
 
         def triton_w8a8(x: torch.Tensor, i: int, cfg: Fp8GemmConfig | None = None) -> torch.Tensor:
             xq, xs = quantize_rows_fp8(x)
-            return fp8_gemm(xq, xs, w8[i], scales[i], k, x.dtype, None, cfg)
+            return fp8_gemm(
+                xq, xs, w8[i], scales[i], k, x.dtype, None, cfg, kernels.num_sms, kernels.split_k_locks
+            )
 
         def block_triton(x: torch.Tensor, i: int, cfg: Fp8GemmConfig | None = None) -> torch.Tensor:
             xq, xs = quantize_groups_fp8(x, 128)
             return fp8_gemm(xq, xs, w8[i], blocks[i], 128, x.dtype, None, cfg)
 
         row["triton_w8a8_us"] = timed(triton_w8a8)
+        row["quantize_us"] = timed(lambda x, i: quantize_rows_fp8(x))
+        if rows == 1:
+            row["weight_only_us"] = timed(
+                lambda x, i: skinny_linear(
+                    x, w8[i], None, num_sms=kernels.num_sms, scale=scales[i], scale_block_k=k
+                )
+            )
+        elif rows <= 32:
+            few_cfg = fp8_few_rows_config(n, rows, kernels.num_sms)
+            row["weight_only_us"] = timed(
+                lambda x, i, c=few_cfg: few_rows_linear(x, w8[i], None, c, scale=scales[i], scale_block_k=k)
+            )
         row["block_engine_us"] = timed(lambda x, i: kernels.linear(x, w8[i], blocks[i], 128, None, False))
         row["block_triton_us"] = timed(block_triton)
-        row["block_dequant_us"] = timed(
-            lambda x, i: F.linear(x, dequantize(w8[i], blocks[i], 128, x.dtype))
-        )
+        row["block_dequant_us"] = timed(lambda x, i: F.linear(x, dequantize(w8[i], blocks[i], 128, x.dtype)))
         if 2 <= rows <= 32:
             few = fp8_few_rows_config(n, rows, kernels.num_sms)
             row["block_weight_only_us"] = timed(
@@ -147,7 +161,8 @@ def main() -> int:
     p.add_argument("--layers", nargs="+", default=None, help="only these layers (qkv o_proj gate_up down)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    kernels = CudaFp8Kernels(torch.cuda.get_device_properties(0).multi_processor_count)
+    props = torch.cuda.get_device_properties(0)
+    kernels = CudaFp8Kernels(props.multi_processor_count, device=torch.device("cuda"))
     results = []
     for model in args.model:
         for name, (n, k) in layer_shapes(model, 1).items():

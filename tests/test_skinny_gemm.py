@@ -272,7 +272,14 @@ for rows, n, k in ((1, 64, 256), (1, 37, 200), (3, 33, 130), (17, 48, 96)):
                 err = ((got.double() - want).abs() / bound).max().item()
                 assert got.dtype == torch.float32 and err <= 1e-6, (rows, n, k, block_k, with_bias, silu, err)
                 checked += 1
-# The CUDA method's dispatch, 1-16 rows: the kernels above (a 16-bit x; its weight converted in registers).
+# The CUDA method's dispatch. One row: the weight-only kernel above (a 16-bit x; its weight converted in
+# registers). Two rows or more (here 4 with the SiLU-mul, and 24): W8A8 through the Triton GEMM for
+# per-row-scaled weights and 32-column blocks (the GEMM's own test below). What no W8A8 path takes
+# (scale blocks narrower than an FP8 MMA's K) stays on the weight-only kernels to 32 rows; without the
+# Triton GEMM (before Hopper) they take per-row-scaled weights to 16 rows.
+from tp_runtime.layers.quantization import activation_quant_triton as aq
+from tp_runtime.layers.quantization.fp8_gemm_triton import fp8_gemm
+from tp_runtime.layers.skinny_gemm_triton import fp8_few_rows_config
 kernels = CudaFp8Kernels(132)
 w = torch.randn(64, 128).to(torch.float8_e4m3fn)
 scale = torch.rand(64, 1) + 0.5
@@ -280,14 +287,17 @@ x1, x4 = torch.randn(1, 128).half(), torch.randn(4, 256).half()
 want1 = skinny_linear(x1, w, scale=scale, scale_block_k=128)
 assert torch.equal(kernels.linear(x1, w, scale, 128, None, False), want1)
 got = kernels.linear(x4, w, scale, 128, None, True)
-want = silu_and_mul(x4.double()) @ (w.double() * scale.double()).T
-assert ((got.double() - want).abs().max() / want.abs().max()).item() < 4e-3
-# 17-32 rows: what no W8A8 path takes (scale blocks narrower than an FP8 MMA's K) stays on the weight-only
-# kernel; per-row-scaled weights (to 64 rows under bfloat16) and 32-column blocks go to the Triton W8A8
-# GEMM (its own test below).
-from tp_runtime.layers.quantization import activation_quant_triton as aq
-from tp_runtime.layers.quantization.fp8_gemm_triton import fp8_gemm
-from tp_runtime.layers.skinny_gemm_triton import fp8_few_rows_config
+h4 = silu_and_mul(x4, fused=True)
+assert torch.equal(got, fp8_gemm(*aq.quantize_rows_fp8(h4), w, scale, 128, x4.dtype))
+# (each activation rounded to e4m3 is within 2^-4 of itself, but for subnormals and the fp16 roundings)
+wd = w.double() * scale.double()
+want = silu_and_mul(x4.double()) @ wd.T
+bound = silu_and_mul(x4.double()).abs() @ wd.abs().T
+assert ((got.double() - want).abs() <= 2**-4 * bound + 1e-3 * want.abs().max()).all()
+pre_hopper = CudaFp8Kernels(132, triton_gemm=False)
+x4b = x4[:, :128].bfloat16().contiguous()
+want = few_rows_linear(x4b, w, None, fp8_few_rows_config(64, 4, 132), scale=scale, scale_block_k=128)
+assert torch.equal(pre_hopper.linear(x4b, w, scale, 128, None, False), want)
 x24 = torch.randn(24, 128)
 narrow = torch.rand(64, 8) + 0.5
 want = few_rows_linear(x24.half(), w, None, fp8_few_rows_config(64, 24, 132), scale=narrow, scale_block_k=16)
@@ -318,11 +328,15 @@ from tp_runtime.layers.quantization import activation_quant_triton as aq
 torch.manual_seed(0)
 checked = 0
 # Rows of very different magnitudes (one all zero), K that the block divides and that it does not, a
-# row stride wider than K. The interpreter rounds to e4m3 unlike CUDA, so the kernel writes its float32
+# row stride wider than K, rows split over several programs (wider than 2,048) and 128 rows or more
+# (a program each). The interpreter rounds to e4m3 unlike CUDA, so the kernel writes its float32
 # quotients here: they and the scales must be the correctly rounded ones bit for bit (scripts/gpu_check.py
 # checks the e4m3 bytes on a GPU).
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
-    for rows, k, width in ((1, 4096, 4096), (3, 100, 100), (32, 1500, 1500), (5, 1, 1), (4, 2048, 2100)):
+    for rows, k, width in (
+        (1, 4096, 4096), (3, 100, 100), (32, 1500, 1500), (5, 1, 1), (4, 2048, 2100), (3, 9000, 9001),
+        (130, 40, 40),
+    ):  # fmt: skip
         x = (torch.randn(rows, width) * torch.logspace(-6, 3, rows)[:, None]).to(dtype)[:, :k]
         if rows > 2:
             x[1] = 0
@@ -334,10 +348,11 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         assert torch.equal(q32, quotient), (dtype, rows, k)
         assert torch.equal(q32.to(torch.float8_e4m3fn).view(torch.uint8), q_ref.view(torch.uint8))
         checked += 1
-# NaN and infinities propagate as in torch: a row holding one gets a NaN or infinite scale, NaN values.
-x = torch.randn(4, 300)
-x[0, 7], x[1, 3], x[2, 5] = float("nan"), float("inf"), -float("inf")
-q32, scale = torch.empty(4, 300), torch.empty(4, 1)
+# NaN and infinities propagate as in torch: a row holding one gets a NaN or infinite scale, NaN values,
+# in every program of the row (a NaN in the row's last slice reaches its first).
+x = torch.randn(4, 5000)
+x[0, 4900], x[1, 3], x[2, 5] = float("nan"), float("inf"), -float("inf")
+q32, scale = torch.empty(4, 5000), torch.empty(4, 1)
 aq._launch(x, q32, scale)
 q_ref, scale_ref = aq.quantize_rows_fp8_reference(x)
 quotient = (x.double() / scale_ref.double()).float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
@@ -364,9 +379,10 @@ checked = 0
 # The W8A8 GEMM on e4m3 operands (their products exact in float32), against float64 sums of the
 # dequantized operands: per-row scales on both sides, or per 32/64/128-column block (the weight's scale
 # repeated over its rows, x's per row and block). Sizes the tiles divide and do not, a K shorter than a
-# tile and not a whole number of blocks, more rows than one token tile, a bias, a strided x.
-CONFIGS = [None, Fp8GemmConfig(16, 16, 32, 1, 1, 2), Fp8GemmConfig(32, 32, 64, 2, 2, 1)]
-for rows, n, k in ((1, 64, 256), (17, 48, 96), (40, 33, 130), (5, 100, 512), (70, 20, 64)):
+# tile and not a whole number of blocks, more rows than one token tile, a bias, a strided x; K split
+# over programs (explicitly, and by the default shape for few tiles of a long K).
+CONFIGS = [None, Fp8GemmConfig(16, 16, 32, 1, 1, 2, split_k=3), Fp8GemmConfig(32, 32, 64, 2, 2, 1)]
+for rows, n, k in ((1, 64, 256), (17, 48, 96), (40, 33, 130), (5, 100, 512), (70, 20, 64), (3, 64, 2048)):
     for block_k in (0, 32, 64, 128):
         for with_bias in (False, True):
             for cfg in CONFIGS:
@@ -391,13 +407,25 @@ for rows, n, k in ((1, 64, 256), (17, 48, 96), (40, 33, 130), (5, 100, 512), (70
 empty = fp8_gemm(torch.empty(3, 0, dtype=torch.float8_e4m3fn), torch.ones(3, 1), torch.empty(
     5, 0, dtype=torch.float8_e4m3fn), torch.ones(5, 1), 1, torch.float32, torch.arange(5.0))
 assert torch.equal(empty, torch.arange(5.0).expand(3, 5))
+# Split-K leaves its locks zeroed for the next call, and its sums do not depend on which program ends last.
+w = (torch.randn(40, 512) * 40).to(torch.float8_e4m3fn)
+xq = (torch.randn(2, 512) * 40).to(torch.float8_e4m3fn)
+split = Fp8GemmConfig(16, 16, 32, 1, 1, 2, split_k=5)
+locks = torch.zeros(3, dtype=torch.int32)  # 40 rows in tiles of 16
+first = fp8_gemm(xq, torch.ones(2, 1), w, torch.ones(40, 1), 512, torch.float32, None, split, locks=locks)
+assert not locks.any()
+again = fp8_gemm(xq, torch.ones(2, 1), w, torch.ones(40, 1), 512, torch.float32, None, split, locks=locks)
+assert torch.equal(first, again) and not locks.any()
+torch.testing.assert_close(first, xq.double().matmul(w.double().T).float(), rtol=1e-6, atol=1e-3)
 w8 = torch.randn(8, 64).to(torch.float8_e4m3fn)
+ones = torch.ones(40, 1)
 for bad in (
     lambda: fp8_gemm(torch.randn(2, 64), torch.ones(2, 1), w8, torch.ones(8, 1), 64, torch.float32),
     lambda: fp8_gemm(w8[:2], torch.ones(2, 2), w8, torch.ones(8, 1), 64, torch.float32),
     lambda: fp8_gemm(w8[:2], torch.ones(2, 4), w8, torch.ones(8, 4), 16, torch.float32),
     lambda: fp8_gemm(w8[:2], torch.ones(2, 2), w8, torch.ones(8, 2), 48, torch.float32),
     lambda: fp8_gemm(w8[:2], torch.ones(2, 2), w8, torch.ones(2, 8).t(), 32, torch.float32),
+    lambda: fp8_gemm(xq, ones[:2], w, ones, 512, torch.float32, None, split, 1, locks[:1]),
 ):
     try:
         bad()
@@ -411,7 +439,7 @@ print("OK", checked)
 
 def test_fp8_gemm_matches_float64() -> None:
     status, checked = _run(FP8_GEMM_VS_FLOAT64).split()
-    assert status == "OK" and int(checked) == 5 * 4 * 2 * 3
+    assert status == "OK" and int(checked) == 6 * 4 * 2 * 3
 
 
 GROUP_QUANT_VS_TORCH = """
@@ -462,4 +490,4 @@ def test_group_activation_quantization_matches_torch() -> None:
 
 def test_activation_quantization_matches_torch() -> None:
     status, checked = _run(ACTIVATION_QUANT_VS_TORCH).split()
-    assert status == "OK" and int(checked) == 3 * 5
+    assert status == "OK" and int(checked) == 3 * 7

@@ -98,30 +98,39 @@ class Fp8Kernels:
         return F.linear(x, dequantize(weight, scale, block_k, x.dtype), bias)
 
 
-# Rows up to which the weight-only kernels run where W8A8 can take the rest; more take W8A8. At 32 rows
-# the weight-only few-rows kernel took 15.6-88.1 µs a Llama-3-8B layer (58.3 µs on average), W8A8
-# 16.7-52.4 (33.6); at 16 rows the weight-only kernel was faster on every layer (BENCHMARKS.md, "GPU:
-# FP8").
-FP8_WEIGHT_ONLY_MAX_ROWS = 16
+# Where the Triton FP8 GEMM exists (fp8_gemm_triton.py, Hopper), 2 or more rows take W8A8 through it:
+# with one activation-quantization kernel it took a Llama-3-8B layer set at 2 and 16 rows 15-20 % less
+# time than the weight-only few-rows kernel; at one row the weight-only kernel was faster on every
+# Llama-3-8B and 70B layer but one (BENCHMARKS.md, "GPU: FP8").
 # Rows up to which per-row-scaled weights under bfloat16 take the Triton FP8 GEMM rather than
 # torch._scaled_mm: at 17-64 rows it took 12.1-45.3 µs a Llama-3-8B layer against 17.0-49.7 for
 # _scaled_mm; at 512 rows _scaled_mm was faster on every layer (BENCHMARKS.md, "GPU: FP8").
 FP8_TRITON_GEMM_MAX_ROWS = 64
+# Rows up to which weights without the Triton GEMM (before Hopper) stay on the weight-only kernels:
+# _scaled_mm with per-token activations only pays from about there.
+FP8_WEIGHT_ONLY_MAX_ROWS = 16
+# Output tiles a split-K GEMM call may have (default_config splits only calls of fewer than two waves).
+_SPLIT_K_LOCKS = 4096
 
 
 class CudaFp8Kernels(Fp8Kernels):
-    """Up to FP8_WEIGHT_ONLY_MAX_ROWS rows: the weight-only Triton kernels (layers/skinny_gemm_triton.py),
-    which read the FP8 weight once and dequantize in registers. More rows: W8A8 on FP8 tensor cores, x
-    quantized by one Triton kernel (activation_quant_triton.py) per row, or per row and scale block for
-    block-scaled weights; torch._scaled_mm (cuBLASLt) multiplies per-row-scaled weights under bfloat16
-    x past FP8_TRITON_GEMM_MAX_ROWS rows, the Triton FP8 GEMM (fp8_gemm_triton.py) the rest. What
-    neither takes (x not 2-D, scale blocks narrower than an FP8 MMA's K) stays on the weight-only
-    kernels as far as they go, and is dequantized past them."""
+    """One row: the weight-only Triton kernel (layers/skinny_gemm_triton.py), which reads the FP8 weight
+    once and dequantizes in registers. More rows: W8A8 on FP8
+    tensor cores, x quantized by one Triton kernel (activation_quant_triton.py) per row, or per row and
+    scale block for block-scaled weights; torch._scaled_mm (cuBLASLt) multiplies per-row-scaled weights
+    under bfloat16 x past FP8_TRITON_GEMM_MAX_ROWS rows, the Triton FP8 GEMM (fp8_gemm_triton.py) the
+    rest. Without the Triton GEMM (before Hopper) the weight-only kernels take up to
+    FP8_WEIGHT_ONLY_MAX_ROWS rows. What neither takes (x not 2-D, scale blocks narrower than an FP8
+    MMA's K) stays on the weight-only kernels as far as they go, and is dequantized past them."""
 
-    def __init__(self, num_sms: int, triton_gemm: bool = True) -> None:
+    def __init__(self, num_sms: int, triton_gemm: bool = True, device: torch.device | None = None) -> None:
         self.num_sms = num_sms
         # The Triton GEMM's launch shapes are Hopper's (FP8 MMAs, shared memory for 5 stages).
         self.triton_gemm = triton_gemm
+        # Split-K's tile counters: zero between calls, shared by the calls of one stream (one engine).
+        self.split_k_locks = (
+            None if device is None else torch.zeros(_SPLIT_K_LOCKS, dtype=torch.int32, device=device)
+        )
 
     def linear(
         self,
@@ -147,7 +156,11 @@ class CudaFp8Kernels(Fp8Kernels):
             and (per_row or (block_k >= 32 and not block_k & (block_k - 1)))
         )
         w8a8 = scaled_mm or triton_gemm
-        if 1 <= rows <= (FP8_WEIGHT_ONLY_MAX_ROWS if w8a8 else kernels.MAX_FEW_ROWS):
+        if triton_gemm:
+            weight_only_rows = 1
+        else:
+            weight_only_rows = FP8_WEIGHT_ONLY_MAX_ROWS if scaled_mm else kernels.MAX_FEW_ROWS
+        if 1 <= rows <= weight_only_rows:
             if rows == 1:
                 return kernels.skinny_linear(
                     x,
@@ -174,7 +187,9 @@ class CudaFp8Kernels(Fp8Kernels):
             return out if bias is None else out + bias
         xq, x_scale = aq.quantize_rows_fp8(x) if per_row else aq.quantize_groups_fp8(x, block_k)
         bias = None if bias is None else bias.contiguous()
-        return fp8_gemm(xq, x_scale, weight, scale, block_k, x.dtype, bias)
+        return fp8_gemm(
+            xq, x_scale, weight, scale, block_k, x.dtype, bias, num_sms=self.num_sms, locks=self.split_k_locks
+        )
 
 
 class Fp8LinearMethod(LinearMethod):
@@ -190,7 +205,7 @@ class Fp8LinearMethod(LinearMethod):
         if device.type == "cuda":
             props = torch.cuda.get_device_properties(device)
             hopper = (props.major, props.minor) >= (9, 0)
-            return cls(config, CudaFp8Kernels(props.multi_processor_count, triton_gemm=hopper))
+            return cls(config, CudaFp8Kernels(props.multi_processor_count, triton_gemm=hopper, device=device))
         return cls(config, Fp8Kernels())
 
     def create_weights(

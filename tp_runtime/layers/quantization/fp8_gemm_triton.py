@@ -27,13 +27,17 @@ import triton.language as tl
 
 @triton.jit
 def _fp8_gemm_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, partial_ptr, lock_ptr, M, N, K, K_PER_SPLIT,
     x_stride, xs_stride, w_stride, ws_stride, out_stride,
     BLOCK_SCALES: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
+    """SPLIT_K > 1: program (tile, split) sums K_PER_SPLIT columns (a multiple of BLOCK_K) into a
+    float32 partial; the tile's last program to finish (counted on its lock, which it then resets to 0)
+    adds the partials in split order, so the result does not depend on which finishes last."""
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_in_group = GROUP_M * tiles_n
@@ -47,11 +51,12 @@ def _fp8_gemm_kernel(
     # Out-of-range rows read the last row instead of masking every load; their results are not stored.
     n_in = tl.minimum(n, N - 1).to(tl.int64)
     m_in = tl.minimum(m, M - 1).to(tl.int64)
+    k_first = split * K_PER_SPLIT
     kk = tl.arange(0, BLOCK_K)
-    w_tile = w_ptr + n_in[:, None] * w_stride + kk[None, :]
-    x_tile = x_ptr + m_in[:, None] * x_stride + kk[None, :]
+    w_tile = w_ptr + n_in[:, None] * w_stride + (k_first + kk)[None, :]
+    x_tile = x_ptr + m_in[:, None] * x_stride + (k_first + kk)[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
+    for k_start in range(k_first, tl.minimum(k_first + K_PER_SPLIT, K), BLOCK_K):
         if EVEN_K:
             w = tl.load(w_tile)
             x = tl.load(x_tile)
@@ -69,6 +74,28 @@ def _fp8_gemm_kernel(
             acc += part
         w_tile += BLOCK_K
         x_tile += BLOCK_K
+    if SPLIT_K == 1:
+        _epilogue(acc, n, m, n_in, m_in, xs_ptr, ws_ptr, bias_ptr, out_ptr, M, N, xs_stride, ws_stride,
+                  out_stride, BLOCK_SCALES, HAS_BIAS)  # fmt: skip
+    else:
+        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        partials = partial_ptr + pid.to(tl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M) + tile
+        tl.store(partials + split * (BLOCK_N * BLOCK_M), acc)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        if tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for other in range(SPLIT_K):
+                acc += tl.load(partials + other * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
+            tl.atomic_xchg(lock_ptr + pid, 0)
+            _epilogue(acc, n, m, n_in, m_in, xs_ptr, ws_ptr, bias_ptr, out_ptr, M, N, xs_stride,
+                      ws_stride, out_stride, BLOCK_SCALES, HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _epilogue(
+    acc, n, m, n_in, m_in, xs_ptr, ws_ptr, bias_ptr, out_ptr, M, N, xs_stride, ws_stride, out_stride,
+    BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
     if not BLOCK_SCALES:
         acc *= tl.load(ws_ptr + n_in * ws_stride)[:, None] * tl.load(xs_ptr + m_in * xs_stride)[None, :]
     if HAS_BIAS:
@@ -86,16 +113,21 @@ class Fp8GemmConfig(NamedTuple):
     num_warps: int
     num_stages: int
     group_m: int = 8
+    split_k: int = 1
 
 
-def default_config(rows: int, block_scales: bool) -> Fp8GemmConfig:
+def default_config(rows: int, n: int, k: int, block_scales: bool, num_sms: int) -> Fp8GemmConfig:
     """Few tokens: 64 weight rows (one wgmma's M), a token tile just covering them and a 5-deep K
-    pipeline (the weight's bytes are the cost). Many: 64x128 tiles. Block scales cap the K tile at 128,
-    the blocks' width. The fastest or within 4 % of the fastest of a sweep over the Llama-3-8B layers at
-    1-4096 rows on an H200 (scripts/check_fp8_gemm.py --sweep-gemm; BENCHMARKS.md)."""
-    if rows <= 64:
-        return Fp8GemmConfig(64, max(16, triton.next_power_of_2(rows)), 128 if block_scales else 256, 4, 5)
-    return Fp8GemmConfig(64, 128, 128, 4, 3)
+    pipeline (the weight's bytes are the cost); K split in two where the tiles fill under half the SMs
+    and K is long (Llama-3-8B's down projection: 18.4 against 20.0 µs at 16 rows; splitting shorter or
+    wider weights, or more ways, was slower). Many: 64x128 tiles. Block scales cap the K tile at 128,
+    the blocks' width. From sweeps over the Llama-3-8B and 70B layers at 1-4096 rows on an H200
+    (scripts/check_fp8_gemm.py --sweep-gemm; BENCHMARKS.md)."""
+    if rows > 64:
+        return Fp8GemmConfig(64, 128, 128, 4, 3)
+    block_k = 128 if block_scales else 256
+    split = 2 if 2 * triton.cdiv(n, 64) <= num_sms and triton.cdiv(k, block_k) >= 32 else 1
+    return Fp8GemmConfig(64, max(16, triton.next_power_of_2(rows)), block_k, 4, 5, split_k=split)
 
 
 def fp8_gemm(
@@ -107,11 +139,16 @@ def fp8_gemm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     config: Fp8GemmConfig | None = None,
+    num_sms: int = 132,
+    locks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """xq [M, K] e4m3 with x_scale [M, G] float32, weight [N, K] e4m3 with w_scale [N, G] float32 ->
     [M, N] in `out_dtype`, float32 accumulation rounded once. G = 1: per-row scales; else G =
     cdiv(K, scale_block_k) scales of scale_block_k columns (a power of two, at least 32: an FP8 MMA's K)
-    on both sides."""
+    on both sides.
+    `locks`: a zeroed int32 buffer for split-K (at least one entry per output tile), which each call
+    leaves zeroed; calls sharing one must not run concurrently. Without it a split call allocates its
+    own."""
     m, k = xq.shape
     n = weight.shape[0]
     groups = w_scale.shape[1]
@@ -143,14 +180,27 @@ def fp8_gemm(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    cfg = config or default_config(m, block_scales)
+    cfg = config or default_config(m, n, k, block_scales, num_sms)
     block_k = min(cfg.block_k, scale_block_k) if block_scales else cfg.block_k
-    grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m),)
-    _fp8_gemm_kernel[grid](
-        xq, x_scale, weight, w_scale, weight if bias is None else bias, out, m, n, k,
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
+    k_steps = triton.cdiv(k, block_k)
+    split = max(1, min(cfg.split_k, k_steps))
+    k_per_split = triton.cdiv(k_steps, split) * block_k
+    split = triton.cdiv(k, k_per_split)  # no split left without columns
+    partials = out
+    if split > 1:
+        if locks is None:
+            locks = torch.zeros(tiles, dtype=torch.int32, device=xq.device)
+        elif locks.dtype != torch.int32 or locks.numel() < tiles or locks.device != xq.device:
+            raise ValueError(f"fp8_gemm: split-K locks {locks.dtype} {tuple(locks.shape)} for {tiles} tiles")
+        tile_size = cfg.block_n * cfg.block_m
+        partials = torch.empty((tiles, split, tile_size), dtype=torch.float32, device=xq.device)
+    _fp8_gemm_kernel[(tiles, split)](
+        xq, x_scale, weight, w_scale, weight if bias is None else bias, out, partials,
+        out if locks is None else locks, m, n, k, k_per_split,
         xq.stride(0), x_scale.stride(0), weight.stride(0), w_scale.stride(0), out.stride(0),
         BLOCK_SCALES=block_scales, SCALE_BLOCK_K=max(scale_block_k, 1), HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=block_k, GROUP_M=cfg.group_m,
-        EVEN_K=k % block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=k % block_k == 0, SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

@@ -8,10 +8,10 @@ are repeated over their block's rows, so a fused layer's parts need not start on
 kernel finds a row's scales at a fixed stride. That costs 4 bytes per 128 weights (3 %) of extra reads.
 
 The matmul is `Fp8Kernels`, picked from the device: on the CPU the dequantized weight in the compute dtype
-(what the tests compare against transformers running the same dequantized weights); on CUDA weight-only
-Triton kernels for up to 16 rows (decode: the weight's bytes are the step's cost) and FP8 tensor cores
-for more (torch._scaled_mm or a Triton FP8 GEMM, with dynamic activation scales made by one Triton
-kernel: per token, or per token and scale block for block-scaled weights).
+(what the tests compare against transformers running the same dequantized weights); on CUDA a weight-only
+Triton kernel for one row (decode at batch 1: the weight's bytes are the step's cost) and FP8 tensor
+cores for more (a Triton FP8 GEMM or torch._scaled_mm, with dynamic activation scales made by one Triton
+kernel: per token, or per token and scale block for block-scaled weights); see CudaFp8Kernels.
 """
 
 from __future__ import annotations

@@ -99,7 +99,9 @@ def measure_layer(
 
         def block_triton(x: torch.Tensor, i: int, cfg: Fp8GemmConfig | None = None) -> torch.Tensor:
             xq, xs = quantize_groups_fp8(x, 128)
-            return fp8_gemm(xq, xs, w8[i], blocks[i], 128, x.dtype, None, cfg)
+            return fp8_gemm(
+                xq, xs, w8[i], blocks[i], 128, x.dtype, None, cfg, kernels.num_sms, kernels.split_k_locks
+            )
 
         row["triton_w8a8_us"] = timed(triton_w8a8)
         row["quantize_us"] = timed(lambda x, i: quantize_rows_fp8(x))
@@ -161,8 +163,7 @@ def main() -> int:
     p.add_argument("--layers", nargs="+", default=None, help="only these layers (qkv o_proj gate_up down)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    props = torch.cuda.get_device_properties(0)
-    kernels = CudaFp8Kernels(props.multi_processor_count, device=torch.device("cuda"))
+    kernels = CudaFp8Kernels.for_device(torch.device("cuda"))
     results = []
     for model in args.model:
         for name, (n, k) in layer_shapes(model, 1).items():

@@ -194,8 +194,7 @@ def fp8_checks() -> list[dict[str, Any]]:
     same = torch.equal(q[3].view(torch.uint8), q_ref[3].view(torch.uint8))
     same = same and torch.equal(scale[3], scale_ref[3])
     _report(results, {"check": "fp8 activation quantization of NaN and inf rows", "ok": nan_kept and same})
-    props = torch.cuda.get_device_properties(0)
-    kernels = CudaFp8Kernels(props.multi_processor_count, device=torch.device("cuda"))
+    kernels = CudaFp8Kernels.for_device(torch.device("cuda"))
     shapes = [(4096, 4096, 0), (6144, 4096, 128), (1024, 14336, 0), (28672, 4096, 128), (200, 96, 0)]
     shapes += [(4096, 14336, 0)]  # few tiles of a long K: split in two
     for n, k, block_k in shapes:

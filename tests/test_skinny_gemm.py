@@ -298,7 +298,26 @@ pre_hopper = CudaFp8Kernels(132, triton_gemm=False)
 x4b = x4[:, :128].bfloat16().contiguous()
 want = few_rows_linear(x4b, w, None, fp8_few_rows_config(64, 4, 132), scale=scale, scale_block_k=128)
 assert torch.equal(pre_hopper.linear(x4b, w, scale, 128, None, False), want)
+# Few tiles of a long K split in two, on the method's own lock buffer, which stays zeroed; without FP8
+# tensor cores (before sm89) 24 rows stay weight-only.
+engine = CudaFp8Kernels(132, device=torch.device("cpu"))
+long_w = (torch.randn(64, 8192) * 0.05).to(torch.float8_e4m3fn)
+x2 = torch.randn(2, 8192)
+long_blocks = torch.rand(64, 256) + 0.5
+for s, bk in ((scale, 8192), (long_blocks, 32)):
+    full = s.double().repeat_interleave(bk, 1)[:, :8192]
+    got = engine.linear(x2, long_w, s, bk, None, False).double()
+    want = x2.double() @ (long_w.double() * full).T
+    bound = x2.double().abs() @ (long_w.double() * full).abs().T
+    assert ((got - want).abs() <= 2**-4 * bound + 1e-3 * want.abs().max()).all()
+    assert not engine.split_k_locks.any()
+from tp_runtime.layers.quantization import fp8_gemm_triton
+assert fp8_gemm_triton.default_config(2, 64, 8192, False, 132).split_k == 2
+no_fp8_mma = CudaFp8Kernels(132, fp8_mma=False)
 x24 = torch.randn(24, 128)
+few24 = fp8_few_rows_config(64, 24, 132)
+want = few_rows_linear(x24.bfloat16(), w, None, few24, scale=scale, scale_block_k=128)
+assert torch.equal(no_fp8_mma.linear(x24.bfloat16(), w, scale, 128, None, False), want)
 narrow = torch.rand(64, 8) + 0.5
 want = few_rows_linear(x24.half(), w, None, fp8_few_rows_config(64, 24, 132), scale=narrow, scale_block_k=16)
 assert torch.equal(kernels.linear(x24.half(), w, narrow, 16, None, False), want)

@@ -119,17 +119,36 @@ class CudaFp8Kernels(Fp8Kernels):
     tensor cores, x quantized by one Triton kernel (activation_quant_triton.py) per row, or per row and
     scale block for block-scaled weights; torch._scaled_mm (cuBLASLt) multiplies per-row-scaled weights
     under bfloat16 x past FP8_TRITON_GEMM_MAX_ROWS rows, the Triton FP8 GEMM (fp8_gemm_triton.py) the
-    rest. Without the Triton GEMM (before Hopper) the weight-only kernels take up to
+    rest. Without the Triton GEMM (other than sm90/sm100) the weight-only kernels take up to
     FP8_WEIGHT_ONLY_MAX_ROWS rows. What neither takes (x not 2-D, scale blocks narrower than an FP8
-    MMA's K) stays on the weight-only kernels as far as they go, and is dequantized past them."""
+    MMA's K, GPUs without FP8 tensor cores: before sm89) stays on the weight-only kernels as far as they
+    go, and is dequantized past them."""
 
-    def __init__(self, num_sms: int, triton_gemm: bool = True, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        num_sms: int,
+        triton_gemm: bool = True,
+        fp8_mma: bool = True,
+        device: torch.device | None = None,
+    ) -> None:
         self.num_sms = num_sms
+        # FP8 tensor cores (sm89+): without them no W8A8 path runs, only the weight-only kernels.
+        self.fp8_mma = fp8_mma
         # The Triton GEMM's launch shapes are Hopper's (FP8 MMAs, shared memory for 5 stages).
-        self.triton_gemm = triton_gemm
+        self.triton_gemm = triton_gemm and fp8_mma
         # Split-K's tile counters: zero between calls, shared by the calls of one stream (one engine).
         self.split_k_locks = (
             None if device is None else torch.zeros(_SPLIT_K_LOCKS, dtype=torch.int32, device=device)
+        )
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> CudaFp8Kernels:
+        props = torch.cuda.get_device_properties(device)
+        return cls(
+            props.multi_processor_count,
+            triton_gemm=props.major in (9, 10),  # its launch shapes need sm90/sm100's shared memory
+            fp8_mma=(props.major, props.minor) >= (8, 9),
+            device=device,
         )
 
     def linear(
@@ -149,7 +168,9 @@ class CudaFp8Kernels(Fp8Kernels):
         n, k = weight.shape
         per_row = scale.shape[1] == 1
         # _scaled_mm takes bfloat16 output with per-row scales, and sizes in multiples of 16.
-        scaled_mm = x.dim() == 2 and per_row and x.dtype == torch.bfloat16 and not (n % 16 or k % 16)
+        scaled_mm = (
+            self.fp8_mma and x.dim() == 2 and per_row and x.dtype == torch.bfloat16 and not (n % 16 or k % 16)
+        )
         triton_gemm = (
             self.triton_gemm
             and x.dim() == 2
@@ -203,9 +224,7 @@ class Fp8LinearMethod(LinearMethod):
     @classmethod
     def for_device(cls, config: QuantConfig, device: torch.device) -> Fp8LinearMethod:
         if device.type == "cuda":
-            props = torch.cuda.get_device_properties(device)
-            hopper = (props.major, props.minor) >= (9, 0)
-            return cls(config, CudaFp8Kernels(props.multi_processor_count, triton_gemm=hopper, device=device))
+            return cls(config, CudaFp8Kernels.for_device(device))
         return cls(config, Fp8Kernels())
 
     def create_weights(

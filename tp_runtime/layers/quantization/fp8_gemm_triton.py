@@ -119,14 +119,14 @@ class Fp8GemmConfig(NamedTuple):
 def default_config(rows: int, n: int, k: int, block_scales: bool, num_sms: int) -> Fp8GemmConfig:
     """Few tokens: 64 weight rows (one wgmma's M), a token tile just covering them and a 5-deep K
     pipeline (the weight's bytes are the cost); K split in two where the tiles fill under half the SMs
-    and K is long (Llama-3-8B's down projection: 18.4 against 20.0 µs at 16 rows; splitting shorter or
-    wider weights, or more ways, was slower). Many: 64x128 tiles. Block scales cap the K tile at 128,
-    the blocks' width. From sweeps over the Llama-3-8B and 70B layers at 1-4096 rows on an H200
-    (scripts/check_fp8_gemm.py --sweep-gemm; BENCHMARKS.md)."""
+    and K has 8,192 columns or more (Llama-3-8B's down projection: 18.4 against 20.0 µs at 16 rows;
+    splitting shorter or wider weights, or more ways, was slower). Many: 64x128 tiles. Block scales cap
+    the K tile at 128, the blocks' width. From sweeps over the Llama-3-8B and 70B layers at 1-4096 rows
+    on an H200 (scripts/check_fp8_gemm.py --sweep-gemm; BENCHMARKS.md)."""
     if rows > 64:
         return Fp8GemmConfig(64, 128, 128, 4, 3)
     block_k = 128 if block_scales else 256
-    split = 2 if 2 * triton.cdiv(n, 64) <= num_sms and triton.cdiv(k, block_k) >= 32 else 1
+    split = 2 if 2 * triton.cdiv(n, 64) <= num_sms and k >= 8192 else 1
     return Fp8GemmConfig(64, max(16, triton.next_power_of_2(rows)), block_k, 4, 5, split_k=split)
 
 
@@ -191,7 +191,12 @@ def fp8_gemm(
     if split > 1:
         if locks is None:
             locks = torch.zeros(tiles, dtype=torch.int32, device=xq.device)
-        elif locks.dtype != torch.int32 or locks.numel() < tiles or locks.device != xq.device:
+        elif (
+            locks.dtype != torch.int32
+            or locks.numel() < tiles
+            or locks.device != xq.device
+            or not locks.is_contiguous()
+        ):
             raise ValueError(f"fp8_gemm: split-K locks {locks.dtype} {tuple(locks.shape)} for {tiles} tiles")
         tile_size = cfg.block_n * cfg.block_m
         partials = torch.empty((tiles, split, tile_size), dtype=torch.float32, device=xq.device)

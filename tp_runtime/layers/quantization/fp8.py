@@ -98,26 +98,25 @@ class Fp8Kernels:
         return F.linear(x, dequantize(weight, scale, block_k, x.dtype), bias)
 
 
-# Where the Triton FP8 GEMM exists (fp8_gemm_triton.py, Hopper), 2 or more rows take W8A8 through it:
-# with one activation-quantization kernel it took a Llama-3-8B layer set at 2 and 16 rows 15-20 % less
-# time than the weight-only few-rows kernel; at one row the weight-only kernel was faster on every
-# Llama-3-8B and 70B layer but one (BENCHMARKS.md, "GPU: FP8").
 # Rows up to which per-row-scaled weights under bfloat16 take the Triton FP8 GEMM rather than
 # torch._scaled_mm: at 17-64 rows it took 12.1-45.3 µs a Llama-3-8B layer against 17.0-49.7 for
 # _scaled_mm; at 512 rows _scaled_mm was faster on every layer (BENCHMARKS.md, "GPU: FP8").
 FP8_TRITON_GEMM_MAX_ROWS = 64
-# Rows up to which weights without the Triton GEMM (before Hopper) stay on the weight-only kernels:
+# Rows up to which weights without the Triton GEMM (GPUs other than sm90/sm100) stay weight-only:
 # _scaled_mm with per-token activations only pays from about there.
 FP8_WEIGHT_ONLY_MAX_ROWS = 16
-# Output tiles a split-K GEMM call may have (default_config splits only calls of fewer than two waves).
+# Output tiles a split-K GEMM call may have (default_config splits only calls whose tiles fill under
+# half the SMs).
 _SPLIT_K_LOCKS = 4096
 
 
 class CudaFp8Kernels(Fp8Kernels):
     """One row: the weight-only Triton kernel (layers/skinny_gemm_triton.py), which reads the FP8 weight
-    once and dequantizes in registers. More rows: W8A8 on FP8
-    tensor cores, x quantized by one Triton kernel (activation_quant_triton.py) per row, or per row and
-    scale block for block-scaled weights; torch._scaled_mm (cuBLASLt) multiplies per-row-scaled weights
+    once and dequantizes in registers. More rows: W8A8 on FP8 tensor cores, x quantized by one Triton
+    kernel (activation_quant_triton.py) per row, or per row and scale block for block-scaled weights
+    (at 2 and 16 rows it took a Llama-3-8B layer set 15-20 % less time than the weight-only few-rows
+    kernel; at one row the weight-only kernel was faster on every Llama-3-8B and 70B layer but one:
+    BENCHMARKS.md, "GPU: FP8"); torch._scaled_mm (cuBLASLt) multiplies per-row-scaled weights
     under bfloat16 x past FP8_TRITON_GEMM_MAX_ROWS rows, the Triton FP8 GEMM (fp8_gemm_triton.py) the
     rest. Without the Triton GEMM (other than sm90/sm100) the weight-only kernels take up to
     FP8_WEIGHT_ONLY_MAX_ROWS rows. What neither takes (x not 2-D, scale blocks narrower than an FP8

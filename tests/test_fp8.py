@@ -26,6 +26,7 @@ from tp_runtime.config import QuantConfig, build_model_config, quant_config
 from tp_runtime.distributed import TPGroup
 from tp_runtime.errors import ConfigError
 from tp_runtime.models.llama import LlamaForCausalLM
+from tp_runtime.models.registry import model_class
 
 # (Mixtral's experts: w1, w3 gate and up, w2 down)
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -338,27 +339,54 @@ MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2}
 def test_fp8_moe_checkpoints_match_hf_on_dequantized_weights(
     arch: str, extra: dict[str, Any], scheme: str, tp: int, make_checkpoint: Any, tmp_path: Path
 ) -> None:
-    """Every linear weight FP8, experts included: attention and dense MLPs run FP8, the experts load
-    dequantized to the model dtype (their FP8 kernels are not written yet)."""
+    """Every linear weight FP8, experts included, and every one stays FP8 in the engine: each rank holds
+    its slice of each expert, which dequantizes to the reference's slice."""
     src = make_checkpoint(arch, seed=3, **extra)
     names = load_file(str(src / "model.safetensors"))
     assert any(".experts." in n for n in names), sorted(names)[:20]
     out = write_fp8(src, tmp_path, "fp8" if scheme == "block" else "compressed-tensors", scheme)
     quantized = load_file(str(out / "fp8" / "model.safetensors"))
     assert any(".experts." in n and t.dtype == torch.float8_e4m3fn for n, t in quantized.items())
+    ref = load_file(str(out / "ref" / "model.safetensors"))
+    cfg = build_model_config(out / "fp8", dtype="float32")
+    layer = cfg.moe_layers[-1]
+    (gate, up, down), ffn = (("w1", "w3", "w2"), "block_sparse_moe") if "Mixtral" in arch else (
+        ("gate_proj", "up_proj", "down_proj"), "mlp")  # fmt: skip
+    for rank in range(tp):
+        model = model_class(arch)(cfg, TPGroup(rank, tp), torch.float32, torch.device("cpu"))
+        loader.load_weights(model, str(out / "fp8"), torch.float32, cfg.quantization)
+        moe = model.model.layers[layer].mlp  # type: ignore[union-attr]
+        assert moe.w13.dtype == moe.w2.dtype == torch.float8_e4m3fn
+        for e in range(cfg.num_experts):
+            p = f"model.layers.{layer}.{ffn}.experts.{e}."
+            rows = [ref[f"{p}{name}.weight"].chunk(tp)[rank] for name in (gate, up)]
+            assert torch.equal(moe.w13_stack.dequantized(torch.float32, e), torch.cat(rows))
+            want = ref[f"{p}{down}.weight"].chunk(tp, dim=1)[rank]
+            assert torch.equal(moe.w2_stack.dequantized(torch.float32, e), want)
     prompts = random_prompts((7, 23), 300, seed=9)
     assert_same_tokens(_greedy(out / "fp8", prompts, tp), hf_greedy(out / "ref", prompts, 8), prompts)
 
 
-def test_online_fp8_of_a_moe_model_quantizes_its_dense_layers(make_checkpoint: Any, tmp_path: Path) -> None:
-    """Experts stay in the model dtype; attention and the dense layer's MLP are quantized per channel."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_online_fp8_of_a_moe_model_quantizes_every_linear_layer(
+    tp: int, make_checkpoint: Any, tmp_path: Path
+) -> None:
+    """Attention, the dense layer's MLP and every expert are quantized per channel (the router stays in
+    the model dtype), at TP 1 and 2."""
     src = make_checkpoint("Qwen3MoeForCausalLM", seed=3, **QWEN3_MOE)
     ref = tmp_path / "ref"
     shutil.copytree(src, ref)
     tensors = load_file(str(src / "model.safetensors"))
     for name, t in tensors.items():
-        if name.removesuffix(".weight").rsplit(".", 1)[-1] in LINEAR_SUFFIXES and ".experts." not in name:
+        if name.removesuffix(".weight").rsplit(".", 1)[-1] in LINEAR_SUFFIXES:
             tensors[name] = _qdq_per_channel(t)
     save_file(tensors, str(ref / "model.safetensors"))
+    cfg = build_model_config(src, dtype="float32", quantization="fp8")
+    model = model_class(cfg.architecture)(cfg, TPGroup(), torch.float32, torch.device("cpu"))
+    loader.load_weights(model, str(src), torch.float32, cfg.quantization)
+    moe = model.model.layers[1].mlp  # type: ignore[union-attr]
+    assert moe.w13.dtype == torch.float8_e4m3fn and moe.router.dtype == torch.float32
+    down = "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert torch.equal(moe.w2_stack.dequantized(torch.float32, 3), tensors[down])
     prompts = random_prompts((7, 23), 300, seed=9)
-    assert_same_tokens(_greedy(src, prompts, 1, quantization="fp8"), hf_greedy(ref, prompts, 8), prompts)
+    assert_same_tokens(_greedy(src, prompts, tp, quantization="fp8"), hf_greedy(ref, prompts, 8), prompts)

@@ -13,6 +13,7 @@ import math
 import mmap
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -21,13 +22,14 @@ import torch
 from tp_runtime.config import QuantConfig
 from tp_runtime.errors import ConfigError
 from tp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tp_runtime.layers.moe import ExpertWeights, SparseMoE
 from tp_runtime.layers.quantization import FP8_DTYPES, UNQUANTIZED
-from tp_runtime.layers.quantization.fp8 import check_scale_shape
 
 if TYPE_CHECKING:
     from tp_runtime.models.interface import CausalLM
 
-QuantizedLayer = ColumnParallelLinear | RowParallelLinear
+# What a checkpoint weight and its FP8 scales load into: a linear layer, or a stack of experts' weights.
+QuantizedLayer = ColumnParallelLinear | RowParallelLinear | ExpertWeights
 
 # safetensors' dtype names.
 _SAFETENSORS_DTYPES = {
@@ -212,7 +214,12 @@ class QuantizedCheckpoint:
         self.model = model
         self.quant = quant
         modules = model.modules() if isinstance(model, torch.nn.Module) else []
-        self.layers = {id(m.weight): m for m in modules if isinstance(m, QuantizedLayer)}
+        self.layers: dict[int, QuantizedLayer] = {}
+        for module in modules:
+            holders = module.stacks if isinstance(module, SparseMoE) else [module]
+            for holder in holders:
+                if isinstance(holder, QuantizedLayer):
+                    self.layers[id(holder.weight)] = holder
         self.weight_shapes = dict(model.checkpoint_shapes())
         self.scales_missing: set[str] = set()
         if quant is None:
@@ -260,69 +267,12 @@ class QuantizedCheckpoint:
             return False
         for param, shard_id in targets:
             layer = self.layers.get(id(param))
-            if layer is None:  # experts: read with their weight (dequantized_weight)
+            if layer is None:  # an unquantized layer's (ignored) activation scale
                 continue
             if suffix != "input_scale":
                 layer.load_scale(tensor, shard_id, tuple(self.weight_shapes[weight]))
         self.scales_missing.discard(weight)
         return True
-
-
-    def keeps_model_dtype(self, targets: list[tuple[torch.nn.Parameter, int]]) -> bool:
-        """Whether the parameters a checkpoint weight fills are not FP8 layers' (experts)."""
-        return not any(_is_quantized(self.layers.get(id(param))) for param, _ in targets)
-
-    def dequantized_weight(
-        self, model_dir: str, handle: SafetensorsFile, name: str, dtype: torch.dtype
-    ) -> DequantizedTensor:
-        """FP8 checkpoint weight `name` of a layer that keeps the model dtype (mixture-of-experts experts),
-        read as that dtype: each slice times its scales."""
-        assert self.quant is not None, "internal: an FP8 weight without a quantization config"
-        scale_name = f"{name.removesuffix('.weight')}.{self.quant.scale_suffixes[0]}"
-        scale: torch.Tensor | None = handle.read(scale_name) if scale_name in handle else None
-        for path in safetensors_files(model_dir) if scale is None else []:  # another file of the checkpoint
-            with SafetensorsFile(path) as other:
-                if scale_name in other:
-                    scale = other.read(scale_name)
-                    break
-        if scale is None:
-            raise ConfigError(
-                f"checkpoint {model_dir} has FP8 weight {name!r} without its scale {scale_name!r}"
-            )
-        return DequantizedTensor(CheckpointTensor(handle, name, None), scale.float(), self.quant, dtype)
-
-
-class DequantizedTensor:
-    """An FP8 checkpoint tensor read in parts as `dtype`: weight * scale over each part, in float32 (the
-    value its scales give it: what the tests' dequantized reference checkpoints hold)."""
-
-    def __init__(self, weight: CheckpointTensor, scale: torch.Tensor, quant: QuantConfig, dtype: torch.dtype):
-        self.name = weight.name
-        self.shape = weight.shape
-        self._weight, self._scale, self._quant, self._dtype = weight, scale, quant, dtype
-        if len(self.shape) != 2:
-            raise ConfigError(f"{self.name}: an FP8 weight must be 2-d, got shape {list(self.shape)}")
-        check_scale_shape(quant, f"{self.name}'s scale", tuple(scale.shape), self.shape)
-
-    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        q = self._weight.narrow(dim, start, length).to(torch.float32)
-        rows, cols = self.shape
-        r0, rn = (start, length) if dim == 0 else (0, rows)
-        c0, cn = (start, length) if dim == 1 else (0, cols)
-        scheme = self._quant.weight_scales
-        if scheme == "tensor":
-            scale = self._scale.reshape(())
-        elif scheme == "channel":
-            scale = self._scale.reshape(-1)[r0 : r0 + rn, None]
-        else:
-            bn, bk = self._quant.block_size or (1, 1)
-            tiles = self._scale[r0 // bn : -(-(r0 + rn) // bn), c0 // bk : -(-(c0 + cn) // bk)]
-            full = tiles.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
-            scale = full[r0 % bn : r0 % bn + rn, c0 % bk : c0 % bk + cn]
-        return (q * scale).to(self._dtype)
-
-    def full(self) -> torch.Tensor:
-        return self.narrow(0, 0, self.shape[0])
 
 
 def _is_quantized(layer: QuantizedLayer | None) -> bool:
@@ -347,10 +297,7 @@ def load_weights(
                     targets = list(model.checkpoint_targets(name))
                 except KeyError:
                     raise ConfigError(f"{os.path.basename(path)} holds unexpected tensor {name!r}") from None
-                tensor: CheckpointTensor | DequantizedTensor = CheckpointTensor(handle, name, dtype)
-                fp8 = handle.dtype(name) in FP8_DTYPES
-                if fp8 and quant is not None and quantized.keeps_model_dtype(targets):
-                    tensor = quantized.dequantized_weight(model_dir, handle, name, dtype)
+                tensor = CheckpointTensor(handle, name, dtype)
                 # Each rank reads only its slice, so a tensor of the wrong size could load part of itself.
                 if name in expected and tensor.shape != tuple(expected[name]):
                     raise ConfigError(
@@ -417,12 +364,15 @@ class DummyTensor:
         return self.narrow(0, 0, self.shape[0])
 
 
-def init_dummy_weights(model: CausalLM, seed: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Random weights through the same sharding path as a real checkpoint (see DummyTensor)."""
+def dummy_checkpoint(
+    model: CausalLM, seed: int, dtype: torch.dtype, device: torch.device
+) -> Iterator[tuple[str, DummyTensor]]:
+    """The full checkpoint tensors `load_format="dummy"` gives `model` (by checkpoint name): norms 1,
+    biases within ±0.01, weights within ±1/sqrt(fan-in)."""
     for tensor_index, (name, shape) in enumerate(model.checkpoint_shapes()):
         is_norm = name.endswith("norm.weight")
         is_bias = name.endswith(".bias")
-        source = DummyTensor(
+        yield name, DummyTensor(
             shape,
             seed=seed * 100003 + tensor_index,
             scale=0.0 if is_norm else (0.01 if is_bias else shape[-1] ** -0.5),
@@ -430,5 +380,10 @@ def init_dummy_weights(model: CausalLM, seed: int, dtype: torch.dtype, device: t
             dtype=dtype,
             device=device,
         )
+
+
+def init_dummy_weights(model: CausalLM, seed: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Random weights through the same sharding path as a real checkpoint (see DummyTensor)."""
+    for name, source in dummy_checkpoint(model, seed, dtype, device):
         for param, shard_id in model.checkpoint_targets(name):
             param.weight_loader(param, source, shard_id)  # type: ignore[attr-defined]

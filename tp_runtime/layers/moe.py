@@ -6,23 +6,30 @@ weighted partial outputs for a token first and the layer needs ONE all-reduce, a
 router is replicated: every rank computes the same routing from the same (already all-reduced) input.
 
 Expert weights are stacked into two parameters, w13 [E, 2·I/tp, H] (each expert's gate rows, then its up
-rows) and w2 [E, H, I/tp]; the checkpoint's per-expert tensors fill their slices. Three ways to run them,
-picked once from the device and dtype (`impl`):
+rows) and w2 [E, H, I/tp]; the checkpoint's per-expert tensors fill their slices. Each stack is stored and
+loaded by the model's LinearMethod, one expert at a time, as it does a linear layer's weight
+(`ExpertWeights`): in the model dtype, or FP8 with its scales (w13_scale, w2_scale) in fp8.py's layout.
+Four ways to run them, picked once from the device, the dtype and the method (`impl`):
 - "loop" (CPU): for each expert that got tokens, gather them, run its MLP, add the weighted result, as
-  transformers does. Idle experts are skipped; the per-expert token counts are read on the host.
+  transformers does. Idle experts are skipped; the per-expert token counts are read on the host. FP8
+  experts multiply by their dequantized weights (what the tests compare against transformers with).
 - "grouped" (CUDA, bf16, sm90/sm100): (token, expert) pairs sorted by expert on the device and two
   torch._grouped_mm calls with device-side group offsets: no host sync, so it runs inside the decode CUDA
   graphs, and the work scales with the routed pairs.
+- "fp8_grouped" (CUDA, FP8 experts, sm90/sm100): the same sorted pairs through the Triton W8A8 grouped
+  GEMM (quantization/fp8_moe_triton.py), activations quantized per token as the FP8 linear layers' are.
 - "dense" (CUDA otherwise, where _grouped_mm would fall back to a host loop): every expert on every token
   with batched matmuls, weighted by a routing matrix that is zero for unrouted pairs. No host sync either.
   It does num_experts / top_k times the routed work and holds [E, tokens, I/tp] activations: negligible
   next to reading the weights at decode batch sizes (where most experts are hit anyway), costly for long
-  prefills; it is the fp32/fp16 fallback, used on GPUs mainly for correctness checks.
+  prefills; it is the fp32/fp16 fallback, used on GPUs mainly for correctness checks (FP8 experts are
+  dequantized for it on every call).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,16 +39,33 @@ from torch import nn
 from tp_runtime.distributed import TPGroup
 from tp_runtime.layers.activation import silu_and_mul
 from tp_runtime.layers.linear import TensorSource, _copy_checked, _param, divide
+from tp_runtime.layers.quantization import UNQUANTIZED, LinearMethod, Shard
 
 if TYPE_CHECKING:
     from tp_runtime.models.interface import CheckpointEntry
 
-MOE_IMPLS = ("loop", "grouped", "dense")
+MOE_IMPLS = ("loop", "grouped", "fp8_grouped", "dense")
 
 
-def pick_moe_impl(device: torch.device, dtype: torch.dtype, hidden_size: int, local_intermediate: int) -> str:
+def pick_moe_impl(
+    device: torch.device,
+    dtype: torch.dtype,
+    hidden_size: int,
+    local_intermediate: int,
+    method: LinearMethod = UNQUANTIZED,
+    scale_block_k: int = 0,
+) -> str:
+    """`scale_block_k`: the FP8 scales' columns per block (0: one scale per row)."""
     if device.type != "cuda":
         return "loop"
+    if method.quantized:
+        from tp_runtime.layers.quantization.fp8 import CudaFp8Kernels
+
+        kernels = getattr(method, "kernels", None)
+        # The grouped GEMM's launch shapes are the Triton FP8 GEMM's (sm90/sm100), its K tiles FP8 MMAs'.
+        fits = scale_block_k == 0 or (scale_block_k >= 32 and not scale_block_k & (scale_block_k - 1))
+        triton_gemm = isinstance(kernels, CudaFp8Kernels) and kernels.triton_gemm
+        return "fp8_grouped" if triton_gemm and fits else "dense"
     # _grouped_mm's sync-free CUTLASS kernels: bf16 on sm90/sm100, rows aligned to 16 bytes (8 elements).
     grouped = (
         hasattr(torch, "_grouped_mm")
@@ -53,11 +77,114 @@ def pick_moe_impl(device: torch.device, dtype: torch.dtype, hidden_size: int, lo
     return "grouped" if grouped else "dense"
 
 
+@dataclass
+class _ExpertView:
+    """One expert's part of a stack, as a LinearMethod's loaders see a linear layer."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor | None
+    tp: TPGroup
+
+
+class ExpertWeights:
+    """One stacked expert weight of a SparseMoE: `w13` (each expert's gate rows, then its up rows: rows of
+    the intermediate dimension, column-parallel) or `w2` (down: its columns, row-parallel). Its
+    LinearMethod makes, loads and scales it as it does a linear layer's weight, one expert at a time; the
+    loader routes the checkpoint's per-expert tensors and their scales here as it does a linear layer's
+    (loader.QuantizedCheckpoint)."""
+
+    def __init__(
+        self,
+        moe: SparseMoE,
+        name: str,
+        shape: tuple[int, int, int],
+        column_parallel: bool,
+        method: LinearMethod,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self._moe, self.name, self.shape = moe, name, shape
+        self.column_parallel = column_parallel
+        self._dtype, self._device = dtype, device
+        self.use_method(method)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        param: nn.Parameter = getattr(self._moe, self.name)
+        return param
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        scale: torch.Tensor | None = getattr(self._moe, f"{self.name}_scale")
+        return scale
+
+    @property
+    def tp(self) -> TPGroup:
+        return self._moe.tp
+
+    def use_method(self, method: LinearMethod) -> None:
+        """Store the stack as `method` does; its weights are made anew, empty."""
+        self.method = method
+        experts, rows, cols = self.shape
+        holder = nn.Module()
+        method.create_weights(holder, rows, cols, self._dtype, self._device, experts=experts)
+        setattr(self._moe, self.name, holder.weight)
+        self._moe.register_parameter(f"{self.name}_scale", getattr(holder, "weight_scale", None))
+        self.scale_block_k: int = getattr(holder, "scale_block_k", cols)
+        self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
+        if hasattr(self._moe, "_run"):  # a change after construction (the loader's ignore list)
+            self._moe.use_impl()
+
+    def _shard(self, shard_id: int) -> tuple[int, Shard]:
+        """(expert, this rank's part): w13's shard_id is 2·expert + (0 gate, 1 up), w2's the expert."""
+        n = self._moe.local_intermediate
+        start = self.tp.rank * n
+        if self.column_parallel:
+            expert, half = divmod(shard_id, 2)
+            return expert, Shard(0, start, n, half * n)
+        return shard_id, Shard(1, start, n)
+
+    def _view(self, expert: int) -> _ExpertView:
+        scale = self.scale
+        return _ExpertView(self.weight.data[expert], None if scale is None else scale.data[expert], self.tp)
+
+    def _load_weight(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
+        expert, shard = self._shard(shard_id)
+        self.method.load_weight(self._view(expert), source, shard)
+
+    def load_scale(self, source: TensorSource, shard_id: int, weight_shape: tuple[int, ...]) -> None:
+        expert, shard = self._shard(shard_id)
+        self.method.load_scale(self._view(expert), source, shard, weight_shape)
+
+    def activation_groups(self) -> int:
+        """Columns per activation scale the stack's FP8 scales need: 0 for one per row (per-channel or
+        per-tensor scales, or blocks as wide as the stack's inputs)."""
+        scale = self.scale
+        return self.scale_block_k if scale is not None and scale.shape[-1] > 1 else 0
+
+    def dequantized(self, dtype: torch.dtype, expert: int | None = None) -> torch.Tensor:
+        """The weights of one expert (or the whole stack) in `dtype`, as the CPU and fallback paths use
+        them."""
+        weight = self.weight if expert is None else self.weight[expert]
+        scale = self.scale
+        if scale is None:
+            return weight
+        from tp_runtime.layers.quantization.fp8 import dequantize
+
+        return dequantize(weight, scale if expert is None else scale[expert], self.scale_block_k, dtype)
+
+
 class SparseMoE(nn.Module):
     """Top-k routed SiLU-gated experts. `expert_names`: the checkpoint names of an expert's gate, up and
     down projections (Mixtral: w1, w3, w2). `renormalize`: scale the top-k weights to sum to 1.
     `fp32_weights`: weight each expert's output in float32 (Mixtral) rather than the model dtype (Qwen3-MoE),
-    as transformers does for each."""
+    as transformers does for each. `method`: how the experts' weights are stored and multiplied (the
+    model's LinearMethod: unquantized, or FP8)."""
+
+    w13: nn.Parameter
+    w2: nn.Parameter
+    w13_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
 
     def __init__(
         self,
@@ -73,6 +200,7 @@ class SparseMoE(nn.Module):
         device: torch.device,
         fused: bool,
         impl: str | None = None,
+        method: LinearMethod = UNQUANTIZED,
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -83,31 +211,47 @@ class SparseMoE(nn.Module):
         self.fused = fused
         self.local_intermediate = n = divide(intermediate_size, tp.world_size)
         self.router = _param((num_experts, hidden_size), dtype, device)
-        self.w13 = _param((num_experts, 2 * n, hidden_size), dtype, device)
-        self.w2 = _param((num_experts, hidden_size, n), dtype, device)
         self.router.weight_loader = self._load_router  # type: ignore[attr-defined]
-        self.w13.weight_loader = self._load_w13  # type: ignore[attr-defined]
-        self.w2.weight_loader = self._load_w2  # type: ignore[attr-defined]
-        self.impl = impl or pick_moe_impl(device, dtype, hidden_size, n)
-        if self.impl not in MOE_IMPLS:
+        e, h = num_experts, hidden_size
+        self.w13_stack = ExpertWeights(self, "w13", (e, 2 * n, h), True, method, dtype, device)
+        self.w2_stack = ExpertWeights(self, "w2", (e, h, n), False, method, dtype, device)
+        self._device, self._dtype, self._impl = device, dtype, impl
+        self.use_impl()
+
+    @property
+    def stacks(self) -> tuple[ExpertWeights, ExpertWeights]:
+        return self.w13_stack, self.w2_stack
+
+    def use_impl(self) -> None:
+        """Pick how the experts run from the device, the dtype and the stacks' method (again after the
+        loader has changed the method: an ignore list that covers the experts)."""
+        blocks = [s.activation_groups() for s in self.stacks if s.activation_groups()]
+        if self.w13_stack.method.quantized != self.w2_stack.method.quantized:
+            # An ignore list that keeps one of the two unquantized: both dequantized on every call.
+            self.impl = self._impl or ("loop" if self._device.type != "cuda" else "dense")
+        else:
+            self.impl = self._impl or pick_moe_impl(
+                self._device,
+                self._dtype,
+                self.hidden_size,
+                self.local_intermediate,
+                self.w13_stack.method,
+                min(blocks, default=0),
+            )
+        runs: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+            "loop": self._loop,
+            "grouped": self._grouped,
+            "fp8_grouped": self._fp8_grouped,
+            "dense": self._dense,
+        }
+        if self.impl not in runs:
             raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {self.impl!r}")
+        self._run = runs[self.impl]
 
     # ------------------------------------------------------------------ loading
 
     def _load_router(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
         _copy_checked(param.data, source.full(), "router")
-
-    def _load_w13(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
-        """shard_id = 2·expert + (0 gate, 1 up); this rank's rows of the intermediate dimension."""
-        expert, half = divmod(shard_id, 2)
-        n = self.local_intermediate
-        data = source.narrow(0, self.tp.rank * n, n)
-        _copy_checked(param.data[expert, half * n : (half + 1) * n], data, "expert gate/up")
-
-    def _load_w2(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
-        """shard_id = expert; this rank's columns of the intermediate dimension."""
-        n = self.local_intermediate
-        _copy_checked(param.data[shard_id], source.narrow(1, self.tp.rank * n, n), "expert down")
 
     def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:
         gate, up, down = self.expert_names
@@ -132,16 +276,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        if self.impl == "loop":
-            out = self._loop(x, weights, ids)
-        elif self.impl == "grouped":
-            out = self._grouped(x, weights, ids)
-        else:
-            out = self._dense(x, weights, ids)
-        return self.tp.all_reduce(out)
+        return self.tp.all_reduce(self._run(x, weights, ids))
 
     def _expert_mlp(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(x, self.w13[expert]), self.fused), self.w2[expert])
+        w13 = self.w13_stack.dequantized(x.dtype, expert)
+        w2 = self.w2_stack.dequantized(x.dtype, expert)
+        return F.linear(silu_and_mul(F.linear(x, w13), self.fused), w2)
 
     def _loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -167,13 +307,44 @@ class SparseMoE(nn.Module):
         gate_up = torch._grouped_mm(x[order // k], self.w13.transpose(1, 2), offs=offs)
         y_sorted = torch._grouped_mm(silu_and_mul(gate_up, self.fused), self.w2.transpose(1, 2), offs=offs)
         y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted).view(tokens, k, -1)
-        # Summed over the k slots in a fixed order (not with atomics), so every run gives the same bits.
-        return (y * weights.unsqueeze(-1)).to(x.dtype).sum(1)
+        return _weighted_sum(y, weights, x.dtype)
+
+    def _fp8_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        from tp_runtime.layers.quantization import activation_quant_triton as aq
+        from tp_runtime.layers.quantization.fp8_moe_triton import fp8_moe_gemm, route_tiles
+
+        tokens, k = ids.shape
+        w13, w2 = self.w13_stack, self.w2_stack
+        assert w13.scale is not None and w2.scale is not None, "internal: fp8_grouped without FP8 experts"
+
+        def quantize(a: torch.Tensor, stack: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+            a = a if a.stride(-1) == 1 else a.contiguous()
+            group = stack.activation_groups()
+            return aq.quantize_groups_fp8(a, group) if group else aq.quantize_rows_fp8(a)
+
+        tiles = route_tiles(ids, self.num_experts)
+        xq, x_scale = quantize(x, w13)
+        gate_up = fp8_moe_gemm(
+            xq, x_scale, w13.weight, w13.scale, w13.scale_block_k, tiles, x.dtype, a_rows=tiles.order // k
+        )
+        hq, h_scale = quantize(silu_and_mul(gate_up, self.fused), w2)
+        # Rows back in (token, slot) order, each expert's output written where its pair belongs.
+        y = fp8_moe_gemm(
+            hq, h_scale, w2.weight, w2.scale, w2.scale_block_k, tiles, x.dtype, out_rows=tiles.order
+        )
+        return _weighted_sum(y.view(tokens, k, -1), weights, x.dtype)
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         tokens, experts = x.shape[0], self.num_experts
         routing = torch.zeros(tokens, experts, dtype=weights.dtype, device=x.device).scatter_(1, ids, weights)
-        gate_up = torch.matmul(x, self.w13.transpose(1, 2))  # [E, tokens, 2·I/tp]
+        w13, w2 = self.w13_stack.dequantized(x.dtype), self.w2_stack.dequantized(x.dtype)
+        gate_up = torch.matmul(x, w13.transpose(1, 2))  # [E, tokens, 2·I/tp]
         h = silu_and_mul(gate_up.view(experts * tokens, -1), self.fused).view(experts, tokens, -1)
-        y = torch.bmm(h, self.w2.transpose(1, 2))  # [E, tokens, H]
+        y = torch.bmm(h, w2.transpose(1, 2))  # [E, tokens, H]
         return (y * routing.t().unsqueeze(-1)).to(x.dtype).sum(0)
+
+
+def _weighted_sum(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [tokens, k, H] weighted by the routing and summed over the k slots in a fixed order (not with
+    atomics), so every run gives the same bits."""
+    return (y * weights.unsqueeze(-1)).to(dtype).sum(1)

@@ -8,6 +8,7 @@ import torch
 
 from tp_runtime.distributed import TPGroup
 from tp_runtime.layers.moe import SparseMoE
+from tp_runtime.layers.quantization import linear_method
 from tp_runtime.models.interface import FeedForward
 from tp_runtime.models.llama import LlamaForCausalLM
 
@@ -31,6 +32,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
             dtype=dtype,
             device=device,
             fused=fused,
+            method=linear_method(c.quantization, device),
         )
 
 

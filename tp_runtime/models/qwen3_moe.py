@@ -9,6 +9,7 @@ import torch
 
 from tp_runtime.distributed import TPGroup
 from tp_runtime.layers.moe import SparseMoE
+from tp_runtime.layers.quantization import linear_method
 from tp_runtime.models.interface import FeedForward
 from tp_runtime.models.qwen3 import Qwen3ForCausalLM, qwen3_config
 
@@ -32,6 +33,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             dtype=dtype,
             device=device,
             fused=fused,
+            method=linear_method(c.quantization, device),
         )
 
 

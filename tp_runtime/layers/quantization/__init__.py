@@ -35,12 +35,22 @@ class Shard:
     dst_start: int = 0
 
 
-class QuantizableLinear(Protocol):
+class WeightHolder(Protocol):
+    """What a LinearMethod's loaders need of a layer: its weight (and whatever else create_weights made)
+    and its TP group. A linear layer, or one expert's part of a stacked expert weight (layers/moe.py)."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def tp(self) -> TPGroup: ...
+
+
+class QuantizableLinear(WeightHolder, Protocol):
     """What a LinearMethod needs of its layer (layers/linear.py)."""
 
-    weight: nn.Parameter
-    matmul: Matmul
-    tp: TPGroup
+    @property
+    def matmul(self) -> Matmul: ...
 
 
 def tensor_name(source: TensorSource) -> str:
@@ -72,21 +82,27 @@ class LinearMethod:
     quantized = False
 
     def create_weights(
-        self, layer: nn.Module, rows: int, cols: int, dtype: torch.dtype, device: torch.device
+        self,
+        layer: nn.Module,
+        rows: int,
+        cols: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        experts: int = 0,
     ) -> None:
+        """`layer.weight` [rows, cols], or [experts, rows, cols] for a stack of experts' weights."""
         for stale in ("weight_scale", "scale_block_k"):  # what a quantized method made before
             if hasattr(layer, stale):
                 delattr(layer, stale)
-        layer.weight = nn.Parameter(
-            torch.empty((rows, cols), dtype=dtype, device=device), requires_grad=False
-        )
+        shape = (experts, rows, cols) if experts else (rows, cols)
+        layer.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
-    def load_weight(self, layer: QuantizableLinear, source: TensorSource, shard: Shard) -> None:
+    def load_weight(self, layer: WeightHolder, source: TensorSource, shard: Shard) -> None:
         data = source.narrow(shard.dim, shard.start, shard.length)
         copy_checked(shard_rows(layer.weight.data, shard), data, tensor_name(source))
 
     def load_scale(
-        self, layer: QuantizableLinear, source: TensorSource, shard: Shard, weight_shape: tuple[int, ...]
+        self, layer: WeightHolder, source: TensorSource, shard: Shard, weight_shape: tuple[int, ...]
     ) -> None:
         raise ConfigError(
             f"{tensor_name(source)} is a weight scale, but its layer is not quantized: the checkpoint's "

@@ -32,6 +32,7 @@ from tp_runtime.layers.quantization import (
     LinearMethod,
     QuantizableLinear,
     Shard,
+    WeightHolder,
     copy_checked,
     shard_rows,
     tensor_name,
@@ -48,11 +49,12 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """weight * scale (repeated over its block of columns) in float32, rounded once to `dtype`."""
+    """weight * scale (repeated over its block of columns) in float32, rounded once to `dtype`; the
+    last two dimensions are a weight's (rows, columns), any before them a stack of weights."""
     w = weight.to(torch.float32)
-    if scale.shape[1] == 1:
+    if scale.shape[-1] == 1:
         return (w * scale).to(dtype)
-    return (w * scale.repeat_interleave(block_k, dim=1)[:, : w.shape[1]]).to(dtype)
+    return (w * scale.repeat_interleave(block_k, dim=-1)[..., : w.shape[-1]]).to(dtype)
 
 
 def quantize_rows(data: torch.Tensor, row_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,15 +229,24 @@ class Fp8LinearMethod(LinearMethod):
         return cls(config, Fp8Kernels())
 
     def create_weights(
-        self, layer: nn.Module, rows: int, cols: int, dtype: torch.dtype, device: torch.device
+        self,
+        layer: nn.Module,
+        rows: int,
+        cols: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        experts: int = 0,
     ) -> None:
         block_k = self.config.block_size[1] if self.config.block_size else cols
-        layer.weight = nn.Parameter(torch.empty((rows, cols), dtype=FP8, device=device), requires_grad=False)
-        scale = torch.ones((rows, _cdiv(cols, block_k)), dtype=torch.float32, device=device)
+        stack = (experts,) if experts else ()
+        layer.weight = nn.Parameter(
+            torch.empty((*stack, rows, cols), dtype=FP8, device=device), requires_grad=False
+        )
+        scale = torch.ones((*stack, rows, _cdiv(cols, block_k)), dtype=torch.float32, device=device)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         setattr(layer, "scale_block_k", block_k)  # noqa: B010 - a plain int attribute of an nn.Module
 
-    def load_weight(self, layer: QuantizableLinear, source: TensorSource, shard: Shard) -> None:
+    def load_weight(self, layer: WeightHolder, source: TensorSource, shard: Shard) -> None:
         data = source.narrow(shard.dim, shard.start, shard.length)
         name = tensor_name(source)
         rows = shard_rows(layer.weight.data, shard)
@@ -260,7 +271,7 @@ class Fp8LinearMethod(LinearMethod):
         shard_rows(_scale(layer), shard).copy_(scale[:, None])
 
     def load_scale(
-        self, layer: QuantizableLinear, source: TensorSource, shard: Shard, weight_shape: tuple[int, ...]
+        self, layer: WeightHolder, source: TensorSource, shard: Shard, weight_shape: tuple[int, ...]
     ) -> None:
         """`weight_shape`: the full (unsharded) shape of the checkpoint weight the scales belong to."""
         name = tensor_name(source)
@@ -315,6 +326,6 @@ class Fp8LinearMethod(LinearMethod):
         return self.kernels.linear(x, layer.weight, _scale(layer), block_k, bias, silu_mul)
 
 
-def _scale(layer: QuantizableLinear) -> torch.Tensor:
+def _scale(layer: WeightHolder) -> torch.Tensor:
     scale: torch.Tensor = getattr(layer, "weight_scale")  # noqa: B009 - set by create_weights
     return scale

@@ -45,6 +45,14 @@ if TYPE_CHECKING:
     from tp_runtime.models.interface import CheckpointEntry
 
 MOE_IMPLS = ("loop", "grouped", "fp8_grouped", "dense")
+# FP8 experts with per-row scales take torch._scaled_grouped_mm (CUTLASS) rather than the Triton grouped
+# GEMM from this many (token, expert) pairs per chosen expert, in layers of at most FP8_CUTLASS_MAX_EXPERTS
+# experts. On an H200 a Mixtral-8x7B layer took 640 against 680 µs at 32 pairs an expert, 1274 against
+# 2191 at 256; with Qwen3-30B-A3B's 128 small experts CUTLASS was ahead only around 32 pairs an expert
+# (447 against 472 µs) and far behind at 256 (2165 against 1399). Fewer pairs: the Triton GEMM, which
+# reads the weights faster (decode). BENCHMARKS.md, "GPU: FP8".
+FP8_CUTLASS_PAIRS_PER_EXPERT = 32
+FP8_CUTLASS_MAX_EXPERTS = 16
 
 
 def pick_moe_impl(
@@ -247,6 +255,18 @@ class SparseMoE(nn.Module):
         if self.impl not in runs:
             raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {self.impl!r}")
         self._run = runs[self.impl]
+        # Many pairs per expert of few experts, per-row scales under bfloat16 on sm90: see
+        # FP8_CUTLASS_PAIRS_PER_EXPERT.
+        self._scaled_grouped_mm = (
+            self.impl == "fp8_grouped"
+            and self.num_experts <= FP8_CUTLASS_MAX_EXPERTS
+            and self._dtype == torch.bfloat16
+            and hasattr(torch, "_scaled_grouped_mm")
+            and self._device.type == "cuda"
+            and torch.cuda.get_device_capability(self._device) == (9, 0)
+            and not any(s.activation_groups() for s in self.stacks)
+            and not (self.hidden_size % 16 or self.local_intermediate % 16)
+        )
 
     # ------------------------------------------------------------------ loading
 
@@ -314,6 +334,9 @@ class SparseMoE(nn.Module):
         from tp_runtime.layers.quantization.fp8_moe_triton import fp8_moe_gemm, route_tiles
 
         tokens, k = ids.shape
+        pairs = tokens * k
+        if self._scaled_grouped_mm and pairs >= FP8_CUTLASS_PAIRS_PER_EXPERT * min(self.num_experts, pairs):
+            return self._fp8_scaled_grouped_mm(x, weights, ids)
         w13, w2 = self.w13_stack, self.w2_stack
         assert w13.scale is not None and w2.scale is not None, "internal: fp8_grouped without FP8 experts"
 
@@ -333,6 +356,30 @@ class SparseMoE(nn.Module):
             hq, h_scale, w2.weight, w2.scale, w2.scale_block_k, tiles, x.dtype, out_rows=tiles.order
         )
         return _weighted_sum(y.view(tokens, k, -1), weights, x.dtype)
+
+    def _fp8_scaled_grouped_mm(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        from tp_runtime.layers.quantization import activation_quant_triton as aq
+
+        tokens, k = ids.shape
+        w13, w2 = self.w13_stack, self.w2_stack
+        assert w13.scale is not None and w2.scale is not None, "internal: fp8_grouped without FP8 experts"
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)
+        xq, x_scale = aq.quantize_rows_fp8(x[order // k])  # per token, as the Triton path's
+        gate_up = torch._scaled_grouped_mm(
+            xq, w13.weight.transpose(1, 2), x_scale.view(-1), w13.scale[..., 0], offs=offs, out_dtype=x.dtype
+        )
+        hq, h_scale = aq.quantize_rows_fp8(silu_and_mul(gate_up, self.fused))
+        y_sorted = torch._scaled_grouped_mm(
+            hq, w2.weight.transpose(1, 2), h_scale.view(-1), w2.scale[..., 0], offs=offs, out_dtype=x.dtype
+        )
+        y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted).view(tokens, k, -1)
+        return _weighted_sum(y, weights, x.dtype)
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         tokens, experts = x.shape[0], self.num_experts

@@ -1,5 +1,6 @@
-"""Time one mixture-of-experts layer on the GPU: bf16 experts (torch._grouped_mm) against FP8 experts
-(the Triton grouped W8A8 GEMM, per-channel and 128x128 block scales), in the same process.
+"""Time one mixture-of-experts layer on the GPU: bf16 experts (torch._grouped_mm) against FP8 experts, in
+the same process: per-channel scales through each of the two FP8 paths (the Triton grouped W8A8 GEMM,
+torch._scaled_grouped_mm) whatever the engine would pick, and 128x128 block scales (Triton only).
 
 Each (shape, token count) is timed as CUDA graph replays of the layer's forward (routing, both expert
 matmuls, activation quantization, the weighted sum), median over repeats, with random router weights
@@ -19,6 +20,7 @@ import torch
 
 from tp_runtime.config import QuantConfig
 from tp_runtime.distributed import TPGroup
+from tp_runtime.layers import moe
 from tp_runtime.layers.moe import SparseMoE
 from tp_runtime.layers.quantization import UNQUANTIZED, LinearMethod
 from tp_runtime.layers.quantization.fp8 import Fp8LinearMethod
@@ -49,8 +51,12 @@ def build(shape: str, method: LinearMethod) -> SparseMoE:
     return layer
 
 
-def time_layer(layer: SparseMoE, tokens: int, repeats: int) -> tuple[float, int]:
-    """(median µs per forward, bytes of the chosen experts' weights)."""
+def time_layer(layer: SparseMoE, tokens: int, repeats: int, cutlass: bool | None = None) -> tuple[float, int]:
+    """(median µs per forward, bytes of the chosen experts' weights). `cutlass`: FP8 experts through
+    torch._scaled_grouped_mm (True) or the Triton GEMM (False) at any size; None: the engine's choice."""
+    if cutlass is not None:
+        layer._scaled_grouped_mm = cutlass
+        moe.FP8_CUTLASS_PAIRS_PER_EXPERT = 0
     x = torch.randn(tokens, layer.hidden_size, device="cuda").to(torch.bfloat16)
     with torch.no_grad():
         layer(x)
@@ -79,22 +85,24 @@ def time_layer(layer: SparseMoE, tokens: int, repeats: int) -> tuple[float, int]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 256, 2048])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 256, 1024, 4096])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
-    methods: dict[str, LinearMethod] = {
-        "bf16": UNQUANTIZED,
-        "fp8 channel": Fp8LinearMethod.for_device(QuantConfig("compressed-tensors", "channel"), device),
-        "fp8 block": Fp8LinearMethod.for_device(QuantConfig("fp8", "block", (128, 128)), device),
+    channel = Fp8LinearMethod.for_device(QuantConfig("compressed-tensors", "channel"), device)
+    methods: dict[str, tuple[LinearMethod, bool | None]] = {
+        "bf16": (UNQUANTIZED, None),
+        "fp8 channel, Triton": (channel, False),
+        "fp8 channel, _scaled_grouped_mm": (channel, True),
+        "fp8 block": (Fp8LinearMethod.for_device(QuantConfig("fp8", "block", (128, 128)), device), None),
     }
     rows = []
     for shape in args.shapes:
-        for name, method in methods.items():
+        for name, (method, cutlass) in methods.items():
             layer = build(shape, method)
             for tokens in args.tokens:
-                us, read = time_layer(layer, tokens, args.repeats)
+                us, read = time_layer(layer, tokens, args.repeats, cutlass)
                 row = {
                     "shape": shape, "experts": name, "impl": layer.impl, "tokens": tokens, "us": round(us, 1),
                     "weights_read_mb": round(read / 1e6, 1), "tb_per_s": round(read / us / 1e6, 2),

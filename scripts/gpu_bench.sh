@@ -173,7 +173,7 @@ case $part in
     done
     ;;
   fp8)  # issue 27: the FP8 kernels against float64, then Llama-3-8B b1/b32 with online FP8 next to bf16 and
-         # HF static, then Llama-3-70B FP8 on one GPU
+         # HF static, then Llama-3-70B FP8 on one GPU, FP8 experts, greedy agreement
     $py scripts/gpu_check.py --only-fp8 2>&1 | grep -E "^FAIL|failed|Error" || true
     b1=(--model llama-3-8b --batch-size 1 --input-len 32 --output-len 128 --num-iters 5 --num-iters-warmup 1)
     b32=(--model llama-3-8b --batch-size 32 --input-len 1000 --output-len 128 --num-iters 3 --num-iters-warmup 1)
@@ -187,6 +187,10 @@ case $part in
       --cache-implementation static --num-iters 5 --output-json "$out/hf_static_b1.json"
     bench fp8_70b_b1 --model llama-3-70b --batch-size 1 --input-len 32 --output-len 128 --num-iters 3 \
       --num-iters-warmup 1 --quantization fp8
+    # FP8 experts against bf16 ones, one layer of each shape; greedy agreement with an fp32 reference
+    $py scripts/bench_moe.py --output-json "$out/moe.json" | tail -16
+    $py scripts/check_fp8_agreement.py --model llama-3-8b --prompts 32 --max-tokens 64 \
+      --output-json "$out/fp8_agreement.json" | tail -4
     ;;
   prefix)  # issue 26: 64 requests of one shared 2000-token prefix and 64 tokens of their own, 32 out: caching
            # off, on (each pass from an empty cache), and a repeat served from the cache; then multi-turn chat

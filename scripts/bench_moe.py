@@ -54,16 +54,19 @@ def build(shape: str, method: LinearMethod) -> SparseMoE:
 def time_layer(layer: SparseMoE, tokens: int, repeats: int, cutlass: bool | None = None) -> tuple[float, int]:
     """(median µs per forward, bytes of the chosen experts' weights). `cutlass`: FP8 experts through
     torch._scaled_grouped_mm (True) or the Triton GEMM (False) at any size; None: the engine's choice."""
-    if cutlass is not None:
-        layer._scaled_grouped_mm = cutlass
-        moe.FP8_CUTLASS_PAIRS_PER_EXPERT = 0
     x = torch.randn(tokens, layer.hidden_size, device="cuda").to(torch.bfloat16)
-    with torch.no_grad():
-        layer(x)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+    chosen, threshold = layer._scaled_grouped_mm, moe.FP8_CUTLASS_PAIRS_PER_EXPERT
+    if cutlass is not None:  # read when the graph is recorded
+        layer._scaled_grouped_mm, moe.FP8_CUTLASS_PAIRS_PER_EXPERT = cutlass, 0
+    try:
+        with torch.no_grad():
             layer(x)
-        _, ids = layer.route(x)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                layer(x)
+            _, ids = layer.route(x)
+    finally:
+        layer._scaled_grouped_mm, moe.FP8_CUTLASS_PAIRS_PER_EXPERT = chosen, threshold
     hit = ids.unique().numel()
     per_expert = sum(
         t[0].numel() * t.element_size() for t in (layer.w13, layer.w2, layer.w13_scale, layer.w2_scale)

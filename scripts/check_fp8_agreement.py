@@ -1,8 +1,9 @@
 """Greedy agreement of the FP8 engine with an fp32 reference on the same (dequantized) weights, on a GPU.
 
-The model is a real-shaped preset (default Llama-3-8B) with the engine's dummy weights
-(`load_format="dummy"`, which every run gives the same values). The FP8 engine (`quantization="fp8"`,
-bfloat16 activations, its CUDA kernels and graphs) quantizes them at load, per output channel. The
+The model is a real-shaped dense preset (default Llama-3-8B; the presets are Llama-shaped) with the
+engine's dummy weights (`load_format="dummy"`, which every run gives the same values). The FP8 engine
+(`quantization="fp8"`, bfloat16 activations, its CUDA kernels and graphs) quantizes them at load, per
+output channel. The
 reference is HF transformers in float32 holding what those FP8 weights stand for: each linear weight
 rounded to e4m3 with its row's amax / 448 scale and multiplied back (computed here, independently of
 the engine's code), the embeddings, norms and LM head as the engine holds them. The unquantized bf16

@@ -333,14 +333,17 @@ MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2}
 @pytest.mark.parametrize(
     ("arch", "extra", "scheme", "tp"),
     [("Qwen3MoeForCausalLM", QWEN3_MOE, "block", 2), ("Qwen3MoeForCausalLM", QWEN3_MOE, "channel", 1),
-     ("MixtralForCausalLM", MIXTRAL, "tensor", 1)],
-    ids=["qwen3-moe-block-tp2", "qwen3-moe-channel", "mixtral-tensor"],
+     ("MixtralForCausalLM", MIXTRAL, "tensor", 1),
+     # 24 expert rows a rank: rank 1's rows and columns start inside a 16x16 block
+     ("Qwen3MoeForCausalLM", {**QWEN3_MOE, "moe_intermediate_size": 48}, "block", 2)],
+    ids=["qwen3-moe-block-tp2", "qwen3-moe-channel", "mixtral-tensor", "qwen3-moe-block-cut-tp2"],
 )  # fmt: skip
 def test_fp8_moe_checkpoints_match_hf_on_dequantized_weights(
     arch: str, extra: dict[str, Any], scheme: str, tp: int, make_checkpoint: Any, tmp_path: Path
 ) -> None:
     """Every linear weight FP8, experts included, and every one stays FP8 in the engine: each rank holds
-    its slice of each expert, which dequantizes to the reference's slice."""
+    its slice of each expert, which dequantizes to the reference's slice (also where a rank's part of an
+    expert starts inside a scale block: the experts loaded so when they were dequantized at load)."""
     src = make_checkpoint(arch, seed=3, **extra)
     names = load_file(str(src / "model.safetensors"))
     assert any(".experts." in n for n in names), sorted(names)[:20]
@@ -367,12 +370,53 @@ def test_fp8_moe_checkpoints_match_hf_on_dequantized_weights(
     assert_same_tokens(_greedy(out / "fp8", prompts, tp), hf_greedy(out / "ref", prompts, 8), prompts)
 
 
+def test_fp8_expert_ignore_lists(make_checkpoint: Any, tmp_path: Path) -> None:
+    """A layer's experts are quantized or not per stack (gate/up, down): an ignore list may keep every
+    expert of a layer, or only their down projections, in the model dtype; ignoring some experts of a
+    layer and not the others is a ConfigError that says so."""
+    src = make_checkpoint("Qwen3MoeForCausalLM", seed=3, **QWEN3_MOE)
+    experts = [f"model.layers.1.mlp.experts.{e}." for e in range(QWEN3_MOE["num_experts"])]
+    prompts = random_prompts((7, 23), 300, seed=9)
+    cases = {"all": ("gate_proj", "up_proj", "down_proj"), "down": ("down_proj",)}
+    for case, projections in cases.items():
+        ignore = tuple(f"{e}{p}" for e in experts for p in projections)
+        out = write_fp8(src, tmp_path / case, "compressed-tensors", "channel", ignore=ignore)
+        cfg = build_model_config(out / "fp8", dtype="float32")
+        model = model_class(cfg.architecture)(cfg, TPGroup(), torch.float32, torch.device("cpu"))
+        loader.load_weights(model, str(out / "fp8"), torch.float32, cfg.quantization)
+        moe = model.model.layers[1].mlp  # type: ignore[union-attr]
+        assert moe.w2.dtype == torch.float32 and moe.w2_scale is None
+        assert moe.w13.dtype == (torch.float32 if case == "all" else torch.float8_e4m3fn)
+        assert_same_tokens(_greedy(out / "fp8", prompts, 1), hf_greedy(out / "ref", prompts, 8), prompts)
+    one = (f"{experts[0]}down_proj",)
+    out = write_fp8(src, tmp_path / "one", "compressed-tensors", "channel", ignore=one)
+    with pytest.raises(ConfigError, match="experts"):
+        LLM(str(out / "fp8"), dtype="float32", device="cpu")
+
+
+def test_fp8_experts_kernel_choice() -> None:
+    """Where FP8 experts run: the Triton grouped GEMM on GPUs with the Triton FP8 GEMM (per-row scales or
+    scale blocks an FP8 MMA's K divides), dequantized elsewhere, their dequantized weights on the CPU."""
+    from tp_runtime.layers.moe import pick_moe_impl
+    from tp_runtime.layers.quantization.fp8 import CudaFp8Kernels, Fp8Kernels, Fp8LinearMethod
+
+    config = QuantConfig("compressed-tensors", "channel")
+    hopper = Fp8LinearMethod(config, CudaFp8Kernels(132, triton_gemm=True))
+    ada = Fp8LinearMethod(config, CudaFp8Kernels(128, triton_gemm=False))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert pick_moe_impl(cuda, torch.bfloat16, 2048, 768, hopper, 0) == "fp8_grouped"
+    assert pick_moe_impl(cuda, torch.float16, 2048, 768, hopper, 128) == "fp8_grouped"
+    assert pick_moe_impl(cuda, torch.bfloat16, 2048, 768, hopper, 16) == "dense"  # blocks under an MMA's K
+    assert pick_moe_impl(cuda, torch.bfloat16, 2048, 768, ada, 0) == "dense"
+    assert pick_moe_impl(cpu, torch.bfloat16, 2048, 768, Fp8LinearMethod(config, Fp8Kernels()), 0) == "loop"
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_online_fp8_of_a_moe_model_quantizes_every_linear_layer(
     tp: int, make_checkpoint: Any, tmp_path: Path
 ) -> None:
     """Attention, the dense layer's MLP and every expert are quantized per channel (the router stays in
-    the model dtype), at TP 1 and 2."""
+    the model dtype); greedy tokens at TP 1 and 2."""
     src = make_checkpoint("Qwen3MoeForCausalLM", seed=3, **QWEN3_MOE)
     ref = tmp_path / "ref"
     shutil.copytree(src, ref)

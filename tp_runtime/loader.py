@@ -237,8 +237,9 @@ class QuantizedCheckpoint:
                 layer.use_method(UNQUANTIZED)
             elif any(flags):
                 raise ConfigError(
-                    "the checkpoint's quantization_config leaves some of the projections this engine fuses "
-                    "(q/k/v or gate/up) unquantized and not the others; that is not supported"
+                    "the checkpoint's quantization_config leaves some of the projections this engine stores "
+                    "together (q/k/v, gate/up, or one layer's experts: their gate/up projections, and their "
+                    "down projections) unquantized and not the others; that is not supported"
                 )
         still_quantized = {n for n in self.scales_missing if _is_quantized(self._layer_of(n))}
         self.scales_missing = set() if quant.checkpoint_format == "online" else still_quantized

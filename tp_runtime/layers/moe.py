@@ -22,8 +22,8 @@ Four ways to run them, picked once from the device, the dtype and the method (`i
   with batched matmuls, weighted by a routing matrix that is zero for unrouted pairs. No host sync either.
   It does num_experts / top_k times the routed work and holds [E, tokens, I/tp] activations: negligible
   next to reading the weights at decode batch sizes (where most experts are hit anyway), costly for long
-  prefills; it is the fp32/fp16 fallback, used on GPUs mainly for correctness checks (FP8 experts are
-  dequantized for it on every call).
+  prefills; it is the fp32/fp16 fallback, used on GPUs mainly for correctness checks (FP8 experts
+  without their kernels are dequantized for it one expert at a time, on every call).
 """
 
 from __future__ import annotations
@@ -87,11 +87,15 @@ def pick_moe_impl(
 
 @dataclass
 class _ExpertView:
-    """One expert's part of a stack, as a LinearMethod's loaders see a linear layer."""
+    """One expert's part of a stack, as a LinearMethod's loaders see a linear layer. Its rows may start
+    inside a checkpoint's scale block (fp8.py stores block scales per row; w2's columns get scales as
+    fine as their first column needs), so any TP size that divides the experts' width loads."""
 
     weight: torch.Tensor
     weight_scale: torch.Tensor | None
     tp: TPGroup
+    scale_block_k: int
+    shards_may_cut_blocks: bool = True
 
 
 class ExpertWeights:
@@ -135,7 +139,8 @@ class ExpertWeights:
         self.method = method
         experts, rows, cols = self.shape
         holder = nn.Module()
-        method.create_weights(holder, rows, cols, self._dtype, self._device, experts=experts)
+        first_col = 0 if self.column_parallel else self.tp.rank * cols
+        method.create_weights(holder, rows, cols, self._dtype, self._device, experts, first_col)
         setattr(self._moe, self.name, holder.weight)
         self._moe.register_parameter(f"{self.name}_scale", getattr(holder, "weight_scale", None))
         self.scale_block_k: int = getattr(holder, "scale_block_k", cols)
@@ -154,7 +159,8 @@ class ExpertWeights:
 
     def _view(self, expert: int) -> _ExpertView:
         scale = self.scale
-        return _ExpertView(self.weight.data[expert], None if scale is None else scale.data[expert], self.tp)
+        scale = None if scale is None else scale.data[expert]
+        return _ExpertView(self.weight.data[expert], scale, self.tp, self.scale_block_k)
 
     def _load_weight(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
         expert, shard = self._shard(shard_id)
@@ -384,7 +390,15 @@ class SparseMoE(nn.Module):
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         tokens, experts = x.shape[0], self.num_experts
         routing = torch.zeros(tokens, experts, dtype=weights.dtype, device=x.device).scatter_(1, ids, weights)
-        w13, w2 = self.w13_stack.dequantized(x.dtype), self.w2_stack.dequantized(x.dtype)
+        if any(stack.scale is not None for stack in self.stacks):
+            # FP8 experts without their kernels: one expert's weights dequantized at a time, so the
+            # scratch is an expert's, not the stack's.
+            out = torch.zeros_like(x)
+            for e in range(experts):
+                y = self._expert_mlp(x, e) * routing[:, e : e + 1]
+                out += y.to(x.dtype)
+            return out
+        w13, w2 = self.w13, self.w2
         gate_up = torch.matmul(x, w13.transpose(1, 2))  # [E, tokens, 2·I/tp]
         h = silu_and_mul(gate_up.view(experts * tokens, -1), self.fused).view(experts, tokens, -1)
         y = torch.bmm(h, w2.transpose(1, 2))  # [E, tokens, H]

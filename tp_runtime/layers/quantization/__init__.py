@@ -37,7 +37,9 @@ class Shard:
 
 class WeightHolder(Protocol):
     """What a LinearMethod's loaders need of a layer: its weight (and whatever else create_weights made)
-    and its TP group. A linear layer, or one expert's part of a stacked expert weight (layers/moe.py)."""
+    and its TP group. A linear layer, or one expert's part of a stacked expert weight (layers/moe.py),
+    which also says `shards_may_cut_blocks` (its rows may start inside a checkpoint's scale block: the
+    scales are stored per row, and experts loaded that way before they were kept FP8)."""
 
     @property
     def weight(self) -> torch.Tensor: ...
@@ -89,8 +91,10 @@ class LinearMethod:
         dtype: torch.dtype,
         device: torch.device,
         experts: int = 0,
+        first_col: int = 0,
     ) -> None:
-        """`layer.weight` [rows, cols], or [experts, rows, cols] for a stack of experts' weights."""
+        """`layer.weight` [rows, cols], or [experts, rows, cols] for a stack of experts' weights.
+        `first_col`: the checkpoint column of its first column (a row-parallel shard's), for scales."""
         for stale in ("weight_scale", "scale_block_k"):  # what a quantized method made before
             if hasattr(layer, stale):
                 delattr(layer, stale)

@@ -236,8 +236,14 @@ class Fp8LinearMethod(LinearMethod):
         dtype: torch.dtype,
         device: torch.device,
         experts: int = 0,
+        first_col: int = 0,
     ) -> None:
+        """`first_col`: the checkpoint column of the layer's first column (a row-parallel shard). Where it
+        falls inside a scale block, the stored scales are finer than the checkpoint's (the largest power of
+        two dividing it), each repeating its block's scale, so the shard's columns start on one."""
         block_k = self.config.block_size[1] if self.config.block_size else cols
+        if self.config.block_size and first_col % block_k:
+            block_k = first_col & -first_col
         stack = (experts,) if experts else ()
         layer.weight = nn.Parameter(
             torch.empty((*stack, rows, cols), dtype=FP8, device=device), requires_grad=False
@@ -298,8 +304,11 @@ class Fp8LinearMethod(LinearMethod):
             target.copy_(part.to(torch.float32).reshape(-1, 1))
         else:
             block_n, block_k = self.config.block_size or (1, 1)
-            start_block = shard.start // (block_n if shard.dim == 0 else block_k)
-            if shard.start % (block_n if shard.dim == 0 else block_k):
+            stored_k: int = getattr(layer, "scale_block_k")  # noqa: B009 - set by create_weights
+            cuts_rows = shard.dim == 0 and shard.start % block_n
+            if (cuts_rows and not getattr(layer, "shards_may_cut_blocks", False)) or (
+                shard.dim == 1 and shard.start % stored_k
+            ):
                 raise ConfigError(
                     f"{name}: this rank's part of the weight starts inside a {block_n}x{block_k} FP8 scale "
                     "block; use a tensor_parallel_size whose shards are whole blocks"
@@ -307,11 +316,18 @@ class Fp8LinearMethod(LinearMethod):
             if len(shape) != 2:
                 raise ConfigError(f"{name} has shape {list(shape)}; FP8 block scales are 2-d")
             if shard.dim == 0:
-                part = source.narrow(0, start_block, _cdiv(shard.length, block_n))
-                part = part.to(torch.float32).repeat_interleave(block_n, dim=0)[: shard.length]
+                first = shard.start // block_n
+                blocks = source.narrow(0, first, _cdiv(shard.start + shard.length, block_n) - first)
+                offset = shard.start - first * block_n
+                part = blocks.to(torch.float32).repeat_interleave(block_n, dim=0)
+                part = part[offset : offset + shard.length]
             else:
-                part = source.narrow(1, start_block, _cdiv(shard.length, block_k))
-                part = part.to(torch.float32).repeat_interleave(block_n, dim=0)[: target.shape[0]]
+                # Each stored scale's checkpoint block (the same one for stored_k-wide parts of a block).
+                first = shard.start // block_k
+                blocks = source.narrow(1, first, _cdiv(shard.start + shard.length, block_k) - first)
+                parents = (shard.start + torch.arange(target.shape[1]) * stored_k) // block_k - first
+                part = blocks.to(torch.float32)[:, parents]
+                part = part.repeat_interleave(block_n, dim=0)[: target.shape[0]]
             if part.shape != target.shape:
                 raise ConfigError(
                     f"{name} has shape {list(shape)}, which does not tile its weight in "

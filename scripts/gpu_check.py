@@ -251,9 +251,15 @@ def fp8_moe_checks() -> list[dict[str, Any]]:
     results = []
     device = torch.device("cuda")
     gen = torch.Generator(device).manual_seed(0)
-    # (hidden, expert width, experts, top-k, routing as Mixtral's)
-    for hidden, inter, experts, top_k, mixtral in ((1024, 1792, 8, 2, True), (2048, 768, 128, 8, False)):
-        for scales, block in (("channel", None), ("block", (128, 128))):
+    # (hidden, expert width, experts, top-k, routing as Mixtral's, half the experts idle); the 64-column
+    # blocks are the scales a TP shard starting inside a 128-column block stores
+    shapes = (
+        (1024, 1792, 8, 2, True, False), (2048, 768, 128, 8, False, False), (1024, 1792, 16, 2, True, True),
+    )  # fmt: skip
+    for hidden, inter, experts, top_k, mixtral, idle in shapes:
+        for scales, block in (("channel", None), ("block", (128, 128)), ("block", (128, 64))):
+            if block == (128, 64) and experts != 128:
+                continue
             config = QuantConfig("compressed-tensors", scales, block)
             layer = SparseMoE(
                 hidden, inter, experts, top_k, renormalize=mixtral, fp32_weights=mixtral,
@@ -268,10 +274,14 @@ def fp8_moe_checks() -> list[dict[str, Any]]:
                     param.data.copy_(torch.rand(param.shape, generator=gen, device=device) * 2e-4 + 1e-4)
                 else:
                     param.data.copy_(torch.randn(param.shape, generator=gen, device=device) * 0.05)
+            if idle:  # positive x: these experts' router rows make their logits the lowest
+                layer.router.data[: experts // 2] = -layer.router.data[: experts // 2].abs()
+                layer.router.data[experts // 2 :] = layer.router.data[experts // 2 :].abs()
             w13, w2 = layer.w13_stack.dequantized(torch.float64), layer.w2_stack.dequantized(torch.float64)
             group = block[1] if block else None
             for tokens in (1, 7, 64, 600):
                 x = torch.randn(tokens, hidden, generator=gen, device=device).to(torch.bfloat16)
+                x = x.abs() if idle else x
                 with torch.no_grad():
                     got = layer(x)
                     again = layer(x)
@@ -294,9 +304,12 @@ def fp8_moe_checks() -> list[dict[str, Any]]:
                 err = ((got.double() - want).norm() / want.norm()).item()
                 same = torch.equal(got, again) and torch.equal(got, static_out)
                 _report(results, {
-                    "check": f"fp8 experts {experts}x{hidden}x{inter} top{top_k} {scales} tokens={tokens}",
-                    "impl": layer.impl, "rel_err_vs_fp64": err, "same_bits_twice_and_in_graph": same,
-                    "ok": layer.impl == "fp8_grouped" and err < 2e-2 and same,
+                    "check": f"fp8 experts {experts}x{hidden}x{inter} top{top_k} {scales} {block} "
+                             f"tokens={tokens}" + (" half idle" if idle else ""),
+                    "impl": layer.impl, "experts_hit": ids.unique().numel(), "rel_err_vs_fp64": err,
+                    "same_bits_twice_and_in_graph": same,
+                    "ok": layer.impl == "fp8_grouped" and err < 2e-2 and same
+                    and (not idle or ids.min().item() >= experts // 2),
                 })  # fmt: skip
     return results
 

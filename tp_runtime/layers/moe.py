@@ -260,6 +260,9 @@ class SparseMoE(nn.Module):
         }
         if self.impl not in runs:
             raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {self.impl!r}")
+        fp8 = [stack.scale is not None for stack in self.stacks]
+        if (self.impl == "fp8_grouped" and not all(fp8)) or (self.impl == "grouped" and any(fp8)):
+            raise ValueError(f"MoE impl {self.impl!r} cannot run these experts (FP8 stacks: {fp8})")
         self._run = runs[self.impl]
         # Many pairs per expert of few experts, per-row scales under bfloat16 on sm90: see
         # FP8_CUTLASS_PAIRS_PER_EXPERT.

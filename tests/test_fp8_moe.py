@@ -93,6 +93,41 @@ def test_grouped_fp8_gemm_matches_float64() -> None:
     assert status == "OK" and int(checked) == 7 * 2
 
 
+ROUTE_KERNEL_VS_TORCH = """
+import random
+import torch
+from tp_runtime.layers.quantization.fp8_moe_triton import ROUTE_KERNEL_MAX_PAIRS, route_tiles
+random.seed(0)
+torch.manual_seed(0)
+checked = 0
+# The one-program tile schedule gives route_tiles' torch ops' tiles exactly: one expert or 256, top-1 to
+# top-8, one token to the kernel's most pairs, spread or crowded onto a quarter of the experts, default
+# and explicit tile heights (tiles past the real ones are marked by the expert count; their rows unused).
+cases = [(1, 1, 1, None), (256, 8, ROUTE_KERNEL_MAX_PAIRS // 8, None), (8, 2, 1, 16), (3, 3, 5, 32)]
+cases += [(random.choice([2, 8, 16, 60, 128]), random.randint(1, 4), random.randint(1, 200),
+           random.choice([None, 16, 128])) for _ in range(12)]
+for experts, top_k, tokens, block_m in cases:
+    for crowded in (False, True):
+        if crowded:
+            ids = torch.randint(0, max(1, experts // 4), (tokens, top_k))
+        else:
+            ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+        want = route_tiles(ids, experts, block_m, kernel=False)
+        got = route_tiles(ids, experts, block_m, kernel=True)
+        assert got.block_m == want.block_m and torch.equal(got.order, want.order), (experts, top_k, tokens)
+        assert torch.equal(got.expert_end, want.expert_end) and torch.equal(got.tile_expert, want.tile_expert)
+        real = want.tile_expert < experts
+        assert torch.equal(got.tile_row[real], want.tile_row[real])
+        checked += 1
+print("OK", checked)
+"""
+
+
+def test_route_kernel_matches_torch() -> None:
+    status, checked = _run(ROUTE_KERNEL_VS_TORCH).split()
+    assert status == "OK" and int(checked) == 16 * 2
+
+
 LAYER_VS_FLOAT64 = """
 import torch
 import torch.nn.functional as F

@@ -99,19 +99,71 @@ def tile_rows(pairs: int, num_experts: int) -> int:
     return min(128, max(16, triton.next_power_of_2(per_expert)))
 
 
-def route_tiles(expert_ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> MoeTiles:
-    """expert_ids [tokens, k] -> the tiles of its (token, slot) pairs by expert, with torch ops that
-    need no host sync (the tile count's bound is known from the shapes alone)."""
+@triton.jit
+def _route_tiles_kernel(
+    ids_ptr, order_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, PAIRS, NUM_EXPERTS, MAX_TILES,
+    BLOCK_M: tl.constexpr, PAIRS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr, TILE_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """route_tiles' torch ops as one program: a sort of (expert, pair) keys, a histogram and cumsums."""
+    p = tl.arange(0, PAIRS_PAD)
+    # Padding pairs get expert NUM_EXPERTS: they sort last and count in a bin no expert has.
+    e = tl.load(ids_ptr + p, mask=p < PAIRS, other=NUM_EXPERTS).to(tl.int32)
+    key = tl.sort(e * PAIRS_PAD + p)
+    tl.store(order_ptr + p, key % PAIRS_PAD, mask=p < PAIRS)
+    counts = tl.histogram(e, EXPERTS_PAD)
+    experts = tl.arange(0, EXPERTS_PAD)
+    counts = tl.where(experts < NUM_EXPERTS, counts, 0)
+    expert_end = tl.cumsum(counts, 0)
+    tl.store(expert_end_ptr + experts, expert_end, mask=experts < NUM_EXPERTS)
+    tiles = (counts + (BLOCK_M - 1)) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)
+    for first in range(0, MAX_TILES, TILE_CHUNK):
+        t = first + tl.arange(0, TILE_CHUNK)
+        # A tile's expert: how many experts' tiles end at or before it (NUM_EXPERTS past the last).
+        ended = (tile_end[None, :] <= t[:, None]) & (experts[None, :] < NUM_EXPERTS)
+        expert = tl.sum(ended.to(tl.int32), axis=1)
+        mine = experts[None, :] == expert[:, None]
+        first_row = tl.sum(tl.where(mine, (expert_end - counts)[None, :], 0), axis=1)
+        first_tile = tl.sum(tl.where(mine, (tile_end - tiles)[None, :], 0), axis=1)
+        tl.store(tile_expert_ptr + t, expert, mask=t < MAX_TILES)
+        tl.store(tile_row_ptr + t, first_row + (t - first_tile) * BLOCK_M, mask=t < MAX_TILES)
+
+
+# Pairs up to which route_tiles runs as one Triton program (a decode step's): past it, torch's sort and
+# scans, whose ~12 kernels cost little next to the step's matmuls.
+ROUTE_KERNEL_MAX_PAIRS = 1024
+
+
+def route_tiles(
+    expert_ids: torch.Tensor, num_experts: int, block_m: int | None = None, kernel: bool | None = None
+) -> MoeTiles:
+    """expert_ids [tokens, k] -> the tiles of its (token, slot) pairs by expert, with no host sync (the
+    tile count's bound is known from the shapes alone). `kernel`: one Triton program (the default on
+    CUDA up to ROUTE_KERNEL_MAX_PAIRS pairs) or torch ops; the two give the same tiles."""
     flat = expert_ids.flatten()
     pairs = flat.numel()
     block_m = block_m or tile_rows(pairs, num_experts)
+    max_tiles = -(-pairs // block_m) + min(num_experts, pairs)
+    if kernel is None:
+        kernel = flat.is_cuda and 0 < pairs <= ROUTE_KERNEL_MAX_PAIRS
+    if kernel and pairs:
+        device = flat.device
+        order = torch.empty(pairs, dtype=torch.int32, device=device)
+        tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=device)
+        tile_row = torch.empty(max_tiles, dtype=torch.int32, device=device)
+        expert_end = torch.empty(num_experts, dtype=torch.int32, device=device)
+        _route_tiles_kernel[(1,)](
+            flat, order, tile_expert, tile_row, expert_end, pairs, num_experts, max_tiles,
+            BLOCK_M=block_m, PAIRS_PAD=triton.next_power_of_2(pairs),
+            EXPERTS_PAD=triton.next_power_of_2(num_experts + 1), TILE_CHUNK=64, num_warps=4,
+        )  # fmt: skip
+        return MoeTiles(order, tile_expert, tile_row, expert_end, block_m)
     order = flat.argsort(stable=True).to(torch.int32)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     expert_end = counts.cumsum(0, dtype=torch.int32)
     tiles = (counts + (block_m - 1)) // block_m
     tile_end = tiles.cumsum(0, dtype=torch.int32)
-    max_tiles = -(-pairs // block_m) + min(num_experts, pairs)
     index = torch.arange(max_tiles, dtype=torch.int32, device=flat.device)
     tile_expert = torch.searchsorted(tile_end, index, right=True).to(torch.int32)
     e = tile_expert.clamp(max=num_experts - 1).long()

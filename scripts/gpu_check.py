@@ -251,8 +251,9 @@ def fp8_moe_checks() -> list[dict[str, Any]]:
     results = []
     device = torch.device("cuda")
     gen = torch.Generator(device).manual_seed(0)
-    # (hidden, expert width, experts, top-k, routing as Mixtral's, half the experts idle); the 64-column
-    # blocks are the scales a TP shard starting inside a 128-column block stores
+    # (hidden, expert width, experts, top-k, routing as Mixtral's, half the experts idle); 64-column scale
+    # blocks on both stacks stand for the narrower blocks a TP shard that starts inside a 128-column block
+    # gives w2 (which the CPU tests load rank by rank)
     shapes = (
         (1024, 1792, 8, 2, True, False), (2048, 768, 128, 8, False, False), (1024, 1792, 16, 2, True, True),
     )  # fmt: skip

@@ -253,6 +253,12 @@ def test_blocks_that_do_not_divide_across_ranks_are_a_config_error(
     out = write_fp8(src, tmp_path, "fp8", "block", block=(32, 32))
     with pytest.raises(ConfigError, match="block"):
         LLM(str(out / "fp8"), tensor_parallel_size=2, dtype="float32", device="cpu")
+    # The loader refuses it too, on the rank whose part starts inside a block (the engine checks the
+    # config first, above).
+    cfg = build_model_config(out / "fp8", dtype="float32")
+    model = LlamaForCausalLM(cfg, TPGroup(1, 2), torch.float32, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="starts inside a 32x32 FP8 scale block"):
+        loader.load_weights(model, str(out / "fp8"), torch.float32, cfg.quantization)
 
 
 def test_fp8_checkpoint_errors(make_checkpoint: Any, tmp_path: Path) -> None:
@@ -334,9 +340,12 @@ MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2}
     ("arch", "extra", "scheme", "tp"),
     [("Qwen3MoeForCausalLM", QWEN3_MOE, "block", 2), ("Qwen3MoeForCausalLM", QWEN3_MOE, "channel", 1),
      ("MixtralForCausalLM", MIXTRAL, "tensor", 1),
-     # 24 expert rows a rank: rank 1's rows and columns start inside a 16x16 block
-     ("Qwen3MoeForCausalLM", {**QWEN3_MOE, "moe_intermediate_size": 48}, "block", 2)],
-    ids=["qwen3-moe-block-tp2", "qwen3-moe-channel", "mixtral-tensor", "qwen3-moe-block-cut-tp2"],
+     # 24 or 12 expert rows a rank: ranks' rows and columns start inside a 16x16 block, and at TP=4 a
+     # rank's part spans the ends of two blocks
+     ("Qwen3MoeForCausalLM", {**QWEN3_MOE, "moe_intermediate_size": 48}, "block", 2),
+     ("Qwen3MoeForCausalLM", {**QWEN3_MOE, "moe_intermediate_size": 48}, "block", 4)],
+    ids=["qwen3-moe-block-tp2", "qwen3-moe-channel", "mixtral-tensor", "qwen3-moe-block-cut-tp2",
+         "qwen3-moe-block-cut-tp4"],
 )  # fmt: skip
 def test_fp8_moe_checkpoints_match_hf_on_dequantized_weights(
     arch: str, extra: dict[str, Any], scheme: str, tp: int, make_checkpoint: Any, tmp_path: Path
@@ -409,6 +418,14 @@ def test_fp8_experts_kernel_choice() -> None:
     assert pick_moe_impl(cuda, torch.bfloat16, 2048, 768, hopper, 16) == "dense"  # blocks under an MMA's K
     assert pick_moe_impl(cuda, torch.bfloat16, 2048, 768, ada, 0) == "dense"
     assert pick_moe_impl(cpu, torch.bfloat16, 2048, 768, Fp8LinearMethod(config, Fp8Kernels()), 0) == "loop"
+    # Asked for by name, a path that cannot run the experts is refused when the layer is made.
+    from tp_runtime.layers.moe import SparseMoE
+
+    blocks16 = Fp8LinearMethod(QuantConfig("fp8", "block", (16, 16)), Fp8Kernels())
+    for impl, method in (("fp8_grouped", blocks16), ("fp8_grouped", None), ("grouped", blocks16)):
+        with pytest.raises(ValueError, match=f"MoE impl '{impl}' cannot run these experts"):
+            SparseMoE(64, 64, 4, 2, True, True, ("w1", "w3", "w2"), TPGroup(), torch.float32, cpu, False,
+                      impl=impl, **({"method": method} if method else {}))  # fmt: skip
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -28,6 +28,7 @@ Four ways to run them, picked once from the device, the dtype and the method (`i
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -261,8 +262,22 @@ class SparseMoE(nn.Module):
         if self.impl not in runs:
             raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {self.impl!r}")
         fp8 = [stack.scale is not None for stack in self.stacks]
-        if (self.impl == "fp8_grouped" and not all(fp8)) or (self.impl == "grouped" and any(fp8)):
-            raise ValueError(f"MoE impl {self.impl!r} cannot run these experts (FP8 stacks: {fp8})")
+        narrow = [g for g in blocks if g < 32 or g & (g - 1)]  # the Triton GEMM's K tile must fit a block
+        if (self.impl == "fp8_grouped" and (not all(fp8) or narrow)) or (self.impl == "grouped" and any(fp8)):
+            raise ValueError(
+                f"MoE impl {self.impl!r} cannot run these experts (FP8 stacks: {fp8}, scale blocks of "
+                f"{blocks or 'whole rows'} columns)"
+            )
+        if self._impl is None and self.impl == "dense" and any(fp8):
+            why = (
+                "the checkpoint leaves one of a layer's two expert stacks unquantized"
+                if not all(fp8)
+                else "their grouped GEMM needs an sm90/sm100 GPU and scale blocks of at least 32 columns (a "
+                "tensor_parallel_size whose shards start inside a checkpoint's scale block narrows them: "
+                f"{blocks or 'whole rows'})"
+            )
+            message = f"FP8 experts are dequantized on every forward here, which is slow: {why}"
+            warnings.warn(message, stacklevel=2)
         self._run = runs[self.impl]
         # Many pairs per expert of few experts, per-row scales under bfloat16 on sm90: see
         # FP8_CUTLASS_PAIRS_PER_EXPERT.

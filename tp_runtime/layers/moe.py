@@ -47,11 +47,11 @@ if TYPE_CHECKING:
 
 MOE_IMPLS = ("loop", "grouped", "fp8_grouped", "dense")
 # FP8 experts with per-row scales take torch._scaled_grouped_mm (CUTLASS) rather than the Triton grouped
-# GEMM from this many (token, expert) pairs per chosen expert, in layers of at most FP8_CUTLASS_MAX_EXPERTS
-# experts. On an H200 a Mixtral-8x7B layer took 640 against 680 µs at 32 pairs an expert, 1274 against
-# 2191 at 256; with Qwen3-30B-A3B's 128 small experts CUTLASS was ahead only around 32 pairs an expert
-# (447 against 472 µs) and far behind at 256 (2165 against 1399). Fewer pairs: the Triton GEMM, which
-# reads the weights faster (decode). BENCHMARKS.md, "GPU: FP8".
+# GEMM from this many (token, expert) pairs per expert of the layer, in layers of at most
+# FP8_CUTLASS_MAX_EXPERTS experts. On an H200 a Mixtral-8x7B layer took 646 against 692 µs at 32 pairs an
+# expert and 1378 against 2157 at 256; with Qwen3-30B-A3B's 128 small experts CUTLASS was level at 64
+# pairs an expert (582 against 580 µs) and far behind at 256 (2187 against 1397). Fewer pairs: the Triton
+# GEMM, which reads the weights faster (decode). BENCHMARKS.md, "GPU: FP8".
 FP8_CUTLASS_PAIRS_PER_EXPERT = 32
 FP8_CUTLASS_MAX_EXPERTS = 16
 

@@ -177,6 +177,8 @@ def test_fp8_ignore_list_keeps_modules_unquantized(make_checkpoint: Any, tmp_pat
     loader.load_weights(model, str(out / "fp8"), torch.float32, cfg.quantization)
     layers = model.model.layers
     assert layers[1].mlp.down_proj.weight.dtype == torch.float32  # type: ignore[union-attr]
+    param, _ = next(model.checkpoint_targets("model.layers.1.mlp.down_proj.weight"))
+    assert param is layers[1].mlp.down_proj.weight  # type: ignore[union-attr]
     assert layers[1].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn  # type: ignore[union-attr]
     prompts = random_prompts((9, 21), 300, seed=5)
     assert_same_tokens(_greedy(out / "fp8", prompts, 1), hf_greedy(out / "ref", prompts, 8), prompts)
@@ -395,6 +397,9 @@ def test_fp8_expert_ignore_lists(make_checkpoint: Any, tmp_path: Path) -> None:
         loader.load_weights(model, str(out / "fp8"), torch.float32, cfg.quantization)
         moe = model.model.layers[1].mlp  # type: ignore[union-attr]
         assert moe.w2.dtype == torch.float32 and moe.w2_scale is None
+        # The checkpoint map holds the live stack (the FP8 one it replaced is not kept alive).
+        param, _ = next(model.checkpoint_targets(f"{experts[0]}down_proj.weight"))
+        assert param is moe.w2
         assert moe.w13.dtype == (torch.float32 if case == "all" else torch.float8_e4m3fn)
         assert_same_tokens(_greedy(out / "fp8", prompts, 1), hf_greedy(out / "ref", prompts, 8), prompts)
     one = (f"{experts[0]}down_proj",)

@@ -8,7 +8,7 @@ How a layer multiplies is a `Matmul` the model picks once, at start-up (`use_mat
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any, Protocol, cast
 
@@ -157,6 +157,17 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 _copy_checked = copy_checked  # shape-checked, and refusing an FP8 tensor for a layer that is not FP8
 
 
+def _renew_weight(layer: nn.Module, create: Callable[[], None]) -> None:
+    """Run `create` (a LinearMethod's create_weights on `layer`), keeping the Parameter object `layer.weight`
+    was (with the new tensor in it): the model's checkpoint map holds the object, and must see the new
+    tensor rather than keep the old one alive."""
+    old = layer._parameters.get("weight")
+    create()
+    if old is not None:
+        old.data = cast(nn.Parameter, layer._parameters["weight"]).data
+        layer.weight = old
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows; each rank holds out_features / tp rows."""
 
@@ -191,7 +202,7 @@ class ColumnParallelLinear(nn.Module):
     def use_method(self, method: LinearMethod) -> None:
         """Store (and multiply) the weight as `method` does; its weights are made anew, empty."""
         self.method = method
-        method.create_weights(self, *self._weight_shape)
+        _renew_weight(self, lambda: method.create_weights(self, *self._weight_shape))
         self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
 
     def shard(self, shard_id: int) -> Shard:
@@ -289,7 +300,7 @@ class RowParallelLinear(nn.Module):
     def use_method(self, method: LinearMethod) -> None:
         """Store (and multiply) the weight as `method` does; its weights are made anew, empty."""
         self.method = method
-        method.create_weights(self, *self._weight_shape)
+        _renew_weight(self, lambda: method.create_weights(self, *self._weight_shape))
         self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
 
     def shard(self, shard_id: int = 0) -> Shard:

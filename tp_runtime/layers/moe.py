@@ -31,7 +31,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -142,7 +142,10 @@ class ExpertWeights:
         holder = nn.Module()
         first_col = 0 if self.column_parallel else self.tp.rank * cols
         method.create_weights(holder, rows, cols, self._dtype, self._device, experts, first_col)
-        setattr(self._moe, self.name, holder.weight)
+        old = self._moe._parameters.get(self.name)
+        if old is not None:  # the same object, which the model's checkpoint map holds, with the new tensor
+            old.data = cast(nn.Parameter, holder._parameters["weight"]).data
+        setattr(self._moe, self.name, holder.weight if old is None else old)
         self._moe.register_parameter(f"{self.name}_scale", getattr(holder, "weight_scale", None))
         self.scale_block_k: int = getattr(holder, "scale_block_k", cols)
         self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]

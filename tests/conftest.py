@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -224,3 +226,13 @@ def count_checkpoint_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(loader.SafetensorsFile, "read", counting_read)
     return read
+
+
+def run_interpreted(script: str, *args: str) -> str:
+    """Run `script` (python -c, with `args`) under Triton's CPU interpreter, which must be chosen before
+    Triton is imported, hence a subprocess; its last line of output. A failure shows its stderr."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]

@@ -5,21 +5,7 @@ compared against transformers in tests/test_fp8.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _run(script: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.strip().splitlines()[-1]
-
+from conftest import run_interpreted
 
 GROUPED_GEMM_VS_FLOAT64 = """
 import torch
@@ -89,7 +75,7 @@ print("OK", checked)
 
 
 def test_grouped_fp8_gemm_matches_float64() -> None:
-    status, checked = _run(GROUPED_GEMM_VS_FLOAT64).split()
+    status, checked = run_interpreted(GROUPED_GEMM_VS_FLOAT64).split()
     assert status == "OK" and int(checked) == 7 * 2
 
 
@@ -124,7 +110,7 @@ print("OK", checked)
 
 
 def test_route_kernel_matches_torch() -> None:
-    status, checked = _run(ROUTE_KERNEL_VS_TORCH).split()
+    status, checked = run_interpreted(ROUTE_KERNEL_VS_TORCH).split()
     assert status == "OK" and int(checked) == 16 * 2
 
 
@@ -204,5 +190,5 @@ print("OK", checked)
 
 
 def test_fp8_expert_layer_matches_float64() -> None:
-    status, checked = _run(LAYER_VS_FLOAT64).split()
+    status, checked = run_interpreted(LAYER_VS_FLOAT64).split()
     assert status == "OK" and int(checked) == 2 * 2 * 2 * 3

@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-REPO = Path(__file__).resolve().parents[1]
 
 KERNEL_VS_FLOAT64 = """
 import torch
@@ -105,16 +101,8 @@ print("OK", checked)
 """
 
 
-def _run(script: str, *args: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.strip().splitlines()[-1]
-
-
 def test_kernel_matches_float64() -> None:
-    status, checked = _run(KERNEL_VS_FLOAT64).split()
+    status, checked = run_interpreted(KERNEL_VS_FLOAT64).split()
     assert status == "OK" and int(checked) == 3 * 5 * 2 * 2 * 4 + 2 * 4 * 2 * 2
 
 
@@ -232,7 +220,7 @@ def test_batch_one_decode_with_triton_kernels_matches_hf(
     the down projection with the SiLU-mul folded in, the LM head) run the one-row kernel."""
     model_dir = make_checkpoint(arch)
     prompts = [[5, 9, 200], list(range(3, 30))]
-    got = json.loads(_run(ONE_ROW_ENGINE, str(model_dir), json.dumps(prompts), graphs))
+    got = json.loads(run_interpreted(ONE_ROW_ENGINE, str(model_dir), json.dumps(prompts), graphs))
     # Gemma 2 against HF's eager attention (SDPA drops the soft-cap).
     attention = "eager" if arch == "Gemma2ForCausalLM" else None
     want = hf_greedy(model_dir, prompts, 8, attn_implementation=attention)
@@ -336,7 +324,7 @@ print("OK", checked)
 
 
 def test_fp8_kernels_match_float64() -> None:
-    status, checked = _run(FP8_VS_FLOAT64).split()
+    status, checked = run_interpreted(FP8_VS_FLOAT64).split()
     assert status == "OK" and int(checked) == 4 * 3 * 2 + 2 * 3 * 2
 
 
@@ -457,7 +445,7 @@ print("OK", checked)
 
 
 def test_fp8_gemm_matches_float64() -> None:
-    status, checked = _run(FP8_GEMM_VS_FLOAT64).split()
+    status, checked = run_interpreted(FP8_GEMM_VS_FLOAT64).split()
     assert status == "OK" and int(checked) == 6 * 4 * 2 * 3
 
 
@@ -503,10 +491,10 @@ print("OK", checked)
 
 
 def test_group_activation_quantization_matches_torch() -> None:
-    status, checked = _run(GROUP_QUANT_VS_TORCH).split()
+    status, checked = run_interpreted(GROUP_QUANT_VS_TORCH).split()
     assert status == "OK" and int(checked) == 2 * 5
 
 
 def test_activation_quantization_matches_torch() -> None:
-    status, checked = _run(ACTIVATION_QUANT_VS_TORCH).split()
+    status, checked = run_interpreted(ACTIVATION_QUANT_VS_TORCH).split()
     assert status == "OK" and int(checked) == 3 * 7

@@ -8,7 +8,7 @@ How a layer multiplies is a `Matmul` the model picks once, at start-up (`use_mat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any, Protocol, cast
 
@@ -157,15 +157,14 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 _copy_checked = copy_checked  # shape-checked, and refusing an FP8 tensor for a layer that is not FP8
 
 
-def _renew_weight(layer: nn.Module, create: Callable[[], None]) -> None:
-    """Run `create` (a LinearMethod's create_weights on `layer`), keeping the Parameter object `layer.weight`
-    was (with the new tensor in it): the model's checkpoint map holds the object, and must see the new
-    tensor rather than keep the old one alive."""
-    old = layer._parameters.get("weight")
-    create()
-    if old is not None:
-        old.data = cast(nn.Parameter, layer._parameters["weight"]).data
-        layer.weight = old
+def renewed(old: nn.Parameter | None, new: nn.Parameter) -> nn.Parameter:
+    """`new`'s tensor in the Parameter object `old` where there is one (a layer whose method changed):
+    the model's checkpoint map holds that object, and must see the new tensor rather than keep the old
+    one alive."""
+    if old is None:
+        return new
+    old.data = new.data
+    return old
 
 
 class ColumnParallelLinear(nn.Module):
@@ -202,7 +201,9 @@ class ColumnParallelLinear(nn.Module):
     def use_method(self, method: LinearMethod) -> None:
         """Store (and multiply) the weight as `method` does; its weights are made anew, empty."""
         self.method = method
-        _renew_weight(self, lambda: method.create_weights(self, *self._weight_shape))
+        old = self._parameters.get("weight")
+        method.create_weights(self, *self._weight_shape)
+        self.weight = renewed(old, self.weight)
         self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
 
     def shard(self, shard_id: int) -> Shard:
@@ -300,7 +301,9 @@ class RowParallelLinear(nn.Module):
     def use_method(self, method: LinearMethod) -> None:
         """Store (and multiply) the weight as `method` does; its weights are made anew, empty."""
         self.method = method
-        _renew_weight(self, lambda: method.create_weights(self, *self._weight_shape))
+        old = self._parameters.get("weight")
+        method.create_weights(self, *self._weight_shape)
+        self.weight = renewed(old, self.weight)
         self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
 
     def shard(self, shard_id: int = 0) -> Shard:

@@ -39,7 +39,7 @@ from torch import nn
 
 from tp_runtime.distributed import TPGroup
 from tp_runtime.layers.activation import silu_and_mul
-from tp_runtime.layers.linear import TensorSource, _copy_checked, _param, divide
+from tp_runtime.layers.linear import TensorSource, _copy_checked, _param, divide, renewed
 from tp_runtime.layers.quantization import UNQUANTIZED, LinearMethod, Shard
 
 if TYPE_CHECKING:
@@ -142,10 +142,8 @@ class ExpertWeights:
         holder = nn.Module()
         first_col = 0 if self.column_parallel else self.tp.rank * cols
         method.create_weights(holder, rows, cols, self._dtype, self._device, experts, first_col)
-        old = self._moe._parameters.get(self.name)
-        if old is not None:  # the same object, which the model's checkpoint map holds, with the new tensor
-            old.data = cast(nn.Parameter, holder._parameters["weight"]).data
-        setattr(self._moe, self.name, holder.weight if old is None else old)
+        weight = cast(nn.Parameter, holder._parameters["weight"])
+        setattr(self._moe, self.name, renewed(self._moe._parameters.get(self.name), weight))
         self._moe.register_parameter(f"{self.name}_scale", getattr(holder, "weight_scale", None))
         self.scale_block_k: int = getattr(holder, "scale_block_k", cols)
         self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
@@ -343,14 +341,17 @@ class SparseMoE(nn.Module):
             out.index_add_(0, tokens, y.to(out.dtype))
         return out
 
+    def _pairs_by_expert(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (token, slot) pairs sorted by expert (stable) and each expert's group end, int32 on the
+        device (bincount would read the maximum on the host): the grouped GEMMs' order and offsets."""
+        flat = ids.flatten()
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=ids.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        return flat.argsort(stable=True), counts.cumsum(0, dtype=torch.int32)
+
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         tokens, k = ids.shape
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        # Group ends as int32 on the device (bincount would read the maximum on the host).
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        offs = counts.cumsum(0, dtype=torch.int32)
+        order, offs = self._pairs_by_expert(ids)
         gate_up = torch._grouped_mm(x[order // k], self.w13.transpose(1, 2), offs=offs)
         y_sorted = torch._grouped_mm(silu_and_mul(gate_up, self.fused), self.w2.transpose(1, 2), offs=offs)
         y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted).view(tokens, k, -1)
@@ -392,11 +393,7 @@ class SparseMoE(nn.Module):
         tokens, k = ids.shape
         w13, w2 = self.w13_stack, self.w2_stack
         assert w13.scale is not None and w2.scale is not None, "internal: fp8_grouped without FP8 experts"
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        offs = counts.cumsum(0, dtype=torch.int32)
+        order, offs = self._pairs_by_expert(ids)
         xq, x_scale = aq.quantize_rows_fp8(x[order // k])  # per token, as the Triton path's
         gate_up = torch._scaled_grouped_mm(
             xq, w13.weight.transpose(1, 2), x_scale.view(-1), w13.scale[..., 0], offs=offs, out_dtype=x.dtype

@@ -15,7 +15,13 @@ from typing import Any
 import pytest
 
 from tp_runtime import LLM, cli
-from tp_runtime.config import ALL_REDUCE_STRATEGIES, ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS
+from tp_runtime.config import (
+    ALL_REDUCE_STRATEGIES,
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+)
 from tp_runtime.engine.args import EngineArgs, choices, flag_name
 from tp_runtime.errors import ConfigError
 
@@ -40,9 +46,10 @@ def test_choices_agree_with_the_config_checks() -> None:
     assert choices("attention_backend") == ATTENTION_BACKENDS
     assert choices("all_reduce") == ALL_REDUCE_STRATEGIES
     assert choices("quantization") == QUANTIZATIONS
+    assert choices("kv_cache_dtype") == KV_CACHE_DTYPES
     hints = typing.get_type_hints(EngineArgs)
     for name in ("dtype", "device", "load_format", "executor", "all_reduce", "cuda_graphs",
-                 "attention_backend", "fused_kernels"):  # fmt: skip
+                 "attention_backend", "fused_kernels", "kv_cache_dtype"):  # fmt: skip
         assert typing.get_origin(hints[name]) is typing.Literal, name
 
 
@@ -114,6 +121,8 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("max_num_batched_tokens", -3, "at least 1"),
     ("load_format", "pt", "one of auto, dummy"),
     ("quantization", "int8", "one of fp8"),
+    ("kv_cache_dtype", "fp8_e5m2", "one of auto, fp8, fp8_e4m3"),
+    ("kv_cache_dtype", "int8", "one of auto, fp8, fp8_e4m3"),
     ("block_size", 24, "power of two"),
     ("num_kv_blocks", 0, "at least 1"),
     ("gpu_memory_utilization", 1.5, "in (0, 1]"),

@@ -97,3 +97,16 @@ def test_online_fp8_perplexity_within_3_percent(smollm2_dir: Path) -> None:
     fp8 = _perplexity(smollm2_dir, quantization="fp8")
     assert 1.0 < base < 100.0, base  # an English text the model reads as one
     assert abs(fp8 / base - 1) < 0.03, (base, fp8)
+
+
+def test_fp8_kv_cache_perplexity_within_3_percent(smollm2_dir: Path) -> None:
+    """kv_cache_dtype="fp8" (e4m3 keys and values, scale 1: this checkpoint has none) on the real model:
+    within 3 % of the full-precision cache's perplexity, whether the text's attention reads its own keys
+    (one step) or, in chunks of 32 tokens, the earlier chunks' keys from the cache."""
+    base = _perplexity(smollm2_dir)
+    whole = _perplexity(smollm2_dir, kv_cache_dtype="fp8")
+    chunked = _perplexity(smollm2_dir, kv_cache_dtype="fp8", max_num_batched_tokens=32)
+    assert whole != base  # the cache is FP8
+    assert abs(whole / base - 1) < 0.03, (base, whole)
+    # The same keys either way (a key one float32 step apart may round to the other e4m3 neighbour).
+    assert abs(chunked / whole - 1) < 3e-4, (whole, chunked)

@@ -42,6 +42,8 @@ class RopeConfig:
 QUANTIZATIONS = ("fp8",)
 # The largest finite float8_e4m3fn value: FP8 scales map a row's (or block's) absolute maximum to it.
 FP8_E4M3_MAX = 448.0
+# Choices of CacheConfig.kv_cache_dtype: the model's dtype, or e4m3 ("fp8" is vLLM's name for it too).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -294,6 +296,9 @@ class CacheConfig:
     cpu_kv_cache_gib: float | None = None
     # Reuse the KV blocks of a prompt's prefix that an earlier request computed (engine/kv_cache.py).
     enable_prefix_caching: bool = True
+    # "auto": keys and values in the model's dtype; "fp8" / "fp8_e4m3": e4m3 with per-layer scales
+    # (layers/kv_fp8.py), half the bytes of bf16.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -304,6 +309,11 @@ class CacheConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kv_cache_gib is not None and not self.cpu_kv_cache_gib > 0:
             raise ConfigError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be {'|'.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+                + ("; only e4m3 FP8 is supported (fp8_e4m3)" if self.kv_cache_dtype == "fp8_e5m2" else "")
+            )
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 
 from tp_runtime.config import QuantConfig
 from tp_runtime.errors import ConfigError
+from tp_runtime.layers import kv_fp8
 from tp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tp_runtime.layers.moe import ExpertWeights, SparseMoE
 from tp_runtime.layers.quantization import FP8_DTYPES, UNQUANTIZED
@@ -294,6 +295,8 @@ def load_weights(
             for name in handle.keys():  # noqa: SIM118 - not a dict
                 if quantized.load_extra(name, CheckpointTensor(handle, name, None)):
                     continue
+                if _load_kv_scale(model, name, CheckpointTensor(handle, name, None)):
+                    continue
                 try:
                     targets = list(model.checkpoint_targets(name))
                 except KeyError:
@@ -319,6 +322,26 @@ def load_weights(
             f"checkpoint {model_dir} has FP8 weights without their scales (*.{suffix}): "
             f"{', '.join(names[:8])}"
         )
+
+
+def _load_kv_scale(model: CausalLM, name: str, tensor: CheckpointTensor) -> bool:
+    """Give a checkpoint KV-cache scale to its attention layer (used where the cache is FP8, see
+    layers/kv_fp8.py); False if `name` is not one."""
+    found = kv_fp8.kv_scale_name(name)
+    if found is None or not isinstance(model, torch.nn.Module):
+        return False
+    module_name, which = found
+    try:
+        attention = model.get_submodule(module_name)
+    except AttributeError:
+        return False
+    scales = getattr(attention, "kv_scales", None)
+    if not isinstance(scales, tuple):
+        return False
+    value = kv_fp8.scale_value(tensor.full(), name)
+    k_scale, v_scale = scales
+    setattr(attention, "kv_scales", (value if "k" in which else k_scale, value if "v" in which else v_scale))
+    return True
 
 
 class DummyTensor:

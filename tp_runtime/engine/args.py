@@ -42,6 +42,7 @@ CudaGraphs = Literal["auto", "off", "padded"]
 AttentionBackend = Literal["auto", "torch", "triton", "triton_one_split"]
 FusedKernels = Literal["auto", "torch", "triton"]
 Quantization = Literal["fp8"]
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 
 
 def meta(
@@ -121,6 +122,14 @@ class EngineArgs:
             help="fp8: FP8 linear layers (e4m3 weights with per-channel scales, quantized at load from a "
             "16/32-bit checkpoint; an FP8 checkpoint keeps its own scales)",
             default_help="as the checkpoint says",
+        ),
+    )
+    kv_cache_dtype: KVCacheDtype = field(
+        default="auto",
+        metadata=meta(
+            help="KV-cache storage: auto, the model's dtype; fp8 (= fp8_e4m3): e4m3 with one scale per "
+            "layer for keys and one for values, the checkpoint's where it has them (kv_cache_scheme), "
+            "else 1.0; half the bytes of bf16"
         ),
     )
     block_size: int = field(
@@ -260,7 +269,7 @@ class EngineArgs:
             cache=CacheConfig(
                 block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                 gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_cache_gib=self.cpu_kv_cache_gib,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tp_runtime.layers import kv_fp8
+
 
 @dataclass
 class PrefillChunk:
@@ -265,7 +267,7 @@ class AttentionMetadata:
 class AttentionBoundary(Protocol):
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        scale: float, window: int | None, softcap: float | None,
+        scale: float, window: int | None, softcap: float | None, kv_scales: tuple[float, float],
     ) -> torch.Tensor: ...  # fmt: skip
 
 
@@ -289,8 +291,10 @@ class AttentionBackend(Protocol):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
-        """q: [num_decode, heads, d] -> [num_decode, heads, d]."""
+        """q: [num_decode, heads, d] -> [num_decode, heads, d]. `kv_scales`: the layer's (key, value)
+        scales, applied where the caches are FP8 (layers/kv_fp8.py)."""
         ...
 
     def prefill(
@@ -302,6 +306,7 @@ class AttentionBackend(Protocol):
         window: int | None,
         scale: float,
         softcap: float | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """A continuation chunk (or any chunk under a sliding window or soft-cap whose block table the
         runner gave): q [chunk, heads, d], whose keys and values are already in the cache with the context
@@ -310,19 +315,28 @@ class AttentionBackend(Protocol):
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-) -> None:
-    """Caches are [num_blocks, block_size, kv_heads, head_dim]; k/v are [num_tokens, kv_heads, head_dim]."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
+) -> None:  # fmt: skip
+    """Caches are [num_blocks, block_size, kv_heads, head_dim]; k/v are [num_tokens, kv_heads, head_dim].
+    FP8 caches store k / k_scale and v / v_scale (layers/kv_fp8.py)."""
+    for cache, x, scale in ((k_cache, k, kv_scales[0]), (v_cache, v, kv_scales[1])):
+        if kv_fp8.is_fp8(cache):
+            x = kv_fp8.quantize(x, scale)
+        kv_fp8.as_bytes(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, kv_fp8.as_bytes(x))
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[seqs, blocks] -> [seqs, kv_heads, blocks * block_size, head_dim]."""
+def _gather(
+    cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype, scale: float
+) -> torch.Tensor:
+    """[seqs, blocks] -> [seqs, kv_heads, blocks * block_size, head_dim] in `dtype` (an FP8 cache
+    dequantized with its `scale`)."""
     seqs, blocks = block_tables.shape
     num_blocks, block_size, kv_heads, head_dim = cache.shape
     # index_select copies whole contiguous blocks, much faster than advanced indexing's per-element gather.
-    rows = cache.view(num_blocks, -1).index_select(0, block_tables.reshape(-1))
+    rows = kv_fp8.as_bytes(cache).view(num_blocks, -1).index_select(0, block_tables.reshape(-1))
+    if kv_fp8.is_fp8(cache):
+        rows = kv_fp8.dequantize(rows.view(cache.dtype), scale, dtype)
     return rows.view(seqs, blocks * block_size, kv_heads, head_dim).transpose(1, 2)
 
 
@@ -354,11 +368,12 @@ class TorchAttention:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         tables, seq_lens = meta.decode_block_tables, meta.decode_seq_lens
         assert tables is not None and seq_lens is not None, "internal: decode metadata missing"
-        keys = _gather(k_cache, tables)
-        values = _gather(v_cache, tables)
+        keys = _gather(k_cache, tables, q.dtype, kv_scales[0])
+        values = _gather(v_cache, tables, q.dtype, kv_scales[1])
         key_pos = torch.arange(keys.shape[2], device=q.device)
         # Row i's query sits at position seq_lens[i] - 1; a padding row attends to key 0 only.
         mask = _allowed(seq_lens - 1, key_pos, window)
@@ -382,9 +397,10 @@ class TorchAttention:
         window: int | None,
         scale: float,
         softcap: float | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
-        keys = _gather(k_cache, chunk.block_table.unsqueeze(0))
-        values = _gather(v_cache, chunk.block_table.unsqueeze(0))
+        keys = _gather(k_cache, chunk.block_table.unsqueeze(0), q.dtype, kv_scales[0])
+        values = _gather(v_cache, chunk.block_table.unsqueeze(0), q.dtype, kv_scales[1])
         n = q.shape[0]
         q_pos = torch.arange(chunk.context_len, chunk.context_len + n, device=q.device)
         mask = _allowed(q_pos, torch.arange(keys.shape[2], device=q.device), window)
@@ -423,13 +439,14 @@ class TritonAttention:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         from tp_runtime.layers.paged_decode_triton import paged_decode_attention
 
         assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
         return paged_decode_attention(
             q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window,
-            meta.decode_num_splits, softcap=softcap,
+            meta.decode_num_splits, softcap=softcap, kv_scales=kv_scales,
         )  # fmt: skip
 
     def prefill(
@@ -441,12 +458,14 @@ class TritonAttention:
         window: int | None,
         scale: float,
         softcap: float | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         from tp_runtime.layers.paged_decode_triton import paged_prefill_attention
 
         return paged_prefill_attention(
-            q, k_cache, v_cache, chunk.block_table, chunk.context_len, scale, window, softcap=softcap
-        )
+            q, k_cache, v_cache, chunk.block_table, chunk.context_len, scale, window, softcap=softcap,
+            kv_scales=kv_scales,
+        )  # fmt: skip
 
 
 def make_attention_backend(
@@ -526,21 +545,27 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
     out: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """q: [tokens, heads, d]; k/v: this step's [tokens, kv_heads, d] (already in the cache). `window`: this
     layer's sliding window (None: the whole context); `softcap`: its attention logit soft-cap (None: off).
-    `out`: where to write the result (returned), else a new tensor."""
+    `out`: where to write the result (returned), else a new tensor. `kv_scales`: the layer's (key, value)
+    scales of an FP8 cache."""
     if meta.piece_boundary is not None:
-        return meta.piece_boundary(q, k, v, k_cache, v_cache, scale, window, softcap)
+        return meta.piece_boundary(q, k, v, k_cache, v_cache, scale, window, softcap, kv_scales)
     num_decode = meta.num_decode_tokens
     backend = meta.backend
     if num_decode == q.shape[0] and not meta.prefills:
-        decoded = backend.decode(q, k_cache, v_cache, meta, scale, window, softcap)
+        decoded = backend.decode(q, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
         return decoded if out is None else out.copy_(decoded)
     if out is None:
         out = torch.empty_like(q)
     if num_decode:
-        out[:num_decode] = backend.decode(q[:num_decode], k_cache, v_cache, meta, scale, window, softcap)
+        out[:num_decode] = backend.decode(
+            q[:num_decode], k_cache, v_cache, meta, scale, window, softcap, kv_scales
+        )
+    if kv_fp8.is_fp8(k_cache):  # fresh prompts read their own keys as the cache holds them
+        k, v = kv_fp8.round_trip(k, kv_scales[0]), kv_fp8.round_trip(v, kv_scales[1])
     own_keys_only = window is None and softcap is None
     if own_keys_only:  # fresh prompts attend only to their own keys here (no cache read)
         backend.fresh_prompts(q, k, v, meta, scale, out)
@@ -554,7 +579,7 @@ def paged_attention(
             # memory-profiling run): its own keys, with this layer's window and soft-cap.
             chunk_out = _own_keys_attention(q_chunk, k, v, chunk, window, scale, softcap)
         else:
-            chunk_out = backend.prefill(q_chunk, k_cache, v_cache, chunk, window, scale, softcap)
+            chunk_out = backend.prefill(q_chunk, k_cache, v_cache, chunk, window, scale, softcap, kv_scales)
         out[chunk.start : chunk.end] = chunk_out
     return out
 

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_runtime.layers.kv_fp8 import f32_reciprocal
+
 
 @triton.jit
 def _add_rms_norm_row(
@@ -179,9 +181,12 @@ def _rotary_and_cache_kernel(
     heads,
     kv_heads,
     half,
+    k_inv_scale,  # FP8 caches store k * k_inv_scale, v * v_inv_scale (saturated), as kv_fp8.quantize
+    v_inv_scale,
     HALF_BLOCK: tl.constexpr,
     HEADS_BLOCK: tl.constexpr,
     KV_HEADS_BLOCK: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     token = tl.program_id(0)
     table = token * table_stride
@@ -196,17 +201,30 @@ def _rotary_and_cache_kernel(
     mask = (h < tl.where(slot >= 0, kv_heads, 0)) & (d < half)  # a negative slot writes no head
     offs = h * (2 * half) + d
     k_dst = k_cache_ptr + slot * k_slot_stride + offs
-    tl.store(k_dst, k1, mask=mask)
-    tl.store(k_dst + half, k2, mask=mask)
     v_src = v_ptr + token * v_stride + offs
     v_dst = v_cache_ptr + slot * v_slot_stride + offs
-    tl.store(v_dst, tl.load(v_src, mask=mask), mask=mask)
-    tl.store(v_dst + half, tl.load(v_src + half, mask=mask), mask=mask)
+    v1 = tl.load(v_src, mask=mask)
+    v2 = tl.load(v_src + half, mask=mask)
+    if KV_FP8:
+        k1, k2 = _fp8_kv(k1, k_inv_scale), _fp8_kv(k2, k_inv_scale)
+        v1, v2 = _fp8_kv(v1, v_inv_scale), _fp8_kv(v2, v_inv_scale)
+    tl.store(k_dst, k1, mask=mask)
+    tl.store(k_dst + half, k2, mask=mask)
+    tl.store(v_dst, v1, mask=mask)
+    tl.store(v_dst + half, v2, mask=mask)
+
+
+@triton.jit
+def _fp8_kv(x, inv_scale):
+    y = x.to(tl.float32) * inv_scale
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
 
 def _check_cache(cache: torch.Tensor, like: torch.Tensor, name: str) -> None:
     _, block_size, kv_heads, head_dim = cache.shape
-    if (kv_heads, head_dim) != like.shape[1:] or cache.dtype != like.dtype or cache.device != like.device:
+    dtype_ok = cache.dtype in (like.dtype, torch.float8_e4m3fn)
+    if (kv_heads, head_dim) != like.shape[1:] or not dtype_ok or cache.device != like.device:
         raise ValueError(f"{name} {tuple(cache.shape)} {cache.dtype} does not fit k/v {tuple(like.shape)}")
     if cache.stride(3) != 1 or cache.stride(2) != head_dim or cache.stride(0) != block_size * cache.stride(1):
         raise ValueError(f"{name} must be addressable by flat slot, got strides {cache.stride()}")
@@ -221,6 +239,7 @@ def rotary_and_cache_(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Rotary embedding of q and k plus the KV-cache write, in one launch (one program per token).
 
@@ -228,7 +247,8 @@ def rotary_and_cache_(
     (x * cos + rotate_half(x) * sin, rounded exactly as `rotary_` and the PyTorch ops round), and rotated
     k and v (unchanged) are written to k_cache/v_cache [num_blocks, block_size, kv_heads, head_dim] at
     flat slot `slots[t]` (= block * block_size + offset), like `write_kv`. A token whose slot is negative
-    is rotated but not cached. k stays rotated so a prefill chunk can attend over its own keys.
+    is rotated but not cached. k stays rotated so a prefill chunk can attend over its own keys. FP8 caches
+    (float8_e4m3fn) store k / k_scale and v / v_scale of `kv_scales`, the same bytes as `write_kv`.
 
     q, k, v may be views into the fused QKV projection output (any token stride, contiguous heads and
     dims); cos/sin are [tokens, head_dim] float32 with unit column stride. Checks only tensor metadata,
@@ -250,9 +270,10 @@ def rotary_and_cache_(
         _rotary_and_cache_kernel[(tokens,)](
             q, k, v, cos, sin, k_cache, v_cache, slots,
             q.stride(0), k.stride(0), v.stride(0), cos.stride(0), k_cache.stride(1), v_cache.stride(1),
-            heads, kv_heads, head_dim // 2,
+            heads, kv_heads, head_dim // 2, f32_reciprocal(kv_scales[0]), f32_reciprocal(kv_scales[1]),
             HALF_BLOCK=triton.next_power_of_2(head_dim // 2), HEADS_BLOCK=triton.next_power_of_2(heads),
-            KV_HEADS_BLOCK=triton.next_power_of_2(kv_heads), enable_fp_fusion=False,  # as in rotary_
+            KV_HEADS_BLOCK=triton.next_power_of_2(kv_heads), KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+            enable_fp_fusion=False,  # as in rotary_
         )  # fmt: skip
 
 

@@ -14,7 +14,9 @@ Prefill (`paged_prefill_attention`) is a flash-attention forward for one sequenc
 values, and those of all earlier context, are already in the cache (chunked-prefill continuation, a
 preempted request resuming).
 
-Conventions shared by both: caches are [num_blocks, block_size, kv_heads, head_dim]; query head h uses KV
+Conventions shared by both: caches are [num_blocks, block_size, kv_heads, head_dim], in the queries' dtype
+or FP8 (e4m3, converted to the queries' dtype on load, exactly; the layer's key scale joins the softmax
+scale and its value scale the output, layers/kv_fp8.py); query head h uses KV
 head h // (heads // kv_heads); a sliding window w > 0 lets a query at position p see keys k with
 p - w < k <= p. Head dims that are not powers of two are padded (HEAD_DIM_PAD) and masked. Scores are kept
 in base 2 (scaled by log2(e)) so the softmax uses exp2. A soft-cap c > 0 (Gemma 2) replaces each scaled score
@@ -109,7 +111,8 @@ def _decode_kernel(
     out_ptr,  # NUM_SPLITS == 1: the output [seqs, heads, head_dim]; else partial acc [seqs, heads, splits, d]
     m_ptr,  # [seqs, heads, splits] float32 running max (base 2); unused when NUM_SPLITS == 1
     l_ptr,  # [seqs, heads, splits] float32 softmax denominators
-    qk_scale,  # softmax scale * log2(e) (SOFTCAP > 0: the softmax scale)
+    qk_scale,  # softmax scale * key scale * log2(e) (SOFTCAP > 0: without log2(e))
+    v_scale,  # the value scale (FP8 caches; else 1)
     window,  # <= 0: no sliding window
     stride_q_seq,
     stride_q_head,
@@ -167,8 +170,8 @@ def _decode_kernel(
             + dims[None, :]
         )
         kv_mask = valid[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # FP8 caches: exact
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
         s = _scores(q, k, qk_scale, SOFTCAP, IEEE)
         s = tl.where(valid[None, :], s, float("-inf"))
         # Every tile in range holds a valid key, so m_new is finite from the first tile on.
@@ -179,6 +182,7 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m = m_new
 
+    acc = acc * v_scale
     if NUM_SPLITS == 1:
         out = acc / tl.where(l > 0, l, 1.0)[:, None]  # l == 0 only for an empty context: output 0
         tl.store(
@@ -242,6 +246,7 @@ def _prefill_kernel(
     block_table_ptr,  # [blocks] covering context_len + chunk_len tokens
     out_ptr,  # [chunk_len, heads, head_dim] contiguous
     qk_scale,
+    v_scale,
     window,
     context_len,
     chunk_len,
@@ -288,8 +293,8 @@ def _prefill_kernel(
             + dims[None, :]
         )
         kv_mask = valid[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # FP8 caches: exact
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
         s = _scores(q, k, qk_scale, SOFTCAP, IEEE)
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         allowed &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
@@ -302,7 +307,7 @@ def _prefill_kernel(
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    out = acc * v_scale / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(
         out_ptr + (rows[:, None] * tl.num_programs(1) + head) * HEAD_DIM + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -323,16 +328,20 @@ def _tile(block: int, head_dim_pad: int, dtype: torch.dtype) -> int:
     return block
 
 
-def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor) -> tuple[int, int, int]:
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches need equal layouts"
+    if not k_cache.dtype == v_cache.dtype in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"KV caches of {k_cache.dtype}/{v_cache.dtype} for {q.dtype} queries: they must be "
+                         "the queries' dtype or float8_e4m3fn")  # fmt: skip
     return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
 
 
-def _qk_scale(scale: float, softcap: float | None) -> tuple[float, float]:
-    """The kernels' (qk_scale, SOFTCAP) arguments."""
+def _qk_scale(scale: float, softcap: float | None, k_scale: float) -> tuple[float, float]:
+    """The kernels' (qk_scale, SOFTCAP) arguments. An FP8 cache's key scale multiplies every score, so it
+    joins the softmax scale (and its value scale the output) instead of each key and value."""
     if softcap:
-        return scale, float(softcap)
-    return scale * LOG2E, 0.0
+        return scale * k_scale, float(softcap)
+    return scale * k_scale * LOG2E, 0.0
 
 
 def choose_num_splits(
@@ -367,9 +376,11 @@ def paged_decode_attention(
     num_splits: int = 1,
     *,
     softcap: float | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """q: [seqs, heads, head_dim], one query per sequence at position seq_len - 1 -> [seqs, heads, head_dim].
-    `softcap`: attention logit soft-cap (None or 0: off).
+    `softcap`: attention logit soft-cap (None or 0: off). `kv_scales`: an FP8 cache's (key, value) scales
+    (the caches hold e4m3; any other cache dtype must be q's).
 
     block_tables: [seqs, width] (any row stride); seq_lens: [seqs] (any stride), each >= 1. Launches depend
     only on shapes and num_splits (no host sync), so this can be captured in a CUDA graph.
@@ -384,7 +395,7 @@ def paged_decode_attention(
         q = q.contiguous()
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
-    stride_block, stride_token, stride_kv_head = _cache_strides(k_cache, v_cache)
+    stride_block, stride_token, stride_kv_head = _cache_strides(k_cache, v_cache, q)
     head_dim_pad = _head_dim_pad(head_dim)
     block_n = _tile(DECODE_BLOCK_N, head_dim_pad, q.dtype)
     num_splits = max(1, num_splits)
@@ -394,9 +405,9 @@ def paged_decode_attention(
         acc = torch.empty((seqs, heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         m = torch.empty((seqs, heads, num_splits), dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
-    qk_scale, cap = _qk_scale(scale, softcap)
+    qk_scale, cap = _qk_scale(scale, softcap, kv_scales[0])
     _decode_kernel[(seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, acc, m, l, qk_scale, sliding_window or 0,
+        q, k_cache, v_cache, block_tables, seq_lens, acc, m, l, qk_scale, kv_scales[1], sliding_window or 0,
         q.stride(0), q.stride(1), block_tables.stride(0), seq_lens.stride(0),
         stride_block, stride_token, stride_kv_head, out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
@@ -423,10 +434,12 @@ def paged_prefill_attention(
     sliding_window: int | None,
     *,
     softcap: float | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """One sequence's prefill chunk, causal: q [chunk_len, heads, head_dim] holds positions context_len ..
     context_len + chunk_len - 1, whose keys/values are already in the cache with all earlier context;
-    block_table [blocks] covers them all. -> [chunk_len, heads, head_dim]. `softcap` as for decode."""
+    block_table [blocks] covers them all. -> [chunk_len, heads, head_dim]. `softcap` and `kv_scales` as
+    for decode."""
     chunk_len, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     out = torch.empty((chunk_len, heads, head_dim), dtype=q.dtype, device=q.device)
@@ -435,12 +448,13 @@ def paged_prefill_attention(
     if q.stride(2) != 1:
         q = q.contiguous()
     block_table = block_table.contiguous()
-    stride_block, stride_token, stride_kv_head = _cache_strides(k_cache, v_cache)
+    stride_block, stride_token, stride_kv_head = _cache_strides(k_cache, v_cache, q)
     head_dim_pad = _head_dim_pad(head_dim)
     block_m = _tile(PREFILL_BLOCK_M, head_dim_pad, q.dtype)
-    qk_scale, cap = _qk_scale(scale, softcap)
+    qk_scale, cap = _qk_scale(scale, softcap, kv_scales[0])
     _prefill_kernel[(triton.cdiv(chunk_len, block_m), heads)](
-        q, k_cache, v_cache, block_table, out, qk_scale, sliding_window or 0, context_len, chunk_len,
+        q, k_cache, v_cache, block_table, out, qk_scale, kv_scales[1], sliding_window or 0, context_len,
+        chunk_len,
         q.stride(0), q.stride(1), stride_block, stride_token, stride_kv_head,
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=_tile(PREFILL_BLOCK_N, head_dim_pad, q.dtype), SOFTCAP=cap,

@@ -52,6 +52,8 @@ class LlamaAttention(nn.Module):
         # This layer's sliding window and attention logit soft-cap (Gemma 2 sets them per layer).
         self.window: int | None = cfg.sliding_window
         self.softcap: float | None = None
+        # (key, value) scales of an FP8 KV cache: the checkpoint's (loader), else 1 (layers/kv_fp8.py).
+        self.kv_scales: tuple[float, float] = (1.0, 1.0)
 
     def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim], before rotary."""
@@ -81,14 +83,15 @@ class LlamaAttention(nn.Module):
             from tp_runtime.layers.fused_triton import rotary_and_cache_
 
             # One kernel rotates q and k in place and writes k and v into their cache slots.
-            rotary_and_cache_(q, k, v, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping)
+            rotary_and_cache_(q, k, v, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, self.kv_scales)
         else:
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
-            write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+            write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping, self.kv_scales)
         out = paged_attention(
-            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window, softcap=self.softcap
-        )
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window, softcap=self.softcap,
+            kv_scales=self.kv_scales,
+        )  # fmt: skip
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim), reduce)
 
     def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:

@@ -62,6 +62,7 @@ class _AttentionCall:
     scale: float
     window: int | None
     softcap: float | None
+    kv_scales: tuple[float, float]
 
 
 class _Pieces:
@@ -223,7 +224,7 @@ class MixedStepGraphs:
     def _attend(self, call: _AttentionCall, n: int, meta: AttentionMetadata) -> None:
         paged_attention(
             self._q[:n], self._k[:n], self._v[:n], call.k_cache, call.v_cache, meta, call.scale,
-            window=call.window, softcap=call.softcap, out=self._attn_out[:n],
+            window=call.window, softcap=call.softcap, out=self._attn_out[:n], kv_scales=call.kv_scales,
         )  # fmt: skip
 
 
@@ -249,13 +250,13 @@ class _Boundary:
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        scale: float, window: int | None, softcap: float | None,
+        scale: float, window: int | None, softcap: float | None, kv_scales: tuple[float, float],
     ) -> torch.Tensor:  # fmt: skip
         owner, tokens = self.owner, q.shape[0]
         owner._q[:tokens].copy_(q)
         owner._k[:tokens].copy_(k)
         owner._v[:tokens].copy_(v)
-        call = _AttentionCall(k_cache, v_cache, scale, window, softcap)
+        call = _AttentionCall(k_cache, v_cache, scale, window, softcap, kv_scales)
         if self.pieces is not None:
             self.end_piece()
             self.pieces.calls.append(call)

@@ -25,6 +25,7 @@ import torch
 
 from tp_runtime.config import EngineConfig
 from tp_runtime.errors import ProtocolError
+from tp_runtime.layers import kv_fp8
 from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk, make_attention_backend
 from tp_runtime.layers.linear import decode_graph_pass
 from tp_runtime.messages import GrammarMask, SchedulerOutput
@@ -208,8 +209,12 @@ class ModelRunner:
         self._awaiting_mask: _AwaitingMask | None = None
 
     # ----------------------------------------------------------------- KV cache
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return kv_fp8.cache_dtype(self.config.cache.kv_cache_dtype, self.model.dtype)
+
     def kv_bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.model.dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize
         per_layer = 2 * self.block_size * self.model.num_local_kv_heads * self.config.model.head_dim * elem
         return per_layer * self.config.model.num_layers
 
@@ -230,7 +235,7 @@ class ModelRunner:
         return self.config.scheduler.max_num_seqs * self.max_blocks * per_block_layer
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        dtype = self.model.dtype
+        dtype = self.kv_cache_dtype
         # One block more than the scheduler owns: the decode graphs' padding rows write into it.
         shape = (num_blocks + 1, self.block_size, self.model.num_local_kv_heads, self.config.model.head_dim)
         self.kv_caches = [
@@ -374,7 +379,7 @@ class ModelRunner:
         kv_caches = self.kv_caches  # none before the cache is sized
         self.kv_caches = [
             (torch.zeros(1, self.block_size, self.model.num_local_kv_heads, cfg.head_dim,
-                         dtype=self.model.dtype, device=self.device),) * 2
+                         dtype=self.kv_cache_dtype, device=self.device),) * 2
             for _ in range(cfg.num_layers)
         ]  # fmt: skip
         chunks = largest_prefill_chunks(sched.max_num_batched_tokens, sched.max_num_seqs, cfg.max_model_len)

@@ -8,7 +8,8 @@ reference is HF transformers in float32 holding what those FP8 weights stand for
 rounded to e4m3 with its row's amax / 448 scale and multiplied back (computed here, independently of
 the engine's code), the embeddings, norms and LM head as the engine holds them. The unquantized bf16
 engine against HF fp32 on the unrounded weights is measured the same way, for scale: how much of the
-disagreement bfloat16 alone causes.
+disagreement bfloat16 alone causes; and so is the bf16 engine with an FP8 KV cache
+(`kv_cache_dtype="fp8"`, scale 1: dummy weights come with no KV scales) against the same reference.
 
 Reported per engine: the share of positions where the engine's top-1 token, given the reference's own
 greedy prefix (teacher forcing, from prompt_logprobs), is the reference's; the share of prompts whose
@@ -132,16 +133,20 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     results = {}
-    for name, quantization in (("fp8", "fp8"), ("bf16", None)):
+    engines = (("fp8", "fp8", "auto", "fp8"), ("bf16", None, "auto", "bf16"), ("fp8-kv", None, "fp8", "bf16"))
+    for name, quantization, kv_cache_dtype, reference in engines:
         with LLM(model_dir, load_format="dummy", dtype=args.dtype, device=args.device, seed=args.seed,
-                 quantization=quantization, gpu_memory_utilization=0.5) as llm:  # fmt: skip
-            results[name] = engine_agreement(llm, prompts, references[name], args.max_tokens)
+                 quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                 gpu_memory_utilization=0.5) as llm:  # fmt: skip
+            results[name] = engine_agreement(llm, prompts, references[reference], args.max_tokens)
         print(name, results[name], flush=True)
         gc.collect()
     print(f"| engine ({args.dtype}) | reference | teacher-forced top-1 | whole output equal | "
           f"mean common prefix (of {args.max_tokens}) |")  # fmt: skip
     print("|---|---|---|---|---|")
-    for name, what in (("fp8", "HF fp32, FP8-rounded weights"), ("bf16", "HF fp32, same weights")):
+    rows = (("fp8", "HF fp32, FP8-rounded weights"), ("bf16", "HF fp32, same weights"),
+            ("fp8-kv", "HF fp32, same weights (bf16 weights, FP8 KV cache)"))  # fmt: skip
+    for name, what in rows:
         r = results[name]
         print(f"| {name} | {what} | {r['teacher_forced_top1_agreement']:.4f} | {r['whole_output_equal']:.3f} "
               f"| {r['mean_common_prefix_tokens']:.1f} |")  # fmt: skip

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements recorded in BENCHMARKS.md (run on the device machines; see the device README).
-#   scripts/gpu_bench.sh smoke|checks|rows|rows1|rows8b|serve|traffic|throughput|fresh|prefix|structured|fp8|families|compare|compare1|tp1|tp2|fused|profile|profile2|matmuls|messaging|peer OUT_DIR
+#   scripts/gpu_bench.sh smoke|checks|rows|rows1|rows8b|serve|traffic|throughput|fresh|prefix|structured|fp8|kvfp8|families|compare|compare1|tp1|tp2|fused|profile|profile2|matmuls|messaging|peer OUT_DIR
 set -euo pipefail
 part=$1
 out=${2:-/tmp/tp-runtime-bench}
@@ -191,6 +191,20 @@ case $part in
     $py scripts/bench_moe.py --output-json "$out/moe.json" | tail -16
     $py scripts/check_fp8_agreement.py --model llama-3-8b --prompts 32 --max-tokens 64 \
       --output-json "$out/fp8_agreement.json" | tail -4
+    ;;
+  kvfp8)  # kv_cache_dtype fp8: its kernels and engine against references, then Llama-3-8B b1, b32 and a
+          # long-context b32 with the FP8 cache next to the bf16 one, HF static as the peer
+    $py scripts/gpu_check.py --only-kv-fp8 2>&1 | grep -E "^ok|^FAIL|failed|Error" || true
+    b1=(--model llama-3-8b --batch-size 1 --input-len 32 --output-len 128 --num-iters 5 --num-iters-warmup 1)
+    b32=(--model llama-3-8b --batch-size 32 --input-len 1000 --output-len 128 --num-iters 3 --num-iters-warmup 1)
+    long=(--model llama-3-8b --batch-size 32 --input-len 8000 --output-len 128 --num-iters 2 --num-iters-warmup 1)
+    for kv in fp8 auto; do
+      bench "kv_${kv}_b32" "${b32[@]}" --kv-cache-dtype $kv
+      bench "kv_${kv}_b1" "${b1[@]}" --kv-cache-dtype $kv
+      bench "kv_${kv}_b32_in8000" "${long[@]}" --kv-cache-dtype $kv
+    done
+    $py scripts/bench_hf_peer.py --model llama-3-8b --batch-size 32 --input-len 1000 --output-len 128 \
+      --cache-implementation static --output-json "$out/hf_static_b32.json"
     ;;
   prefix)  # issue 26: 64 requests of one shared 2000-token prefix and 64 tokens of their own, 32 out: caching
            # off, on (each pass from an empty cache), and a repeat served from the cache; then multi-turn chat

@@ -315,6 +315,132 @@ def fp8_moe_checks() -> list[dict[str, Any]]:
     return results
 
 
+def fp8_kv_checks(root: Path) -> list[dict[str, Any]]:
+    """The FP8 KV cache (kv_cache_dtype="fp8"): split-KV decode and paged prefill over e4m3 caches with
+    per-layer scales against the float64 brute force on the dequantized caches; the fused rotary + cache
+    write storing write_kv's bytes; greedy tokens of a tiny checkpoint on CUDA (fp32, Triton kernels,
+    graphs) against HF on the CPU with an FP8-rounded cache."""
+    from conftest import build_checkpoint
+    from test_kv_fp8 import PROMPTS, engine_greedy, hf_fp8_greedy
+
+    from tp_runtime.layers.attention import write_kv
+    from tp_runtime.layers.fused_triton import rotary_and_cache_
+    from tp_runtime.layers.paged_decode_triton import paged_decode_attention, paged_prefill_attention
+
+    results: list[dict[str, Any]] = []
+    gen = torch.Generator().manual_seed(1)
+    scales = (0.3, 0.07)
+    for head_dim, heads, kv_heads, window in [(128, 32, 8, None), (64, 8, 1, 40), (80, 12, 4, None)]:
+        lens, block_size = [1, 37, 300, 1025], 16
+        blocks_per = [-(-n // block_size) for n in lens]
+        num_blocks = sum(blocks_per) + 2
+        caches = [
+            (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen) * 2 / s)
+            .clamp(-448, 448)
+            .to(torch.float8_e4m3fn)
+            .cuda()
+            for s in scales
+        ]
+        kd, vd = (c.double() * s for c, s in zip(caches, scales, strict=True))
+        perm = torch.randperm(num_blocks, generator=gen)
+        tables = torch.zeros(len(lens), max(blocks_per), dtype=torch.int64)
+        start = 0
+        for i, b in enumerate(blocks_per):
+            tables[i, :b] = perm[start : start + b]
+            start += b
+        tables = tables.cuda()
+        seq_lens = torch.tensor(lens, device="cuda")
+        scale = head_dim**-0.5
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype).cuda()
+            want = torch.stack(
+                [
+                    _reference(q[i : i + 1].double(), kd, vd, tables[i], lens[i] - 1, window, scale)[0]
+                    for i in range(len(lens))
+                ]
+            )
+            tol = 2e-5 if dtype == torch.float32 else 2e-2
+            for splits in (1, 4):
+                got = paged_decode_attention(
+                    q, *caches, tables, seq_lens, scale, window, splits, kv_scales=scales
+                )
+                err = (got.double() - want).abs().max().item()
+                _report(
+                    results,
+                    {
+                        "check": f"fp8 kv decode d={head_dim} h={heads}/{kv_heads} w={window} "
+                        f"{dtype} splits={splits}",
+                        "max_err": err,
+                        "ok": err < tol,
+                    },
+                )
+            ctx, n = lens[3] - 70, 70
+            qp = torch.randn(n, heads, head_dim, generator=gen).to(dtype).cuda()
+            got = paged_prefill_attention(qp, *caches, tables[3], ctx, scale, window, kv_scales=scales)
+            err = (
+                (got.double() - _reference(qp.double(), kd, vd, tables[3], ctx, window, scale))
+                .abs()
+                .max()
+                .item()
+            )
+            _report(
+                results,
+                {
+                    "check": f"fp8 kv prefill d={head_dim} h={heads}/{kv_heads} w={window} {dtype}",
+                    "max_err": err,
+                    "ok": err < tol,
+                },
+            )
+    for dtype in (torch.bfloat16, torch.float32):
+        tokens, heads, kv_heads, head_dim = 300, 32, 8, 128
+        q = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype).cuda()
+        k = (3 * torch.randn(tokens, kv_heads, head_dim, generator=gen)).to(dtype).cuda()
+        v = (0.05 * torch.randn(tokens, kv_heads, head_dim, generator=gen)).to(dtype).cuda()
+        k[0, 0, :2] = torch.tensor([1e4, -1e4])
+        cos, sin = (torch.randn(tokens, head_dim, generator=gen).cuda() for _ in range(2))
+        slots = torch.randperm(32 * 16, generator=gen)[:tokens].cuda()
+        fused = [
+            torch.zeros(32, 16, kv_heads, head_dim, dtype=torch.float8_e4m3fn, device="cuda") for _ in "kv"
+        ]
+        plain = [torch.zeros_like(c) for c in fused]
+        rotary_and_cache_(q, k, v, cos, sin, *fused, slots, scales)
+        write_kv(*plain, k, v, slots, scales)  # k: rotated by the kernel
+        differ = sum(
+            int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in zip(fused, plain, strict=True)
+        )
+        _report(
+            results,
+            {
+                "check": f"fp8 kv fused rotary + cache write {dtype}",
+                "bytes_differing": differ,
+                "ok": differ == 0,
+            },
+        )
+    model_dir = build_checkpoint(root, "LlamaForCausalLM")
+    want = hf_fp8_greedy(model_dir, PROMPTS)
+    for options in (
+        {},
+        {
+            "max_num_batched_tokens": 16,
+            "num_kv_blocks": 22,
+            "block_size": 4,
+            "max_num_seqs": 4,
+            "max_model_len": 48,
+        },
+    ):
+        got = engine_greedy(model_dir, PROMPTS, device="cuda", kv_cache_dtype="fp8", **options)
+        same = sum(g == w for g, w in zip(got, want, strict=True))
+        _report(
+            results,
+            {
+                "check": f"fp8 kv engine (cuda fp32) vs HF rounded cache {options or 'default'}",
+                "sequences_equal": f"{same}/{len(want)}",
+                "ok": same == len(want),
+            },
+        )
+    return results
+
+
 def _report(results: list[dict[str, Any]], result: dict[str, Any]) -> None:
     print(("ok  " if result["ok"] else "FAIL"), {k: v for k, v in result.items() if k != "ok"}, flush=True)
     results.append(result)
@@ -430,7 +556,13 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--only-fresh-prompts", action="store_true", help="only the varlen path's checks")
     parser.add_argument("--only-fp8", action="store_true", help="only the FP8 kernels' checks")
+    parser.add_argument("--only-kv-fp8", action="store_true", help="only the FP8 KV cache's checks")
     args = parser.parse_args()
+    if args.only_kv_fp8:
+        with tempfile.TemporaryDirectory() as tmp:
+            failed = [r for r in fp8_kv_checks(Path(tmp)) if not r["ok"]]
+        print(f"fp8 kv cache: {len(failed)} failed")
+        sys.exit(1 if failed else 0)
     if args.only_fp8:
         failed = [r for r in fp8_checks() + fp8_moe_checks() if not r["ok"]]
         print(f"fp8: {len(failed)} failed")
@@ -445,6 +577,7 @@ def main() -> None:
     results += fresh_prompt_checks()
     with tempfile.TemporaryDirectory() as tmp:
         results += engine_checks(Path(tmp))
+        results += fp8_kv_checks(Path(tmp))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     failed = [r for r in results if not r["ok"]]

@@ -335,12 +335,11 @@ def _load_kv_scale(model: CausalLM, name: str, tensor: CheckpointTensor) -> bool
         attention = model.get_submodule(module_name)
     except AttributeError:
         return False
-    scales = getattr(attention, "kv_scales", None)
-    if not isinstance(scales, tuple):
+    set_scales = getattr(attention, "set_kv_scales", None)
+    if set_scales is None:
         return False
     value = kv_fp8.scale_value(tensor.full(), name)
-    k_scale, v_scale = scales
-    setattr(attention, "kv_scales", (value if "k" in which else k_scale, value if "v" in which else v_scale))
+    set_scales(value if "k" in which else None, value if "v" in which else None)
     return True
 
 

@@ -55,6 +55,10 @@ class LlamaAttention(nn.Module):
         # (key, value) scales of an FP8 KV cache: the checkpoint's (loader), else 1 (layers/kv_fp8.py).
         self.kv_scales: tuple[float, float] = (1.0, 1.0)
 
+    def set_kv_scales(self, k_scale: float | None, v_scale: float | None) -> None:
+        """The checkpoint's FP8 KV-cache scales (None: keep that one)."""
+        self.kv_scales = (k_scale or self.kv_scales[0], v_scale or self.kv_scales[1])
+
     def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim], before rotary."""
         n = hidden.shape[0]

@@ -66,7 +66,7 @@ def hf_fp8_greedy(
         cache = FP8RoundedCache(scales or [(1.0, 1.0)] * layers, model.config)
         gen = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-            pad_token_id=0, cache=cache,
+            pad_token_id=0, past_key_values=cache,
         )  # fmt: skip
         outs.append(gen[0, len(p) :].tolist())
     return outs

@@ -113,18 +113,17 @@ _SPLIT_K_LOCKS = 4096
 
 
 class CudaFp8Kernels(Fp8Kernels):
-    """One row: the weight-only Triton kernels (layers/skinny_gemm_triton.py), which read the FP8 weight
-    once and dequantize in registers (the few-rows kernel's tensor cores for layers of at least
-    FP8_WIDE_ONE_ROW_N features under a 16-bit x, else the one-row kernel). More rows: W8A8 on FP8
-    tensor cores, x quantized by one Triton kernel (activation_quant_triton.py) per row, or per row and
-    scale block for block-scaled weights (at 2 and 16 rows it took a Llama-3-8B layer set 15-20 % less
-    time than the weight-only few-rows kernel; at one row the weight-only kernel was faster on every
-    Llama-3-8B and 70B layer but one: BENCHMARKS.md, "GPU: FP8"); torch._scaled_mm (cuBLASLt) multiplies
-    per-row-scaled weights under bfloat16 x past FP8_TRITON_GEMM_MAX_ROWS rows, the Triton FP8 GEMM
-    (fp8_gemm_triton.py) the rest. Without the Triton GEMM (other than sm90/sm100) the weight-only
-    kernels take up to FP8_WEIGHT_ONLY_MAX_ROWS rows. What neither takes (x not 2-D, scale blocks
-    narrower than an FP8 MMA's K, GPUs without FP8 tensor cores: before sm89) stays on the weight-only
-    kernels as far as they go, and is dequantized past them."""
+    """One row: the weight-only Triton kernel (layers/skinny_gemm_triton.py), which reads the FP8 weight
+    once and dequantizes in registers. More rows: W8A8 on FP8 tensor cores, x quantized by one Triton
+    kernel (activation_quant_triton.py) per row, or per row and scale block for block-scaled weights
+    (at 2 and 16 rows it took a Llama-3-8B layer set 15-20 % less time than the weight-only few-rows
+    kernel; at one row the weight-only kernel was faster on every Llama-3-8B and 70B layer but one:
+    BENCHMARKS.md, "GPU: FP8"); torch._scaled_mm (cuBLASLt) multiplies per-row-scaled weights
+    under bfloat16 x past FP8_TRITON_GEMM_MAX_ROWS rows, the Triton FP8 GEMM (fp8_gemm_triton.py) the
+    rest. Without the Triton GEMM (other than sm90/sm100) the weight-only kernels take up to
+    FP8_WEIGHT_ONLY_MAX_ROWS rows. What neither takes (x not 2-D, scale blocks narrower than an FP8
+    MMA's K, GPUs without FP8 tensor cores: before sm89) stays on the weight-only kernels as far as they
+    go, and is dequantized past them."""
 
     def __init__(
         self,
@@ -184,9 +183,6 @@ class CudaFp8Kernels(Fp8Kernels):
         else:
             weight_only_rows = FP8_WEIGHT_ONLY_MAX_ROWS if scaled_mm else kernels.MAX_FEW_ROWS
         if 1 <= rows <= weight_only_rows:
-            if rows == 1 and n >= kernels.FP8_WIDE_ONE_ROW_N and not silu_mul and x.dtype != torch.float32:
-                cfg = kernels.FP8_WIDE_ONE_ROW_CONFIG
-                return kernels.few_rows_linear(x, weight, bias, cfg, scale=scale, scale_block_k=block_k)
             if rows == 1:
                 return kernels.skinny_linear(
                     x,

@@ -177,6 +177,29 @@ def test_checkpoint_kv_scales_are_used(make_checkpoint: Callable[..., Path], for
     assert engine_greedy(model_dir, PROMPTS) == engine_greedy(base, PROMPTS)
 
 
+def test_checkpoint_kv_scales_leave_a_16_bit_cache_alone(make_checkpoint: Callable[..., Path]) -> None:
+    """With kv_cache_dtype="auto" the Triton kernels (the GPU's default) ignore a checkpoint's KV scales too,
+    decode and chunked prefill over cached context alike, in Triton's interpreter."""
+    base = make_checkpoint("LlamaForCausalLM")
+    model_dir = _with_kv_scales(base, {"k_scale": lambda i: SCALES[i][0], "v_scale": lambda i: SCALES[i][1]},
+                                "auto")  # fmt: skip
+    script = ENGINE_VS_HF.replace("max_tokens=8", f"max_tokens={MAX_TOKENS}")
+    args = (str(model_dir), json.dumps(PROMPTS), "padded", json.dumps(CHUNKED))
+    got = json.loads(run_interpreted(script, *args))
+    assert got["tokens"] == engine_greedy(base, PROMPTS)
+
+
+def test_query_and_probability_scales_are_dropped(make_checkpoint: Callable[..., Path]) -> None:
+    """An attention-quantized checkpoint's q_scale / prob_scale (and q_proj.output_scale) load and change
+    nothing: attention runs in the model dtype."""
+    base = make_checkpoint("LlamaForCausalLM")
+    names = {"q_scale": lambda i: 0.3, "prob_scale": lambda i: 1 / 448, "q_proj.output_scale": lambda i: 0.2,
+             "k_scale": lambda i: SCALES[i][0], "v_scale": lambda i: SCALES[i][1]}  # fmt: skip
+    model_dir = _with_kv_scales(base, names, "attn")
+    assert engine_greedy(model_dir, PROMPTS, kv_cache_dtype="fp8") == hf_fp8_greedy(base, PROMPTS, SCALES)
+    assert engine_greedy(model_dir, PROMPTS) == engine_greedy(base, PROMPTS)
+
+
 def test_one_kv_scale_for_both(make_checkpoint: Callable[..., Path]) -> None:
     """AutoFP8's self_attn.kv_scale: one scale for keys and values."""
     base = make_checkpoint("LlamaForCausalLM")

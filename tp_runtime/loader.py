@@ -338,6 +338,8 @@ def _load_kv_scale(model: CausalLM, name: str, tensor: CheckpointTensor) -> bool
     set_scales = getattr(attention, "set_kv_scales", None)
     if set_scales is None:
         return False
+    if not which:  # a query or probability scale: read and dropped
+        return True
     value = kv_fp8.scale_value(tensor.full(), name)
     set_scales(value if "k" in which else None, value if "v" in which else None)
     return True

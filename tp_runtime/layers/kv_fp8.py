@@ -24,12 +24,17 @@ from tp_runtime.errors import ConfigError
 FP8_KV_DTYPE = torch.float8_e4m3fn
 
 # Checkpoint tensor suffixes of a layer's KV scales (after "<layer>.self_attn."): which scale each sets.
-_SCALE_SUFFIXES = {
+# Attention-quantized checkpoints also carry query and softmax-probability scales, for attention that
+# multiplies in FP8; here attention runs in the model dtype, so they set nothing.
+_SCALE_SUFFIXES: dict[str, tuple[str, ...]] = {
     "k_scale": ("k",),
     "v_scale": ("v",),
     "k_proj.output_scale": ("k",),
     "v_proj.output_scale": ("v",),
     "kv_scale": ("k", "v"),
+    "q_scale": (),
+    "q_proj.output_scale": (),
+    "prob_scale": (),
 }
 
 

@@ -352,12 +352,16 @@ def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor
     return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
 
 
-def _qk_scale(scale: float, softcap: float | None, k_scale: float) -> tuple[float, float]:
-    """The kernels' (qk_scale, SOFTCAP) arguments. An FP8 cache's key scale multiplies every score, so it
-    joins the softmax scale (and its value scale the output) instead of each key and value."""
+def _kernel_scales(
+    scale: float, softcap: float | None, kv_scales: tuple[float, float], k_cache: torch.Tensor
+) -> tuple[float, float, float]:
+    """The kernels' (qk_scale, v_scale, SOFTCAP) arguments. An FP8 cache's key scale multiplies every score,
+    so it joins the softmax scale (and its value scale the output) instead of each key and value; other
+    caches hold the values themselves, whatever scales the checkpoint brought."""
+    k_scale, v_scale = kv_scales if k_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
     if softcap:
-        return scale * k_scale, float(softcap)
-    return scale * k_scale * LOG2E, 0.0
+        return scale * k_scale, v_scale, float(softcap)
+    return scale * k_scale * LOG2E, v_scale, 0.0
 
 
 def choose_num_splits(
@@ -397,7 +401,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """q: [seqs, heads, head_dim], one query per sequence at position seq_len - 1 -> [seqs, heads, head_dim].
     `softcap`: attention logit soft-cap (None or 0: off). `kv_scales`: an FP8 cache's (key, value) scales
-    (the caches hold e4m3; any other cache dtype must be q's).
+    (the caches hold e4m3; any other cache dtype must be q's, and ignores them).
 
     block_tables: [seqs, width] (any row stride); seq_lens: [seqs] (any stride), each >= 1. Launches depend
     only on shapes and num_splits (no host sync), so this can be captured in a CUDA graph.
@@ -425,9 +429,9 @@ def paged_decode_attention(
         acc = torch.empty((seqs, heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         m = torch.empty((seqs, heads, num_splits), dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
-    qk_scale, cap = _qk_scale(scale, softcap, kv_scales[0])
+    qk_scale, v_scale, cap = _kernel_scales(scale, softcap, kv_scales, k_cache)
     _decode_kernel[(seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, acc, m, l, qk_scale, kv_scales[1], sliding_window or 0,
+        q, k_cache, v_cache, block_tables, seq_lens, acc, m, l, qk_scale, v_scale, sliding_window or 0,
         q.stride(0), q.stride(1), block_tables.stride(0), seq_lens.stride(0),
         stride_block, stride_token, stride_kv_head, out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
@@ -471,9 +475,9 @@ def paged_prefill_attention(
     stride_block, stride_token, stride_kv_head = _cache_strides(k_cache, v_cache, q)
     head_dim_pad = _head_dim_pad(head_dim)
     block_m = _tile(PREFILL_BLOCK_M, head_dim_pad, q.dtype)
-    qk_scale, cap = _qk_scale(scale, softcap, kv_scales[0])
+    qk_scale, v_scale, cap = _kernel_scales(scale, softcap, kv_scales, k_cache)
     _prefill_kernel[(triton.cdiv(chunk_len, block_m), heads)](
-        q, k_cache, v_cache, block_table, out, qk_scale, kv_scales[1], sliding_window or 0, context_len,
+        q, k_cache, v_cache, block_table, out, qk_scale, v_scale, sliding_window or 0, context_len,
         chunk_len,
         q.stride(0), q.stride(1), stride_block, stride_token, stride_kv_head,
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,

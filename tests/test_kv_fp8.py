@@ -200,6 +200,48 @@ def test_query_and_probability_scales_are_dropped(make_checkpoint: Callable[...,
     assert engine_greedy(model_dir, PROMPTS) == engine_greedy(base, PROMPTS)
 
 
+KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def _with_quantization_config(model_dir: Path, quantization_config: dict[str, Any]) -> Path:
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+@pytest.mark.parametrize("attention_group", [False, True])
+def test_compressed_tensors_kv_only_checkpoints(
+    make_checkpoint: Callable[..., Path], attention_group: bool
+) -> None:
+    """llm-compressor's KV-cache-only checkpoints (no weight groups, a kv_cache_scheme, 16-bit weights) and
+    its attention-quantized ones (a group targeting attention, with query scales) load with their scales."""
+    base = make_checkpoint("LlamaForCausalLM")
+    names = {"k_scale": lambda i: SCALES[i][0], "v_scale": lambda i: SCALES[i][1]}
+    groups: dict[str, Any] = {}
+    if attention_group:
+        names["q_scale"] = lambda i: 0.25
+        groups["group_0"] = {"targets": ["LlamaAttention"], "input_activations": KV_SCHEME}
+    model_dir = _with_kv_scales(base, names, f"ct-{attention_group}")
+    _with_quantization_config(model_dir, {"quant_method": "compressed-tensors", "format": "dense",
+                                          "config_groups": groups, "kv_cache_scheme": KV_SCHEME})  # fmt: skip
+    assert engine_greedy(model_dir, PROMPTS, kv_cache_dtype="fp8") == hf_fp8_greedy(base, PROMPTS, SCALES)
+    assert engine_greedy(model_dir, PROMPTS) == engine_greedy(base, PROMPTS)
+
+
+@pytest.mark.parametrize("change", [{"strategy": "head"}, {"dynamic": True}, {"num_bits": 4, "type": "int"},
+                                    {"symmetric": False}])  # fmt: skip
+def test_unsupported_kv_cache_schemes_are_refused(
+    make_checkpoint: Callable[..., Path], change: dict[str, Any]
+) -> None:
+    base = make_checkpoint("LlamaForCausalLM")
+    model_dir = _with_kv_scales(base, {"k_scale": lambda i: 0.5}, "ct-bad")
+    _with_quantization_config(model_dir, {"quant_method": "compressed-tensors", "config_groups": {},
+                                          "kv_cache_scheme": {**KV_SCHEME, **change}})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"kv_cache_scheme .* is not supported"):
+        LLM(model=model_dir, dtype="float32", device="cpu", kv_cache_dtype="fp8")
+
+
 def test_one_kv_scale_for_both(make_checkpoint: Callable[..., Path]) -> None:
     """AutoFP8's self_attn.kv_scale: one scale for keys and values."""
     base = make_checkpoint("LlamaForCausalLM")
@@ -222,16 +264,21 @@ def test_bad_checkpoint_kv_scales_are_refused(
 
 
 def test_fp8_cache_holds_four_times_the_fp32_blocks(make_checkpoint: Callable[..., Path]) -> None:
-    """The cache is sized at its stored size: the same memory holds 4x the blocks of an fp32 cache."""
+    """The cache is sized at its stored size: the same memory holds 4x the blocks of an fp32 cache. The
+    gather path's decode reserve counts what it builds: an FP8 layer's bytes and then their fp32 copy."""
     model_dir = make_checkpoint("LlamaForCausalLM")
-    blocks = {}
+    blocks, reserve_per_element = {}, {}
     for kv in ("auto", "fp8"):
         options = {"cpu_kv_cache_gib": 0.01, "kv_cache_dtype": kv}
         with LLM(model=model_dir, dtype="float32", device="cpu", **options) as llm:
             runner = llm.engine.executor.worker.runner
             assert runner.kv_caches[0][0].dtype == (torch.float32 if kv == "auto" else torch.float8_e4m3fn)
             blocks[kv] = llm.engine.scheduler.kv.pool.num_blocks
+            elements = (2 * runner.config.scheduler.max_num_seqs * runner.max_blocks * runner.block_size
+                        * runner.model.num_local_kv_heads * runner.config.model.head_dim)  # fmt: skip
+            reserve_per_element[kv] = runner.decode_gather_bytes() / elements
     assert blocks["fp8"] // 4 == blocks["auto"]  # the same bytes, each count rounded down
+    assert reserve_per_element == {"auto": 4, "fp8": 5}
 
 
 # Triton's interpreter converts float32 to e4m3 by truncating the mantissa, with a wrong exponent where

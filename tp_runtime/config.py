@@ -129,7 +129,8 @@ def quant_config(hf_quantization: Any, requested: str | None) -> QuantConfig | N
             ignore_substrings=True,
         )
     if method == "compressed-tensors":
-        return _compressed_tensors_config(hq)
+        # None: only the KV cache (or attention) is quantized; the linear weights are 16/32-bit
+        return _compressed_tensors_config(hq) or quant_config(None, requested)
     raise ConfigError(
         f"the checkpoint is quantized with {method!r}, which is not supported; FP8 checkpoints "
         "(compressed-tensors float-quantized, or transformers' fp8) and 16/32-bit ones are"
@@ -147,9 +148,40 @@ def _block_size(block: Any) -> tuple[int, int]:
     return (block[0], block[1])
 
 
-def _compressed_tensors_config(hq: Mapping[str, Any]) -> QuantConfig:
+def _targets_attention(group: Mapping[str, Any]) -> bool:
+    """A compressed-tensors group aimed at attention modules (llm-compressor's attention quantization)."""
+    targets = group.get("targets") or []
+    return bool(targets) and all("Attention" in t or "self_attn" in t for t in targets)
+
+
+def _check_kv_cache_scheme(scheme: Any) -> None:
+    """A compressed-tensors kv_cache_scheme must be what layers/kv_fp8.py reads: one static, symmetric
+    8-bit float scale a layer for keys and one for values."""
+    if scheme is None:
+        return
+    ok = (
+        isinstance(scheme, Mapping)
+        and scheme.get("type") == "float"
+        and scheme.get("num_bits") == 8
+        and scheme.get("strategy", "tensor") == "tensor"
+        and not scheme.get("dynamic", False)
+        and scheme.get("symmetric", True)
+    )
+    if not ok:
+        raise ConfigError(
+            f"compressed-tensors kv_cache_scheme {scheme!r} is not supported; only static, symmetric 8-bit "
+            "float scales per tensor (one for keys and one for values a layer) are"
+        )
+
+
+def _compressed_tensors_config(hq: Mapping[str, Any]) -> QuantConfig | None:
     fmt = hq.get("format")
-    groups = hq.get("config_groups") or {}
+    _check_kv_cache_scheme(hq.get("kv_cache_scheme"))
+    # Attention groups only bring query and probability scales, which set nothing: attention runs in the
+    # model dtype (layers/kv_fp8.py).
+    groups = {name: g for name, g in (hq.get("config_groups") or {}).items() if not _targets_attention(g)}
+    if not groups:
+        return None
     linear_groups = [g for g in groups.values() if "Linear" in (g.get("targets") or [])]
     if len(linear_groups) != 1 or len(groups) != 1:
         raise ConfigError(

@@ -564,7 +564,8 @@ def paged_attention(
         out[:num_decode] = backend.decode(
             q[:num_decode], k_cache, v_cache, meta, scale, window, softcap, kv_scales
         )
-    if kv_fp8.is_fp8(k_cache):  # fresh prompts read their own keys as the cache holds them
+    if kv_fp8.is_fp8(k_cache) and any(chunk.context_len == 0 for chunk in meta.prefills):
+        # fresh prompts read their own keys as the cache holds them
         k, v = kv_fp8.round_trip(k, kv_scales[0]), kv_fp8.round_trip(v, kv_scales[1])
     own_keys_only = window is None and softcap is None
     if own_keys_only:  # fresh prompts attend only to their own keys here (no cache read)

@@ -230,8 +230,13 @@ class ModelRunner:
         return int(profiled_activation_bytes * min(1.0, graphed / profiled[-1][1]))
 
     def decode_gather_bytes(self) -> int:
-        """Keys and values one layer gathers for a full decode batch at max_model_len."""
+        """Keys and values one layer gathers for a full decode batch at max_model_len: on the gather path
+        in the model dtype (an FP8 cache's bytes gathered first, then converted); the Triton kernels read
+        blocks in place and keep the cache's own bytes as headroom."""
         per_block_layer = self.kv_bytes_per_block() // self.config.model.num_layers
+        cache_item = self.kv_cache_dtype.itemsize
+        if self.attention.reads_table_padding and cache_item != self.model.dtype.itemsize:
+            per_block_layer = per_block_layer // cache_item * (cache_item + self.model.dtype.itemsize)
         return self.config.scheduler.max_num_seqs * self.max_blocks * per_block_layer
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

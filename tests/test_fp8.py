@@ -190,16 +190,21 @@ def _qdq_per_channel(w: torch.Tensor) -> torch.Tensor:
     return (w.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_online_fp8_matches_hf_on_quantized_weights(tp: int, make_checkpoint: Any, tmp_path: Path) -> None:
-    src = make_checkpoint("LlamaForCausalLM", seed=4)
-    ref = tmp_path / "ref"
+def online_fp8_reference(src: Path, ref: Path) -> Path:
+    """A copy of checkpoint `src` at `ref` whose linear weights are what online FP8 makes of them, for HF."""
     shutil.copytree(src, ref)
     tensors = load_file(str(src / "model.safetensors"))
     for name, t in tensors.items():
         if name.removesuffix(".weight").rsplit(".", 1)[-1] in LINEAR_SUFFIXES:
             tensors[name] = _qdq_per_channel(t)
     save_file(tensors, str(ref / "model.safetensors"))
+    return ref
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_online_fp8_matches_hf_on_quantized_weights(tp: int, make_checkpoint: Any, tmp_path: Path) -> None:
+    src = make_checkpoint("LlamaForCausalLM", seed=4)
+    ref = online_fp8_reference(src, tmp_path / "ref")
     prompts = random_prompts((6, 19, 40), 300, seed=8)
     got = _greedy(src, prompts, tp, quantization="fp8")
     assert_same_tokens(got, hf_greedy(ref, prompts, 8), prompts)
@@ -440,13 +445,8 @@ def test_online_fp8_of_a_moe_model_quantizes_every_linear_layer(
     """Attention, the dense layer's MLP and every expert are quantized per channel (the router stays in
     the model dtype); greedy tokens at TP 1 and 2."""
     src = make_checkpoint("Qwen3MoeForCausalLM", seed=3, **QWEN3_MOE)
-    ref = tmp_path / "ref"
-    shutil.copytree(src, ref)
-    tensors = load_file(str(src / "model.safetensors"))
-    for name, t in tensors.items():
-        if name.removesuffix(".weight").rsplit(".", 1)[-1] in LINEAR_SUFFIXES:
-            tensors[name] = _qdq_per_channel(t)
-    save_file(tensors, str(ref / "model.safetensors"))
+    ref = online_fp8_reference(src, tmp_path / "ref")
+    tensors = load_file(str(ref / "model.safetensors"))
     cfg = build_model_config(src, dtype="float32", quantization="fp8")
     model = model_class(cfg.architecture)(cfg, TPGroup(), torch.float32, torch.device("cpu"))
     loader.load_weights(model, str(src), torch.float32, cfg.quantization)

@@ -21,7 +21,7 @@ import torch
 import transformers
 from conftest import GEMMA2, random_prompts, run_interpreted
 from safetensors.torch import load_file, save_file
-from test_fp8 import LINEAR_SUFFIXES, _qdq_per_channel
+from test_fp8 import online_fp8_reference
 from test_triton_decode import BRUTE_FORCE, CHUNKED_PREEMPTED, ENGINE_VS_HF
 
 from tp_runtime import LLM, SamplingParams
@@ -119,13 +119,7 @@ def test_fp8_cache_changes_the_tokens_it_should(make_checkpoint: Callable[..., P
 def test_fp8_weights_with_an_fp8_cache(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
     """Online FP8 weights and the FP8 cache together: HF on the quantized-and-back weights, rounded cache."""
     src = make_checkpoint("LlamaForCausalLM", seed=4)
-    ref = tmp_path / "ref"
-    shutil.copytree(src, ref)
-    tensors = load_file(str(src / "model.safetensors"))
-    for name, t in tensors.items():
-        if name.removesuffix(".weight").rsplit(".", 1)[-1] in LINEAR_SUFFIXES:
-            tensors[name] = _qdq_per_channel(t)
-    save_file(tensors, str(ref / "model.safetensors"))
+    ref = online_fp8_reference(src, tmp_path / "ref")
     got = engine_greedy(src, PROMPTS, kv_cache_dtype="fp8", quantization="fp8", tensor_parallel_size=2)
     assert got == hf_fp8_greedy(ref, PROMPTS)
 

@@ -278,6 +278,14 @@ def rotary_and_cache_(
 
 
 @triton.jit
+def to_float16_clamped(x):
+    """x in float16, magnitudes past its 65504 clamped rather than made infinite (float16 holds every
+    bfloat16 value of magnitude 6e-5 to 65504 exactly). FP8 operands multiply in float16 where they meet a
+    bfloat16 one: e4m3 becomes float16 in one instruction, bfloat16 only through float32."""
+    return tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
 def silu_mul_value(gate, up):
     """silu(gate) * up in the model dtype of `gate`: F.silu rounds to the model dtype before the mul."""
     g = gate.to(tl.float32)

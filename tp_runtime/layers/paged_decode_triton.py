@@ -31,6 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_runtime.layers.fused_triton import to_float16_clamped
+from tp_runtime.layers.kv_fp8 import is_fp8
+
 # Tuning knobs (H200 defaults, barely tuned). Tile sizes count tokens per loop iteration, independent
 # of the cache block size; they must be powers of two >= 16 (tl.dot's minimum). They are the sizes for
 # rows of up to 256 bytes (bf16 head_dim <= 128); `_tile` halves them for wider rows (head_dim 256, float32).
@@ -89,12 +92,11 @@ def _scores(q, k, qk_scale, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def _fp8_cache_queries(q, KV_FP8: tl.constexpr):
-    """The queries in the dtype an FP8 cache's tiles are converted to: float16 for bfloat16 queries, since
-    e4m3 becomes float16 in one instruction but bfloat16 only through float32, which left the decode loop
-    bound by conversions at half the bf16 cache's bandwidth (H200). float16 holds every bfloat16 value in
-    [6e-5, 65504] exactly; the clamp keeps larger ones finite."""
+    """The queries in the dtype an FP8 cache's tiles are converted to: float16 for bfloat16 queries (with
+    tiles converted to bfloat16 the decode loop was bound by conversions at half the bf16 cache's
+    bandwidth, H200)."""
     if KV_FP8 and q.dtype == tl.bfloat16:
-        return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        return to_float16_clamped(q)
     else:
         return q
 
@@ -358,7 +360,7 @@ def _kernel_scales(
     """The kernels' (qk_scale, v_scale, SOFTCAP) arguments. An FP8 cache's key scale multiplies every score,
     so it joins the softmax scale (and its value scale the output) instead of each key and value; other
     caches hold the values themselves, whatever scales the checkpoint brought."""
-    k_scale, v_scale = kv_scales if k_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    k_scale, v_scale = kv_scales if is_fp8(k_cache) else (1.0, 1.0)
     if softcap:
         return scale * k_scale, v_scale, float(softcap)
     return scale * k_scale * LOG2E, v_scale, 0.0
@@ -419,7 +421,7 @@ def paged_decode_attention(
     stride_block, stride_token, stride_kv_head = _cache_strides(k_cache, v_cache, q)
     head_dim_pad = _head_dim_pad(head_dim)
     block_n = _tile(DECODE_BLOCK_N, head_dim_pad, q.dtype)
-    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    kv_fp8 = is_fp8(k_cache)
     if kv_fp8:
         block_n *= 2  # 1-byte rows: twice the tokens for a tile's bytes (H200: 16 % faster at 8k context)
     num_splits = max(1, num_splits)
@@ -482,7 +484,7 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), stride_block, stride_token, stride_kv_head,
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=_tile(PREFILL_BLOCK_N, head_dim_pad, q.dtype), SOFTCAP=cap,
-        IEEE=q.dtype == torch.float32, KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        IEEE=q.dtype == torch.float32, KV_FP8=is_fp8(k_cache),
         num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES,
     )  # fmt: skip
     return out

@@ -23,6 +23,7 @@ weight, so nothing is served from L2). Prints µs per call and the weight bandwi
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -44,7 +45,7 @@ from tp_runtime.layers.skinny_gemm_triton import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_skinny_gemm import DOT_SWEEP, SWEEP, layer_shapes, time_graph
+from check_skinny_gemm import DOT_SWEEP, layer_shapes, time_graph
 
 
 def w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -54,16 +55,31 @@ def w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def gemm_sweep(rows: int, block: bool) -> list[Fp8GemmConfig]:
     """Launch shapes of the Triton FP8 GEMM worth trying at `rows` tokens (a token tile just covering
-    them up to 64 rows, 64 or 128 past them)."""
+    them up to 64 rows, 64 or 128 past them; split K and 512-wide K tiles for few tokens, where a layer
+    of 4,096 outputs has only 64 weight tiles for 132 SMs)."""
     tiles_m = [max(16, 1 << (rows - 1).bit_length())] if rows <= 64 else [64, 128]
+    few = rows <= 64
     return [
-        Fp8GemmConfig(block_n, block_m, block_k, 8 if block_n * block_m >= 16384 else 4, stages)
-        for block_n in (32, 64, 128)
+        Fp8GemmConfig(block_n, block_m, block_k, warps, stages, split_k=split)
+        for block_n in ((64, 128) if few else (32, 64, 128))
         for block_m in tiles_m
-        for block_k in ((128,) if block else (128, 256))
-        for stages in (3, 5)
+        for block_k in ((128,) if block else (128, 256, 512) if few else (128, 256))
+        for stages in ((3, 4, 5, 6) if few else (3, 5))
+        for warps in ((4, 8) if few else (8 if block_n * block_m >= 16384 else 4,))
+        for split in ((1, 2, 4) if few else (1,))
         if (block_n + block_m) * block_k * stages <= 200_000
     ]
+
+
+# One-row launch shapes for 1-byte weights: K tiles up to twice as wide as the 2-byte sweep's, so that a
+# program keeps as many bytes in flight.
+FP8_ROW_SWEEP = [
+    SkinnyConfig(bn, bk, warps, stages)
+    for bn, bk, warps, stages in itertools.product(
+        (2, 4, 8, 16, 32), (512, 1024, 2048, 4096), (4, 8), (1, 2, 3)
+    )
+    if 2048 <= bn * bk <= 16384
+]
 
 
 def measure_layer(
@@ -138,7 +154,7 @@ def measure_layer(
                 row[f"{label}_best_us"], row[f"{label}_best_config"] = best_gemm[0], list(best_gemm[1] or ())
         if sweep and rows <= 32:
             best: tuple[float, SkinnyConfig | None] = (math.inf, None)
-            for cfg in SWEEP if rows == 1 else DOT_SWEEP:
+            for cfg in FP8_ROW_SWEEP if rows == 1 else DOT_SWEEP:
                 if rows == 1:
                     us = timed(lambda x, i, c=cfg: skinny_linear(x, w8[i], None, config=c, scale=scales[i],
                                                                  scale_block_k=k))  # fmt: skip

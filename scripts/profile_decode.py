@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--rows", type=int, default=18, help="kernels listed")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (bench: 1)")
+    parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
     args = parser.parse_args()
 
     from tp_runtime import LLM, SamplingParams, run_torchrun_worker
@@ -34,6 +35,7 @@ def main() -> None:
     options = dict(
         load_format="dummy", dtype="bfloat16", enforce_eager=args.enforce_eager,
         max_model_len=args.input_len + args.steps + 64, tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
     )  # fmt: skip
     model = resolve_model(args.model, "dummy")
     if torchrun_rank():

@@ -30,6 +30,116 @@ from tp_runtime.sampling_params import StructuredOutputsParams
 _RECENT_GRAMMARS = 64  # requests between a server thread's compile and the engine thread's add
 
 
+# Keywords that only annotate a schema: they constrain nothing, so they may sit beside any other.
+_ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
+    "$schema", "$id", "$anchor", "$defs", "definitions", "contentEncoding", "contentMediaType",
+    "discriminator",  # OpenAPI's (pydantic writes it beside oneOf): a hint, not a constraint
+})  # fmt: skip
+# Keywords xgrammar's JSON schema converter does not enforce (it drops them, so outputs would break them).
+_UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+               "contains", "minContains", "maxContains")  # fmt: skip
+# Keywords that constrain numbers or strings only when the schema says its type: without one, xgrammar
+# ignores them (any JSON value may come out).
+_NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_STRING_KEYWORDS = ("minLength", "maxLength", "pattern", "format")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems",
+               "unevaluatedItems", "propertyNames")  # fmt: skip
+_JSON_TYPES: dict[str, Any] = {
+    "null": lambda v: v is None,
+    "boolean": lambda v: isinstance(v, bool),
+    "integer": lambda v: (
+        (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+    ),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "string": lambda v: isinstance(v, str),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+}
+
+
+def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
+    """`schema` (parsed JSON) as xgrammar should compile it: InvalidRequestError for a keyword, or a
+    combination, that xgrammar would silently drop (its outputs could then break the schema), and with what
+    xgrammar's strict mode (no properties or items beyond those the schema names) would make unsatisfiable
+    opened again: an object's minProperties beyond its properties, an array's minItems beyond its
+    prefixItems, where the schema leaves additional ones unsaid (JSON Schema then allows any)."""
+    if not isinstance(schema, dict):
+        return schema  # booleans, and what xgrammar refuses itself
+
+    def refuse(why: str) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"the JSON schema is not supported: {why} at {path} (structured outputs cannot enforce it)",
+            "json",
+        )
+
+    out = dict(schema)
+    for key in _UNENFORCED:
+        if key in schema:
+            raise refuse(f"{key!r}")
+    if schema.get("uniqueItems") is True:
+        raise refuse("'uniqueItems'")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        raise refuse("'allOf' with more than one schema")
+    kind = schema.get("type")
+    kinds = set(kind) if isinstance(kind, list) else {kind} if isinstance(kind, str) else set()
+    validating = sorted(k for k in schema if k not in _ANNOTATIONS)
+    for key in ("$ref", "anyOf", "oneOf", "allOf"):
+        others = [k for k in validating if k != key]
+        if key in schema and others:
+            raise refuse(f"{key!r} beside {others}")
+    if "enum" in schema or "const" in schema:
+        others = [k for k in validating if k not in ("enum", "const", "type")]
+        if others or ("enum" in schema and "const" in schema):
+            raise refuse(f"{'enum' if 'enum' in schema else 'const'!r} beside {others or ['const']}")
+        values = schema["enum"] if "enum" in schema else [schema["const"]]
+        if kinds and all(k in _JSON_TYPES for k in kinds) and isinstance(values, list):
+            # xgrammar takes every listed value, whatever the type says: only those of the type remain.
+            fits = [v for v in values if any(_JSON_TYPES[k](v) for k in kinds)]
+            if not fits:
+                raise refuse(f"no value of 'enum' or 'const' has type {kind!r}")
+            out.pop("const", None)
+            out.pop("type")
+            out["enum"] = fits
+        return out
+    if not kinds:
+        untyped = [k for k in (*_NUMBER_KEYWORDS, *_STRING_KEYWORDS) if k in schema]
+        if untyped:
+            raise refuse(f"{untyped} without a 'type'")
+    if "multipleOf" in schema and kinds != {"integer"}:
+        raise refuse("'multipleOf' on a non-integer type")
+    lengths = [k for k in ("minLength", "maxLength") if k in schema]
+    for key in ("pattern", "format"):
+        if key in schema and lengths and "string" in kinds:
+            raise refuse(f"{key!r} beside {lengths}")
+    # Strict mode: what the schema leaves unsaid is not allowed, unless that leaves nothing.
+    min_props, props = schema.get("minProperties"), schema.get("properties", {})
+    if (
+        isinstance(min_props, int) and isinstance(props, dict) and min_props > len(props)
+        and not {"additionalProperties", "unevaluatedProperties", "patternProperties"} & schema.keys()
+    ):  # fmt: skip
+        out["additionalProperties"] = True
+    min_items, prefix = schema.get("minItems"), schema.get("prefixItems", [])
+    if (
+        isinstance(min_items, int) and isinstance(prefix, list) and min_items > len(prefix)
+        and not {"items", "additionalItems", "unevaluatedItems"} & schema.keys()
+    ):  # fmt: skip
+        out["items"] = True
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {
+                name: _schema_for_xgrammar(sub, f"{path}/{key}/{name}") for name, sub in schema[key].items()
+            }
+    for key in _SUBSCHEMAS:
+        if key in schema:
+            out[key] = _schema_for_xgrammar(schema[key], f"{path}/{key}")
+    for key in ("prefixItems", "anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(key), list):
+            out[key] = [_schema_for_xgrammar(s, f"{path}/{key}/{i}") for i, s in enumerate(schema[key])]
+    return out
+
+
 def _choice_grammar(choices: list[str]) -> str:
     """EBNF for exactly one of `choices` (each a JSON-escaped string literal)."""
     # (not ASCII-escaped: xgrammar reads a \ud83d surrogate pair as two code points)
@@ -79,6 +189,7 @@ class GrammarCompiler:
                 self._recent.move_to_end(id(spec))
                 return recent[1]
         compiled = self._compile(spec)
+        self._check_satisfiable(spec, compiled)
         with self._lock:
             self._recent[id(spec)] = (spec, compiled)
             while len(self._recent) > _RECENT_GRAMMARS:
@@ -91,7 +202,11 @@ class GrammarCompiler:
         try:
             if spec.json is not None:
                 field, what = "json", "the JSON schema"
-                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+                try:
+                    parsed = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+                except ValueError as exc:
+                    raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}", "json") from None
+                schema = json.dumps(_schema_for_xgrammar(parsed))
                 return compiler.compile_json_schema(schema, any_whitespace=not spec.disable_any_whitespace)
             if spec.json_object:
                 field, what = "json_object", "the JSON grammar"
@@ -107,11 +222,29 @@ class GrammarCompiler:
                 return compiler.compile_grammar(_choice_grammar(list(spec.choice)))
             field, what = "grammar", "the grammar"
             return compiler.compile_grammar(spec.grammar)
+        except InvalidRequestError:
+            raise
         except (RuntimeError, ValueError, TypeError) as exc:
             detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             # xgrammar prefixes its messages with a timestamp and a source location.
             detail = detail.split(": ", 1)[-1] if detail.startswith("[") else detail
             raise InvalidRequestError(f"{what} is not valid: {detail}", field) from None
+
+    def _check_satisfiable(self, spec: StructuredOutputsParams, compiled: Any) -> None:
+        """InvalidRequestError for a constraint that allows no first token (nor the end): its request could
+        only sample a token the grammar refuses."""
+        import xgrammar
+
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        if not bool(bitmask.any()):
+            field = next(
+                (n for n in ("json", "regex", "choice", "grammar") if getattr(spec, n) is not None),
+                "json_object",
+            )
+            raise InvalidRequestError(
+                f"structured_outputs.{field} allows no output that this model's tokens can spell", field
+            )
 
     def matcher(self, compiled: Any) -> GrammarState:
         import xgrammar

@@ -1,0 +1,216 @@
+"""Structured outputs over the range of JSON schemas users send (engine/structured_output.py): on the
+random-weight model only the constraint can make an output valid, so every finished sample is validated
+against its schema by a hand-written checker (no jsonschema dependency). Schemas whose keywords xgrammar
+would silently drop are clear errors before the request enters the engine; valid schemas that xgrammar's
+strict mode would refuse compile; a constraint that allows no first token is refused up front."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tp_runtime import LLM, SamplingParams, StructuredOutputsParams
+from tp_runtime.errors import InvalidRequestError
+
+pytest.importorskip("xgrammar")
+
+
+def _is_type(value: Any, kind: str) -> bool:
+    return {
+        "null": value is None,
+        "boolean": isinstance(value, bool),
+        "integer": type(value) is int or (type(value) is float and value.is_integer()),
+        "number": type(value) in (int, float),
+        "string": isinstance(value, str),
+        "array": isinstance(value, list),
+        "object": isinstance(value, dict),
+    }[kind]
+
+
+def validate(value: Any, schema: Any, root: Any = None) -> bool:
+    """JSON Schema validation for the keywords the schemas below use (independent of xgrammar)."""
+    root = schema if root is None else root
+    if schema is True or schema == {}:
+        return True
+    if schema is False:
+        return False
+    if "$ref" in schema:
+        target = root
+        for part in schema["$ref"].lstrip("#/").split("/"):
+            if part:
+                target = target[part.replace("~1", "/").replace("~0", "~")]
+        if not validate(value, target, root):
+            return False
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    if "const" in schema and value != schema["const"]:
+        return False
+    if "type" in schema:
+        kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        if not any(_is_type(value, k) for k in kinds):
+            return False
+    if "anyOf" in schema and not any(validate(value, s, root) for s in schema["anyOf"]):
+        return False
+    if "oneOf" in schema and sum(validate(value, s, root) for s in schema["oneOf"]) != 1:
+        return False
+    if "allOf" in schema and not all(validate(value, s, root) for s in schema["allOf"]):
+        return False
+    if _is_type(value, "number") and not isinstance(value, bool):
+        if "minimum" in schema and value < schema["minimum"]:
+            return False
+        if "maximum" in schema and value > schema["maximum"]:
+            return False
+        if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+            return False
+        if "exclusiveMaximum" in schema and value >= schema["exclusiveMaximum"]:
+            return False
+        if "multipleOf" in schema and value % schema["multipleOf"] != 0:
+            return False
+    if isinstance(value, str):
+        if not schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value)):
+            return False
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            return False
+    if isinstance(value, list):
+        if not schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)):
+            return False
+        prefix = schema.get("prefixItems", [])
+        for i, item in enumerate(value):
+            sub = prefix[i] if i < len(prefix) else schema.get("items", True)
+            if not validate(item, sub, root):
+                return False
+    if isinstance(value, dict):
+        if not schema.get("minProperties", 0) <= len(value) <= schema.get("maxProperties", len(value)):
+            return False
+        if not set(schema.get("required", [])) <= value.keys():
+            return False
+        props = schema.get("properties", {})
+        for key, item in value.items():
+            sub = props[key] if key in props else schema.get("additionalProperties", True)
+            if not validate(item, sub, root):
+                return False
+    return True
+
+
+SCHEMAS: list[Any] = [
+    {  # $defs / $ref, nested arrays with bounds, integer ranges, additionalProperties false
+        "$defs": {"p": {"type": "object",
+                        "properties": {"x": {"type": "integer", "minimum": -5, "maximum": 5}},
+                        "required": ["x"], "additionalProperties": False}},
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/p"},
+                       "b": {"type": "array", "items": {"$ref": "#/$defs/p"}, "minItems": 1, "maxItems": 2}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "string", "maxLength": 3},
+               {"type": "null"}]},
+    {"enum": ['a"b', 1, None, True, [1, 2], {"z": 1}]},
+    {"const": {"q": [1, "two"]}},
+    {"type": "array", "minItems": 1, "maxItems": 3,
+     "items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+               "minItems": 2, "maxItems": 2}},
+    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}},
+     "required": ["id"], "additionalProperties": False},
+    {"type": "integer", "exclusiveMinimum": 10, "exclusiveMaximum": 13},
+    {"type": "number", "minimum": -1.5, "maximum": 2.5},
+    {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}, "b": {"type": "boolean"},
+                                      "c": {"type": "null"}},
+     "required": ["b"], "additionalProperties": False},
+    {"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 100},
+    # enum beside a type: only the values of that type may come out (xgrammar alone gave `1` here).
+    {"type": "string", "enum": ["a", 1, "bc"]},
+    {"type": ["boolean", "null"], "enum": [True, 0, None, "x"]},
+    # minItems with no items schema: any items (xgrammar's strict mode refused it).
+    {"type": "array", "minItems": 2, "maxItems": 3},
+    {"type": "array", "prefixItems": [{"type": "boolean"}], "minItems": 1, "maxItems": 1},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    with LLM("tiny-llama-tp", device="cpu", max_model_len=512) as engine:
+        yield engine
+
+
+def _spec(**constraint: Any) -> StructuredOutputsParams:
+    return StructuredOutputsParams(**constraint)
+
+
+def test_every_finished_sample_validates_against_its_schema(llm: LLM) -> None:
+    params = [
+        SamplingParams(max_tokens=200, seed=seed,
+                       structured_outputs=_spec(json=schema, disable_any_whitespace=seed % 2 == 0))
+        for schema in SCHEMAS for seed in range(3)
+    ]  # fmt: skip
+    outs = llm.generate(["Answer:"] * len(params), params, use_tqdm=False)
+    for i, out in enumerate(outs):
+        schema, sample = SCHEMAS[i // 3], out.outputs[0]
+        assert sample.finish_reason in ("stop", "length"), sample
+        if sample.finish_reason == "stop":
+            assert validate(json.loads(sample.text, strict=False), schema), (schema, sample.text)
+    for k in range(len(SCHEMAS)):  # each schema finished at least once
+        assert any(o.outputs[0].finish_reason == "stop" for o in outs[3 * k : 3 * k + 3]), SCHEMAS[k]
+
+
+UNENFORCEABLE: list[Any] = [
+    {"type": "integer", "not": {"const": 1}},
+    {"allOf": [{"type": "string"}, {"maxLength": 2}]},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "if": {"required": ["a"]},
+     "then": {"required": ["b"]}},
+    {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2, "uniqueItems": True},
+    {"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}},
+    {"type": "number", "multipleOf": 0.5},
+    {"type": "string", "pattern": "^a+$", "maxLength": 3},
+    {"type": "string", "format": "date", "maxLength": 3},
+    {"minimum": 5, "maximum": 6},
+    {"maxLength": 2},
+    {"type": "integer", "enum": [1, 50], "maximum": 10},
+    {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+     "anyOf": [{"required": ["a"]}]},
+    {"type": "string", "oneOf": [{"maxLength": 1}, {"minLength": 3}]},
+    {"type": "object", "properties": {"deep": {"type": "array", "items": {"not": {"type": "null"}}}}},
+    {"type": "string", "enum": [1, 2]},
+]  # fmt: skip
+
+
+def test_keywords_xgrammar_would_drop_are_clear_errors_and_the_batch_serves_on(llm: LLM) -> None:
+    """Each of these schemas compiled before, and xgrammar dropped a keyword: outputs broke the schema
+    (`{"maxLength": 2}` gave `18`, uniqueItems gave `[1, 1]`, the enum beside maximum 10 gave `50`)."""
+    for schema in UNENFORCEABLE:
+        spec = _spec(json=schema)
+        with pytest.raises(InvalidRequestError, match="not supported") as info:
+            llm.engine.grammars.compile(spec)
+        assert info.value.field == "json"
+        good = SamplingParams(max_tokens=8, seed=1, structured_outputs=_spec(choice=["ok", "fine"]))
+        bad = SamplingParams(max_tokens=8, seed=1, structured_outputs=spec)
+        with pytest.raises(InvalidRequestError, match="not supported"):
+            llm.generate(["x", "x"], [good, bad], use_tqdm=False)
+    out = llm.generate(["x"], good, use_tqdm=False)[0].outputs[0]
+    assert out.text in ("ok", "fine") and out.finish_reason == "stop"
+    # Annotations beside $ref / anyOf are fine (pydantic writes them).
+    for schema in (
+        {"$defs": {"s": {"type": "boolean"}}, "$ref": "#/$defs/s", "description": "d", "title": "t"},
+        {"anyOf": [{"type": "boolean"}, {"type": "null"}], "default": None, "title": "x"},
+    ):
+        llm.engine.grammars.compile(_spec(json=schema))
+
+
+def test_constraints_that_allow_no_output_are_refused_up_front(llm: LLM) -> None:
+    """Before: such a request entered the engine, sampled a token its grammar refused, and was aborted."""
+    for constraint, field in (({"regex": r"[^\s\S]"}, "regex"),
+                              ({"grammar": r"root ::= [^\x00-\U0010FFFF]"}, "grammar")):  # fmt: skip
+        params = SamplingParams(max_tokens=8, seed=0, structured_outputs=_spec(**constraint))
+        with pytest.raises(InvalidRequestError, match="allows no output") as info:
+            llm.generate(["x"], params, use_tqdm=False)
+        assert info.value.field == field
+    # The empty output is an output: the grammar may end at once.
+    out = llm.generate(["x"], SamplingParams(max_tokens=8, structured_outputs=_spec(regex="a{0}")),
+                       use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert (out.text, out.finish_reason) == ("", "stop")

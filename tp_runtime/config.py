@@ -86,7 +86,17 @@ class QuantConfig:
             return ()
         if self.checkpoint_format == "fp8" and self.block_size:
             return ("weight_scale_inv",)
+        if self.checkpoint_format == "fp8":
+            # AutoFP8 (and vLLM) name a per-tensor scale `weight_scale`; transformers' FP8Linear without a
+            # weight_block_size saves it as `weight_scale_inv` (a multiplier all the same).
+            return ("weight_scale", "weight_scale_inv")
         return ("weight_scale",)
+
+    @property
+    def activation_scale_suffixes(self) -> tuple[str, ...]:
+        """The names' endings of static activation scales (read and dropped: activations get dynamic
+        scales): compressed-tensors' and AutoFP8's `input_scale`, transformers' FP8 `activation_scale`."""
+        return ("input_scale", "activation_scale")
 
     def is_ignored(self, module: str) -> bool:
         """Whether checkpoint module `module` (e.g. "model.layers.0.self_attn.q_proj") stays unquantized."""
@@ -125,7 +135,8 @@ def quant_config(hf_quantization: Any, requested: str | None) -> QuantConfig | N
             checkpoint_format="fp8",
             weight_scales="block" if block else "tensor",
             block_size=_block_size(block) if block else None,
-            ignore=tuple(hq.get("modules_to_not_convert") or ()),
+            # `ignored_layers`: AutoFP8's name of the list (transformers and vLLM read it too).
+            ignore=tuple(hq.get("modules_to_not_convert") or hq.get("ignored_layers") or ()),
             ignore_substrings=True,
         )
     if method == "compressed-tensors":
@@ -135,6 +146,13 @@ def quant_config(hf_quantization: Any, requested: str | None) -> QuantConfig | N
         f"the checkpoint is quantized with {method!r}, which is not supported; FP8 checkpoints "
         "(compressed-tensors float-quantized, or transformers' fp8) and 16/32-bit ones are"
     )
+
+
+def _hf_quantization(hf: Any) -> Any:
+    """A checkpoint config's quantization_config; older llm-compressor (compressed-tensors) releases
+    name it `compression_config` (vLLM reads both)."""
+    found = getattr(hf, "quantization_config", None)
+    return found if found is not None else getattr(hf, "compression_config", None)
 
 
 def _check_fp8_format(fmt: Any) -> None:
@@ -190,7 +208,10 @@ def _compressed_tensors_config(hq: Mapping[str, Any]) -> QuantConfig | None:
         )
     group = linear_groups[0]
     weights = group.get("weights") or {}
-    if weights.get("type") != "float" or weights.get("num_bits") != 8 or fmt not in (None, "float-quantized"):
+    # "naive-quantized": early llm-compressor FP8 releases; the weights are stored in e4m3 all the same (the
+    # loader refuses any weight that is not).
+    float_formats = (None, "float-quantized", "naive-quantized")
+    if weights.get("type") != "float" or weights.get("num_bits") != 8 or fmt not in float_formats:
         raise ConfigError(
             f"compressed-tensors format {fmt!r} with {weights.get('num_bits')}-bit {weights.get('type')} "
             "weights is not supported; only FP8 (float-quantized, 8-bit float) is"
@@ -701,7 +722,7 @@ def build_model_config(
         load_format=load_format,
         eos_token_ids=_eos_token_ids(path, hf),
         bos_token_id=getattr(hf, "bos_token_id", None),
-        quantization=quant_config(getattr(hf, "quantization_config", None), quantization),
+        quantization=quant_config(_hf_quantization(hf), quantization),
         **specific,
     )
 

@@ -260,7 +260,8 @@ class QuantizedCheckpoint:
         if self.quant is None:
             return False
         module, _, suffix = name.rpartition(".")
-        if suffix not in (*self.quant.scale_suffixes, "input_scale"):
+        weight_scale = suffix in self.quant.scale_suffixes
+        if not weight_scale and suffix not in self.quant.activation_scale_suffixes:
             return False
         weight = f"{module}.weight"
         try:
@@ -271,9 +272,10 @@ class QuantizedCheckpoint:
             layer = self.layers.get(id(param))
             if layer is None:  # an unquantized layer's (ignored) activation scale
                 continue
-            if suffix != "input_scale":
+            if weight_scale:
                 layer.load_scale(tensor, shard_id, tuple(self.weight_shapes[weight]))
-        self.scales_missing.discard(weight)
+        if weight_scale:  # an activation scale is no weight scale: without one the weight is refused
+            self.scales_missing.discard(weight)
         return True
 
 

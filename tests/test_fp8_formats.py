@@ -1,0 +1,316 @@
+"""FP8 checkpoint variants as they are published, against HF transformers on the dequantized weights.
+
+Each case writes a tiny random checkpoint in one variant of the two FP8 formats (compressed-tensors,
+transformers' / AutoFP8's `quant_method: "fp8"`): per-tensor scales that differ between the projections
+the engine fuses (q/k/v, gate/up), scales stored as [], [1], [N] or [N, 1] and in 16-bit floats, static
+activation scales (`input_scale`, `activation_scale`), block scales of layers whose widths are not
+multiples of the block, biases, ignore lists under their several names, and a config nested as
+`compression_config`. The reference is a float32 copy whose weights are the stored FP8 values times
+their stored scales, dequantized here independently of the engine. Each rank's dequantized weights must
+equal the reference's slices exactly, and greedy tokens (float32 on the CPU) must equal HF's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_same_tokens, hf_greedy, random_prompts
+from safetensors.torch import load_file, save_file
+
+from tp_runtime import LLM, SamplingParams, loader
+from tp_runtime.config import build_model_config
+from tp_runtime.distributed import TPGroup
+from tp_runtime.errors import ConfigError
+from tp_runtime.layers.quantization.fp8 import dequantize
+from tp_runtime.models.registry import model_class
+
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+E4M3_MAX = 448.0
+# Per-tensor scales far apart between the parts of a fused layer: one scale for all of them (or the
+# wrong part's) changes the weights by up to 20x.
+SPREAD = {"q_proj": 1.0, "k_proj": 7.0, "v_proj": 0.35, "gate_proj": 3.0, "up_proj": 0.5, "down_proj": 2.0}
+
+
+def _quantize(
+    w: torch.Tensor, scheme: str, block: tuple[int, int], stretch: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, float32 scale): amax / 448 (times `stretch`, per tensor) over the tensor, each row,
+    or each block (ceil-divided: the last row and column blocks may be short)."""
+    w = w.float()
+    if scheme == "tensor":
+        scale = (w.abs().max() / E4M3_MAX * stretch).reshape(1)
+    elif scheme == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+    else:
+        bn, bk = block
+        scale = torch.empty(math.ceil(w.shape[0] / bn), math.ceil(w.shape[1] / bk))
+        for i in range(scale.shape[0]):
+            for j in range(scale.shape[1]):
+                scale[i, j] = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk].abs().max() / E4M3_MAX
+        full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: w.shape[0], : w.shape[1]]
+        return (w / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+    return (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, scheme: str, block: tuple[int, int]) -> torch.Tensor:
+    """What the stored values stand for: e4m3 value times its stored scale (as stored, e.g. in bfloat16)."""
+    s = scale.float()
+    if scheme == "tensor":
+        return q.float() * s.reshape(())
+    if scheme == "channel":
+        return q.float() * s.reshape(-1, 1)
+    full = s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return q.float() * full[: q.shape[0], : q.shape[1]]
+
+
+def write_variant(
+    src: Path,
+    out: Path,
+    quantization_config: dict[str, Any],
+    scheme: str,
+    *,
+    block: tuple[int, int] = (16, 16),
+    scale_name: str = "weight_scale",
+    scale_shape: Callable[[torch.Tensor], torch.Tensor] = lambda s: s,
+    scale_dtype: torch.dtype = torch.float32,
+    ignore: tuple[str, ...] = (),
+    extra: Callable[[str], dict[str, torch.Tensor]] = lambda module: {},
+    config_key: str = "quantization_config",
+) -> Path:
+    """An FP8 copy of checkpoint `src` at out/fp8 (its config's `config_key` = `quantization_config`)
+    and its dequantized float32 reference at out/ref. `ignore`: module prefixes left unquantized;
+    `extra(module)`: more tensors stored beside each quantized module's weight and scale."""
+    fp8_dir, ref_dir = out / "fp8", out / "ref"
+    shutil.copytree(src, fp8_dir)
+    shutil.copytree(src, ref_dir)
+    quantized: dict[str, torch.Tensor] = {}
+    reference: dict[str, torch.Tensor] = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        module, leaf = name.removesuffix(".weight"), name.removesuffix(".weight").rsplit(".", 1)[-1]
+        skipped = any(module == i or module.startswith(i + ".") for i in ignore)
+        if name.endswith(".weight") and leaf in LINEAR and not skipped:
+            q, scale = _quantize(t, scheme, block, SPREAD.get(leaf, 1.0))
+            scale = scale_shape(scale.to(scale_dtype))
+            quantized[name], quantized[f"{module}.{scale_name}"] = q, scale
+            quantized.update(extra(module))
+            reference[name] = _dequantize(q, scale, scheme, block)
+        else:
+            quantized[name] = reference[name] = t
+    save_file(quantized, str(fp8_dir / "model.safetensors"))
+    save_file(reference, str(ref_dir / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config[config_key] = quantization_config
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def compressed_tensors(
+    strategy: str, block: tuple[int, int] | None = None, activations: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    weights: dict[str, Any] = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True,
+                               "dynamic": False}  # fmt: skip
+    if block is not None:
+        weights["block_structure"] = list(block)
+    dynamic = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": activations or dynamic,
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+
+
+STATIC_ACTIVATIONS = {
+    "num_bits": 8,
+    "type": "float",
+    "strategy": "tensor",
+    "dynamic": False,
+    "symmetric": True,
+}
+
+
+def assert_ranks_hold_reference(out: Path, tp: int) -> None:
+    """Each rank's dequantized FP8 weights equal the same rank's weights of the reference loaded unquantized
+    (fused layers included: each part with its own scales)."""
+    cfg = build_model_config(out / "fp8", dtype="float32")
+    plain = dataclasses.replace(cfg, quantization=None)
+    cpu = torch.device("cpu")
+    checked = 0
+    for rank in range(tp):
+        model = model_class(cfg.architecture)(cfg, TPGroup(rank, tp), torch.float32, cpu)
+        loader.load_weights(model, str(out / "fp8"), torch.float32, cfg.quantization)
+        ref = model_class(cfg.architecture)(plain, TPGroup(rank, tp), torch.float32, cpu)
+        loader.load_weights(ref, str(out / "ref"), torch.float32, None)
+        ref_modules = dict(ref.named_modules())  # type: ignore[attr-defined]
+        for name, module in model.named_modules():  # type: ignore[attr-defined]
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn:
+                got = dequantize(weight, module.weight_scale, module.scale_block_k, torch.float32)
+                assert torch.equal(got, ref_modules[name].weight), (rank, name)
+                checked += 1
+    assert checked, "no FP8 layer was loaded"
+
+
+def greedy(model: Path, prompts: list[list[int]], tp: int) -> list[list[int]]:
+    llm = LLM(str(model), tensor_parallel_size=tp, dtype="float32", device="cpu")
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def assert_matches_hf(out: Path, tp: int) -> None:
+    assert_ranks_hold_reference(out, tp)
+    prompts = random_prompts((6, 19), 300, seed=21)
+    assert_same_tokens(greedy(out / "fp8", prompts, tp), hf_greedy(out / "ref", prompts, 8), prompts)
+
+
+# ------------------------------------------------------------------------------------ compressed-tensors
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "tp"),
+    [("[]", torch.bfloat16, 2), ("[1]", torch.float16, 1)],
+    ids=["scalar-bf16-tp2", "one-fp16"],
+)
+def test_per_tensor_scales_of_fused_projections(
+    shape: str, dtype: torch.dtype, tp: int, make_checkpoint: Any, tmp_path: Path
+) -> None:
+    """q, k, v (and gate, up) each with a scale of its own, 20x apart, stored as a 0-d or [1] tensor in a
+    16-bit float: the fused layers keep each part's scale (GQA, 2 KV heads, at TP 2: one each)."""
+    src = make_checkpoint("LlamaForCausalLM", seed=5)
+    to_shape = (lambda s: s.reshape(())) if shape == "[]" else (lambda s: s.reshape(1))
+    out = write_variant(src, tmp_path, compressed_tensors("tensor"), "tensor", scale_shape=to_shape,
+                        scale_dtype=dtype)  # fmt: skip
+    assert_matches_hf(out, tp)
+
+
+def test_per_channel_scales_as_vectors_in_bfloat16(make_checkpoint: Any, tmp_path: Path) -> None:
+    """Per-channel scales stored [N] (not [N, 1]) in bfloat16, at TP 2: each rank its rows' scales."""
+    src = make_checkpoint("LlamaForCausalLM", seed=5)
+    out = write_variant(src, tmp_path, compressed_tensors("channel"), "channel",
+                        scale_shape=lambda s: s.reshape(-1), scale_dtype=torch.bfloat16)  # fmt: skip
+    assert_ranks_hold_reference(out, 2)
+
+
+def test_static_activation_scales_are_read_and_dropped(make_checkpoint: Any, tmp_path: Path) -> None:
+    """`input_activations: {dynamic: false, strategy: tensor}` with `input_scale` tensors ([] and [1],
+    16-bit): the activation scales are dropped (on the CPU activations stay unquantized), the weights are
+    the checkpoint's, and greedy tokens are HF's at TP 2."""
+    src = make_checkpoint("LlamaForCausalLM", seed=5)
+
+    def input_scale(module: str) -> dict[str, torch.Tensor]:
+        shape = () if "self_attn" in module else (1,)
+        return {f"{module}.input_scale": torch.full(shape, 0.013, dtype=torch.bfloat16)}
+
+    out = write_variant(src, tmp_path, compressed_tensors("tensor", activations=STATIC_ACTIVATIONS), "tensor",
+                        extra=input_scale)  # fmt: skip
+    assert_matches_hf(out, 2)
+
+
+def test_an_activation_scale_does_not_stand_in_for_a_missing_weight_scale(
+    make_checkpoint: Any, tmp_path: Path
+) -> None:
+    """A weight whose weight_scale is missing is refused even where its input_scale is there (it loaded
+    with a scale of 1.0: weights off by a factor of hundreds, silently)."""
+    src = make_checkpoint("LlamaForCausalLM", seed=5)
+    out = write_variant(src, tmp_path, compressed_tensors("tensor", activations=STATIC_ACTIVATIONS), "tensor",
+                        extra=lambda m: {f"{m}.input_scale": torch.tensor([0.02])})  # fmt: skip
+    tensors = load_file(str(out / "fp8" / "model.safetensors"))
+    del tensors["model.layers.0.self_attn.o_proj.weight_scale"]
+    save_file(tensors, str(out / "fp8" / "model.safetensors"))
+    cfg = build_model_config(out / "fp8", dtype="float32")
+    model = model_class(cfg.architecture)(cfg, TPGroup(), torch.float32, torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"FP8 weights without their scales \(\*\.weight_scale\): .*o_proj"):
+        loader.load_weights(model, str(out / "fp8"), torch.float32, cfg.quantization)
+
+
+def test_naive_quantized_format(make_checkpoint: Any, tmp_path: Path) -> None:
+    """Early llm-compressor releases: format "naive-quantized" (the weights are e4m3 all the same)."""
+    src = make_checkpoint("LlamaForCausalLM", seed=5)
+    naive = {**compressed_tensors("channel"), "format": "naive-quantized"}
+    assert_ranks_hold_reference(write_variant(src, tmp_path, naive, "channel"), 1)
+
+
+def test_config_nested_as_compression_config(make_checkpoint: Any, tmp_path: Path) -> None:
+    """Older llm-compressor releases name the config `compression_config` (vLLM reads both names)."""
+    src = make_checkpoint("LlamaForCausalLM", seed=5)
+    out = write_variant(
+        src, tmp_path, compressed_tensors("tensor"), "tensor", config_key="compression_config"
+    )
+    assert build_model_config(out / "fp8", dtype="float32").quantization is not None
+    assert_matches_hf(out, 1)
+
+
+# --------------------------------------------------------------------------- transformers / AutoFP8 "fp8"
+
+
+def test_transformers_per_tensor_scales_named_weight_scale_inv(make_checkpoint: Any, tmp_path: Path) -> None:
+    """transformers' FP8Linear without a weight_block_size saves its per-tensor scale as a 0-d
+    `weight_scale_inv`."""
+    src = make_checkpoint("LlamaForCausalLM", seed=5)
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": None}
+    out = write_variant(src, tmp_path, qc, "tensor", scale_name="weight_scale_inv",
+                        scale_shape=lambda s: s.reshape(()))  # fmt: skip
+    assert_ranks_hold_reference(out, 2)
+
+
+def test_autofp8_static_checkpoint_with_ignored_layers(make_checkpoint: Any, tmp_path: Path) -> None:
+    """AutoFP8's layout: per-tensor `weight_scale`, static `input_scale`, the unquantized modules listed
+    as `ignored_layers` (transformers and vLLM read that name too)."""
+    src = make_checkpoint("LlamaForCausalLM", seed=5)
+    mlp = "model.layers.1.mlp"
+    qc = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head", mlp]}
+    out = write_variant(src, tmp_path, qc, "tensor", ignore=(mlp,),
+                        extra=lambda m: {f"{m}.input_scale": torch.tensor([0.02])})  # fmt: skip
+    assert_matches_hf(out, 2)
+
+
+# hidden 72 and MLP 80: neither is a multiple of a 32-wide block (scale grids by ceil division); every
+# projection has a bias.
+ODD_WIDTHS = {"hidden_size": 72, "head_dim": 16, "intermediate_size": 80, "attention_bias": True,
+              "mlp_bias": True}  # fmt: skip
+
+
+@pytest.mark.parametrize("block", [(32, 32), (16, 32)], ids=["32x32", "16x32"])
+def test_block_scales_of_widths_that_are_not_block_multiples(
+    block: tuple[int, int], make_checkpoint: Any, tmp_path: Path
+) -> None:
+    src = make_checkpoint("LlamaForCausalLM", seed=5, **ODD_WIDTHS)
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block),
+          "modules_to_not_convert": ["lm_head", "model.layers.0.mlp"]}  # fmt: skip
+    out = write_variant(src, tmp_path, qc, "block", block=block, scale_name="weight_scale_inv",
+                        ignore=("model.layers.0.mlp",))  # fmt: skip
+    assert_matches_hf(out, 1)
+
+
+def test_static_block_checkpoint_with_activation_scales_at_tp2(make_checkpoint: Any, tmp_path: Path) -> None:
+    """transformers' FP8 with `activation_scheme: "static"` saves an `activation_scale` per layer (read
+    and dropped as input_scale is); hidden 72 is not a multiple of the 16x16 blocks, bf16 block scales,
+    biases, an ignored MLP, GQA at TP 2."""
+    src = make_checkpoint("LlamaForCausalLM", seed=5, **{**ODD_WIDTHS, "intermediate_size": 96})
+    qc = {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [16, 16],
+          "modules_to_not_convert": ["lm_head", "model.layers.1.mlp"]}  # fmt: skip
+    out = write_variant(src, tmp_path, qc, "block", scale_name="weight_scale_inv", scale_dtype=torch.bfloat16,
+                        ignore=("model.layers.1.mlp",),
+                        extra=lambda m: {f"{m}.activation_scale": torch.tensor(0.02)})  # fmt: skip
+    assert_matches_hf(out, 2)

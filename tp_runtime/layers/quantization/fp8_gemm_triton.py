@@ -117,17 +117,27 @@ class Fp8GemmConfig(NamedTuple):
 
 
 def default_config(rows: int, n: int, k: int, block_scales: bool, num_sms: int) -> Fp8GemmConfig:
-    """Few tokens: 64 weight rows (one wgmma's M), a token tile just covering them and a 5-deep K
-    pipeline (the weight's bytes are the cost); K split in two where the tiles fill under half the SMs
-    and K has 8,192 columns or more (Llama-3-8B's down projection: 18.4 against 20.0 µs at 16 rows;
-    splitting shorter or wider weights, or more ways, was slower). Many: 64x128 tiles. Block scales cap
-    the K tile at 128, the blocks' width. From sweeps over the Llama-3-8B and 70B layers at 1-4096 rows
-    on an H200 (scripts/check_fp8_gemm.py --sweep-gemm; BENCHMARKS.md)."""
+    """Few tokens: 64 weight rows (one wgmma's M) and a token tile just covering them.
+    - Per-row scales: 256-wide K tiles 5 deep (the weight's bytes are the cost), K split in two where
+      the tiles fill under half the SMs and K has 8,192 columns or more (Llama-3-8B's down projection:
+      18.4 against 20.0 µs at 16 rows); past 16 rows a wide layer (16,384 outputs or more, the merged
+      gate/up) takes 128-wide K tiles, 4 deep to 32 rows and 3 deep past them (8B gate_up at 32 rows:
+      32.6 against 37.3 µs; 70B: 117.7 against 121.3).
+    - Block scales: the blocks' 128-wide K tiles 3 deep, K split four ways unless the layer has twice as
+      many tiles as SMs (the Llama-3 8B and 70B layer sets at 2-64 rows: 5-23 % less time than 5 deep
+      with the per-row rule's split).
+    Many tokens: 64x128 tiles. From sweeps over the Llama-3-8B and 70B layers on an H200
+    (scripts/check_fp8_gemm.py --sweep-gemm; BENCHMARKS.md)."""
     if rows > 64:
         return Fp8GemmConfig(64, 128, 128, 4, 3)
-    block_k = 128 if block_scales else 256
+    block_m = max(16, triton.next_power_of_2(rows))
+    if block_scales:
+        split = 4 if triton.cdiv(n, 64) < 2 * num_sms else 1
+        return Fp8GemmConfig(64, block_m, 128, 4, 3, split_k=split)
+    if n >= 16384 and rows > 16:
+        return Fp8GemmConfig(64, block_m, 128, 4, 4 if rows <= 32 else 3)
     split = 2 if 2 * triton.cdiv(n, 64) <= num_sms and k >= 8192 else 1
-    return Fp8GemmConfig(64, max(16, triton.next_power_of_2(rows)), block_k, 4, 5, split_k=split)
+    return Fp8GemmConfig(64, block_m, 256, 4, 5, split_k=split)
 
 
 def fp8_gemm(

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import functools
 import hmac
+import json
 import logging
 import time
 import uuid
@@ -91,6 +92,43 @@ _Body = TypeVar("_Body", bound=SamplingFields)
 _EngineRequests = list[tuple[list[int], SamplingParams]]
 # An engine output with more tokens than this (or with prompt logprobs) is formatted in a worker thread.
 _PIECE_OFF_LOOP_TOKENS = 64
+# The deepest nesting (objects and arrays) of a JSON schema a request may constrain its output with. The
+# compile time of xgrammar grows with the cube of the depth (800 levels: about a minute of a CPU, in a
+# thread the request holds), and a schema given as text is not bounded by the body parser's depth limit.
+MAX_SCHEMA_DEPTH = 64
+
+
+def json_depth(value: Any) -> int:
+    """How deeply objects and arrays nest in `value` (parsed JSON): 0 for a scalar (no recursion)."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def check_schema_depth(schema: Any, field: str) -> None:
+    """400 naming `field` for a JSON schema (a dict, or its text) nested past MAX_SCHEMA_DEPTH; text that
+    is not JSON is left to the compiler's message."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except RecursionError:  # past Python's own limit (about 1000 levels): deeper than ours
+            depth = MAX_SCHEMA_DEPTH + 1
+        except ValueError:
+            return
+        else:
+            depth = json_depth(schema)
+    else:
+        depth = json_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise bad_request(
+            f"the JSON schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep; this server "
+            "takes no deeper schema", field,
+        )  # fmt: skip
 
 
 def check_choices(num_prompts: int, n: int) -> None:
@@ -292,12 +330,15 @@ class _Context:
         check_choices(len(prompts), body.n)
         requests = []
         names = {"max_tokens": param, "logprobs": logprobs_param}
-        for ids in prompts:
+        for k, ids in enumerate(prompts):
             budget = self.max_tokens(max_tokens, len(ids), param, prompt_param)
             params = sampling_params(body, budget, logprobs, names, prompt_logprobs)
             if constraint is not None:
                 params = replace(params, structured_outputs=constraint)
             if params.structured_outputs is not None:
+                if k == 0 and params.structured_outputs.json is not None:  # every prompt's is the same
+                    given = "tools" if constraint is not None else body.constraint_field()
+                    check_schema_depth(params.structured_outputs.json, given or "structured_outputs")
                 # Compiled here, off the engine's thread; the engine's own compile is then a cache hit.
                 try:
                     self.engine.engine.grammars.compile(params.structured_outputs)

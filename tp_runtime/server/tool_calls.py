@@ -136,8 +136,8 @@ class ToolPlan:
                 calls = [
                     (c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)
                 ]
-            except (ValueError, KeyError, TypeError):
-                return None  # cut short (max_tokens): the text is returned as it is
+            except (ValueError, KeyError, TypeError, RecursionError):
+                return None  # cut short (max_tokens), or nested past what json reads: the text as it is
             return ParsedCalls(None, calls)
         if self.mode == "auto":
             return parse_hermes(text) if self.parser == "hermes" else parse_llama3_json(text)
@@ -183,7 +183,7 @@ def parse_hermes(text: str) -> ParsedCalls | None:
     for match in _HERMES_CALL.finditer(text, start):
         try:
             call = _call(json.loads(match.group(1)), "arguments")
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what json reads
             call = None
         if call is None:
             return None  # a malformed call: the text stays content
@@ -200,7 +200,7 @@ def parse_llama3_json(text: str) -> ParsedCalls | None:
     for part in body.split(";"):
         try:
             call = _call(json.loads(part), "parameters")
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if call is None:
             return None
@@ -218,7 +218,8 @@ def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
         )
     arguments = function.get("arguments")
     if isinstance(arguments, str):
-        with contextlib.suppress(ValueError):  # not JSON: given to the template as it is
+        # Not JSON, or JSON nested past what json reads (RecursionError): given to the template as it is.
+        with contextlib.suppress(ValueError, RecursionError):
             arguments = json.loads(arguments)
     return {**call, "function": {**function, "arguments": arguments}}
 

@@ -257,6 +257,42 @@ def test_headers_after_a_kept_alive_response_are_timed_too(default: Server) -> N
         _assert_closed_within_bound(sock, start)
 
 
+def _post_head(length: int) -> bytes:
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {length}\r\n\r\n".encode()
+    )
+
+
+def test_a_body_that_stops_short_is_closed_at_the_bound(default: Server) -> None:
+    """Headers in time, then fewer body bytes than the Content-Length, then silence: closed one bound after
+    the last byte, and the server serves on."""
+    body = json.dumps(COMPLETION).encode()
+    with socket.create_connection(default.address, timeout=30) as sock:
+        sock.sendall(_post_head(len(body)) + body[:10])
+        start = time.monotonic()
+        _assert_closed_within_bound(sock, start)
+    assert httpx.get(f"{default.url}/health", timeout=30).status_code == 200
+
+
+def test_a_body_that_keeps_arriving_is_served(default: Server) -> None:
+    """The body's bound restarts with each byte: a body sent in pieces, each well inside the bound but the
+    whole longer than it, is answered."""
+    body = json.dumps(COMPLETION).encode()
+    pieces = [body[i : i + len(body) // 4 + 1] for i in range(0, len(body), len(body) // 4 + 1)]
+    with socket.create_connection(default.address, timeout=30) as sock:
+        sock.sendall(_post_head(len(body)))
+        for piece in pieces:
+            time.sleep(HEADER_TIMEOUT_S / 3)
+            sock.sendall(piece)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, f"closed before the response: {data!r}"
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 200 "), data[:200]
+
+
 # ------------------------------------------------------------------------------------- connection cap
 def _open_stream(stack: contextlib.ExitStack, server: Server, max_tokens: int) -> Iterator[str]:
     """A streaming completion on a connection of its own, read up to its first event; the rest later."""

@@ -43,6 +43,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tp_runtime.engine.async_engine import AsyncLLMEngine, RequestStream
@@ -720,6 +721,12 @@ def build_app(
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return _error_json(exc.status_code, ErrorInfo(message=str(exc.detail), type=kind))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client closed the connection (or was closed for stalling) before its body was in: nobody is
+        # left to answer, and nothing went wrong here. 499: nginx's "client closed request", for the log.
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def unhandled_error(request: Request, exc: Exception) -> JSONResponse:

@@ -118,7 +118,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_TIMEOUT_HEADERS_S,
         metavar="SECONDS",
         help="a request's headers must arrive within this many seconds of the connection opening (or of "
-        "the previous response, on a kept-alive connection); a connection slower than that is closed",
+        "the previous response, on a kept-alive connection), and a request's body may pause no longer; a "
+        "connection slower than that is closed",
     )
     group.add_argument(
         "--max-connections",

@@ -203,6 +203,8 @@ _HOSTILE: list[tuple[str, dict[str, Any] | bytes]] = [
         {**_COMPLETION, "structured_outputs": {"json": {"type": "integer", "minimum": 10**400}}},
     ),
     ("/v1/completions", {**_COMPLETION, "response_format": {"type": ["json_object"]}}),
+    ("/v1/completions", {**_COMPLETION, "response_format": {}}),  # OpenAI: the type is required
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"json_schema": {"schema": {}}}}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": {"text": "x"}}]}),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL], "tool_choice": ["f"]}),

@@ -128,7 +128,7 @@ class SamplingFields(_Request):
             if getattr(self, name) is not None:
                 return name
         fmt = self.response_format
-        return "response_format" if fmt is not None and fmt.get("type", "text") != "text" else None
+        return "response_format" if fmt is not None and fmt.get("type") != "text" else None
 
     def structured(self) -> StructuredOutputsParams | None:
         """The request's one output constraint, from whichever field gives it; InvalidRequestError naming
@@ -146,8 +146,12 @@ class SamplingFields(_Request):
             if getattr(self, name) is not None:
                 given.append((name, {key: getattr(self, name)}))
         fmt = self.response_format
-        if fmt is not None and fmt.get("type", "text") != "text":
-            kind = fmt.get("type")
+        if fmt is not None and "type" not in fmt:  # as OpenAI: the type is required
+            raise InvalidRequestError(
+                "response_format needs a type: text, json_object or json_schema", "response_format"
+            )
+        if fmt is not None and fmt["type"] != "text":
+            kind = fmt["type"]
             if kind == "json_object":
                 given.append(("response_format", {"json_object": True}))
             elif kind == "json_schema":

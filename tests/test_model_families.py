@@ -725,6 +725,11 @@ def test_which_safetensors_files_are_read(make_checkpoint: Callable[..., Path], 
     (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match=r"names weight files that are not in .*model-00001-of-00002"):
         loader.safetensors_files(str(model_dir))
+    # A cut or malformed index: a ConfigError that names it, not a JSON or KeyError traceback.
+    for broken in ('{"weight_map": {"a": "b.safe', '{"metadata": {}}', '{"weight_map": ["x"]}', "[]"):
+        (model_dir / "model.safetensors.index.json").write_text(broken)
+        with pytest.raises(ConfigError, match=r"model.safetensors.index.json is not a safetensors index"):
+            loader.safetensors_files(str(model_dir))
 
 
 # ----------------------------------------------------------------------------- config

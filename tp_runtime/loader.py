@@ -186,8 +186,14 @@ class CheckpointTensor:
 def safetensors_files(model_dir: str) -> list[str]:
     index = Path(model_dir) / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({str(Path(model_dir) / f) for f in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({str(Path(model_dir) / f) for f in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(
+                f"{index} is not a safetensors index (a JSON object whose weight_map maps tensor names to "
+                f"files): {type(exc).__name__}: {exc}; download it again"
+            ) from None
         absent = [os.path.basename(f) for f in files if not os.path.isfile(f)]
         if absent:
             raise ConfigError(

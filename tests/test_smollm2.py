@@ -90,20 +90,26 @@ def _perplexity(smollm2_dir: Path, **options: object) -> float:
     return math.exp(sum(nll) / len(nll))
 
 
-def test_online_fp8_perplexity_within_3_percent(smollm2_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def base_perplexity(smollm2_dir: Path) -> float:
+    """The unquantized model's, with its full-precision cache: both tests below compare against it."""
+    return _perplexity(smollm2_dir)
+
+
+def test_online_fp8_perplexity_within_3_percent(smollm2_dir: Path, base_perplexity: float) -> None:
     """quantization="fp8" (every linear layer's weight rounded to e4m3 with a scale per output channel) on
     the real model: the perplexity of a fixed text stays within 3 % of the unquantized model's."""
-    base = _perplexity(smollm2_dir)
+    base = base_perplexity
     fp8 = _perplexity(smollm2_dir, quantization="fp8")
     assert 1.0 < base < 100.0, base  # an English text the model reads as one
     assert abs(fp8 / base - 1) < 0.03, (base, fp8)
 
 
-def test_fp8_kv_cache_perplexity_within_3_percent(smollm2_dir: Path) -> None:
+def test_fp8_kv_cache_perplexity_within_3_percent(smollm2_dir: Path, base_perplexity: float) -> None:
     """kv_cache_dtype="fp8" (e4m3 keys and values, scale 1: this checkpoint has none) on the real model:
     within 3 % of the full-precision cache's perplexity, whether the text's attention reads its own keys
     (one step) or, in chunks of 32 tokens, the earlier chunks' keys from the cache."""
-    base = _perplexity(smollm2_dir)
+    base = base_perplexity
     whole = _perplexity(smollm2_dir, kv_cache_dtype="fp8")
     chunked = _perplexity(smollm2_dir, kv_cache_dtype="fp8", max_num_batched_tokens=32)
     assert whole != base  # the cache is FP8

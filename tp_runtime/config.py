@@ -604,15 +604,24 @@ def _rope_config(hf_config: Any, head_dim: int) -> RopeConfig:
     theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
-    partial = float(getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0)
-    if partial != 1.0:
-        raise ConfigError("partial_rotary_factor != 1 is not supported")
     if rope_type == "default":
+        # The supported families' own default rope (transformers' compute_default_rope_parameters) rotates
+        # the whole head, whatever partial_rotary_factor the config carries.
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim
         inv_freq = 1.0 / (theta**exponents)
         scaling = 1.0
     else:
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    if 2 * inv_freq.numel() != head_dim:
+        # transformers >= 5 keeps partial_rotary_factor in rope_parameters (4.x: an attribute); the scaled
+        # rope functions then rotate only part of each head, which these families' attention cannot apply
+        # (transformers' own forward fails on such a config).
+        partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+        raise ConfigError(
+            f"rope type {rope_type!r} with partial_rotary_factor={partial} rotates {2 * inv_freq.numel()} of "
+            f"the {head_dim} head dimensions; partial rotary embeddings are not supported (remove "
+            "partial_rotary_factor or set it to 1.0)"
+        )
     return RopeConfig(
         rope_type=rope_type,
         theta=theta,

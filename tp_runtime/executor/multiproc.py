@@ -71,7 +71,8 @@ class _SpawnedWorkers(RemoteWorkers):
 
     def __init__(self, config: EngineConfig, channel: DriverChannel) -> None:
         super().__init__(
-            channel, list(range(config.parallel.tensor_parallel_size)), config.parallel.spin_wait_s
+            channel, list(range(config.parallel.tensor_parallel_size)), config.parallel.spin_wait_s,
+            vocab_size=config.model.vocab_size,
         )
         self.config = config
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -223,7 +224,7 @@ class MultiprocExecutor:
             # Liveness is checked while waiting (each time the reply poll times out), not per step.
             self._check_open()
             self.workers.broadcast(ExecuteModel(so))
-            self.workers.submitted(so.step_id)
+            self.workers.submitted(so.step_id, so.scheduled_req_ids)
             self._last_sent_step = so.step_id
             self.last_step_timings = {"encode_broadcast": time.perf_counter() - t0}
 

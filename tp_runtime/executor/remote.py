@@ -41,11 +41,36 @@ class _Expected:
     results: dict[int, Any] = field(default_factory=dict)
 
 
-def _output_problem(out: ModelRunnerOutput) -> str | None:
-    """What is inconsistent in an output, if anything (its lists must agree in length)."""
+def _outside(values: list[int], end: int) -> int | None:
+    """The first of `values` outside [0, end), if any."""
+    if values and (min(values) < 0 or max(values) >= end):
+        return next(v for v in values if not 0 <= v < end)
+    return None
+
+
+def _output_problem(
+    out: ModelRunnerOutput, scheduled: frozenset[int] | None = None, vocab_size: int | None = None
+) -> str | None:
+    """What is inconsistent in an output, if anything: its lists must agree in length, and with what is
+    known, its requests must be distinct requests the step ran (`scheduled`) and its token ids in the
+    vocabulary (`vocab_size`). The driver indexes its requests and the tokenizer with them."""
     n = len(out.req_ids)
     if len(out.sampled_token_ids) != n:
         return f"has {n} request ids but {len(out.sampled_token_ids)} sampled token ids"
+    if scheduled is not None:
+        named = set(out.req_ids)
+        if len(named) != n:
+            return "names a request twice"
+        named.update(p.req_id for p in out.prompt_logprobs or [])
+        if not named <= scheduled:
+            return f"has request {min(named - scheduled)}, which the step did not run"
+    if vocab_size is not None:
+        id_lists = [out.sampled_token_ids, *(out.logprobs.token_ids if out.logprobs else [])]
+        id_lists += [ids for p in out.prompt_logprobs or [] for ids in p.token_ids]
+        for ids in id_lists:
+            token = _outside(ids, vocab_size)
+            if token is not None:
+                return f"has token id {token}, outside the vocabulary [0, {vocab_size})"
     lp = out.logprobs
     if lp is not None:
         for name in ("token_ids", "logprobs", "sampled_ranks"):
@@ -75,13 +100,21 @@ class RemoteWorkers:
 
     settle_s = 0.5  # how long an error reply waits for a rank's death to show (the dead rank is named)
 
-    def __init__(self, channel: DriverChannel, remote_ranks: list[int], spin_wait_s: float) -> None:
+    def __init__(
+        self,
+        channel: DriverChannel,
+        remote_ranks: list[int],
+        spin_wait_s: float,
+        vocab_size: int | None = None,
+    ) -> None:
         self.channel = channel
+        self.vocab_size = vocab_size  # when known, sampled token ids outside [0, vocab_size) are refused
         self.remote_ranks = remote_ranks
         self.spin_wait_s = spin_wait_s
         self.closed = False
         self.closed_message = CLOSED_MESSAGE  # what a call once closed raises (EngineClosedError)
-        self.in_flight: dict[int, None] = {}  # steps sent and not answered yet, oldest first
+        # Steps sent and not answered yet, oldest first, with the requests each runs (None: not told).
+        self.in_flight: dict[int, frozenset[int] | None] = {}
         self.arrived: dict[int, ModelRunnerOutput] = {}  # answered, not asked for yet
         self.abandoned: set[int] = set()  # in flight but no longer wanted (their requests were aborted)
         self.answered: deque[int] = deque(maxlen=64)  # to tell a duplicate from a step never sent
@@ -118,8 +151,9 @@ class RemoteWorkers:
     def broadcast(self, message: DriverMessage) -> None:
         self.channel.send(message)
 
-    def submitted(self, step_id: int) -> None:
-        self.in_flight[step_id] = None
+    def submitted(self, step_id: int, scheduled_req_ids: list[int] | None = None) -> None:
+        """A step was sent; with `scheduled_req_ids`, its answer may name only those requests."""
+        self.in_flight[step_id] = None if scheduled_req_ids is None else frozenset(scheduled_req_ids)
 
     def _serve(
         self,
@@ -203,7 +237,7 @@ class RemoteWorkers:
             raise ProtocolError(
                 f"rank 0 answered step {step} before step {oldest} (steps are answered in the order sent)"
             )
-        problem = _output_problem(out)
+        problem = _output_problem(out, self.in_flight[step], self.vocab_size)
         if problem is not None:
             raise ProtocolError(f"rank 0's output of step {step} {problem}")
         del self.in_flight[step]

@@ -62,6 +62,7 @@ from tp_runtime.serialize import (
 from tp_runtime.worker.kv_sizing import CPU_KV_CACHE_RAM_SHARE, available_memory_bytes, cpu_kv_cache_blocks
 from tp_runtime.worker.model_runner import ModelRunner, pick_kernels
 from tp_runtime.worker.outputs import PendingOutput
+from tp_runtime.worker.step_check import check_step
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -117,6 +118,7 @@ class Worker:
         self.device = torch.device(f"cuda:{local_rank}" if config.device == "cuda" else "cpu")
         self.tp = TPGroup(rank, self.world_size)
         self.runner: ModelRunner | None = None
+        self.num_kv_blocks: int | None = None  # set once the KV cache is allocated
 
     def init_device(self, init_method: str | None) -> None:
         if self.device.type == "cuda":
@@ -205,7 +207,10 @@ class Worker:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then warm up: every CUDA graph is captured before the engine is ready."""
         runner = self._runner()
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ProtocolError(f"allocate_kv_cache needs a number of blocks >= 1, got {num_blocks!r}")
         runner.allocate_kv_cache(num_blocks)
+        self.num_kv_blocks = num_blocks
         runner.warm_up()
         if self.device.type == "cuda":
             freeze_start_up_objects()
@@ -239,6 +244,10 @@ class Worker:
     def execute_model(self, so: SchedulerOutput) -> PendingOutput | None:
         """The step queued; None for one that waits for its GrammarMask (`apply_grammar_mask`)."""
         return self._runner().execute_model(so)
+
+    def check_step(self, so: SchedulerOutput) -> None:
+        """Refuse (ProtocolError) a step from the socket that this rank cannot run safely (check_step)."""
+        check_step(so, self.config, self._runner().batch, self.num_kv_blocks)
 
     def apply_grammar_mask(self, mask: GrammarMask) -> PendingOutput:
         return self._runner().apply_grammar_mask(mask)
@@ -430,6 +439,7 @@ def _serve(
                 raise ProtocolError(f"an authentic broadcast frame from sender {sender}, not the driver")
             if isinstance(message, ExecuteModel):
                 call_id = message.scheduler_output.step_id
+                worker.check_step(message.scheduler_output)
                 launched = worker.execute_model(message.scheduler_output)
                 if rank == 0:
                     # A step waiting for its grammar mask: the previous step's answer (whose tokens the

@@ -624,11 +624,18 @@ class LLMEngine:
         req.stop_text = text[:idx]
         return True
 
-    def abort_request(self, req_id: int) -> RequestOutput | None:
+    def abort_request(self, req_id: int | str) -> RequestOutput | None:
         """End a request wherever it is (waiting, running, in a step in flight) and free its KV blocks;
-        tokens of it still in flight are dropped when they arrive. Returns its last output (finish_reason
-        "abort": for a streamed request the text not reported yet, else the whole output), or None when
-        the request has already finished or never existed."""
+        tokens of it still in flight are dropped when they arrive. `req_id`: the id add_request returned, or
+        its str (`RequestOutput.request_id`). Returns its last output (finish_reason "abort": for a streamed
+        request the text not reported yet, else the whole output), or None when the request has already
+        finished or never existed."""
+        if isinstance(req_id, str):
+            # The id the outputs carry: looked up as given it would name no request, and the request would
+            # run on unaborted.
+            if not (req_id.isascii() and req_id.isdecimal()):
+                return None
+            req_id = int(req_id)
         req = self.scheduler.requests.get(req_id)
         if req is None:
             return None

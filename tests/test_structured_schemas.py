@@ -127,6 +127,12 @@ SCHEMAS: list[Any] = [
     {"type": ["boolean", "null"], "enum": [True, 0, None, "x"]},
     # minItems with no items schema: any items (xgrammar's strict mode refused it).
     {"type": "array", "minItems": 2, "maxItems": 3},
+    # What xgrammar enforces, and the pre-check once refused: multipleOf on a nullable integer, OpenAPI's
+    # annotations (nullable, x-...) beside enum and $ref, an "enum with descriptions" under a type.
+    {"type": ["integer", "null"], "multipleOf": 4, "minimum": 1, "maximum": 50},
+    {"type": "string", "enum": ["up", "down"], "nullable": True, "example": "up"},
+    {"$defs": {"X": {"type": "boolean"}}, "$ref": "#/$defs/X", "x-order": 1},
+    {"type": "string", "oneOf": [{"const": "a", "title": "A"}, {"const": "bb", "description": "B"}]},
     {"type": "array", "prefixItems": [{"type": "boolean"}], "minItems": 1, "maxItems": 1},
 ]  # fmt: skip
 
@@ -177,6 +183,8 @@ UNENFORCEABLE: list[Any] = [
     {"type": "string", "oneOf": [{"maxLength": 1}, {"minLength": 3}]},
     {"type": "object", "properties": {"deep": {"type": "array", "items": {"not": {"type": "null"}}}}},
     {"type": "string", "enum": [1, 2]},
+    {"type": "string", "anyOf": [{"const": "a"}, {"type": "integer"}]},  # the type would be dropped
+    {"type": "string", "oneOf": [{"const": "a"}, {"const": 3}]},
 ]  # fmt: skip
 
 

@@ -35,6 +35,8 @@ _ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
     "$schema", "$id", "$anchor", "$defs", "definitions", "contentEncoding", "contentMediaType",
     "discriminator",  # OpenAPI's (pydantic writes it beside oneOf): a hint, not a constraint
+    # OpenAPI 3.0's; `nullable` only widens what is valid, so outputs that never take null still conform
+    "nullable", "example", "externalDocs", "xml",
 })  # fmt: skip
 # Keywords xgrammar's JSON schema converter does not enforce (it drops them, so outputs would break them).
 _UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
@@ -84,10 +86,14 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
         raise refuse("'allOf' with more than one schema")
     kind = schema.get("type")
     kinds = set(kind) if isinstance(kind, list) else {kind} if isinstance(kind, str) else set()
-    validating = sorted(k for k in schema if k not in _ANNOTATIONS)
+    # (`x-...`: OpenAPI's vendor extensions, annotations too)
+    validating = sorted(k for k in schema if k not in _ANNOTATIONS and not k.startswith("x-"))
     for key in ("$ref", "anyOf", "oneOf", "allOf"):
         others = [k for k in validating if k != key]
         if key in schema and others:
+            if key in ("anyOf", "oneOf") and others == ["type"] and _literals_of(schema[key], kinds):
+                out.pop("type")  # "an enum with descriptions": every branch a value of the type already
+                continue
             raise refuse(f"{key!r} beside {others}")
     if "enum" in schema or "const" in schema:
         others = [k for k in validating if k not in ("enum", "const", "type")]
@@ -107,7 +113,7 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
         untyped = [k for k in (*_NUMBER_KEYWORDS, *_STRING_KEYWORDS) if k in schema]
         if untyped:
             raise refuse(f"{untyped} without a 'type'")
-    if "multipleOf" in schema and kinds != {"integer"}:
+    if "multipleOf" in schema and "number" in kinds:  # (on integers xgrammar enforces it)
         raise refuse("'multipleOf' on a non-integer type")
     lengths = [k for k in ("minLength", "maxLength") if k in schema]
     for key in ("pattern", "format"):
@@ -138,6 +144,26 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
         if isinstance(schema.get(key), list):
             out[key] = [_schema_for_xgrammar(s, f"{path}/{key}/{i}") for i, s in enumerate(schema[key])]
     return out
+
+
+def _literals_of(branches: Any, kinds: set[Any]) -> bool:
+    """Whether `branches` (an anyOf or oneOf) are all `const` or `enum` schemas whose every value has one
+    of the JSON types `kinds`."""
+    if not (kinds and kinds <= _JSON_TYPES.keys() and isinstance(branches, list) and branches):
+        return False
+    for branch in branches:
+        if not isinstance(branch, dict):
+            return False
+        keys = {k for k in branch if k not in _ANNOTATIONS and not k.startswith("x-")}
+        if keys - {"type"} == {"const"}:
+            values = [branch["const"]]
+        elif keys - {"type"} == {"enum"} and isinstance(branch["enum"], list):
+            values = branch["enum"]
+        else:
+            return False
+        if not all(any(_JSON_TYPES[k](v) for k in kinds) for v in values):
+            return False
+    return True
 
 
 def _choice_grammar(choices: list[str]) -> str:

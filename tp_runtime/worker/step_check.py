@@ -4,9 +4,10 @@ A frame must carry the engine's MAC to get this far, so only a broken driver sen
 id a step carries becomes an index on the device (block ids into the KV cache, token ids into the
 embedding, positions into block tables), where a wrong one is an out-of-bounds write on a GPU or a silent
 write into another request's blocks. So a rank refuses such a step (ProtocolError) before any of it
-touches its batch or its cache; every rank holds the same state and runs the same checks, so all refuse
-the same step before any collective. In-process ranks (TP 1, torchrun's rank 0) take their steps from the
-driver's own objects and skip it.
+touches its batch or its cache; the socket-fed ranks hold the same state and run the same checks, so they
+all refuse the same step before any collective. In-process ranks (TP 1, torchrun's rank 0) take their
+steps from the driver's own objects and skip it: under torchrun the other ranks refuse and exit, and rank 0
+learns of it from the watchdog or the step timeout.
 """
 
 from __future__ import annotations

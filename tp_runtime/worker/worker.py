@@ -207,8 +207,9 @@ class Worker:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then warm up: every CUDA graph is captured before the engine is ready."""
         runner = self._runner()
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ProtocolError(f"allocate_kv_cache needs a number of blocks >= 1, got {num_blocks!r}")
+        # (0 is possible: too little memory for one block, which the engine then explains to the user)
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ProtocolError(f"allocate_kv_cache needs a number of blocks >= 0, got {num_blocks!r}")
         runner.allocate_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
         runner.warm_up()

@@ -53,6 +53,9 @@ class _StubWorker:
     def __init__(self, rank: int) -> None:
         self.rank = rank
 
+    def check_step(self, so: SchedulerOutput) -> None:
+        pass  # the steps here are made up, and this benchmark times the transport, not the rank's checks
+
     def execute_model(self, so: SchedulerOutput) -> _StubPending:
         ids = so.scheduled_req_ids
         output = ModelRunnerOutput(step_id=so.step_id, req_ids=ids, sampled_token_ids=[7] * len(ids))

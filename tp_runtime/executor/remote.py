@@ -22,6 +22,7 @@ from tp_runtime.messages import (
     Hello,
     ModelRunnerOutput,
     WorkerReply,
+    first_outside,
 )
 from tp_runtime.serialize import (
     recv_spinning,
@@ -39,13 +40,6 @@ class _Expected:
     kind: str
     ranks: set[int]
     results: dict[int, Any] = field(default_factory=dict)
-
-
-def _outside(values: list[int], end: int) -> int | None:
-    """The first of `values` outside [0, end), if any."""
-    if values and (min(values) < 0 or max(values) >= end):
-        return next(v for v in values if not 0 <= v < end)
-    return None
 
 
 def _output_problem(
@@ -68,7 +62,7 @@ def _output_problem(
         id_lists = [out.sampled_token_ids, *(out.logprobs.token_ids if out.logprobs else [])]
         id_lists += [ids for p in out.prompt_logprobs or [] for ids in p.token_ids]
         for ids in id_lists:
-            token = _outside(ids, vocab_size)
+            token = first_outside(ids, 0, vocab_size)
             if token is not None:
                 return f"has token id {token}, outside the vocabulary [0, {vocab_size})"
     lp = out.logprobs
@@ -309,4 +303,3 @@ class RemoteWorkers:
             interval = min(2 * interval, _LAST_HELLO_INTERVAL_S)
         self.channel.watchdog.watch(self.remote_ranks)
         return expected.results
-

@@ -19,17 +19,10 @@ import numpy as np
 
 from tp_runtime.config import EngineConfig
 from tp_runtime.errors import ProtocolError
-from tp_runtime.messages import NewRequest, RequestSampling, SchedulerOutput
+from tp_runtime.messages import NewRequest, RequestSampling, SchedulerOutput, first_outside
 from tp_runtime.worker.persistent_batch import PersistentBatch
 
 _INT64_MIN, _INT64_END = -(2**63), 2**63
-
-
-def _outside(values: list[int], low: int, end: int) -> int | None:
-    """The first of `values` outside [low, end), if any (builtin min/max: C speed for the common case)."""
-    if values and (min(values) < low or max(values) >= end):
-        return next(v for v in values if not low <= v < end)
-    return None
 
 
 def check_step(
@@ -60,7 +53,7 @@ def check_step(
         n = len(req.token_ids)
         if not 0 < n <= max_len:
             raise bad(f"new request {rid} has {n} tokens (1 to max_model_len={max_len})")
-        token = _outside(req.token_ids, 0, vocab)
+        token = first_outside(req.token_ids, 0, vocab)
         if token is not None:
             raise bad(f"new request {rid} has token id {token}, outside the vocabulary [0, {vocab})")
         if not 0 <= req.num_output_tokens < n or not 0 <= req.num_computed_tokens <= n:
@@ -149,7 +142,7 @@ def _check_blocks(
     bad: Callable[[str], ProtocolError], rid: int, block_ids: list[int], held: int, num_kv_blocks: int,
     max_blocks: int,
 ) -> None:  # fmt: skip
-    block = _outside(block_ids, 0, num_kv_blocks)
+    block = first_outside(block_ids, 0, num_kv_blocks)
     if block is not None:
         raise bad(f"request {rid} has block id {block}, outside the KV cache [0, {num_kv_blocks})")
     if held + len(block_ids) > max_blocks:
@@ -172,7 +165,7 @@ def _check_sampling(
         problem = f"logprobs {s.num_logprobs}, prompt logprobs {s.num_prompt_logprobs} (-1 to {max_logprobs})"
     elif not 0 <= s.min_tokens < _INT64_END or (s.seed is not None and not _INT64_MIN <= s.seed < _INT64_END):
         problem = "a seed or min_tokens that does not fit in 64 bits"
-    elif _outside(s.stop_token_ids, 0, vocab) is not None:
-        problem = f"stop token id {_outside(s.stop_token_ids, 0, vocab)}, outside the vocabulary [0, {vocab})"
+    elif (stop := first_outside(s.stop_token_ids, 0, vocab)) is not None:
+        problem = f"stop token id {stop}, outside the vocabulary [0, {vocab})"
     if problem is not None:
         raise bad(f"new request {rid} has {problem}")

@@ -167,33 +167,28 @@ def renewed(old: nn.Parameter | None, new: nn.Parameter) -> nn.Parameter:
     return old
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W split by output rows; each rank holds out_features / tp rows."""
+class _ParallelLinear(nn.Module):
+    """What the column- and row-parallel layers share: the weight (and whatever else its layout needs:
+    FP8 scales), made and loaded by the LinearMethod, and an optional bias."""
 
-    weight: nn.Parameter  # made by the LinearMethod (with whatever else its layout needs: FP8 scales)
+    weight: nn.Parameter
 
     def __init__(
         self,
-        in_features: int,
-        out_sizes: list[int],
-        bias: bool,
+        weight_shape: tuple[int, int],
+        bias_size: int | None,
         tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
-        shard_offsets: list[int] | None = None,
-        method: LinearMethod = UNQUANTIZED,
+        method: LinearMethod,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.matmul: Matmul = TORCH_MATMUL
-        # Per logical output (q/k/v, gate/up): local size and the start row of this rank's slice.
-        self.local_sizes = out_sizes
-        self.shard_offsets = shard_offsets or [tp.rank * s for s in out_sizes]
-        total = sum(out_sizes)
-        self._weight_shape = (total, in_features, dtype, device)
+        self._weight_shape = (*weight_shape, dtype, device)
         self.use_method(method)
-        if bias:
-            self.bias: nn.Parameter | None = _param((total,), dtype, device)
+        if bias_size is not None:
+            self.bias: nn.Parameter | None = _param((bias_size,), dtype, device)
             self.bias.weight_loader = self._load_bias  # type: ignore[attr-defined]
         else:
             self.bias = None
@@ -207,14 +202,41 @@ class ColumnParallelLinear(nn.Module):
         self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
 
     def shard(self, shard_id: int) -> Shard:
-        size = self.local_sizes[shard_id]
-        return Shard(0, self.shard_offsets[shard_id], size, sum(self.local_sizes[:shard_id]))
+        raise NotImplementedError
 
     def _load_weight(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
         self.method.load_weight(self, source, self.shard(shard_id))
 
     def load_scale(self, source: TensorSource, shard_id: int, weight_shape: tuple[int, ...]) -> None:
         self.method.load_scale(self, source, self.shard(shard_id), weight_shape)
+
+    def _load_bias(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y = x W^T + b with W split by output rows; each rank holds out_features / tp rows."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_sizes: list[int],
+        bias: bool,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+        shard_offsets: list[int] | None = None,
+        method: LinearMethod = UNQUANTIZED,
+    ) -> None:
+        # Per logical output (q/k/v, gate/up): local size and the start row of this rank's slice.
+        self.local_sizes = out_sizes
+        self.shard_offsets = shard_offsets or [tp.rank * s for s in out_sizes]
+        total = sum(out_sizes)
+        super().__init__((total, in_features), total if bias else None, tp, dtype, device, method)
+
+    def shard(self, shard_id: int) -> Shard:
+        size = self.local_sizes[shard_id]
+        return Shard(0, self.shard_offsets[shard_id], size, sum(self.local_sizes[:shard_id]))
 
     def _load_bias(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
         shard = self.shard(shard_id)
@@ -271,10 +293,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, [q_size, kv_size, kv_size], bias, tp, dtype, device, offsets, method)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """y = all_reduce(x_local W_local^T) + b with W split by input columns."""
-
-    weight: nn.Parameter  # made by the LinearMethod
 
     def __init__(
         self,
@@ -286,34 +306,12 @@ class RowParallelLinear(nn.Module):
         device: torch.device,
         method: LinearMethod = UNQUANTIZED,
     ) -> None:
-        super().__init__()
-        self.tp = tp
-        self.matmul: Matmul = TORCH_MATMUL
         self.local_in = divide(in_features, tp.world_size)
-        self._weight_shape = (out_features, self.local_in, dtype, device)
-        self.use_method(method)
-        if bias:
-            self.bias: nn.Parameter | None = _param((out_features,), dtype, device)
-            self.bias.weight_loader = self._load_bias  # type: ignore[attr-defined]
-        else:
-            self.bias = None
-
-    def use_method(self, method: LinearMethod) -> None:
-        """Store (and multiply) the weight as `method` does; its weights are made anew, empty."""
-        self.method = method
-        old = self._parameters.get("weight")
-        method.create_weights(self, *self._weight_shape)
-        self.weight = renewed(old, self.weight)
-        self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
+        bias_size = out_features if bias else None
+        super().__init__((out_features, self.local_in), bias_size, tp, dtype, device, method)
 
     def shard(self, shard_id: int = 0) -> Shard:
         return Shard(1, self.tp.rank * self.local_in, self.local_in)
-
-    def _load_weight(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
-        self.method.load_weight(self, source, self.shard())
-
-    def load_scale(self, source: TensorSource, shard_id: int, weight_shape: tuple[int, ...]) -> None:
-        self.method.load_scale(self, source, self.shard(), weight_shape)
 
     def _load_bias(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
         _copy_checked(param.data, source.full(), type(self).__name__)

@@ -271,6 +271,33 @@ def _bad_steps() -> dict[str, tuple[Callable[[], SchedulerOutput], str]]:
             ),
             "top_k 301",
         ),
+        "logit_bias id past the vocabulary": (
+            lambda: step(
+                2, [request(8, [5], [3], sampling=sampling(logit_bias_ids=[VOCAB], logit_bias_values=[1.0]))]
+            ),
+            f"logit_bias or allowed token id {VOCAB}",
+        ),
+        "negative allowed token id": (
+            lambda: step(2, [request(8, [5], [3], sampling=sampling(allowed_token_ids=[4, -3]))]),
+            "logit_bias or allowed token id -3",
+        ),
+        "logit_bias values not matching its ids": (
+            lambda: step(
+                2, [request(8, [5], [3], sampling=sampling(logit_bias_ids=[4, 5], logit_bias_values=[1.0]))]
+            ),
+            "logit_bias values that do not match",
+        ),
+        "infinite logit_bias": (
+            lambda: step(
+                2,
+                [
+                    request(
+                        8, [5], [3], sampling=sampling(logit_bias_ids=[4], logit_bias_values=[float("inf")])
+                    )
+                ],
+            ),
+            "outside [-100, 100]",
+        ),
         "constrained request not in the step": (
             lambda: SchedulerOutput(2, [], CachedRequests([], []), [7], [1], [], structured_req_ids=[5]),
             "constrained requests [5]",
@@ -282,6 +309,10 @@ def _bad_steps() -> dict[str, tuple[Callable[[], SchedulerOutput], str]]:
             "out of its range",
         ),
     }
+
+
+def sampling(**fields: Any) -> RequestSampling:
+    return RequestSampling(0.0, 1.0, 0, 0.0, None, 0, [], -1, **fields)
 
 
 BAD_STEPS = _bad_steps()

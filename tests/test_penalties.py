@@ -1,9 +1,11 @@
-"""repetition / presence / frequency penalties with vLLM's semantics, greedy, against independent references.
+"""repetition / presence / frequency penalties, logit_bias and allowed_token_ids with vLLM's semantics,
+greedy, against independent references.
 
 - repetition_penalty: HF transformers' `generate(repetition_penalty=...)` (its
   RepetitionPenaltyLogitsProcessor over prompt + output), token for token.
-- presence_penalty / frequency_penalty (and all three together): a brute-force reference, one full HF forward
-  per generated token with the penalties applied by hand in float64 to the last position's logits.
+- presence_penalty / frequency_penalty (and all three together), logit_bias and allowed_token_ids (with and
+  without penalties): a brute-force reference, one full HF forward per generated token with the allowed
+  tokens, the biases and then the penalties applied by hand in float64 to the last position's logits.
 
 Every engine runs a small token budget and a small KV cache, so prompts prefill in chunks, requests are
 preempted and recomputed (their penalty state rebuilt from their tokens), and requests finish out of order
@@ -25,6 +27,7 @@ import transformers
 from conftest import hf_greedy, hf_logprobs, random_prompts
 
 from tp_runtime import LLM, SamplingParams
+from tp_runtime.errors import InvalidRequestError
 
 VOCAB = 300
 MAX_TOKENS = 20
@@ -54,16 +57,21 @@ def reference(hf_model: Any) -> Callable[..., list[int]]:
 
     @functools.cache
     def cached(
-        prompt: tuple[int, ...], max_new: int, presence: float, frequency: float, rep: float
-    ) -> list[int]:
-        if presence == frequency == 0.0:
+        prompt: tuple[int, ...], max_new: int, presence: float, frequency: float, rep: float,
+        bias: tuple[tuple[int, float], ...], allowed: tuple[int, ...],
+    ) -> list[int]:  # fmt: skip
+        if presence == frequency == 0.0 and not bias and not allowed:
             return hf_repetition(hf_model, list(prompt), max_new, rep)
-        return brute_force(hf_model, list(prompt), max_new, presence, frequency, rep)
+        return brute_force(hf_model, list(prompt), max_new, presence, frequency, rep, dict(bias), allowed)
 
     def get(
-        prompt: list[int], max_new: int, presence: float = 0.0, frequency: float = 0.0, rep: float = 1.0
-    ) -> list[int]:
-        return cached(tuple(prompt), max_new, presence, frequency, rep)
+        prompt: list[int], max_new: int, presence: float = 0.0, frequency: float = 0.0, rep: float = 1.0,
+        bias: dict[int, float] | None = None, allowed: list[int] | None = None,
+    ) -> list[int]:  # fmt: skip
+        return cached(
+            tuple(prompt), max_new, presence, frequency, rep, tuple(sorted((bias or {}).items())),
+            tuple(allowed or ()),
+        )  # fmt: skip
 
     return get
 
@@ -95,13 +103,21 @@ def hf_repetition(model: Any, prompt: list[int], max_new: int, penalty: float) -
 
 
 def brute_force(
-    model: Any, prompt: list[int], max_new: int, presence: float, frequency: float, repetition: float
-) -> list[int]:
-    """Greedy with vLLM's penalties, applied by hand in float64 to a fresh full forward per token."""
+    model: Any, prompt: list[int], max_new: int, presence: float, frequency: float, repetition: float,
+    bias: dict[int, float] | None = None, allowed: tuple[int, ...] = (),
+) -> list[int]:  # fmt: skip
+    """Greedy with vLLM's logits processing, applied by hand in float64 to a fresh full forward per token:
+    only the allowed tokens, then the biases, then the penalties."""
     out: list[int] = []
     for _ in range(max_new):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
+        if allowed:
+            keep = torch.full_like(logits, float("-inf"))
+            keep[list(allowed)] = logits[list(allowed)]
+            logits = keep
+        for t, value in (bias or {}).items():
+            logits[t] += value
         for t in set(prompt) | set(out):
             logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
         for t, count in Counter(out).items():
@@ -208,3 +224,94 @@ def test_penalty_state_only_when_used(model_dir: Path) -> None:
         assert runner.batch.penalties is None
         engine.generate({"prompt_token_ids": [5, 6, 7]}, greedy(4, presence_penalty=0.5), use_tqdm=False)
         assert runner.batch.penalties is not None
+
+
+def bias_of(seed: int, count: int, scale: float) -> dict[int, float]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randperm(VOCAB, generator=g)[:count].tolist()
+    values = ((torch.rand(count, generator=g) * 2 - 1) * scale).tolist()
+    return {t: round(v, 3) for t, v in zip(tokens, values, strict=True)}
+
+
+def test_logit_bias_and_allowed_token_ids_match_brute_force(
+    llm: LLM, reference: Callable[..., list[int]]
+) -> None:
+    """Biases on many tokens (some at -100, one at +100 after its min_tokens), allowed token sets alone,
+    with biases and with penalties, beside a plain request, through chunking and preemption."""
+    prompts = random_prompts(LENGTHS, VOCAB, seed=26)
+    allowed = sorted(bias_of(27, 25, 1.0))
+    banned = {**bias_of(28, 60, 0.5), **{t: -100.0 for t in range(3, 40)}}
+    cases: list[dict[str, Any]] = [
+        dict(bias=bias_of(29, 80, 0.6)),
+        dict(allowed=allowed),
+        dict(bias=banned, allowed=allowed[:12] + list(range(3, 8))),
+        dict(bias=bias_of(30, 80, 0.6), presence=0.8, frequency=0.5, rep=1.3),
+        dict(),
+        dict(allowed=allowed[5:], rep=1.6),
+    ]
+    params = [
+        greedy(
+            m, logit_bias=c.get("bias"), allowed_token_ids=c.get("allowed"),
+            presence_penalty=c.get("presence", 0.0), frequency_penalty=c.get("frequency", 0.0),
+            repetition_penalty=c.get("rep", 1.0),
+        )
+        for m, c in zip(MAX_NEW, cases, strict=True)
+    ]  # fmt: skip
+    before = llm.engine.scheduler.num_preemptions
+    got = run(llm, prompts, params)
+    assert llm.engine.scheduler.num_preemptions > before, "the test did not force a preemption"
+    changed = 0
+    for i, (prompt, m, c) in enumerate(zip(prompts, MAX_NEW, cases, strict=True)):
+        want = reference(prompt, m, c.get("presence", 0.0), c.get("frequency", 0.0), c.get("rep", 1.0),
+                         c.get("bias"), c.get("allowed"))  # fmt: skip
+        assert got[i] == want, f"request {i} ({c})"
+        if c.get("allowed"):
+            assert set(got[i]) <= set(c["allowed"])
+        if c.get("bias") and min(c["bias"].values()) == -100.0:
+            assert not set(got[i]) & set(range(3, 40))
+        changed += want != reference(prompt, m)
+    assert changed >= 4, "the biases changed too few outputs to test them"
+    # +100 forces a token, once min_tokens lets EOS and the stop ids through; the logprobs stay raw.
+    forced = run(llm, [prompts[0]], [greedy(5, logit_bias={7: 100.0}, logprobs=1)])[0]
+    assert forced == [7] * 5
+
+
+def test_logit_bias_logprobs_are_the_raw_models(llm: LLM, model_dir: Path) -> None:
+    prompt = random_prompts((8,), VOCAB, seed=31)[0]
+    params = greedy(6, logit_bias=bias_of(32, 100, 1.0), allowed_token_ids=list(range(3, 200)), logprobs=2)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    assert out.logprobs is not None
+    raw = hf_logprobs(model_dir, prompt, out.token_ids)
+    for pos, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        assert entry[token].logprob == pytest.approx(float(raw[pos, token]), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(logit_bias={5: 100.5}), r"logit_bias must map token ids .* to numbers in \[-100, 100\]"),
+        (dict(logit_bias={5: float("nan")}), "logit_bias must map"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias must map"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias must map"),
+        (dict(logit_bias=[(5, 1.0)]), "logit_bias must map"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list"),
+        (dict(allowed_token_ids=[3, -2]), "allowed_token_ids must be a non-empty list"),
+        (dict(allowed_token_ids=[3, True]), "allowed_token_ids must be a non-empty list"),
+    ],
+)
+def test_bad_logit_bias_or_allowed_tokens_are_refused(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**fields)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(model_dir: Path) -> None:
+    with LLM(model_dir, dtype="float32", device="cpu") as engine:
+        for fields, message in (
+            (dict(logit_bias={VOCAB: 1.0}), f"logit_bias token id {VOCAB} is outside the vocabulary"),
+            (
+                dict(allowed_token_ids=[4, VOCAB + 7]),
+                f"allowed token id {VOCAB + 7} is outside the vocabulary",
+            ),
+        ):
+            with pytest.raises(InvalidRequestError, match=message):
+                engine.generate({"prompt_token_ids": [5, 6]}, greedy(2, **fields), use_tqdm=False)

@@ -268,6 +268,41 @@ def test_completions_batch_n_seed_and_stop(served: tuple[Server, LLM]) -> None:
     assert list(zip(texts, reasons, strict=True)) == want
 
 
+def test_logit_bias_and_allowed_token_ids(served: tuple[Server, LLM]) -> None:
+    """OpenAI's logit_bias (token ids as JSON keys) and vLLM's allowed_token_ids give what LLM.generate gives
+    with the same SamplingParams fields, in completions and chat; bad ones are 400s naming the field."""
+    server, llm = served
+    client = server.client()
+    bias = {5: 4.0, 17: -100.0, 40: 2.5, 41: 2.5, 99: 1.0}
+    allowed = [*range(30, 60), 5, 99]
+    want = llm.generate(PROMPTS[0], greedy(12, logit_bias=bias, allowed_token_ids=allowed), use_tqdm=False)
+    plain = llm.generate(PROMPTS[0], greedy(12), use_tqdm=False)[0].outputs[0].token_ids
+    assert want[0].outputs[0].token_ids != plain, "the biases changed nothing"
+    extra = {"allowed_token_ids": allowed}
+    openai_bias = {str(t): v for t, v in bias.items()}
+    out = client.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, logit_bias=openai_bias, extra_body=extra
+    )  # fmt: skip
+    assert out.choices[0].text == want[0].outputs[0].text
+    ref = llm.chat(MESSAGES, greedy(8, logit_bias=bias), use_tqdm=False)[0].outputs[0]
+    chat = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=8, temperature=0, logit_bias=openai_bias
+    )  # fmt: skip
+    assert chat.choices[0].message.content == ref.text
+    url = f"{server.url}/v1/completions"
+    for body, fragment in (
+        ({"logit_bias": {"five": 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"5": 100.5}}, "logit_bias must map token ids"),
+        ({"logit_bias": {"99999": 1.0}}, "logit_bias token id 99999 is outside the vocabulary"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+        ({"allowed_token_ids": [5, 99999]}, "allowed token id 99999 is outside the vocabulary"),
+    ):
+        error = _error(
+            httpx.post(url, json={"prompt": "hi", "max_tokens": 2, **body}, headers=server.headers()), 400
+        )
+        assert fragment in error["message"], (body, error)
+
+
 def test_chat_matches_llm_chat(served: tuple[Server, LLM]) -> None:
     server, llm = served
     client = server.client()
@@ -305,7 +340,10 @@ def test_chat_template_flag_serves_a_model_without_one(
     try:
         [ref] = llm1.chat(MESSAGES, greedy(12), use_tqdm=False)
         out = server.client().chat.completions.create(
-            model=NAME, messages=MESSAGES, max_tokens=12, temperature=0  # type: ignore[arg-type]
+            model=NAME,
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=0,  # type: ignore[arg-type]
         )
         assert out.choices[0].message.content == ref.outputs[0].text
         assert out.usage is not None and out.usage.prompt_tokens == len(ref.prompt_token_ids)
@@ -576,8 +614,10 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
         ({"model": NAME, "prompt": "hi", "guided_regex": "(ab"}, "the regex is not valid"),
         ({"model": NAME, "prompt": "hi", "structured_outputs": {"json": {}, "regex": "a"}}, "exactly one of"),
         ({"model": NAME, "prompt": "hi", "structured_outputs": {"jsn": {}}}, "unknown fields ['jsn']"),
-        ({"model": NAME, "prompt": "hi", "guided_choice": ["b"], "structured_outputs": {"regex": "a"}},
-         "give one output constraint"),
+        (
+            {"model": NAME, "prompt": "hi", "guided_choice": ["b"], "structured_outputs": {"regex": "a"}},
+            "give one output constraint",
+        ),
         ({"model": NAME, "prompt": "hi", "use_beam_search": True}, "use_beam_search is not"),
         ({"model": NAME, "prompt": ""}, "prompt is empty"),
         # JSON types are taken as they are: true is no token id or count, "3" no number.
@@ -1324,4 +1364,7 @@ def test_process_age_matches_the_process_start_time() -> None:
     ours, child_now = map(float, stdout.split())
     slack = 2.0 / os.sysconf("SC_CLK_TCK")
     assert ours >= 1.0 and child_now - after - slack <= ours <= child_now - before + slack, (
-        ours, child_now - after, child_now - before)
+        ours,
+        child_now - after,
+        child_now - before,
+    )

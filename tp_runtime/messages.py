@@ -38,6 +38,10 @@ class RequestSampling(msgspec.Struct, array_like=True, frozen=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     num_prompt_logprobs: int = -1  # -1: none
+    # logit_bias as sorted token ids and their biases, and allowed_token_ids (sorted); empty: none.
+    logit_bias_ids: list[int] = []
+    logit_bias_values: list[float] = []
+    allowed_token_ids: list[int] = []
 
 
 class NewRequest(msgspec.Struct, array_like=True):

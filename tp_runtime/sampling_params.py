@@ -93,6 +93,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top logprobs per prompt position (the first is None), as vLLM
     # A grammar the output must follow (JSON schema, regex, choice, EBNF); None: unconstrained.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's (OpenAI's logit_bias): token id -> a number in [-100, 100] added to its logit before the
+    # penalties and sampling; -100 all but bans a token, 100 all but forces it.
+    logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids may be sampled (None: any).
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -159,6 +164,20 @@ class SamplingParams:
         if constraint is not None and self.min_tokens:
             # Its grammar may be complete, allowing only EOS, before min_tokens: nothing could be sampled.
             raise bad("min_tokens must be 0 with structured_outputs (the grammar decides where it ends)")
+        bias = self.logit_bias
+        if bias is not None and (
+            not isinstance(bias, dict)
+            or not all(is_int(t) and 0 <= t < _INT64_END for t in bias)
+            or not all(is_real(v) and -100 <= v <= 100 for v in bias.values())
+        ):
+            raise bad(f"logit_bias must map token ids (ints >= 0) to numbers in [-100, 100], got {bias!r}")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, (list, tuple))
+            or not allowed
+            or not all(is_int(t) and 0 <= t < _INT64_END for t in allowed)
+        ):
+            raise bad(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {allowed!r}")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):

@@ -278,6 +278,7 @@ class LLMEngine:
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         vocab = self.config.model.vocab_size
+        bias = params.logit_bias or {}
         sampling = RequestSampling(
             temperature=float(params.temperature),
             top_p=float(params.top_p),
@@ -293,6 +294,9 @@ class LLMEngine:
             presence_penalty=float(params.presence_penalty),
             frequency_penalty=float(params.frequency_penalty),
             num_prompt_logprobs=-1 if params.prompt_logprobs is None else int(params.prompt_logprobs),
+            logit_bias_ids=sorted(bias),
+            logit_bias_values=[float(bias[t]) for t in sorted(bias)],
+            allowed_token_ids=sorted(set(params.allowed_token_ids or ())),
         )
         req_id = self._next_req_id
         self._next_req_id += 1
@@ -329,9 +333,13 @@ class LLMEngine:
                     + (f"the vocabulary size {vocab}" if value > vocab else f"max_logprobs={limit}")
                     + "; ask for fewer (or raise LLM(max_logprobs=...))"
                 )
-        for t in params.stop_token_ids or []:
-            if t >= vocab:
-                raise InvalidRequestError(f"stop token id {t} is outside the vocabulary [0, {vocab})")
+        for name, what in (
+            ("stop_token_ids", "stop token id"), ("logit_bias", "logit_bias token id"),
+            ("allowed_token_ids", "allowed token id"),
+        ):  # fmt: skip
+            outside = [t for t in getattr(params, name) or () if t >= vocab]
+            if outside:
+                raise InvalidRequestError(f"{what} {outside[0]} is outside the vocabulary [0, {vocab})")
 
     # ----------------------------------------------------------------- stepping
     def has_unfinished_requests(self) -> bool:

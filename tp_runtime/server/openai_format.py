@@ -156,6 +156,14 @@ def sampling_params(
         structured = body.structured()
     except InvalidRequestError as exc:
         raise bad_request(str(exc), exc.field) from None
+    bias = None
+    if body.logit_bias:
+        try:  # JSON object keys are strings: OpenAI's token ids
+            bias = {int(token): value for token, value in body.logit_bias.items()}
+        except ValueError:
+            raise bad_request(
+                f"logit_bias keys must be token ids, got {sorted(body.logit_bias)[:4]}", "logit_bias"
+            ) from None
     try:
         return SamplingParams(
             structured_outputs=structured,
@@ -176,6 +184,8 @@ def sampling_params(
             presence_penalty=given(body.presence_penalty, 0.0),
             frequency_penalty=given(body.frequency_penalty, 0.0),
             repetition_penalty=given(body.repetition_penalty, 1.0),
+            logit_bias=bias,
+            allowed_token_ids=list(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
         )
     except InvalidRequestError as exc:
         message = str(exc).removeprefix("invalid SamplingParams: ")

@@ -72,9 +72,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-_REFUSED_EXTENSIONS = (
-    "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "guided_whitespace_pattern",
-)  # fmt: skip
+_REFUSED_EXTENSIONS = ("bad_words", "truncate_prompt_tokens", "guided_whitespace_pattern")
 # vLLM's older names of the structured_outputs fields.
 _GUIDED = {
     "guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
@@ -103,7 +101,8 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None  # refused unless empty
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as JSON keys) -> [-100, 100]
+    allowed_token_ids: Items[int] | None = None  # vLLM's: only these may be sampled
     # vLLM's: per prompt token, its logprob and the top ones (the first token's null); not with stream.
     prompt_logprobs: int | None = None
     # Structured outputs: vLLM's field ({"json": schema} or regex, choice, grammar, json_object), its
@@ -116,7 +115,6 @@ class SamplingFields(_Request):
     guided_whitespace_pattern: Any = None  # refused: xgrammar takes no whitespace pattern
     response_format: dict[str, Any] | None = None
     # vLLM extensions this server does not serve: refused when given, rather than silently ignored.
-    allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
     use_beam_search: bool = False
@@ -182,8 +180,6 @@ class SamplingFields(_Request):
 
     def unsupported(self) -> str | None:
         """The first field set that the server cannot honour, as `name`, else None."""
-        if self.logit_bias:
-            return "logit_bias"
         for name in _REFUSED_EXTENSIONS:
             if getattr(self, name) is not None:
                 return name

@@ -434,7 +434,7 @@ class ModelRunner:
         )  # fmt: skip
         sampler = Sampler(self.device, 0, fused=self._fused_sampling)
         raw = logits[:rows].float()
-        masked = raw.clone()  # as _mask_stop_tokens makes while a row's min_tokens holds back its stop ids
+        masked = raw.clone()  # as _process_logits makes (min_tokens, logit_bias, allowed_token_ids)
         sampled = sampler(masked, penalties.for_rows(sampling, rows_dev), raw=raw)
         del packed
         return sampled
@@ -578,7 +578,7 @@ class ModelRunner:
         """Sample the rows' next tokens and keep them on the device as the rows' next inputs. `allowed`:
         structured outputs' (rows, [rows, vocab] bool) tokens those rows may sample."""
         raw = logits.float()
-        logits = self._mask_stop_tokens(raw, rows)
+        logits = self._process_logits(raw, rows)
         if allowed is not None:
             if logits is raw:
                 logits = raw.clone()
@@ -593,18 +593,22 @@ class ModelRunner:
         self.batch.feed(rows, rows_dev, sampled.token_ids)
         return sampled
 
-    def _mask_stop_tokens(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-        """Before min_tokens outputs exist, EOS and stop_token_ids cannot be sampled: the logits with them
-        at -inf (a copy where any is masked; the logprobs are the unmasked logits')."""
+    def _process_logits(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """The logits the penalties and the sampler start from: before min_tokens outputs exist, EOS and
+        stop_token_ids at -inf; logit_bias added, tokens outside allowed_token_ids at -inf. A copy where
+        any row changes (the logprobs are the raw logits')."""
         batch = self.batch
         pending = np.flatnonzero(batch.num_output[rows] < batch.min_tokens[rows])
-        masked = logits
+        biased = np.flatnonzero(batch.has_token_bias[rows])
+        masked = logits if not len(biased) else logits.clone()
         for i in pending.tolist():
             stop_ids = batch.stop_token_ids[rows[i]]
             if stop_ids:
                 if masked is logits:
                     masked = logits.clone()
                 masked[i, stop_ids] = float("-inf")
+        for i in biased.tolist():
+            batch.token_bias[rows[i]].apply(masked[i])
         return masked
 
     def _start_transfer(

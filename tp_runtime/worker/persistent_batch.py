@@ -89,6 +89,9 @@ class PersistentBatch:
     repetition_penalty = Column(np.float32, lambda r: r.sampling.repetition_penalty)
     presence_penalty = Column(np.float32, lambda r: r.sampling.presence_penalty)
     frequency_penalty = Column(np.float32, lambda r: r.sampling.frequency_penalty)
+    # logit_bias / allowed_token_ids: None for a request without either.
+    token_bias = Column(object, lambda r: TokenBias.of(r.sampling))
+    has_token_bias = Column(np.bool_, lambda r: TokenBias.of(r.sampling) is not None)
 
     @classmethod
     def columns(cls) -> list[Column]:
@@ -191,6 +194,39 @@ class PersistentBatch:
             self.feed_np[rows] = token_ids.numpy()
         else:
             self.token_feed.index_copy_(0, rows_dev, token_ids)
+
+
+class TokenBias:
+    """A request's logit_bias and allowed_token_ids, applied to its row of the logits before the penalties
+    (vLLM's order). Its device tensors are made on first use and kept: the object moves with its row."""
+
+    __slots__ = ("_allowed", "_device", "_ids", "_values")
+
+    def __init__(self, ids: list[int], values: list[float], allowed: list[int]) -> None:
+        self._ids, self._values, self._allowed = ids, values, allowed
+        self._device: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None = None
+
+    @classmethod
+    def of(cls, s: RequestSampling) -> TokenBias | None:
+        if not s.logit_bias_ids and not s.allowed_token_ids:
+            return None
+        return cls(s.logit_bias_ids, s.logit_bias_values, s.allowed_token_ids)
+
+    def apply(self, row: torch.Tensor) -> None:
+        """In place on one row of float32 logits."""
+        if self._device is None:
+            dev = row.device
+            ids = to_device(np.asarray(self._ids, dtype=np.int64), dev) if self._ids else None
+            values = to_device(np.asarray(self._values, dtype=np.float32), dev)
+            allowed = to_device(np.asarray(self._allowed, dtype=np.int64), dev) if self._allowed else None
+            self._device = (ids, values, allowed)
+        ids, values, allowed = self._device
+        if allowed is not None:
+            kept = row.index_select(0, allowed)
+            row.fill_(float("-inf"))
+            row.index_copy_(0, allowed, kept)
+        if ids is not None:
+            row.index_add_(0, ids, values)
 
 
 class PenaltyState:

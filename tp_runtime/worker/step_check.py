@@ -167,5 +167,11 @@ def _check_sampling(
         problem = "a seed or min_tokens that does not fit in 64 bits"
     elif (stop := first_outside(s.stop_token_ids, 0, vocab)) is not None:
         problem = f"stop token id {stop}, outside the vocabulary [0, {vocab})"
+    elif (token := first_outside(s.logit_bias_ids + s.allowed_token_ids, 0, vocab)) is not None:
+        problem = f"logit_bias or allowed token id {token}, outside the vocabulary [0, {vocab})"
+    elif len(s.logit_bias_values) != len(s.logit_bias_ids) or not all(
+        -100 <= v <= 100 for v in s.logit_bias_values
+    ):
+        problem = "logit_bias values that do not match its ids or lie outside [-100, 100]"
     if problem is not None:
         raise bad(f"new request {rid} has {problem}")

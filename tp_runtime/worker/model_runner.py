@@ -602,11 +602,11 @@ class ModelRunner:
         biased = np.flatnonzero(batch.has_token_bias[rows])
         masked = logits if not len(biased) else logits.clone()
         for i in pending.tolist():
-            stop_ids = batch.stop_token_ids[rows[i]]
-            if stop_ids:
+            stops = batch.stop_tokens[rows[i]]
+            if stops is not None:
                 if masked is logits:
                     masked = logits.clone()
-                masked[i, stop_ids] = float("-inf")
+                stops.mask(masked[i])
         for i in biased.tolist():
             batch.token_bias[rows[i]].apply(masked[i])
         return masked

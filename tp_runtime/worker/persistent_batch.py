@@ -79,7 +79,7 @@ class PersistentBatch:
     has_seed = Column(np.bool_, lambda r: r.sampling.seed is not None)
     seed = Column(np.int64, lambda r: r.sampling.seed or 0)
     min_tokens = Column(np.int64, lambda r: r.sampling.min_tokens)
-    stop_token_ids = Column(object, lambda r: r.sampling.stop_token_ids)  # list[int] per row
+    stop_tokens = Column(object, lambda r: StopTokens.of(r.sampling))  # None: no stop ids to hold back
     num_logprobs = Column(np.int64, lambda r: r.sampling.num_logprobs)
     # -1 also for a request resumed with outputs: its prompt logprobs were sent in its first pass.
     num_prompt_logprobs = Column(
@@ -196,6 +196,35 @@ class PersistentBatch:
             self.token_feed.index_copy_(0, rows_dev, token_ids)
 
 
+def _device_ids(ids: list[int], device: torch.device) -> torch.Tensor:
+    return to_device(np.asarray(ids, dtype=np.int64), device)
+
+
+class StopTokens:
+    """The ids min_tokens holds back (EOS and stop_token_ids), as a device tensor made on first use and
+    kept: the object moves with its row, so steps add no blocking host-to-device copy (which would wait
+    for the step's queued forward)."""
+
+    __slots__ = ("_device", "_ids")
+
+    def __init__(self, ids: list[int]) -> None:
+        self._ids = ids
+        self._device: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, s: RequestSampling) -> StopTokens | None:
+        return cls(s.stop_token_ids) if s.stop_token_ids else None
+
+    def __eq__(self, other: object) -> bool:  # by the ids held (the device copy is a cache)
+        return isinstance(other, StopTokens) and other._ids == self._ids
+
+    def mask(self, row: torch.Tensor) -> None:
+        """In place on one row of float32 logits."""
+        if self._device is None:
+            self._device = _device_ids(self._ids, row.device)
+        row.index_fill_(0, self._device, float("-inf"))
+
+
 class TokenBias:
     """A request's logit_bias and allowed_token_ids, applied to its row of the logits before the penalties
     (vLLM's order). Its device tensors are made on first use and kept: the object moves with its row."""
@@ -212,13 +241,20 @@ class TokenBias:
             return None
         return cls(s.logit_bias_ids, s.logit_bias_values, s.allowed_token_ids)
 
+    def __eq__(self, other: object) -> bool:  # by the ids and values held (the device copies are a cache)
+        return isinstance(other, TokenBias) and (other._ids, other._values, other._allowed) == (
+            self._ids,
+            self._values,
+            self._allowed,
+        )
+
     def apply(self, row: torch.Tensor) -> None:
         """In place on one row of float32 logits."""
         if self._device is None:
             dev = row.device
-            ids = to_device(np.asarray(self._ids, dtype=np.int64), dev) if self._ids else None
+            ids = _device_ids(self._ids, dev) if self._ids else None
             values = to_device(np.asarray(self._values, dtype=np.float32), dev)
-            allowed = to_device(np.asarray(self._allowed, dtype=np.int64), dev) if self._allowed else None
+            allowed = _device_ids(self._allowed, dev) if self._allowed else None
             self._device = (ids, values, allowed)
         ids, values, allowed = self._device
         if allowed is not None:

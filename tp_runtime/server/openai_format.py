@@ -622,8 +622,8 @@ class ChatFormat(Format):
             self._sent[i] = max(sent, upto)
             calls = None
             if parsed is not None:
-                if parsed.content and len(parsed.content) > sent:
-                    content = (content or "") + parsed.content[sent:]
+                # The text before the calls is text[sent:upto] above (upto: where the calls begin), so
+                # parsed.content is not added again: that sent the unsent part of it twice.
                 calls = [DeltaToolCall(index=k, id=call_id(), type="function",
                                        function=DeltaFunctionCall(name=name, arguments=arguments))
                          for k, (name, arguments) in enumerate(parsed.calls)]  # fmt: skip

@@ -100,3 +100,16 @@ def test_streamed_content_before_a_hermes_call_is_sent_once(url: str) -> None:
     # The whole response says the same.
     message = _post(url, "/v1/chat/completions", body).json()["choices"][0]["message"]
     assert message["content"] == "Sure" and len(message["tool_calls"]) == 1
+
+
+def test_an_empty_model_name_means_the_served_model(url: str) -> None:
+    """As vLLM serves it (and as a missing or null model): "" names no other model, so it is no 404."""
+    for path, body in (
+        ("/v1/completions", {"model": "", "prompt": "hi", "max_tokens": 1}),
+        ("/v1/chat/completions", {"model": "", "messages": MESSAGES, "max_tokens": 1}),
+    ):
+        response = _post(url, path, body)
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == MODEL
+    missing = _post(url, "/v1/completions", {"model": "gpt-4", "prompt": "hi", "max_tokens": 1})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

@@ -213,7 +213,9 @@ class _Context:
             raise bad_request(message, param) from None
         if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
-        if body.model is not None and body.model != self.model_name:
+        # An empty name, like a missing one, means the served model (vLLM's rule: clients left unconfigured
+        # send "").
+        if body.model and body.model != self.model_name:
             raise APIError(
                 404, f"The model `{body.model}` does not exist; this server serves `{self.model_name}`.",
                 param="model", code="model_not_found",

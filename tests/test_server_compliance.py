@@ -113,3 +113,10 @@ def test_an_empty_model_name_means_the_served_model(url: str) -> None:
         assert response.json()["model"] == MODEL
     missing = _post(url, "/v1/completions", {"model": "gpt-4", "prompt": "hi", "max_tokens": 1})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_stop_token_id_outside_the_vocabulary_names_its_field(url: str) -> None:
+    response = _post(url, "/v1/completions", {"prompt": "hi", "stop_token_ids": [999_999], "max_tokens": 1})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "stop_token_ids" and "outside the vocabulary" in error["message"], error

@@ -339,7 +339,8 @@ class LLMEngine:
         ):  # fmt: skip
             outside = [t for t in getattr(params, name) or () if t >= vocab]
             if outside:
-                raise InvalidRequestError(f"{what} {outside[0]} is outside the vocabulary [0, {vocab})")
+                # The field named, so that the server's 400 names it as its param.
+                raise InvalidRequestError(f"{what} {outside[0]} is outside the vocabulary [0, {vocab})", name)
 
     # ----------------------------------------------------------------- stepping
     def has_unfinished_requests(self) -> bool:

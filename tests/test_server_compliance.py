@@ -120,3 +120,31 @@ def test_a_stop_token_id_outside_the_vocabulary_names_its_field(url: str) -> Non
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "stop_token_ids" and "outside the vocabulary" in error["message"], error
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_each_choices_usage_in_its_chunks(url: str, path: str) -> None:
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk of a choice carries
+    that choice's usage so far (its prompt's tokens, its tokens), the last chunk the request's."""
+    if path == "/v1/completions":
+        body: dict[str, Any] = {"prompt": [[5, 6, 7], [8, 9]], "n": 2}
+        prompt_lengths = [3, 3, 2, 2]  # choice = prompt * n + sample
+    else:
+        body = {"messages": MESSAGES, "n": 2}
+        prompt_lengths = [_post(url, path, {**body, "max_tokens": 1}).json()["usage"]["prompt_tokens"]] * 2
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = _events(url, path, {**body, "max_tokens": 3, "ignore_eos": True, "stream_options": options})
+    *chunks, last, _ = events
+    so_far = [0] * len(prompt_lengths)  # each choice's completion tokens, as its chunks say
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        i, usage = choice["index"], chunk["usage"]
+        assert usage is not None and usage["prompt_tokens"] == prompt_lengths[i], (chunk, prompt_lengths)
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"], chunk
+        assert usage["completion_tokens"] >= so_far[i], (chunk, so_far)
+        so_far[i] = usage["completion_tokens"]
+    assert so_far == [3] * len(prompt_lengths), so_far
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3 * len(prompt_lengths), last
+    # Without include_usage it asks for nothing, as in vLLM.
+    plain = _events(url, path, {**body, "max_tokens": 1, "stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in e for e in plain[:-1]), plain

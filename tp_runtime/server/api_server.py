@@ -450,9 +450,11 @@ class _Run:
 
     def __init__(
         self, ctx: _Context, stream: RequestStream, fmt: Format, num_choices: int, num_prompt_tokens: int,
-        arrival: float, samples_per_prompt: int = 1,
+        arrival: float, samples_per_prompt: int = 1, prompt_lengths: list[int] | None = None,
     ) -> None:  # fmt: skip
+        """`prompt_lengths`: each choice's prompt tokens (for continuous usage stats)."""
         self.ctx = ctx
+        self.prompt_lengths = prompt_lengths or [0] * num_choices
         self.stream = stream
         self.fmt = fmt
         self.ident = f"{fmt.id_prefix}{uuid.uuid4().hex}"
@@ -508,6 +510,12 @@ class _Run:
         if finished:
             metrics.e2e_request_latency.observe(now - self.arrival)
 
+    def choice_usage(self, index: int) -> UsageInfo:
+        """Choice `index`'s usage so far: its prompt's tokens and its own (continuous_usage_stats, as vLLM
+        counts them)."""
+        prompt, completion = self.prompt_lengths[index], self.tokens[index]
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
     def usage(self) -> UsageInfo:
         completion = sum(self.tokens)
         # Each prompt counts once, as in prompt_tokens: what its first sample (which computes it) found.
@@ -542,22 +550,28 @@ async def _response(run: _Run) -> Response:
     return await asyncio.to_thread(assemble)
 
 
-async def _events(run: _Run, with_usage: bool) -> AsyncGenerator[str, None]:
+async def _events(run: _Run, with_usage: bool, continuous: bool = False) -> AsyncGenerator[str, None]:
     """The response as server-sent events: a chunk per output worth sending, the usage if asked for, then
-    [DONE]. A failure after the first event (the status line is out) is an error event, then [DONE]."""
+    [DONE]. `continuous` (vLLM's continuous_usage_stats, with include_usage): each choice's chunk carries
+    its choice's usage so far. A failure after the first event (the status line is out) is an error
+    event, then [DONE]."""
     fmt = run.fmt
 
     def chunk(choices: list[Any], usage: UsageInfo | None = None) -> str:
-        # With include_usage every chunk carries "usage" (null but in the last), else none does.
+        # With include_usage every chunk carries "usage" (null but in the last, unless continuous), else
+        # none does.
         response = fmt.chunk(run.ident, run.created, run.ctx.model_name, choices, usage)
         return sse(response, exclude=None if with_usage else {"usage"})
 
+    def choice_usage(index: int) -> UsageInfo | None:
+        return run.choice_usage(index) if continuous else None
+
     try:
-        for opening in fmt.opening(run.num_choices):
-            yield chunk([opening])
+        for index, opening in enumerate(fmt.opening(run.num_choices)):
+            yield chunk([opening], choice_usage(index))
         async for piece in run.pieces():
             if piece.worth_sending():
-                yield chunk([fmt.delta(piece)])
+                yield chunk([fmt.delta(piece)], choice_usage(piece.index))
         if with_usage:
             yield chunk([], run.usage())
     except Exception as exc:  # the engine died mid-stream (or a bug): say so in the stream
@@ -570,9 +584,9 @@ class _EventStream(StreamingResponse):
     ends (every event sent, the client gone, even before the first event was made, or the task cancelled),
     the run's unfinished engine requests are aborted."""
 
-    def __init__(self, run: _Run, with_usage: bool) -> None:
+    def __init__(self, run: _Run, with_usage: bool, continuous: bool = False) -> None:
         self._run = run
-        self._events = _events(run, with_usage)
+        self._events = _events(run, with_usage, continuous)
         # No proxy buffering: each event goes out as it is made.
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(self._events, media_type="text/event-stream", headers=headers)
@@ -619,10 +633,14 @@ async def _serve(
     """Add a prepared request's engine requests and answer with their outputs: as events, or whole."""
     body, requests, num_prompt_tokens = prepared
     run = _Run(ctx, ctx.submit(requests, num_prompt_tokens), fmt, len(requests), num_prompt_tokens, arrival,
-               samples_per_prompt=getattr(body, "n", None) or 1)  # fmt: skip
+               samples_per_prompt=getattr(body, "n", None) or 1,
+               prompt_lengths=[len(ids) for ids, _ in requests])  # fmt: skip
     if body.stream:
         options = body.stream_options
-        return _EventStream(run, with_usage=options is not None and options.include_usage)
+        with_usage = options is not None and options.include_usage
+        # As vLLM: continuous_usage_stats counts only with include_usage.
+        continuous = with_usage and options is not None and options.continuous_usage_stats
+        return _EventStream(run, with_usage=with_usage, continuous=continuous)
     response = await _unless_disconnected(request, run, lambda: _response(run))
     return Response(status_code=499) if response is None else response
 

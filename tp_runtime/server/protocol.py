@@ -70,6 +70,8 @@ def _non_null_defaults(model: type[BaseModel]) -> frozenset[str]:
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk also carries the usage of its choice so far.
+    continuous_usage_stats: bool = False
 
 
 _REFUSED_EXTENSIONS = ("bad_words", "truncate_prompt_tokens", "guided_whitespace_pattern")

@@ -23,6 +23,7 @@ MODEL = "tiny-llama-tp"
 START_DEADLINE_S = 180.0
 REQUEST_TIMEOUT_S = 60.0
 TEMPLATE = (
+    "{% if tools %}<|tools|>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}\n{% endif %}"
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
@@ -148,3 +149,18 @@ def test_continuous_usage_stats_put_each_choices_usage_in_its_chunks(url: str, p
     # Without include_usage it asks for nothing, as in vLLM.
     plain = _events(url, path, {**body, "max_tokens": 1, "stream_options": {"continuous_usage_stats": True}})
     assert all("usage" not in e for e in plain[:-1]), plain
+
+
+def test_tool_choice_none_still_shows_the_tools_to_the_template(url: str) -> None:
+    """tool_choice "none" only keeps the model from calling: the tools reach the chat template as with "auto"
+    (vLLM's default; the README's word), so the prompt is the same."""
+
+    def prompt_tokens(**fields: Any) -> int:
+        response = _post(url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, **fields})
+        assert response.status_code == 200, response.text
+        return int(response.json()["usage"]["prompt_tokens"])
+
+    bare = prompt_tokens()
+    shown = prompt_tokens(tools=[TOOL], tool_choice="auto")
+    assert shown > bare
+    assert prompt_tokens(tools=[TOOL], tool_choice="none") == shown

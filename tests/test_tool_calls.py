@@ -34,7 +34,7 @@ def test_plans_and_their_constraints() -> None:
     assert isinstance(schema, dict) and schema["type"] == "array" and schema["minItems"] == 1
     assert [c["properties"]["name"]["const"] for c in schema["items"]["anyOf"]] == ["weather", "time"]
     none = ToolPlan.of(TOOLS, "none", None)
-    assert none is not None and none.constraint() is None and none.template_tools(TOOLS) is None
+    assert none is not None and none.constraint() is None and none.template_tools(TOOLS) == TOOLS
     auto = ToolPlan.of(TOOLS, None, "hermes")
     assert auto is not None and auto.mode == "auto" and auto.constraint() is None
     for tools, choice, parser, field, fragment in [

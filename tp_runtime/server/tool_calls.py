@@ -104,8 +104,9 @@ class ToolPlan:
         return cls("named", tuple(parsed), named=by_name[name])
 
     def template_tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-        """The tools the chat template shows the model."""
-        return None if self.mode == "none" else tools
+        """The tools the chat template shows the model: all of them, "none" included (it only keeps the
+        model from calling them), as vLLM passes them by default."""
+        return tools
 
     def constraint(self) -> StructuredOutputsParams | None:
         # Arguments as compact JSON, as OpenAI's models write them.

@@ -164,3 +164,16 @@ def test_tool_choice_none_still_shows_the_tools_to_the_template(url: str) -> Non
     shown = prompt_tokens(tools=[TOOL], tool_choice="auto")
     assert shown > bare
     assert prompt_tokens(tools=[TOOL], tool_choice="none") == shown
+
+
+TEXTLESS_PARTS = [{"type": "text"}, {"type": "text", "text": 3}, {"type": "text", "text": None}]
+
+
+@pytest.mark.parametrize("part", TEXTLESS_PARTS, ids=["missing", "int", "null"])
+def test_a_text_part_without_its_text_is_named_as_such(url: str, part: dict[str, Any]) -> None:
+    """Not "only text content parts are supported, got 'text'", which contradicts itself."""
+    body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
+    response = _post(url, "/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "text content part needs its text" in error["message"], error

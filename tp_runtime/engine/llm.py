@@ -59,6 +59,12 @@ def chat_content_text(content: Any, index: int) -> str:
         )
     parts = []
     for part in content:
+        if isinstance(part, dict) and part.get("type") == "text" and not isinstance(part.get("text"), str):
+            # A text part without its text: say so (the message below would call it no text part).
+            raise InvalidRequestError(
+                f"message {index}: a text content part needs its text as a string, "
+                f"got {_preview(part.get('text'))}"
+            )
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise InvalidRequestError(

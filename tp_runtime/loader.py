@@ -298,9 +298,14 @@ def load_weights(
     # By checkpoint name, not by parameter: a fused or stacked parameter (q/k/v, experts) takes many.
     expected = dict(model.checkpoint_shapes())
     missing = dict(expected)
+    tied = model.tied_checkpoint_names()
+    tied_found: dict[str, str] = {}  # a tied name the checkpoint holds -> its file
     for path in safetensors_files(model_dir):
         with SafetensorsFile(path) as handle:
             for name in handle.keys():  # noqa: SIM118 - not a dict
+                if name in tied:  # checked against (or standing in for) its twin once all are loaded
+                    tied_found[name] = path
+                    continue
                 if quantized.load_extra(name, CheckpointTensor(handle, name, None)):
                     continue
                 if _load_kv_scale(model, name, CheckpointTensor(handle, name, None)):
@@ -320,6 +325,8 @@ def load_weights(
                 for param, shard_id in targets:
                     param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
                 missing.pop(name, None)
+    for name, path in tied_found.items():
+        _load_tied(model, name, tied[name], path, dtype, expected, missing)
     if missing:
         names = sorted(missing)
         raise ConfigError(f"checkpoint {model_dir} lacks tensors for: {', '.join(names[:8])}")
@@ -330,6 +337,41 @@ def load_weights(
             f"checkpoint {model_dir} has FP8 weights without their scales (*.{suffix}): "
             f"{', '.join(names[:8])}"
         )
+
+
+def _load_tied(
+    model: CausalLM,
+    name: str,
+    twin: str,
+    path: str,
+    dtype: torch.dtype,
+    expected: dict[str, tuple[int, ...]],
+    missing: dict[str, tuple[int, ...]],
+) -> None:
+    """A tied tensor the checkpoint holds (a tied model's lm_head.weight), as transformers 5 reads it: it
+    fills its twin's parameter when the checkpoint lacks the twin; where both are there and differ,
+    transformers unties them, which a tied model cannot, so that is a ConfigError (it silently gave
+    another LM head than HF's)."""
+    with SafetensorsFile(path) as handle:
+        tensor = CheckpointTensor(handle, name, dtype)
+        if tensor.shape != tuple(expected[twin]):
+            raise ConfigError(
+                f"{os.path.basename(path)}: tensor {name!r} has shape {list(tensor.shape)} but the model's "
+                f"config.json gives {list(expected[twin])}; the config does not match the weights"
+            )
+        for param, shard_id in model.checkpoint_targets(twin):
+            if twin in missing:
+                param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+                continue
+            this_rank = torch.nn.Parameter(torch.zeros_like(param), requires_grad=False)
+            param.weight_loader(this_rank, tensor, shard_id)  # type: ignore[attr-defined]
+            if not torch.equal(this_rank, param):
+                raise ConfigError(
+                    f"checkpoint {os.path.dirname(path)} holds {name!r} and {twin!r} with different values, "
+                    "but its config.json ties them (tie_word_embeddings=true); transformers then uses the "
+                    "two untied: set tie_word_embeddings to false in config.json"
+                )
+    missing.pop(twin, None)
 
 
 def _load_kv_scale(model: CausalLM, name: str, tensor: CheckpointTensor) -> bool:

@@ -68,6 +68,11 @@ class CausalLM(Protocol):
         """The parameter(s) a checkpoint tensor feeds, with shard indices; KeyError for an unknown name."""
         ...
 
+    def tied_checkpoint_names(self) -> dict[str, str]:
+        """Checkpoint names whose tensor, when the checkpoint holds it, must equal another's that fills the
+        same parameter (a tied LM head: {"lm_head.weight": "model.embed_tokens.weight"}); {} if none."""
+        ...
+
     def eval(self) -> Any: ...
 
 

@@ -316,6 +316,10 @@ class LlamaForCausalLM(nn.Module):
         for name, (shape, _, _) in self._checkpoint.items():
             yield name, shape
 
+    def tied_checkpoint_names(self) -> dict[str, str]:
+        """A tied LM head is the embedding; a checkpoint may still hold it (see loader.load_weights)."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+
     def checkpoint_targets(self, name: str) -> Iterator[tuple[nn.Parameter, int]]:
         """The parameter a checkpoint tensor name feeds, with the shard index inside a fused one."""
         if name.startswith("lm_head.") and self.config.tie_word_embeddings:

@@ -1,0 +1,89 @@
+"""Checkpoint layouts and config files as real releases ship them, against HF transformers (fp32, CPU).
+
+Covered: a tied model whose checkpoint holds lm_head.weight (equal to the embeddings: loads; different:
+transformers unties them, so a ConfigError that says to untie, after which the tokens are HF's) or only
+lm_head.weight (transformers fills the embeddings from it, so does the loader).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import assert_same_tokens, hf_greedy, random_prompts
+from safetensors.torch import load_file, save_file
+
+from tp_runtime import LLM, SamplingParams
+from tp_runtime.errors import ConfigError
+
+MAX_TOKENS = 6
+
+
+def engine_greedy(model_dir: Path, prompts: list[list[int]], **kwargs: object) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(model=model_dir, device="cpu", dtype="float32", seed=0, **kwargs) as llm:  # type: ignore[arg-type]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def check_matches_hf(model_dir: Path, **kwargs: object) -> None:
+    prompts = random_prompts((5, 19), json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    got = engine_greedy(model_dir, prompts, **kwargs)
+    assert_same_tokens(got, hf_greedy(model_dir, prompts, MAX_TOKENS), prompts)
+
+
+def with_tensors(src: Path, out: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """A copy of checkpoint `src` whose tensors `change` edits in place."""
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def edit_config(model_dir: Path, **changes: object) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+# ----------------------------------------------------------------------------- tied embeddings
+
+
+def test_tied_checkpoint_with_its_own_lm_head(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """The loader ignored a tied model's lm_head.weight; transformers 5 unties a head that differs from
+    the embeddings, so the engine silently gave other tokens than HF's."""
+    tied = make_checkpoint(tie_word_embeddings=True)
+
+    def same_head(t: dict[str, torch.Tensor]) -> None:
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+
+    check_matches_hf(with_tensors(tied, tmp_path / "same", same_head))
+
+    def own_head(t: dict[str, torch.Tensor]) -> None:
+        shape = t["model.embed_tokens.weight"].shape
+        t["lm_head.weight"] = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+
+    own = with_tensors(tied, tmp_path / "own", own_head)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(own)
+    assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)  # transformers unties them
+    with pytest.raises(ConfigError, match="set tie_word_embeddings to false"):
+        LLM(model=own, device="cpu", dtype="float32")
+    prompts = random_prompts((5, 19), 300)
+    want = hf_greedy(own, prompts, MAX_TOKENS)
+    edit_config(own, tie_word_embeddings=False)  # as the error says
+    assert_same_tokens(engine_greedy(own, prompts), want, prompts)
+
+
+def test_tied_checkpoint_with_only_the_lm_head(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """transformers fills a tied model's embeddings from lm_head.weight when the checkpoint has only that;
+    the loader refused it as lacking model.embed_tokens.weight."""
+
+    def head_only(t: dict[str, torch.Tensor]) -> None:
+        t["lm_head.weight"] = t.pop("model.embed_tokens.weight")
+
+    check_matches_hf(with_tensors(make_checkpoint(tie_word_embeddings=True), tmp_path / "head", head_only))

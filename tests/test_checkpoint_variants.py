@@ -2,7 +2,8 @@
 
 Covered: a tied model whose checkpoint holds lm_head.weight (equal to the embeddings: loads; different:
 transformers unties them, so a ConfigError that says to untie, after which the tokens are HF's) or only
-lm_head.weight (transformers fills the embeddings from it, so does the loader).
+lm_head.weight (transformers fills the embeddings from it, so does the loader); generation_config.json's eos
+ids, and a malformed one as a ConfigError.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from conftest import assert_same_tokens, hf_greedy, random_prompts
 from safetensors.torch import load_file, save_file
 
 from tp_runtime import LLM, SamplingParams
+from tp_runtime.config import build_model_config
 from tp_runtime.errors import ConfigError
 
 MAX_TOKENS = 6
@@ -87,3 +89,22 @@ def test_tied_checkpoint_with_only_the_lm_head(make_checkpoint: Callable[..., Pa
         t["lm_head.weight"] = t.pop("model.embed_tokens.weight")
 
     check_matches_hf(with_tensors(make_checkpoint(tie_word_embeddings=True), tmp_path / "head", head_only))
+
+
+# ----------------------------------------------------------------------------- generation_config.json
+
+
+def test_generation_config_eos_ids_and_malformed_file(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """generation_config.json's eos ids (a list) are the stop ids; a malformed file was a JSONDecodeError
+    or AttributeError traceback from deep in the config reader, now a ConfigError naming the file."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(make_checkpoint(), model_dir)
+    gen = model_dir / "generation_config.json"
+    gen.write_text(json.dumps({"eos_token_id": [7, 2], "bos_token_id": 1}))
+    assert build_model_config(model_dir, device="cpu").eos_token_ids == (7, 2)
+    for broken in ('{"eos_token_id": [7, 2', '["eos_token_id"]'):
+        gen.write_text(broken)
+        with pytest.raises(ConfigError, match=r"generation_config.json .*fix or remove the file"):
+            build_model_config(model_dir, device="cpu")

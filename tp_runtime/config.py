@@ -644,7 +644,14 @@ def _eos_token_ids(path: str, hf_config: Any) -> tuple[int, ...]:
     # none (or there is no such file) config.json's stand, which transformers' generate would not use.
     gen_path = Path(path) / "generation_config.json"
     if gen_path.is_file():
-        add(json.loads(gen_path.read_text()).get("eos_token_id"))
+        # A cut or malformed file was a JSONDecodeError (or AttributeError) traceback from here.
+        try:
+            generation = json.loads(gen_path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ConfigError(f"could not read {gen_path} as JSON ({exc}); fix or remove the file") from None
+        if not isinstance(generation, dict):
+            raise ConfigError(f"{gen_path} is not a JSON object; fix or remove the file")
+        add(generation.get("eos_token_id"))
     if not ids:
         add(getattr(hf_config, "eos_token_id", None))
     return tuple(ids)

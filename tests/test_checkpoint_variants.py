@@ -108,3 +108,24 @@ def test_generation_config_eos_ids_and_malformed_file(
         gen.write_text(broken)
         with pytest.raises(ConfigError, match=r"generation_config.json .*fix or remove the file"):
             build_model_config(model_dir, device="cpu")
+
+
+# ----------------------------------------------------------------------------- config values
+
+
+def test_impossible_expert_routing_is_config_error(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """More experts per token than experts failed the first forward in torch.topk ("selected index k out
+    of range"), and decoder_sparse_step 0 was a ZeroDivisionError; both are config.json mistakes."""
+    expert_counts = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCausalLM": "num_experts"}
+    for arch, experts in expert_counts.items():
+        model_dir = tmp_path / arch
+        built = make_checkpoint(arch, num_hidden_layers=1, moe_intermediate_size=32, **{experts: 2})
+        shutil.copytree(built, model_dir)
+        edit_config(model_dir, num_experts_per_tok=3)
+        with pytest.raises(ConfigError, match=r"num_experts_per_tok=3 must be between 1 and the model's 2"):
+            build_model_config(model_dir, device="cpu")
+    edit_config(tmp_path / "Qwen3MoeForCausalLM", num_experts_per_tok=1, decoder_sparse_step=0)
+    with pytest.raises(ConfigError, match="decoder_sparse_step must be >= 1"):
+        build_model_config(tmp_path / "Qwen3MoeForCausalLM", device="cpu")

@@ -707,6 +707,13 @@ def build_model_config(
         **adapted,
     }
     sliding = specific.pop("sliding_window")
+    experts, top_k = specific.get("num_experts", 0), specific.get("num_experts_per_tok", 0)
+    if specific.get("moe_layers") and not 1 <= top_k <= experts:
+        # Else the first forward failed deep in torch.topk ("selected index k out of range").
+        raise ConfigError(
+            f"num_experts_per_tok={top_k} must be between 1 and the model's {experts} experts; check "
+            "config.json"
+        )
     derived_max = int(hf.max_position_embeddings)
     if max_model_len is None:
         max_model_len = derived_max

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from tp_runtime.distributed import TPGroup
+from tp_runtime.errors import ConfigError
 from tp_runtime.layers.moe import SparseMoE
 from tp_runtime.layers.quantization import linear_method
 from tp_runtime.models.interface import FeedForward
@@ -41,6 +42,8 @@ def qwen3_moe_config(hf: Any) -> dict[str, Any]:
     experts = int(hf.num_experts)
     dense = set(getattr(hf, "mlp_only_layers", None) or [])
     step = int(getattr(hf, "decoder_sparse_step", 1))
+    if step < 1:  # a ZeroDivisionError below (transformers fails on it too)
+        raise ConfigError(f"decoder_sparse_step must be >= 1 (every step-th layer is sparse), got {step}")
     # transformers' Qwen3MoeDecoderLayer: sparse unless listed in mlp_only_layers or off the sparse step.
     sparse = tuple(
         i for i in range(int(hf.num_hidden_layers)) if i not in dense and experts > 0 and (i + 1) % step == 0

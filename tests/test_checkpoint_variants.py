@@ -129,3 +129,19 @@ def test_impossible_expert_routing_is_config_error(
     edit_config(tmp_path / "Qwen3MoeForCausalLM", num_experts_per_tok=1, decoder_sparse_step=0)
     with pytest.raises(ConfigError, match="decoder_sparse_step must be >= 1"):
         build_model_config(tmp_path / "Qwen3MoeForCausalLM", device="cpu")
+
+
+def test_kv_heads_that_do_not_divide_the_heads_and_no_layers_are_config_errors(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """6 query heads over 4 KV heads (transformers builds the model and fails in its forward) started and
+    then failed in torch's attention ("Number of heads in key and value must divide ..."); a config with
+    no layers was an IndexError while the model was built."""
+    model_dir = make_checkpoint(hidden_size=96, num_attention_heads=6, num_key_value_heads=4)
+    with pytest.raises(ConfigError, match="num_key_value_heads=4 must divide num_attention_heads=6"):
+        build_model_config(model_dir, device="cpu")
+    no_layers = tmp_path / "no-layers"
+    shutil.copytree(make_checkpoint(), no_layers)
+    edit_config(no_layers, num_hidden_layers=0)
+    with pytest.raises(ConfigError, match="num_hidden_layers must be >= 1, got 0"):
+        build_model_config(no_layers, device="cpu")

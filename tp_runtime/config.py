@@ -693,6 +693,16 @@ def build_model_config(
             f"supported: {', '.join(ARCHITECTURES)}"
         )
     num_heads = int(hf.num_attention_heads)
+    num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or num_heads)
+    # Else attention failed in torch (SDPA's "Number of heads in key and value must divide ...") and a
+    # model without layers with an IndexError, both in the first forward or while building the model.
+    if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ConfigError(
+            f"num_key_value_heads={num_kv_heads} must divide num_attention_heads={num_heads} (each KV head "
+            "serves a group of query heads); check config.json"
+        )
+    if int(hf.num_hidden_layers) < 1:
+        raise ConfigError(f"num_hidden_layers must be >= 1, got {hf.num_hidden_layers}; check config.json")
     head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // num_heads)
     # What the architecture decides (biases, sliding window, experts, activation, soft-capping), over
     # these defaults.
@@ -732,7 +742,7 @@ def build_model_config(
         hidden_size=int(hf.hidden_size),
         num_layers=int(hf.num_hidden_layers),
         num_heads=num_heads,
-        num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or num_heads),
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         intermediate_size=int(hf.intermediate_size),
         vocab_size=int(hf.vocab_size),

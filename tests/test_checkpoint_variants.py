@@ -145,3 +145,15 @@ def test_kv_heads_that_do_not_divide_the_heads_and_no_layers_are_config_errors(
     edit_config(no_layers, num_hidden_layers=0)
     with pytest.raises(ConfigError, match="num_hidden_layers must be >= 1, got 0"):
         build_model_config(no_layers, device="cpu")
+
+
+def test_tied_checkpoint_under_an_untied_config(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """A tied model's checkpoint (no lm_head.weight) with tie_word_embeddings false: transformers gives
+    its LM head random weights; the loader refuses it, saying which setting to change."""
+    model_dir = tmp_path / "untied"
+    shutil.copytree(make_checkpoint(tie_word_embeddings=True), model_dir)
+    edit_config(model_dir, tie_word_embeddings=False)
+    with pytest.raises(ConfigError, match=r"lacks tensors for: lm_head\.weight; .* set tie_word_embeddings"):
+        LLM(model=model_dir, device="cpu", dtype="float32")
+    edit_config(model_dir, tie_word_embeddings=True)
+    check_matches_hf(model_dir)

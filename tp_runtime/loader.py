@@ -329,7 +329,14 @@ def load_weights(
         _load_tied(model, name, tied[name], path, dtype, expected, missing)
     if missing:
         names = sorted(missing)
-        raise ConfigError(f"checkpoint {model_dir} lacks tensors for: {', '.join(names[:8])}")
+        # A checkpoint of a tied model under an untied config: the usual cause of a missing LM head.
+        hint = (
+            "; if the model shares its LM head with the input embeddings, set tie_word_embeddings to true "
+            "in config.json"
+            if "lm_head.weight" in missing
+            else ""
+        )
+        raise ConfigError(f"checkpoint {model_dir} lacks tensors for: {', '.join(names[:8])}{hint}")
     if quantized.scales_missing:
         names = sorted(quantized.scales_missing)
         suffix = quant.scale_suffixes[0] if quant is not None else "weight_scale"

@@ -157,3 +157,15 @@ def test_tied_checkpoint_under_an_untied_config(make_checkpoint: Callable[..., P
         LLM(model=model_dir, device="cpu", dtype="float32")
     edit_config(model_dir, tie_word_embeddings=True)
     check_matches_hf(model_dir)
+
+
+def test_rope_parameter_of_the_wrong_type_is_config_error(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A rope factor written as a string (transformers only warns about it) was a TypeError from inside
+    transformers' rope functions."""
+    model_dir = tmp_path / "rope"
+    shutil.copytree(make_checkpoint(), model_dir)
+    edit_config(model_dir, rope_parameters={"rope_type": "linear", "factor": "2.0", "rope_theta": 10000.0})
+    with pytest.raises(ConfigError, match=r"rope parameters .* not valid for rope type 'linear' \(TypeError"):
+        build_model_config(model_dir, device="cpu")

@@ -611,7 +611,14 @@ def _rope_config(hf_config: Any, head_dim: int) -> RopeConfig:
         inv_freq = 1.0 / (theta**exponents)
         scaling = 1.0
     else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        try:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        except (TypeError, ValueError, KeyError, ZeroDivisionError) as exc:
+            # A parameter of the wrong type (a "2.0" string factor) failed here as a bare TypeError.
+            raise ConfigError(
+                f"rope parameters {params!r} of config.json are not valid for rope type {rope_type!r} "
+                f"({type(exc).__name__}: {exc}); fix them"
+            ) from None
     if 2 * inv_freq.numel() != head_dim:
         # transformers >= 5 keeps partial_rotary_factor in rope_parameters (4.x: an attribute); the scaled
         # rope functions then rotate only part of each head, which these families' attention cannot apply

@@ -2,8 +2,11 @@
 
 Covered: a tied model whose checkpoint holds lm_head.weight (equal to the embeddings: loads; different:
 transformers unties them, so a ConfigError that says to untie, after which the tokens are HF's) or only
-lm_head.weight (transformers fills the embeddings from it, so does the loader); generation_config.json's eos
-ids, and a malformed one as a ConfigError.
+lm_head.weight (transformers fills the embeddings from it, so does the loader), and a tied checkpoint
+under an untied config (a ConfigError naming the setting); generation_config.json's eos ids, and a
+malformed one as a ConfigError; config.json values no model can have (more experts per token than
+experts, decoder_sparse_step 0, KV heads that do not divide the heads, no layers, a rope factor of the
+wrong type) as ConfigErrors instead of errors from inside torch or transformers.
 """
 
 from __future__ import annotations
@@ -26,16 +29,16 @@ from tp_runtime.errors import ConfigError
 MAX_TOKENS = 6
 
 
-def engine_greedy(model_dir: Path, prompts: list[list[int]], **kwargs: object) -> list[list[int]]:
+def engine_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM(model=model_dir, device="cpu", dtype="float32", seed=0, **kwargs) as llm:  # type: ignore[arg-type]
+    with LLM(model=model_dir, device="cpu", dtype="float32", seed=0) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
 
-def check_matches_hf(model_dir: Path, **kwargs: object) -> None:
+def check_matches_hf(model_dir: Path) -> None:
     prompts = random_prompts((5, 19), json.loads((model_dir / "config.json").read_text())["vocab_size"])
-    got = engine_greedy(model_dir, prompts, **kwargs)
+    got = engine_greedy(model_dir, prompts)
     assert_same_tokens(got, hf_greedy(model_dir, prompts, MAX_TOKENS), prompts)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import assert_same_tokens, random_prompts
+from conftest import assert_same_tokens, hf_greedy, random_prompts
 from safetensors.torch import load_file, save_file
 
 from tp_runtime import LLM, SamplingParams
@@ -167,7 +167,9 @@ def test_half_precision_checkpoint_loads_as_float32(
 
 def test_short_max_position_embeddings(make_checkpoint: Callable[..., Path]) -> None:
     model_dir = make_checkpoint(max_position_embeddings=24)
-    with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings=24"):
+    with pytest.raises(
+        ConfigError, match=r"exceeds the model's context of 24 positions \(max_position_embeddings=24"
+    ):
         LLM(model=model_dir, device="cpu", dtype="float32", max_model_len=48)
     with LLM(model=model_dir, device="cpu", dtype="float32") as llm:
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -175,6 +177,44 @@ def test_short_max_position_embeddings(make_checkpoint: Callable[..., Path]) -> 
             llm.generate([{"prompt_token_ids": [5] * 30}], params, use_tqdm=False)
         out = llm.generate([{"prompt_token_ids": [5] * 20}], params, use_tqdm=False)[0].outputs[0]
         assert (len(out.token_ids), out.finish_reason) == (4, "length")
+
+
+@pytest.mark.parametrize(
+    "rope,context",
+    [
+        ({"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}, 48),
+        (
+            {
+                "rope_type": "yarn",
+                "factor": 3.0,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 10000.0,
+            },
+            48,
+        ),
+        (
+            {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+            24,
+        ),  # its frequencies change past 24
+    ],
+    ids=["linear", "yarn", "dynamic"],
+)
+def test_scaled_rope_extends_the_context(
+    rope: dict[str, Any], context: int, make_checkpoint: Callable[..., Path]
+) -> None:
+    """As vLLM derives it: a linear or YaRN rope serves max_position_embeddings (YaRN: its original) times
+    its factor, past which transformers computes every position with the same frequencies."""
+    model_dir = make_checkpoint(max_position_embeddings=24, rope_parameters=rope)
+    assert build_model_config(model_dir, device="cpu").max_model_len == context
+    with pytest.raises(ConfigError, match=f"exceeds the model's context of {context} positions"):
+        LLM(model=model_dir, device="cpu", dtype="float32", max_model_len=context + 1)
+    if context > 24:
+        prompts = random_prompts((20, 30), 300, seed=5)
+        want = hf_greedy(model_dir, prompts, context - 31)
+        with LLM(model=model_dir, device="cpu", dtype="float32", seed=0) as llm:
+            params = SamplingParams(temperature=0, max_tokens=context - 31, ignore_eos=True)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert_same_tokens([o.outputs[0].token_ids for o in outs], want, prompts)
 
 
 def test_partial_rotary_factor(make_checkpoint: Callable[..., Path]) -> None:

@@ -591,15 +591,37 @@ def _load_hf_config(path: str) -> Any:
         ) from None
 
 
-def _rope_config(hf_config: Any, head_dim: int) -> RopeConfig:
-    import torch
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    # transformers >= 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta + rope_scaling.
+def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """transformers >= 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta + rope_scaling."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return params
+
+
+def _max_positions(hf_config: Any) -> int:
+    """The longest context the model's rope serves, as vLLM derives it: max_position_embeddings, times the
+    factor of a linear or YaRN rope (YaRN's from its original_max_position_embeddings), whose frequencies
+    are fixed (transformers computes any position the same way). A dynamic rope's frequencies change past
+    max_position_embeddings in transformers, which this rope table does not do: it keeps that limit."""
+    max_positions = int(hf_config.max_position_embeddings)
+    params = _rope_parameters(hf_config)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    factor = params.get("factor")
+    if rope_type not in ("linear", "yarn") or not isinstance(factor, (int, float)) or factor <= 1:
+        return max_positions
+    if rope_type == "yarn":
+        original = params.get("original_max_position_embeddings")
+        max_positions = int(original) if isinstance(original, int) and original > 0 else max_positions
+    return int(max_positions * factor)
+
+
+def _rope_config(hf_config: Any, head_dim: int) -> RopeConfig:
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = _rope_parameters(hf_config)
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -731,15 +753,16 @@ def build_model_config(
             f"num_experts_per_tok={top_k} must be between 1 and the model's {experts} experts; check "
             "config.json"
         )
-    derived_max = int(hf.max_position_embeddings)
+    derived_max = _max_positions(hf)
     if max_model_len is None:
         max_model_len = derived_max
     elif max_model_len < 2:
         raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
     elif max_model_len > derived_max:
+        scaled = "" if derived_max == int(hf.max_position_embeddings) else " (with its rope scaling)"
         raise ConfigError(
-            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={derived_max}; "
-            "lower max_model_len"
+            f"max_model_len={max_model_len} exceeds the model's context of {derived_max} positions{scaled} "
+            f"(max_position_embeddings={hf.max_position_embeddings}); lower max_model_len"
         )
     config_dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
     config_dtype = str(config_dtype).replace("torch.", "") if config_dtype is not None else None

@@ -6,7 +6,8 @@ lm_head.weight (transformers fills the embeddings from it, so does the loader), 
 under an untied config (a ConfigError naming the setting); generation_config.json's eos ids, and a
 malformed one as a ConfigError; config.json values no model can have (more experts per token than
 experts, decoder_sparse_step 0, KV heads that do not divide the heads, no layers, a rope factor of the
-wrong type) as ConfigErrors instead of errors from inside torch or transformers.
+wrong type) as ConfigErrors instead of errors from inside torch or transformers; and a checkpoint
+error that the worker processes find at TP 2 as the same ConfigError.
 """
 
 from __future__ import annotations
@@ -160,6 +161,21 @@ def test_tied_checkpoint_under_an_untied_config(make_checkpoint: Callable[..., P
         LLM(model=model_dir, device="cpu", dtype="float32")
     edit_config(model_dir, tie_word_embeddings=True)
     check_matches_hf(model_dir)
+
+
+def test_a_checkpoint_error_found_by_the_workers_is_a_config_error(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """At TP 2 the worker processes load the weights: what they find wrong reaches the user as the
+    ConfigError the loader raised (it was a WorkerError carrying each rank's traceback), and the ranks end
+    without printing tracebacks."""
+    model_dir = tmp_path / "untied-tp2"
+    shutil.copytree(make_checkpoint(tie_word_embeddings=True), model_dir)
+    edit_config(model_dir, tie_word_embeddings=False)
+    with pytest.raises(ConfigError, match=r"^checkpoint .* lacks tensors for: lm_head\.weight; ") as info:
+        LLM(model=model_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
+    assert "Traceback" not in str(info.value)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_rope_parameter_of_the_wrong_type_is_config_error(

@@ -158,3 +158,5 @@ class WorkerReply(msgspec.Struct, array_like=True):
     output: ModelRunnerOutput | None = None
     result: Any = None
     error: str | None = None
+    # A ConfigError's message (a checkpoint or config the user must fix): the driver raises it as one.
+    config_error: str | None = None

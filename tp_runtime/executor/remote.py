@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tp_runtime.errors import (
+    ConfigError,
     EngineClosedError,
     ProtocolError,
     StepTimeoutError,
@@ -184,6 +185,10 @@ class RemoteWorkers:
         if reply.rank != sender:
             raise ProtocolError(f"a reply signed by rank {sender} says it comes from rank {reply.rank}")
         if reply.kind == "error":
+            if reply.config_error is not None:
+                # A checkpoint or config the user must fix, found by every rank alike: whichever rank has
+                # exited by now, this is why.
+                raise ConfigError(reply.config_error)
             error = WorkerError(reply.rank, reply.error or "(no traceback)")
             # A rank that died takes its peers' collectives down with it; name the dead rank, not the
             # survivor whose all-reduce failed. A rank that reported an error and then exited died of it:

@@ -506,6 +506,11 @@ def run_worker_loop(
             worker = Worker(config, rank, local_rank)
             worker.init_device(init_method)
             worker.load_model()
+    except ConfigError as exc:
+        # The user's to fix, and the same on every rank: the driver raises it as a ConfigError, and this
+        # process ends without a traceback.
+        replies.send(-1, "error", error=str(exc), config_error=str(exc))
+        raise SystemExit(1) from None
     except Exception:
         replies.send(-1, "error", error=traceback.format_exc())
         raise

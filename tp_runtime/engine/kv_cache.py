@@ -86,11 +86,20 @@ class BlockPool:
                 if self.hash_of[block] is None:
                     self._free.move_to_end(block, last=False)
 
-    def register(self, block: int, h: bytes) -> None:
-        """Make `block` (whose content is the prefix `h` names) findable, unless another block already is."""
+    def register(self, block: int, h: bytes) -> bool:
+        """Make `block` (whose content is the prefix `h` names) findable, unless another block already is;
+        returns whether it did."""
         if self.hash_of[block] is None and h not in self.cached:
             self.hash_of[block] = h
             self.cached[h] = block
+            return True
+        return False
+
+    def unregister(self, block: int) -> None:
+        """No lookup finds `block` any more; free, it goes to the head of the free queue (taken first)."""
+        self._evict(block)
+        if block in self._free:
+            self._free.move_to_end(block, last=False)
 
     def reset(self) -> None:
         """Forget every registration (the blocks and their counts stay as they are)."""
@@ -111,6 +120,9 @@ class KVCacheManager:
         # Tokens looked up in the cache and tokens found, over the engine's life (the metrics' counters).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        # Blocks registered since begin_step(): the scheduler registers a step's blocks when it schedules
+        # the step, before their keys and values exist, so a step that never ran must take them back.
+        self._step_registered: list[int] = []
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -187,8 +199,22 @@ class KVCacheManager:
         blocks = self.blocks.get(req_id, [])
         full = min(len(hashes), num_computed // self.block_size, len(blocks))
         for i in range(done, full):
-            self.pool.register(blocks[i], hashes[i])
+            if self.pool.register(blocks[i], hashes[i]):
+                self._step_registered.append(blocks[i])
         self._registered[req_id] = max(full, done)
+
+    def begin_step(self) -> None:
+        """A step is being scheduled: what it registers from now on, drop_step_registrations takes back."""
+        self._step_registered.clear()
+
+    def drop_step_registrations(self) -> None:
+        """The step being scheduled failed before it was sent, or while its forward ran (an exception or
+        Ctrl-C in an in-process forward, a GPU out of memory): the blocks it registered may never hold their
+        keys and values, and a later prompt with the same prefix would start from garbage. None of them is
+        found again; the requests' own counts stay, so they do not register them again either."""
+        for block in self._step_registered:
+            self.pool.unregister(block)
+        self._step_registered.clear()
 
     def free(self, req_id: int) -> None:
         """Drop the request's blocks, tail first (a shared head stays cached longest)."""

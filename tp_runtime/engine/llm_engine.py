@@ -361,20 +361,26 @@ class LLMEngine:
         # Structured outputs: without async scheduling the previous step's tokens are in, so the mask goes
         # with the step; with it, the step's forward runs while the in-flight step's tokens advance the
         # grammars, and the mask follows (GrammarMask) before the ranks sample.
-        grammar_rows = self._grammar_rows(so)
-        if grammar_rows:
-            so.structured_req_ids = [req.req_id for req in grammar_rows]
-            if pipelined:
-                so.grammar_mask_follows = True
+        try:
+            grammar_rows = self._grammar_rows(so)
+            if grammar_rows:
+                so.structured_req_ids = [req.req_id for req in grammar_rows]
+                if pipelined:
+                    so.grammar_mask_follows = True
+                else:
+                    so.grammar_bitmask = self._grammar_bitmask(grammar_rows)
+            t1 = time.perf_counter()
+            if so.scheduled_req_ids or not pipelined:
+                self.executor.submit(so)  # an in-process rank runs the forward here
+                sent: SchedulerOutput | None = so
             else:
-                so.grammar_bitmask = self._grammar_bitmask(grammar_rows)
-        t1 = time.perf_counter()
-        if so.scheduled_req_ids or not pipelined:
-            self.executor.submit(so)
-            sent: SchedulerOutput | None = so
-        else:
-            sent = None  # nothing can run before the in-flight step's tokens are in
-            self.scheduler.return_freed(so.freed_req_ids)
+                sent = None  # nothing can run before the in-flight step's tokens are in
+                self.scheduler.return_freed(so.freed_req_ids)
+        except BaseException:
+            # The step was not sent, or its forward stopped part-way (Ctrl-C, out of memory): the prefix
+            # cache must not offer the blocks it registered, whose keys and values may never be written.
+            self.scheduler.step_failed()
+            raise
         t2 = time.perf_counter()
         if pipelined:
             done, self._in_flight = self._in_flight, sent

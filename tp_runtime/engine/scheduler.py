@@ -122,6 +122,7 @@ class Scheduler:
         preempted_now = False
 
         kv = self.kv
+        kv.begin_step()
         block_size = kv.block_size
         held_blocks = kv.blocks
         i = 0
@@ -210,6 +211,11 @@ class Scheduler:
             num_scheduled_tokens=[n for _, n in scheduled],
             freed_req_ids=freed,
         )
+
+    def step_failed(self) -> None:
+        """The step schedule() gave last was not sent, or its forward failed: the prefix cache forgets the
+        blocks it registered (their keys and values may never have been written)."""
+        self.kv.drop_step_registrations()
 
     def return_freed(self, req_ids: list[int]) -> None:
         """Freed ids of a step that was not sent (nothing to run): they go out with the next one."""

@@ -1,0 +1,92 @@
+"""Engine-level limits and failure edges, checked against HF transformers' greedy continuations.
+
+Each test builds small in-process (TP=1) engines on one tiny random Llama checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import hf_greedy, hf_logprobs, random_prompts
+
+from tp_runtime import LLM, SamplingParams
+
+VOCAB = 300  # conftest's BASE_CONFIG
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint("LlamaForCausalLM")
+
+
+def make_llm(model_dir: Path, **kwargs: Any) -> LLM:
+    return LLM(model=model_dir, dtype="float32", device="cpu", seed=0, max_num_seqs=4, **kwargs)
+
+
+def generate_ids(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def fail_forward_at(llm: LLM, monkeypatch: pytest.MonkeyPatch, call: int) -> None:
+    """Make the in-process model's forward raise part-way (after its first decoder layer wrote its keys and
+    values, before the second did) on its `call`-th step, as a Ctrl-C or an out-of-memory error would."""
+    layer = llm.engine.executor.worker.runner.model.model.layers[1]
+    forward, calls = layer.forward, [0]
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == call:
+            raise RuntimeError("injected failure inside the forward")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(layer, "forward", failing)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_prompt_after_a_failed_prefill_is_computed_not_taken_from_the_cache(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, async_scheduling: bool
+) -> None:
+    """The scheduler registers a step's full blocks in the prefix cache when it schedules the step; a
+    forward that failed part-way left them registered with keys and values never written, so the same
+    prompts afterwards (a retry after Ctrl-C or an OOM) hit them and generated wrong tokens for good."""
+    prompts = random_prompts((40, 33), VOCAB, seed=77)
+    want = hf_greedy(model_dir, prompts, 6)
+    llm = make_llm(model_dir, block_size=8, max_model_len=64, async_scheduling=async_scheduling)
+    with llm:
+        fail_forward_at(llm, monkeypatch, call=1)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            generate_ids(llm, prompts, 6)
+        monkeypatch.undo()
+        assert generate_ids(llm, prompts, 6) == want
+        assert generate_ids(llm, prompts, 6) == want  # now from blocks that were computed
+
+
+def test_block_filled_by_a_failed_decode_step_is_not_cached(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without async scheduling a decode step's token is known when it is scheduled, so the block it fills
+    is registered then: a failed decode step must not leave it behind for a prompt that extends the
+    output. One position of missing keys moves the logprobs (by ~0.04 here) before it flips a token."""
+    prompt = random_prompts((39,), VOCAB, seed=78)[0]
+    want = hf_greedy(model_dir, [prompt], 6)[0]
+    llm = make_llm(model_dir, block_size=8, max_model_len=64, async_scheduling=False)
+    with llm:
+        fail_forward_at(llm, monkeypatch, call=2)  # the first decode step computes position 39
+        with pytest.raises(RuntimeError, match="injected failure"):
+            generate_ids(llm, [prompt], 6)
+        monkeypatch.undo()
+        # Its first 40 tokens fill 5 blocks of 8, all of which a 41-token prompt may take from the cache.
+        longer = prompt + want[:2]
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+        out = llm.generate({"prompt_token_ids": longer}, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == want[2:]
+    assert out.logprobs is not None
+    hf = hf_logprobs(model_dir, longer, want[2:])
+    got = [entry[token].logprob for entry, token in zip(out.logprobs, want[2:], strict=True)]
+    want_lp = [hf[i, token].item() for i, token in enumerate(want[2:])]
+    assert got == pytest.approx(want_lp, abs=1e-4)

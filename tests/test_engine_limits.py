@@ -23,7 +23,8 @@ def model_dir(make_checkpoint: Callable[..., Path]) -> Path:
 
 
 def make_llm(model_dir: Path, **kwargs: Any) -> LLM:
-    return LLM(model=model_dir, dtype="float32", device="cpu", seed=0, max_num_seqs=4, **kwargs)
+    kwargs.setdefault("max_num_seqs", 4)
+    return LLM(model=model_dir, dtype="float32", device="cpu", seed=0, **kwargs)
 
 
 def generate_ids(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -90,3 +91,30 @@ def test_block_filled_by_a_failed_decode_step_is_not_cached(
     got = [entry[token].logprob for entry, token in zip(out.logprobs, want[2:], strict=True)]
     want_lp = [hf[i, token].item() for i, token in enumerate(want[2:])]
     assert got == pytest.approx(want_lp, abs=1e-4)
+
+
+def test_requests_freed_by_a_step_that_never_ran_are_freed_on_the_worker(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step carries the ids of the requests that ended since the last one, for the ranks to drop their
+    rows; when it failed before reaching them (an exception or Ctrl-C before the rank took it) those ids
+    were lost, the rows stayed, and once they filled max_num_seqs a later generate died in an IndexError
+    inside the persistent batch."""
+    prompts = random_prompts((5, 9, 12, 7), VOCAB, seed=2)
+    want = hf_greedy(model_dir, prompts, 4)
+    llm = make_llm(model_dir, block_size=8, max_model_len=64, max_num_seqs=2)
+    with llm:
+        executor = llm.engine.executor
+        submit = executor.submit
+
+        def failing(so: Any) -> None:
+            if so.freed_req_ids:  # the step after a request ended, before any rank saw it
+                raise RuntimeError("injected failure before the step was sent")
+            submit(so)
+
+        assert generate_ids(llm, prompts[:1], 2) == [want[0][:2]]  # its row is dropped with the next step
+        monkeypatch.setattr(executor, "submit", failing)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            generate_ids(llm, prompts[1:2], 2)
+        monkeypatch.undo()
+        assert generate_ids(llm, prompts, 4) == want

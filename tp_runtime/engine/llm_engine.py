@@ -378,8 +378,9 @@ class LLMEngine:
                 self.scheduler.return_freed(so.freed_req_ids)
         except BaseException:
             # The step was not sent, or its forward stopped part-way (Ctrl-C, out of memory): the prefix
-            # cache must not offer the blocks it registered, whose keys and values may never be written.
-            self.scheduler.step_failed()
+            # cache must not offer the blocks it registered, whose keys and values may never be written,
+            # and the ranks must still hear of the requests it freed.
+            self.scheduler.step_failed(so)
             raise
         t2 = time.perf_counter()
         if pipelined:

@@ -212,10 +212,13 @@ class Scheduler:
             freed_req_ids=freed,
         )
 
-    def step_failed(self) -> None:
-        """The step schedule() gave last was not sent, or its forward failed: the prefix cache forgets the
-        blocks it registered (their keys and values may never have been written)."""
+    def step_failed(self, so: SchedulerOutput) -> None:
+        """`so`, the step schedule() gave last, was not sent, or its forward failed: the prefix cache forgets
+        the blocks it registered (their keys and values may never have been written), and the requests it
+        freed go out again with the next step (a rank that never saw it still holds their rows; freeing an
+        id a rank does not hold is a no-op)."""
         self.kv.drop_step_registrations()
+        self.return_freed(so.freed_req_ids)
 
     def return_freed(self, req_ids: list[int]) -> None:
         """Freed ids of a step that was not sent (nothing to run): they go out with the next one."""

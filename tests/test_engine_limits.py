@@ -13,6 +13,7 @@ import pytest
 from conftest import hf_greedy, hf_logprobs, random_prompts
 
 from tp_runtime import LLM, SamplingParams
+from tp_runtime.errors import ConfigError
 
 VOCAB = 300  # conftest's BASE_CONFIG
 
@@ -118,3 +119,13 @@ def test_requests_freed_by_a_step_that_never_ran_are_freed_on_the_worker(
             generate_ids(llm, prompts[1:2], 2)
         monkeypatch.undo()
         assert generate_ids(llm, prompts, 4) == want
+
+
+def test_too_few_kv_blocks_given_says_to_raise_num_kv_blocks(model_dir: Path) -> None:
+    """num_kv_blocks fixes the cache's size, so the memory settings the message used to suggest
+    (gpu_memory_utilization, cpu_kv_cache_gib) changed nothing."""
+    with pytest.raises(ConfigError, match="raise num_kv_blocks to at least 8") as err:
+        make_llm(model_dir, block_size=8, max_model_len=64, num_kv_blocks=7)
+    assert "gpu_memory_utilization" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"give the cache more memory \(gpu_memory_utilization"):
+        make_llm(model_dir, block_size=8, max_model_len=64, cpu_kv_cache_gib=1e-6)

@@ -187,10 +187,16 @@ class LLMEngine:
         max_blocks = -(-config.model.max_model_len // config.cache.block_size)
         if self.num_kv_blocks < max_blocks:
             self.executor.shutdown()
+            # num_kv_blocks, when given, is the cache's size: the memory settings would change nothing.
+            remedy = (
+                f"raise num_kv_blocks to at least {max_blocks}"
+                if config.cache.num_kv_blocks is not None
+                else "give the cache more memory (gpu_memory_utilization, cpu_kv_cache_gib)"
+            )
             raise ConfigError(
                 f"the KV cache holds {self.num_kv_blocks} blocks of {config.cache.block_size} tokens but one "
                 f"sequence of max_model_len={config.model.max_model_len} needs {max_blocks}; lower "
-                "max_model_len or give the cache more memory (gpu_memory_utilization, cpu_kv_cache_gib)"
+                f"max_model_len or {remedy}"
             )
         self.scheduler = Scheduler(config, self.num_kv_blocks)
         self.eos_token_ids = set(config.model.eos_token_ids)

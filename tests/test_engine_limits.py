@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from conftest import hf_greedy, hf_logprobs, random_prompts
 
-from tp_runtime import LLM, SamplingParams
+from tp_runtime import LLM, SamplingParams, StructuredOutputsParams
 from tp_runtime.errors import ConfigError
 
 VOCAB = 300  # conftest's BASE_CONFIG
@@ -129,3 +129,35 @@ def test_too_few_kv_blocks_given_says_to_raise_num_kv_blocks(model_dir: Path) ->
     assert "gpu_memory_utilization" not in str(err.value)
     with pytest.raises(ConfigError, match=r"give the cache more memory \(gpu_memory_utilization"):
         make_llm(model_dir, block_size=8, max_model_len=64, cpu_kv_cache_gib=1e-6)
+
+
+def test_a_failure_while_a_grammar_mask_is_made_does_not_wedge_the_engine(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With async scheduling a constrained step's mask follows it, made while its forward runs; a failure
+    (a Ctrl-C) while the driver made it left the in-process rank waiting for that mask for good, and every
+    later generate raised 'ProtocolError: step 3 arrived while step 2 waits for its grammar mask'."""
+    prompt = random_prompts((6,), VOCAB, seed=5)[0]
+    want = hf_greedy(model_dir, [prompt], 3)
+    choices = ["yes", "no", "maybe so"]
+    constrained = SamplingParams(
+        temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(choice=choices)
+    )
+    llm = make_llm(model_dir, max_model_len=64, async_scheduling=True)
+    with llm:
+        engine = llm.engine
+        make_mask, calls = engine._grammar_bitmask, [0]
+
+        def failing(rows: Any) -> bytes:
+            calls[0] += 1
+            if calls[0] == 2:  # the mask of the first decode step, while the prefill's output is handled
+                raise RuntimeError("injected failure while making the mask")
+            return make_mask(rows)
+
+        monkeypatch.setattr(engine, "_grammar_bitmask", failing)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            llm.generate([{"prompt_token_ids": prompt}], constrained, use_tqdm=False)
+        monkeypatch.undo()
+        out = llm.generate([{"prompt_token_ids": prompt}], constrained, use_tqdm=False)[0].outputs[0]
+        assert out.text in choices
+        assert generate_ids(llm, [prompt], 3) == want

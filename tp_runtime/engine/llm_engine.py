@@ -395,6 +395,8 @@ class LLMEngine:
             done = sent
         try:
             outputs = [] if done is None else self._take_output(done, t0, t1, t2, sent is None)
+            # Inside the try: a failure while the mask is made (a Ctrl-C) must still release the ranks.
+            bitmask = self._grammar_bitmask(grammar_rows) if so.grammar_mask_follows else b""
         except BaseException:
             if so.grammar_mask_follows:
                 # The ranks wait for this step's mask: let them finish it (every token allowed; the requests'
@@ -404,7 +406,7 @@ class LLMEngine:
                     self.executor.submit_grammar_mask(GrammarMask(so.step_id, every))
             raise
         if so.grammar_mask_follows:
-            self.executor.submit_grammar_mask(GrammarMask(so.step_id, self._grammar_bitmask(grammar_rows)))
+            self.executor.submit_grammar_mask(GrammarMask(so.step_id, bitmask))
         return outputs
 
     def _grammar_rows(self, so: SchedulerOutput) -> list[Request]:

@@ -115,7 +115,8 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("device", "gpu", "one of auto, cpu, cuda"),
     ("seed", -1, "at least 0"),
     ("seed", 2**63, "at most"),  # the sampler's generators take a signed 64-bit seed
-    ("max_model_len", 0, "at least 1"),
+    ("max_model_len", 0, "at least 2"),
+    ("max_model_len", 1, "at least 2"),
     ("max_num_seqs", 0, "at least 1"),
     ("max_num_seqs", None, "must be given"),
     ("max_num_batched_tokens", -3, "at least 1"),

@@ -103,7 +103,8 @@ class EngineArgs:
     max_model_len: int | None = field(
         default=None,
         metadata=meta(
-            help="longest sequence, prompt and output", default_help="the model's own limit", at_least=1
+            # 2: a one-token prompt and the token it generates
+            help="longest sequence, prompt and output", default_help="the model's own limit", at_least=2
         ),
     )
     max_num_seqs: int = field(default=256, metadata=meta(help="sequences run at once", at_least=1))

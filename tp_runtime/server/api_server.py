@@ -73,6 +73,7 @@ from tp_runtime.server.openai_format import (
 )
 from tp_runtime.server.protocol import (
     ChatCompletionRequest,
+    ChatTemplateFields,
     CompletionRequest,
     ErrorInfo,
     ModelCard,
@@ -157,6 +158,7 @@ class _Context:
     metrics: ServerMetrics
     max_body_bytes: int
     tool_call_parser: str | None = None  # --tool-call-parser: reads tool_choice "auto"'s calls
+    trust_request_chat_template: bool = False  # --trust-request-chat-template: a request's own template
     draining: bool = False
 
     def failure(self, exc: BaseException) -> APIError:
@@ -231,18 +233,29 @@ class _Context:
             message = f"the tokenizer cannot encode the {param}: {type(exc).__name__}: {exc}"
             raise bad_request(message, param) from None
 
-    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+    def completion_prompts(self, prompt: Any, add_special_tokens: bool = True) -> list[list[int]]:
+        """Each prompt's token ids: a string tokenized (with the tokenizer's special tokens, a BOS, unless
+        `add_special_tokens` is false), token ids as given."""
+        special = add_special_tokens
         if isinstance(prompt, str):
-            return [self.encode(prompt, True, "prompt")]
+            return [self.encode(prompt, special, "prompt")]
         if not prompt:
             raise bad_request("prompt is empty; give a string, a list of strings or token ids", "prompt")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
-        return [self.encode(p, True, "prompt") if isinstance(p, str) else list(p) for p in prompt]
+        return [self.encode(p, special, "prompt") if isinstance(p, str) else list(p) for p in prompt]
 
-    def chat_prompt(self, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
-        """The conversation rendered by the chat template and tokenized, as LLM.chat does."""
-        if not getattr(self.tokenizer, "chat_template", None):
+    def chat_prompt(self, body: ChatTemplateFields, tools: list[dict[str, Any]] | None) -> list[int]:
+        """The conversation rendered by the chat template (the request's own, from a server that trusts
+        them, else the server's) and tokenized, as LLM.chat does; `tools`: those the template shows."""
+        template = body.chat_template
+        if template is not None and not self.trust_request_chat_template:
+            raise bad_request(
+                "this server takes no chat_template in a request (a template is code the server runs); "
+                "start it with --trust-request-chat-template to allow them, or with --chat-template to set "
+                "its own", "chat_template",
+            )  # fmt: skip
+        if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(
                 f"the model {self.model_name} has no chat template, so it cannot serve chat completions; "
                 "use /v1/completions, or start the server with --chat-template", "messages",
@@ -262,24 +275,22 @@ class _Context:
                 except InvalidRequestError as exc:
                     raise bad_request(f"message {i}: {exc}", "messages") from None
             messages.append(message)
-        if plan is not None and plan.template_tools(body.tools or []) is not None:
-            variables_extra: dict[str, Any] = {"tools": body.tools}
-        else:
-            variables_extra = {}
+        variables_extra: dict[str, Any] = {"tools": tools} if tools is not None else {}
         try:
             variables = template_variables(body.chat_template_kwargs)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), "chat_template_kwargs") from None
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+                messages, chat_template=template, tokenize=False,
+                add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, **variables_extra, **variables,
             )  # fmt: skip
         except Exception as exc:
             problem = f"the chat template failed: {type(exc).__name__}: {exc}"
-            raise bad_request(problem, "messages") from None
-        # The template writes the special tokens (BOS...) itself.
-        return self.encode(str(text), False, "messages")
+            raise bad_request(problem, "chat_template" if template is not None else "messages") from None
+        # The template writes the special tokens (BOS...) itself; add_special_tokens adds the tokenizer's too.
+        return self.encode(str(text), body.add_special_tokens, "messages")
 
     def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan | None:
         try:
@@ -366,7 +377,7 @@ class _Context:
         # Before any prompt is tokenized: a request for too many choices is refused at no cost.
         many = isinstance(body.prompt, list) and not all(isinstance(p, int) for p in body.prompt)
         check_choices(len(body.prompt) if many else 1, body.n)
-        prompts = self.completion_prompts(body.prompt)
+        prompts = self.completion_prompts(body.prompt, body.add_special_tokens)
         # echo with max_tokens 0 (the prompt alone, as vLLM serves it): the engine makes one token that the
         # response leaves out (CompletionFormat.prompt_only).
         prompt_only = body.echo and body.max_tokens == 0
@@ -390,7 +401,7 @@ class _Context:
         if body.echo:
             given = body.prompt if isinstance(body.prompt, list) else [body.prompt]
             per_prompt = [
-                Echo(text, self.added_in_front) if isinstance(text, str)
+                Echo(text, self.added_in_front if body.add_special_tokens else 0) if isinstance(text, str)
                 else Echo(self.tokenizer.decode(ids, skip_special_tokens=False), 0)
                 for text, ids in zip(given if len(given) == len(prompts) else [None], prompts, strict=True)
             ]  # fmt: skip
@@ -411,7 +422,7 @@ class _Context:
         body = self.parse(ChatCompletionRequest, raw)
         check_choices(1, body.n)  # before the template and the tokenizer run
         plan = self.tool_plan(body)
-        ids = self.chat_prompt(body, plan)
+        ids = self.chat_prompt(body, None if plan is None else plan.template_tools(body.tools or []))
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -695,11 +706,13 @@ def build_app(
     max_body_bytes: int | None = None,
     allowed_origins: Sequence[str] | None = None,
     tool_call_parser: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> tuple[FastAPI, Callable[[float], None]]:
     """The FastAPI app serving `engine` (started by the caller) under `model_name`. `tokenizer`: the front
     end's own (the engine thread decodes with the engine's). `max_body_bytes`: the largest request body
     taken (default `default_max_body_bytes`). `allowed_origins`: the web origins that get CORS headers
-    ("*": any; default none: no CORS headers, and a preflight gets 405). Returns the app and
+    ("*": any; default none: no CORS headers, and a preflight gets 405). `trust_request_chat_template`:
+    take a request's own chat_template (else it is a 400). Returns the app and
     `begin_drain(grace_s)`, to call on the event loop when the server begins to shut down: new requests get
     503 (and /health 503), and the engine lets the requests in flight run for up to `grace_s` seconds, then
     ends them with finish_reason "abort", so each stream still sends its last chunk and [DONE], and shuts
@@ -709,7 +722,7 @@ def build_app(
         engine=engine, tokenizer=tokenizer, model_name=model_name, max_model_len=max_model_len,
         api_key=api_key, metrics=ServerMetrics(model_name, lambda: engine.stats),
         max_body_bytes=max_body_bytes or default_max_body_bytes(max_model_len),
-        tool_call_parser=tool_call_parser,
+        tool_call_parser=tool_call_parser, trust_request_chat_template=trust_request_chat_template,
     )  # fmt: skip
 
     @contextlib.asynccontextmanager

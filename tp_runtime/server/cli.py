@@ -93,6 +93,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "takes it (default: the tokenizer's; a model without one serves only /v1/completions)",
     )
     group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="take a chat request's own chat_template (a Jinja template the server renders, in a sandbox "
+        "but with no bound on its work), as vLLM's flag of this name (default: such a request is a 400)",
+    )
+    group.add_argument(
         "--served-model-name",
         default=None,
         help="the model name clients send and responses carry (default: the --model value)",

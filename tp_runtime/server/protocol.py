@@ -121,6 +121,7 @@ class SamplingFields(_Request):
     truncate_prompt_tokens: Any = None
     use_beam_search: bool = False
     skip_special_tokens: bool = True  # the text always leaves special tokens out
+    return_tokens_as_token_ids: bool = False  # vLLM's "token_id:N" logprob tokens: refused when true
 
     def constraint_field(self) -> str | None:
         """The request's field that gives its output constraint (for error messages), else None."""
@@ -187,6 +188,8 @@ class SamplingFields(_Request):
                 return name
         if self.use_beam_search:
             return "use_beam_search"
+        if self.return_tokens_as_token_ids:
+            return "return_tokens_as_token_ids"
         return None if self.skip_special_tokens else "skip_special_tokens"
 
 
@@ -196,6 +199,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16  # OpenAI's default for completions; None: up to the context length
     logprobs: int | None = None  # the top tokens to return per position, besides the sampled one
     echo: bool = False  # each choice's text (and logprobs) begins with its prompt's
+    add_special_tokens: bool = True  # vLLM's: a string prompt gets the tokenizer's special tokens (BOS)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -216,20 +220,43 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None  # a tool message's: the call it answers
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(_Request):
+    """What renders a conversation into a prompt: shared by chat completions and /tokenize's chat form."""
+
     messages: Items[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's)
+    # vLLM's: the request's own Jinja chat template, taken only from a server started with
+    # --trust-request-chat-template (a template is code the server runs).
+    chat_template: str | None = None
+    # vLLM's: the tokenizer's special tokens on top of the rendered text (the template writes its own BOS).
+    add_special_tokens: bool = False
+    tools: Items[dict[str, Any]] | None = None  # shown to the chat template
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_tokens: int | None = None  # None: up to the context length
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False
     top_logprobs: int | None = None  # with logprobs: the top tokens to return per position
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     # Functions the model may call (server/tool_calls.py): "auto" (the default with tools) reads calls
     # from its text with --tool-call-parser, "required" and a named function constrain it to calls.
-    tools: Items[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # False: "required" makes one call
-    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's)
+    # Refused when given, rather than silently ignored: vLLM's echo of the last message, OpenAI's legacy
+    # functions / function_call (tools / tool_choice replace them).
+    echo: bool = False
+    functions: Any = None
+    function_call: Any = None
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo"
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                return name
+        return super().unsupported()
 
 
 # ----------------------------------------------------------------------------------------- responses

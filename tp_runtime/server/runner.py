@@ -200,9 +200,11 @@ def _serve(args: argparse.Namespace, sock: socket.socket, signals: _Signals) -> 
             print(f"tp-runtime serve: ready on http://{shown}:{port} (model {model_name}, TP {tp}, "
                   f"max_model_len {max_len}{started})", flush=True)  # fmt: skip
 
-        app, begin_drain = build_app(engine, tokenizer, model_name=model_name, api_key=api_key,
-                                     on_ready=ready, allowed_origins=args.allowed_origins,
-                                     tool_call_parser=args.tool_call_parser)  # fmt: skip
+        app, begin_drain = build_app(
+            engine, tokenizer, model_name=model_name, api_key=api_key, on_ready=ready,
+            allowed_origins=args.allowed_origins, tool_call_parser=args.tool_call_parser,
+            trust_request_chat_template=args.trust_request_chat_template,
+        )  # fmt: skip
         # h11, with the header timeout and the connection cap uvicorn lacks (server.connections); the
         # event loop is uvloop where it is installed (uvicorn's "auto"), which every Linux install has.
         protocol = guarded_protocol(args.timeout_headers, args.max_connections)

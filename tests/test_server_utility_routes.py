@@ -1,0 +1,206 @@
+"""`tp-runtime serve`'s request fields beyond sampling, against two real servers for the module (started
+together): `keyed` (`python -m tp_runtime.server.cli tiny-llama-tp` with a chat template and an API key)
+and `trusting` (no template of its own, `--trust-request-chat-template`). Every answer is checked against
+an independent reference: the checkpoint's tokenizer, or `LLM.generate` / `LLM.chat` on the same
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tp_runtime import LLM, SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "tiny-llama-tp"
+MAX_MODEL_LEN = 256
+API_KEY = "utility-key"
+START_DEADLINE_S = 180.0
+REQUEST_TIMEOUT_S = 60.0
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# A request's own template, different from the server's.
+OTHER_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}[ASSISTANT]{% endif %}"
+)
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+PROMPT = "Hello, my name is"
+GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+
+
+class Server:
+    def __init__(self, url: str, key: str | None) -> None:
+        self.url = url
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def post(self, path: str, body: dict[str, Any], **kwargs: Any) -> httpx.Response:
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        return httpx.post(
+            f"{self.url}{path}", json=body, headers=headers, timeout=REQUEST_TIMEOUT_S, **kwargs
+        )
+
+    def get(self, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        return httpx.get(f"{self.url}{path}", headers=headers, timeout=REQUEST_TIMEOUT_S, **kwargs)
+
+
+def _stop(proc: subprocess.Popen[bytes], log: Path) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    output = log.read_text(errors="replace")
+    assert code == 0, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    base = [
+        sys.executable, "-m", "tp_runtime.server.cli", MODEL, "--device", "cpu", "--port", "0",
+        "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning", "--no-access-log",
+    ]  # fmt: skip
+    flags = {
+        "keyed": ["--chat-template", TEMPLATE, "--api-key", API_KEY],
+        "trusting": ["--trust-request-chat-template"],
+    }
+    logs = {name: tmp_path_factory.mktemp(name) / "server.log" for name in flags}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for name, extra in flags.items():
+            with open(logs[name], "wb") as sink:  # a file, not a pipe: a pipe nobody reads would block
+                procs[name] = subprocess.Popen(base + extra, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
+        urls: dict[str, str] = {}
+        deadline = time.monotonic() + START_DEADLINE_S
+        while len(urls) < len(procs):
+            for name, proc in procs.items():
+                match = re.search(r"ready on (http://\S+)", logs[name].read_text(errors="replace"))
+                if match:
+                    urls[name] = match.group(1)
+                elif proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"{name} did not start:\n{logs[name].read_text(errors='replace')[-4000:]}")
+            time.sleep(0.05)
+        yield {"keyed": Server(urls["keyed"], API_KEY), "trusting": Server(urls["trusting"], None)}
+    finally:
+        for name, proc in procs.items():
+            _stop(proc, logs[name])
+
+
+@pytest.fixture(scope="module")
+def keyed(servers: dict[str, Server]) -> Server:
+    return servers["keyed"]
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    with LLM(MODEL, device="cpu", max_model_len=MAX_MODEL_LEN) as reference:
+        yield reference
+
+
+def _error(response: httpx.Response, status: int, param: str | None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+    return error
+
+
+def _greedy_text(llm: LLM, ids: list[int]) -> str:
+    params = SamplingParams(temperature=0, max_tokens=GREEDY["max_tokens"], ignore_eos=True)
+    return llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].text
+
+
+# ------------------------------------------------------------ fields honoured, or refused by name
+
+
+def test_add_special_tokens_on_completions(keyed: Server, llm: LLM) -> None:
+    """vLLM's default (true) puts the tokenizer's BOS in front of a string prompt; false leaves it out, and
+    the output is LLM.generate's on the bare token ids (echo then gives the prompt's text alone)."""
+    tok = llm.get_tokenizer()
+    bare = tok(PROMPT, add_special_tokens=False)["input_ids"]
+    full = tok(PROMPT, add_special_tokens=True)["input_ids"]
+    assert len(full) == len(bare) + 1
+    for special, ids in ((True, full), (False, bare)):
+        body = {"prompt": PROMPT, "add_special_tokens": special, "echo": True, **GREEDY}
+        response = keyed.post("/v1/completions", body)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] == len(ids)
+        assert response.json()["choices"][0]["text"] == PROMPT + _greedy_text(llm, ids)
+
+
+def test_add_special_tokens_on_chat(keyed: Server, llm: LLM) -> None:
+    """vLLM's default (false) takes the rendered template's tokens alone; true adds the tokenizer's special
+    tokens (a second BOS) on top, and the output is LLM.generate's on those ids."""
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template(
+        MESSAGES, chat_template=TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    reference = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                         use_tqdm=False, chat_template=TEMPLATE)[0]  # fmt: skip
+    default = keyed.post("/v1/chat/completions", {"messages": MESSAGES, **GREEDY}).json()
+    assert default["usage"]["prompt_tokens"] == len(reference.prompt_token_ids)
+    assert default["choices"][0]["message"]["content"] == reference.outputs[0].text
+    ids = tok(text, add_special_tokens=True)["input_ids"]
+    assert len(ids) == len(reference.prompt_token_ids) + 1
+    response = keyed.post(
+        "/v1/chat/completions", {"messages": MESSAGES, "add_special_tokens": True, **GREEDY}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == len(ids)
+    assert response.json()["choices"][0]["message"]["content"] == _greedy_text(llm, ids)
+
+
+def test_a_request_chat_template_needs_a_trusting_server(servers: dict[str, Server], llm: LLM) -> None:
+    """vLLM's rule: a request's own template (code the server renders) only with
+    --trust-request-chat-template; there it is LLM.chat(chat_template=...)'s answer, also on a model that
+    has no template of its own."""
+    body = {"messages": MESSAGES, "chat_template": OTHER_TEMPLATE, **GREEDY}
+    error = _error(servers["keyed"].post("/v1/chat/completions", body), 400, "chat_template")
+    assert "--trust-request-chat-template" in error["message"]
+    trusting = servers["trusting"]
+    response = trusting.post("/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    reference = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                         use_tqdm=False, chat_template=OTHER_TEMPLATE)[0]  # fmt: skip
+    assert response.json()["usage"]["prompt_tokens"] == len(reference.prompt_token_ids)
+    assert response.json()["choices"][0]["message"]["content"] == reference.outputs[0].text
+    # Without one, that server has no template to render with; a broken one names the field.
+    _error(trusting.post("/v1/chat/completions", {"messages": MESSAGES}), 400, "messages")
+    broken = {"messages": MESSAGES, "chat_template": "{{ raise_exception('no') }}"}
+    _error(trusting.post("/v1/chat/completions", broken), 400, "chat_template")
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/v1/chat/completions", "echo", True),
+        ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {"type": "object"}}]),
+        ("/v1/chat/completions", "function_call", "auto"),
+        ("/v1/chat/completions", "return_tokens_as_token_ids", True),
+        ("/v1/completions", "return_tokens_as_token_ids", True),
+    ],
+)
+def test_fields_not_honoured_are_refused_by_name(keyed: Server, path: str, field: str, value: Any) -> None:
+    body: dict[str, Any] = {"max_tokens": 1}
+    body.update({"messages": MESSAGES} if "chat" in path else {"prompt": PROMPT})
+    _error(keyed.post(path, {**body, field: value}), 400, field)
+    # Their defaults (and null) ask for nothing: served.
+    default = {"echo": False, "functions": None, "function_call": None, "return_tokens_as_token_ids": False}
+    response = keyed.post(path, {**body, field: default[field]})
+    assert response.status_code == 200, response.text

@@ -204,3 +204,97 @@ def test_fields_not_honoured_are_refused_by_name(keyed: Server, path: str, field
     default = {"echo": False, "functions": None, "function_call": None, "return_tokens_as_token_ids": False}
     response = keyed.post(path, {**body, field: default[field]})
     assert response.status_code == 200, response.text
+
+
+# ---------------------------------------------------------------------------------------- /tokenize
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_tokenize_a_text_as_completions_does(keyed: Server, llm: LLM, special: bool) -> None:
+    ids = llm.get_tokenizer()(PROMPT, add_special_tokens=special)["input_ids"]
+    body = {"model": MODEL, "prompt": PROMPT, "add_special_tokens": special}
+    response = keyed.post("/tokenize", body)
+    assert response.status_code == 200, response.text
+    assert response.json() == {
+        "count": len(ids),
+        "max_model_len": MAX_MODEL_LEN,
+        "tokens": ids,
+        "token_strs": None,
+    }
+    strs = keyed.post("/tokenize", {**body, "return_token_strs": True}).json()["token_strs"]
+    assert strs == llm.get_tokenizer().convert_ids_to_tokens(ids)
+    completion = keyed.post(
+        "/v1/completions", {"prompt": PROMPT, "add_special_tokens": special, "max_tokens": 1}
+    )
+    assert completion.json()["usage"]["prompt_tokens"] == len(ids)
+    # An empty text has tokens too (the BOS), though no completion is made from it.
+    empty = keyed.post("/tokenize", {"prompt": "", "add_special_tokens": special}).json()
+    assert empty["tokens"] == llm.get_tokenizer()("", add_special_tokens=special)["input_ids"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"add_generation_prompt": False},
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"add_special_tokens": True},
+        {"chat_template_kwargs": {"unused": 1}},
+    ],
+    ids=["default", "no-generation-prompt", "continue", "special-tokens", "kwargs"],
+)
+def test_tokenize_a_conversation_as_chat_does(keyed: Server, llm: LLM, fields: dict[str, Any]) -> None:
+    messages = (
+        [*MESSAGES, {"role": "assistant", "content": "Blue"}]
+        if "continue_final_message" in fields
+        else MESSAGES
+    )
+    text = llm.get_tokenizer().apply_chat_template(
+        messages, chat_template=TEMPLATE, tokenize=False,
+        add_generation_prompt=fields.get("add_generation_prompt", True),
+        continue_final_message=fields.get("continue_final_message", False),
+    )  # fmt: skip
+    ids = llm.get_tokenizer()(text, add_special_tokens=fields.get("add_special_tokens", False))["input_ids"]
+    response = keyed.post("/tokenize", {"messages": messages, "return_token_strs": True, **fields})
+    assert response.status_code == 200, response.text
+    assert response.json()["tokens"] == ids and response.json()["count"] == len(ids)
+    assert response.json()["token_strs"] == llm.get_tokenizer().convert_ids_to_tokens(ids)
+    chat = keyed.post("/v1/chat/completions", {"messages": messages, "max_tokens": 1, **fields})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_tokenize_shows_the_tools_and_a_trusted_template(servers: dict[str, Server], llm: LLM) -> None:
+    """The request's own template (on the trusting server) and its tools render as chat renders them."""
+    template = "{% for t in tools or [] %}<{{ t['function']['name'] }}>{% endfor %}" + OTHER_TEMPLATE
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    body = {"messages": MESSAGES, "chat_template": template, "tools": [tool]}
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template(
+        MESSAGES, chat_template=template, tools=[tool], tokenize=False, add_generation_prompt=True
+    )
+    assert "<get_weather>" in text
+    tokens = servers["trusting"].post("/tokenize", body).json()["tokens"]
+    assert tokens == tok(text, add_special_tokens=False)["input_ids"]
+    chat = servers["trusting"].post("/v1/chat/completions", {**body, "tool_choice": "none", "max_tokens": 1})
+    assert chat.json()["usage"]["prompt_tokens"] == len(tokens)
+    without = servers["trusting"].post("/tokenize", {**body, "tools": None}).json()
+    assert without["count"] < len(tokens)
+    # The keyed server takes no request template here either.
+    _error(servers["keyed"].post("/tokenize", body), 400, "chat_template")
+
+
+def test_tokenize_failures(keyed: Server) -> None:
+    _error(keyed.post("/tokenize", {"prompt": PROMPT}, headers={"Authorization": "Bearer wrong"}), 401, None)
+    error = _error(keyed.post("/tokenize", {"model": "gpt-4", "prompt": PROMPT}), 404, "model")
+    assert error["code"] == "model_not_found"
+    _error(keyed.post("/tokenize", {}), 400, "prompt")
+    _error(keyed.post("/tokenize", {"prompt": 3}), 400, "prompt")
+    _error(keyed.post("/tokenize", {"prompt": PROMPT, "add_special_tokens": 1}), 400, "add_special_tokens")
+    _error(keyed.post("/tokenize", {"messages": []}), 400, "messages")
+    _error(keyed.post("/tokenize", {"messages": [{"role": "user", "content": 3}]}), 400, "messages")
+    headers = {**keyed.headers, "Content-Type": "text/plain"}
+    response = httpx.post(f"{keyed.url}/tokenize", content=b'{"prompt": "hi"}', headers=headers)
+    assert _error(response, 415, None)["code"] == 415
+    huge = keyed.post("/tokenize", {"prompt": "a" * (2 << 20)})
+    assert _error(huge, 413, None)["code"] == 413

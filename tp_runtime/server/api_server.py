@@ -1,8 +1,9 @@
 """`tp-runtime serve`'s app: OpenAI's API (FastAPI) over one AsyncLLMEngine.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events when
-`stream: true`), GET /v1/models, /health (200; 503 while shutting down; 500 once the engine died),
-/metrics (Prometheus text). With an API key, the /v1 endpoints need `Authorization: Bearer KEY`.
+`stream: true`), POST /tokenize (vLLM's: a text or a conversation tokenized as those two tokenize it), GET
+/v1/models, /health (200; 503 while shutting down; 500 once the engine died), /metrics (Prometheus text).
+With an API key, the /v1 endpoints and /tokenize need `Authorization: Bearer KEY`.
 
 The front end runs on uvicorn's event loop. Per request it checks the key first, then reads the body (at
 most `max_body_bytes`), and hands the rest of the work that grows with the request to a worker thread:
@@ -80,6 +81,9 @@ from tp_runtime.server.protocol import (
     ModelList,
     PromptTokensDetails,
     SamplingFields,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
     union_fields,
 )
@@ -98,6 +102,9 @@ _PIECE_OFF_LOOP_TOKENS = 64
 # compile time of xgrammar grows with the cube of the depth (800 levels: about a minute of a CPU, in a
 # thread the request holds), and a schema given as text is not bounded by the body parser's depth limit.
 MAX_SCHEMA_DEPTH = 64
+_TOKENIZE_REQUEST: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(TokenizeRequest)
+# POSTs outside /v1 whose bodies are JSON too (and so refused as any other type, see _JSONBodiesOnly).
+_JSON_POST_PATHS = frozenset({"/tokenize"})
 
 
 def json_depth(value: Any) -> int:
@@ -215,14 +222,40 @@ class _Context:
             raise bad_request(message, param) from None
         if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
-        # An empty name, like a missing one, means the served model (vLLM's rule: clients left unconfigured
-        # send "").
-        if body.model and body.model != self.model_name:
+        self.check_model(body.model)
+        return body
+
+    def check_model(self, name: str | None) -> None:
+        """404 for a model name other than the served one. An empty name, like a missing one, means the
+        served model (vLLM's rule: clients left unconfigured send "")."""
+        if name and name != self.model_name:
             raise APIError(
-                404, f"The model `{body.model}` does not exist; this server serves `{self.model_name}`.",
+                404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                 param="model", code="model_not_found",
             )  # fmt: skip
-        return body
+
+    def tokenize(self, raw: bytes) -> JSONResponse:
+        """/tokenize: a text as /v1/completions tokenizes a string prompt, or a conversation as
+        /v1/chat/completions renders and tokenizes it (the same code); the response encoded here too."""
+        try:
+            body = _TOKENIZE_REQUEST.validate_json(raw)
+        except pydantic.ValidationError as exc:
+            # Each error's location begins with the form's tag ("chat" or "completion"): leave it out.
+            errors = [{**e, "loc": tuple(e.get("loc", ()))[1:]} for e in exc.errors()]
+            message, param = validation_message(errors)
+            raise bad_request(message, param) from None
+        self.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            ids = self.chat_prompt(body, body.tools)
+        elif body.prompt:
+            ids = self.encode(body.prompt, body.add_special_tokens, "prompt")
+        else:  # nothing to generate from, but a text to tokenize all the same
+            ids = list(self.tokenizer("", add_special_tokens=body.add_special_tokens)["input_ids"])
+        strs = list(self.tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
+        answer = TokenizeResponse(
+            count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs
+        )
+        return JSONResponse(answer.model_dump())
 
     def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         if not text:
@@ -676,9 +709,10 @@ def unsupported_content_type(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 
 class _JSONBodiesOnly:
-    """POST under /v1: a body that is not declared JSON gets 415, from its headers alone (the body is not
-    read). The reason: a web page may send `text/plain` (or a form) cross-origin without a CORS preflight,
-    so without this check any site the user visits could drive a local server."""
+    """POST under /v1 (and /tokenize): a body that is not declared JSON gets 415, from its
+    headers alone (the body is not read). The reason: a web page may send `text/plain` (or a form)
+    cross-origin without a CORS preflight, so without this check any site the user visits could drive a
+    local server."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -686,7 +720,8 @@ class _JSONBodiesOnly:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             path = scope["path"]
-            given = unsupported_content_type(scope["headers"]) if path.startswith("/v1/") else None
+            checked = path.startswith("/v1/") or path in _JSON_POST_PATHS
+            given = unsupported_content_type(scope["headers"]) if checked else None
             if given is not None:
                 what = f"unsupported Content-Type {given[:100]!r}" if given else "no Content-Type"
                 message = f"{what}: send the request body as JSON, with `Content-Type: application/json`"
@@ -804,6 +839,15 @@ def build_app(
         )
         fmt = ChatFormat(body, ctx.tokenizer, plan)
         return await _serve(ctx, request, (body, requests, num_prompt_tokens), fmt, arrival)
+
+    # vLLM's tokenizer API, under the same key as /v1: a text or a conversation tokenized exactly as the
+    # completions and chat endpoints tokenize it, in a worker thread.
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        ctx.authorize(request)
+        ctx.check_available()
+        response: Response = await asyncio.to_thread(ctx.tokenize, await ctx.read_body(request))
+        return response
 
     def begin_drain(grace_s: float) -> None:
         ctx.draining = True

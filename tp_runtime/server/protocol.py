@@ -15,8 +15,10 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     SerializerFunctionWrapHandler,
+    Tag,
     model_serializer,
     model_validator,
 )
@@ -259,6 +261,33 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         return super().unsupported()
 
 
+class TokenizeCompletionRequest(_Request):
+    """/tokenize of a text, as /v1/completions tokenizes a string prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatTemplateFields):
+    """/tokenize of a conversation, as /v1/chat/completions renders and tokenizes it."""
+
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+def _tokenize_kind(value: Any) -> str:
+    return "chat" if isinstance(value, dict) and "messages" in value else "completion"
+
+
+# A body with "messages" is a conversation, any other a text (as vLLM tells them apart).
+TokenizeRequest = Annotated[
+    Annotated[TokenizeChatRequest, Tag("chat")] | Annotated[TokenizeCompletionRequest, Tag("completion")],
+    Discriminator(_tokenize_kind),
+]
+
+
 # ----------------------------------------------------------------------------------------- responses
 
 
@@ -439,6 +468,13 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class ErrorInfo(BaseModel):

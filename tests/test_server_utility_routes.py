@@ -298,3 +298,40 @@ def test_tokenize_failures(keyed: Server) -> None:
     assert _error(response, 415, None)["code"] == 415
     huge = keyed.post("/tokenize", {"prompt": "a" * (2 << 20)})
     assert _error(huge, 413, None)["code"] == 413
+
+
+# -------------------------------------------------------------------------------------- /detokenize
+
+
+def test_detokenize_is_the_tokenizers_decode(keyed: Server, llm: LLM) -> None:
+    """Special tokens included (the BOS), as the tokenizer decodes them; /tokenize's ids come back as the
+    text they were made from."""
+    tok = llm.get_tokenizer()
+    tokens = keyed.post("/tokenize", {"prompt": PROMPT}).json()["tokens"]
+    assert tokens[0] == tok.bos_token_id
+    response = keyed.post("/detokenize", {"model": MODEL, "tokens": tokens})
+    assert response.status_code == 200, response.text
+    assert response.json() == {"prompt": tok.decode(tokens, skip_special_tokens=False)}
+    assert response.json()["prompt"].endswith(PROMPT)
+    last = len(tok) - 1
+    assert keyed.post("/detokenize", {"tokens": [last]}).json()["prompt"] == tok.decode([last])
+    assert keyed.post("/detokenize", {"tokens": []}).json() == {"prompt": ""}
+
+
+def test_detokenize_failures(keyed: Server, llm: LLM) -> None:
+    size = len(llm.get_tokenizer())
+    for outside in (size, -1, 10**12):
+        error = _error(keyed.post("/detokenize", {"tokens": [5, outside]}), 400, "tokens")
+        assert str(outside) in error["message"]
+    _error(keyed.post("/detokenize", {"tokens": [True]}), 400, "tokens")
+    _error(keyed.post("/detokenize", {"tokens": "5"}), 400, "tokens")
+    _error(keyed.post("/detokenize", {}), 400, "tokens")
+    _error(keyed.post("/detokenize", {"tokens": [5]}, headers={"Authorization": "Bearer wrong"}), 401, None)
+    assert (
+        _error(keyed.post("/detokenize", {"model": "x", "tokens": [5]}), 404, "model")["code"]
+        == "model_not_found"
+    )
+    response = httpx.post(f"{keyed.url}/detokenize", content=b'{"tokens": [5]}', headers=keyed.headers)
+    _error(response, 415, None)
+    huge = keyed.post("/detokenize", {"tokens": [5] * (1 << 20)})
+    _error(huge, 413, None)

@@ -1,9 +1,10 @@
 """`tp-runtime serve`'s app: OpenAI's API (FastAPI) over one AsyncLLMEngine.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events when
-`stream: true`), POST /tokenize (vLLM's: a text or a conversation tokenized as those two tokenize it), GET
-/v1/models, /health (200; 503 while shutting down; 500 once the engine died), /metrics (Prometheus text).
-With an API key, the /v1 endpoints and /tokenize need `Authorization: Bearer KEY`.
+`stream: true`), POST /tokenize (vLLM's: a text or a conversation tokenized as those two tokenize it) and
+/detokenize, GET /v1/models, /health (200; 503 while shutting down; 500 once the engine died), /metrics
+(Prometheus text). With an API key, the /v1 endpoints, /tokenize and /detokenize need `Authorization:
+Bearer KEY`.
 
 The front end runs on uvicorn's event loop. Per request it checks the key first, then reads the body (at
 most `max_body_bytes`), and hands the rest of the work that grows with the request to a worker thread:
@@ -76,6 +77,8 @@ from tp_runtime.server.protocol import (
     ChatCompletionRequest,
     ChatTemplateFields,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ModelCard,
     ModelList,
@@ -94,7 +97,7 @@ logger = logging.getLogger(__name__)
 # Choices one request may ask for (prompts x n): each is an engine request.
 MAX_CHOICES = 128
 _MiB = 1 << 20
-_Body = TypeVar("_Body", bound=SamplingFields)
+_Body = TypeVar("_Body", bound=pydantic.BaseModel)
 _EngineRequests = list[tuple[list[int], SamplingParams]]
 # An engine output with more tokens than this (or with prompt logprobs) is formatted in a worker thread.
 _PIECE_OFF_LOOP_TOKENS = 64
@@ -104,7 +107,7 @@ _PIECE_OFF_LOOP_TOKENS = 64
 MAX_SCHEMA_DEPTH = 64
 _TOKENIZE_REQUEST: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(TokenizeRequest)
 # POSTs outside /v1 whose bodies are JSON too (and so refused as any other type, see _JSONBodiesOnly).
-_JSON_POST_PATHS = frozenset({"/tokenize"})
+_JSON_POST_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 def json_depth(value: Any) -> int:
@@ -220,9 +223,11 @@ class _Context:
         except pydantic.ValidationError as exc:
             message, param = validation_message(exc.errors(), union_fields(model))
             raise bad_request(message, param) from None
-        if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
-            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
-        self.check_model(body.model)
+        if isinstance(body, SamplingFields):
+            options = body.stream_options
+            if options is not None and options.model_fields_set and not body.stream:
+                raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        self.check_model(getattr(body, "model", None))
         return body
 
     def check_model(self, name: str | None) -> None:
@@ -256,6 +261,17 @@ class _Context:
             count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs
         )
         return JSONResponse(answer.model_dump())
+
+    def detokenize(self, raw: bytes) -> JSONResponse:
+        """/detokenize: the ids' text with their special tokens (as echo decodes a token-id prompt), the
+        response encoded here too; an id the tokenizer does not hold is a 400 naming tokens."""
+        body = self.parse(DetokenizeRequest, raw)
+        size = len(self.tokenizer)
+        outside = next((t for t in body.tokens if not 0 <= t < size), None)
+        if outside is not None:
+            raise bad_request(f"token id {outside} is outside the vocabulary [0, {size})", "tokens")
+        text = self.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         if not text:
@@ -709,7 +725,7 @@ def unsupported_content_type(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 
 class _JSONBodiesOnly:
-    """POST under /v1 (and /tokenize): a body that is not declared JSON gets 415, from its
+    """POST under /v1 (and /tokenize, /detokenize): a body that is not declared JSON gets 415, from its
     headers alone (the body is not read). The reason: a web page may send `text/plain` (or a form)
     cross-origin without a CORS preflight, so without this check any site the user visits could drive a
     local server."""
@@ -847,6 +863,13 @@ def build_app(
         ctx.authorize(request)
         ctx.check_available()
         response: Response = await asyncio.to_thread(ctx.tokenize, await ctx.read_body(request))
+        return response
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        ctx.authorize(request)
+        ctx.check_available()
+        response: Response = await asyncio.to_thread(ctx.detokenize, await ctx.read_body(request))
         return response
 
     def begin_drain(grace_s: float) -> None:

@@ -288,6 +288,13 @@ TokenizeRequest = Annotated[
 ]
 
 
+class DetokenizeRequest(_Request):
+    """/detokenize: token ids to text, special tokens included (as /v1/completions echoes token ids)."""
+
+    model: str | None = None
+    tokens: Items[int]
+
+
 # ----------------------------------------------------------------------------------------- responses
 
 
@@ -475,6 +482,10 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
     tokens: list[int]
     token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

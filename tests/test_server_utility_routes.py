@@ -1,12 +1,14 @@
-"""`tp-runtime serve`'s request fields beyond sampling, against two real servers for the module (started
-together): `keyed` (`python -m tp_runtime.server.cli tiny-llama-tp` with a chat template and an API key)
-and `trusting` (no template of its own, `--trust-request-chat-template`). Every answer is checked against
-an independent reference: the checkpoint's tokenizer, or `LLM.generate` / `LLM.chat` on the same
-checkpoint.
+"""`tp-runtime serve`'s utility routes (/tokenize, /detokenize, /version, /v1/models/{id}) and request
+fields beyond sampling, against two real servers for the module (started together): `keyed` (`python -m
+tp_runtime.server.cli tiny-llama-tp` with a chat template and an API key) and `trusting` (no template of
+its own, `--trust-request-chat-template`, served as an org/model name). Every answer is checked against
+an independent reference: the checkpoint's tokenizer, the installed package's metadata, or
+`LLM.generate` / `LLM.chat` on the same checkpoint.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import signal
 import subprocess
@@ -23,6 +25,7 @@ from tp_runtime import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama-tp"
+SLASHED = "test-org/tiny-llama"  # the trusting server's name, as an org/model name is written
 MAX_MODEL_LEN = 256
 API_KEY = "utility-key"
 START_DEADLINE_S = 180.0
@@ -79,7 +82,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     ]  # fmt: skip
     flags = {
         "keyed": ["--chat-template", TEMPLATE, "--api-key", API_KEY],
-        "trusting": ["--trust-request-chat-template"],
+        "trusting": ["--trust-request-chat-template", "--served-model-name", SLASHED],
     }
     logs = {name: tmp_path_factory.mktemp(name) / "server.log" for name in flags}
     procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -335,3 +338,33 @@ def test_detokenize_failures(keyed: Server, llm: LLM) -> None:
     _error(response, 415, None)
     huge = keyed.post("/detokenize", {"tokens": [5] * (1 << 20)})
     _error(huge, 413, None)
+
+
+# ------------------------------------------------------------------------ /version, /v1/models/{id}
+
+
+def test_version_is_the_packages(servers: dict[str, Server]) -> None:
+    """The installed distribution's version, with no key needed (as /health)."""
+    response = httpx.get(f"{servers['keyed'].url}/version", timeout=REQUEST_TIMEOUT_S)
+    assert response.status_code == 200, response.text
+    assert response.json() == {"version": importlib.metadata.version("tp_runtime")}
+
+
+@pytest.mark.parametrize(("name", "served"), [("keyed", MODEL), ("trusting", SLASHED)])
+def test_a_models_card_is_the_listed_one(servers: dict[str, Server], name: str, served: str) -> None:
+    server = servers[name]
+    listed = server.get("/v1/models").json()["data"]
+    assert [card["id"] for card in listed] == [served]
+    response = server.get(f"/v1/models/{served}")
+    assert response.status_code == 200, response.text
+    assert response.json() == listed[0]
+    assert response.json()["max_model_len"] == MAX_MODEL_LEN and response.json()["object"] == "model"
+    for other in ("gpt-4", f"{served}-x", f"x/{served}", ""):
+        error = _error(server.get(f"/v1/models/{other}"), 404, "model")
+        assert error["code"] == "model_not_found" and error["type"] == "invalid_request_error"
+
+
+def test_a_models_card_needs_the_key(keyed: Server) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.get(f"{keyed.url}/v1/models/{MODEL}", headers=headers, timeout=REQUEST_TIMEOUT_S)
+        assert _error(response, 401, None)["code"] == "invalid_api_key"

@@ -2,9 +2,9 @@
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events when
 `stream: true`), POST /tokenize (vLLM's: a text or a conversation tokenized as those two tokenize it) and
-/detokenize, GET /v1/models, /health (200; 503 while shutting down; 500 once the engine died), /metrics
-(Prometheus text). With an API key, the /v1 endpoints, /tokenize and /detokenize need `Authorization:
-Bearer KEY`.
+/detokenize, GET /v1/models, /v1/models/{id} (the model's card; 404 for another id), /version, /health
+(200; 503 while shutting down; 500 once the engine died), /metrics (Prometheus text). With an API key,
+the /v1 endpoints, /tokenize and /detokenize need `Authorization: Bearer KEY`.
 
 The front end runs on uvicorn's event loop. Per request it checks the key first, then reads the body (at
 most `max_body_bytes`), and hands the rest of the work that grows with the request to a worker thread:
@@ -48,6 +48,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tp_runtime import __version__
 from tp_runtime.engine.async_engine import AsyncLLMEngine, RequestStream
 from tp_runtime.engine.llm import template_variables
 from tp_runtime.engine.llm_engine import child_params
@@ -88,6 +89,7 @@ from tp_runtime.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
+    VersionResponse,
     union_fields,
 )
 from tp_runtime.server.tool_calls import ToolPlan, template_tool_call
@@ -234,10 +236,13 @@ class _Context:
         """404 for a model name other than the served one. An empty name, like a missing one, means the
         served model (vLLM's rule: clients left unconfigured send "")."""
         if name and name != self.model_name:
-            raise APIError(
-                404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
-                param="model", code="model_not_found",
-            )  # fmt: skip
+            raise self.model_not_found(name)
+
+    def model_not_found(self, name: str) -> APIError:
+        return APIError(
+            404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+            param="model", code="model_not_found",
+        )  # fmt: skip
 
     def tokenize(self, raw: bytes) -> JSONResponse:
         """/tokenize: a text as /v1/completions tokenizes a string prompt, or a conversation as
@@ -826,12 +831,24 @@ def build_app(
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
+
+    # The one model's card, the same on every call (created: when the app was built).
+    card = ModelCard(id=model_name, created=int(time.time()), max_model_len=max_model_len)
+
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
         ctx.authorize(request)
-        return ModelList(
-            data=[ModelCard(id=model_name, created=int(time.time()), max_model_len=max_model_len)]
-        )
+        return ModelList(data=[card])
+
+    @app.get("/v1/models/{model_id:path}")  # a served name may hold slashes (org/model)
+    async def model(request: Request, model_id: str) -> ModelCard:
+        ctx.authorize(request)
+        if model_id != model_name:
+            raise ctx.model_not_found(model_id)
+        return card
 
     # The key is checked before the body is read; the body is parsed, tokenized and checked off the loop.
     @app.post("/v1/completions")

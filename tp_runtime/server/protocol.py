@@ -488,6 +488,10 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class VersionResponse(BaseModel):
+    version: str
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

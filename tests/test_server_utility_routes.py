@@ -8,20 +8,26 @@ an independent reference: the checkpoint's tokenizer, the installed package's me
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from test_server import InProcess
+from test_streaming_engine import VOCAB, ScriptedExecutor, closed_form
 
 from tp_runtime import LLM, SamplingParams
+from tp_runtime.config import build_model_config
+from tp_runtime.presets import build_preset_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama-tp"
@@ -368,3 +374,67 @@ def test_a_models_card_needs_the_key(keyed: Server) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         response = httpx.get(f"{keyed.url}/v1/models/{MODEL}", headers=headers, timeout=REQUEST_TIMEOUT_S)
         assert _error(response, 401, None)["code"] == "invalid_api_key"
+
+
+# ------------------------------------------------------------------------------ off the event loop
+
+
+class _HeldTokenizer:
+    """The front end's tokenizer, held inside its encode of one text and its decode of one id list until
+    the test lets it go."""
+
+    def __init__(self, inner: Any, text: str, ids: list[int]) -> None:
+        self.inner, self.text, self.ids = inner, text, ids
+        self.entered, self.go = threading.Event(), threading.Event()
+        self.timed_out = False
+
+    def _hold(self) -> None:
+        self.entered.set()
+        self.timed_out |= not self.go.wait(20)
+
+    def __call__(self, text: str, **kwargs: Any) -> Any:
+        if text == self.text:
+            self._hold()
+        return self.inner(text, **kwargs)
+
+    def decode(self, ids: list[int], **kwargs: Any) -> Any:
+        if list(ids) == self.ids:
+            self._hold()
+        return self.inner.decode(ids, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize(
+    ("path", "held_body", "other_body"),
+    [
+        ("/tokenize", {"prompt": "a huge prompt"}, {"prompt": "Hi"}),
+        ("/detokenize", {"tokens": [5, 6, 7]}, {"tokens": [5]}),
+    ],
+)
+def test_tokenizing_does_not_block_the_event_loop(
+    make_checkpoint: Callable[..., Path], path: str, held_body: Any, other_body: Any
+) -> None:
+    """While one request's text is being tokenized (or its ids decoded), /health and other requests are
+    answered (the app in this process, over test_server's scripted engine)."""
+    config = build_model_config(make_checkpoint(seed=3), max_model_len=128)
+    byte_tokenizer = build_preset_tokenizer(VOCAB)
+    front = _HeldTokenizer(byte_tokenizer, "a huge prompt", [5, 6, 7])
+
+    async def main(served: InProcess) -> None:
+        async with served.client() as client:
+            held = asyncio.create_task(client.post(path, json=held_body))
+            assert await asyncio.to_thread(front.entered.wait, 60)
+            assert (await client.get("/health")).status_code == 200
+            assert (await client.post(path, json=other_body)).status_code == 200
+            assert not front.go.is_set()
+            front.go.set()
+            assert (await held).status_code == 200
+
+    with InProcess(config, byte_tokenizer, ScriptedExecutor(closed_form), front_tokenizer=front) as served:
+        asyncio.run(main(served))
+    assert not front.timed_out, "the held tokenizer blocked the event loop"

@@ -241,8 +241,15 @@ def test_prompt_forms_and_open_ended_max_tokens(llm: LLM, model_dir: Path) -> No
     # In a batch, an error names the prompt it is about (nothing of the batch runs).
     with pytest.raises(InvalidRequestError, match=r"^prompt 1: prompt token id 999 is outside the vocab"):
         llm.generate([text, {"prompt_token_ids": [1, 999]}], GREEDY, use_tqdm=False)
-    with pytest.raises(InvalidRequestError, match=r"got a dict with keys \['text'\]"):
+    with pytest.raises(
+        InvalidRequestError, match=r"takes only 'prompt' and 'prompt_token_ids' here, got \['text'\]"
+    ):
         llm.generate({"text": text}, GREEDY, use_tqdm=False)
+    # vLLM's multi-modal inputs are refused, not dropped.
+    with pytest.raises(
+        InvalidRequestError, match=r"got \['multi_modal_data'\] \(this engine serves text-only"
+    ):
+        llm.generate({"prompt": text, "multi_modal_data": {"image": None}}, GREEDY, use_tqdm=False)
     max_len = llm.engine.config.model.max_model_len
     open_ended = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     [result] = llm.generate(text, open_ended, use_tqdm=False)

@@ -160,6 +160,12 @@ class LLM:
             if not prompt:
                 raise InvalidRequestError("the prompt is empty; give at least one character or token")
             return prompt, self._encode(prompt)
+        if isinstance(prompt, dict) and (unserved := sorted(map(str, prompt.keys() - _PROMPT_KEYS))):
+            # vLLM's multi_modal_data and the like: refused, rather than generating as if they were not there.
+            raise InvalidRequestError(
+                f"a prompt dict takes only 'prompt' and 'prompt_token_ids' here, got {unserved} (this engine "
+                "serves text-only models)"
+            )
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), prompt["prompt_token_ids"]
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
@@ -344,6 +350,10 @@ class LLM:
                     bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
                 bar.update(len(done))
         return finished
+
+
+# The keys of a prompt dict (vLLM's TextPrompt and TokensPrompt, text only).
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
 
 
 def _preview(value: Any, limit: int = 80) -> str:

@@ -144,6 +144,11 @@ def test_kv_heads_that_do_not_divide_the_heads_and_no_layers_are_config_errors(
     model_dir = make_checkpoint(hidden_size=96, num_attention_heads=6, num_key_value_heads=4)
     with pytest.raises(ConfigError, match="num_key_value_heads=4 must divide num_attention_heads=6"):
         build_model_config(model_dir, device="cpu")
+    no_kv_heads = tmp_path / "no-kv-heads"
+    shutil.copytree(make_checkpoint(), no_kv_heads)
+    edit_config(no_kv_heads, num_key_value_heads=0)  # 0 is no "not given": not the query heads' count
+    with pytest.raises(ConfigError, match="num_key_value_heads=0 must divide"):
+        build_model_config(no_kv_heads, device="cpu")
     no_layers = tmp_path / "no-layers"
     shutil.copytree(make_checkpoint(), no_layers)
     edit_config(no_layers, num_hidden_layers=0)

@@ -26,7 +26,7 @@ import torch
 import transformers
 from conftest import hf_greedy, hf_logprobs, random_prompts
 
-from tp_runtime import LLM, SamplingParams
+from tp_runtime import LLM, SamplingParams, StructuredOutputsParams
 from tp_runtime.errors import InvalidRequestError
 
 VOCAB = 300
@@ -271,7 +271,7 @@ def test_logit_bias_and_allowed_token_ids_match_brute_force(
             assert not set(got[i]) & set(range(3, 40))
         changed += want != reference(prompt, m)
     assert changed >= 4, "the biases changed too few outputs to test them"
-    # +100 forces a token, once min_tokens lets EOS and the stop ids through; the logprobs stay raw.
+    # +100 forces a token.
     forced = run(llm, [prompts[0]], [greedy(5, logit_bias={7: 100.0}, logprobs=1)])[0]
     assert forced == [7] * 5
 
@@ -305,7 +305,32 @@ def test_bad_logit_bias_or_allowed_tokens_are_refused(fields: dict[str, Any], me
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(model_dir: Path) -> None:
+    """Also what no token could satisfy, and values changed inside a SamplingParams after it was made (its
+    dict and list are the caller's: an in-process rank runs no step check)."""
+    mutated_bias, mutated_allowed = greedy(2, logit_bias={5: 1.0}), greedy(2, allowed_token_ids=[5, 6])
+    assert mutated_bias.logit_bias is not None and mutated_allowed.allowed_token_ids is not None
+    mutated_bias.logit_bias[5] = float("nan")
+    mutated_allowed.allowed_token_ids.append(-3)
     with LLM(model_dir, dtype="float32", device="cpu") as engine:
+        eos = sorted(engine.engine.eos_token_ids)
+        for params, message in (
+            (mutated_bias, r"logit_bias values must be in \[-100, 100\], got nan"),
+            (mutated_allowed, "allowed token id -3 is outside the vocabulary"),
+            (
+                SamplingParams(temperature=0, allowed_token_ids=[*eos, 9], stop_token_ids=[9], min_tokens=1),
+                "holds only stop tokens",
+            ),
+            (
+                greedy(2, allowed_token_ids=[4, 5], structured_outputs=StructuredOutputsParams(regex="a+")),
+                "cannot be combined with structured_outputs",
+            ),
+        ):
+            with pytest.raises(InvalidRequestError, match=message):
+                engine.generate({"prompt_token_ids": [5, 6]}, params, use_tqdm=False)
+        # With a token that min_tokens does not hold back, it runs.
+        ok = SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[*eos, 9], min_tokens=2)
+        out = run(engine, [[5, 6]], [ok])[0]
+        assert out[:2] == [9, 9] and set(out) <= {*eos, 9}
         for fields, message in (
             (dict(logit_bias={VOCAB: 1.0}), f"logit_bias token id {VOCAB} is outside the vocabulary"),
             (

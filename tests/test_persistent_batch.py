@@ -33,6 +33,9 @@ def random_request(rng: random.Random, req_id: int) -> NewRequest:
         num_logprobs=rng.choice([-1, 0, 2]), repetition_penalty=rng.choice([1.0, 1.0, 1.3]),
         presence_penalty=rng.choice([0.0, 0.0, 0.5]), frequency_penalty=rng.choice([0.0, 0.0, -0.4]),
         num_prompt_logprobs=rng.choice([-1, -1, 2]),
+        logit_bias_ids=(bias_ids := sorted(rng.sample(range(VOCAB), rng.choice([0, 0, 3])))),
+        logit_bias_values=[rng.uniform(-5, 5) for _ in bias_ids],
+        allowed_token_ids=sorted(rng.sample(range(VOCAB), rng.choice([0, 0, 7]))),
     )  # fmt: skip
     return NewRequest(
         req_id=req_id, token_ids=[rng.randrange(VOCAB) for _ in range(n)], num_output_tokens=num_output,

@@ -613,7 +613,8 @@ def _max_positions(hf_config: Any) -> int:
         return max_positions
     if rope_type == "yarn":
         original = params.get("original_max_position_embeddings")
-        max_positions = int(original) if isinstance(original, int) and original > 0 else max_positions
+        if isinstance(original, (int, float)) and original > 0:
+            max_positions = int(original)
     return int(max_positions * factor)
 
 
@@ -722,7 +723,8 @@ def build_model_config(
             f"supported: {', '.join(ARCHITECTURES)}"
         )
     num_heads = int(hf.num_attention_heads)
-    num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or num_heads)
+    kv_heads = getattr(hf, "num_key_value_heads", None)
+    num_kv_heads = num_heads if kv_heads is None else int(kv_heads)
     # Else attention failed in torch (SDPA's "Number of heads in key and value must divide ...") and a
     # model without layers with an IndexError, both in the first forward or while building the model.
     if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:

@@ -165,19 +165,27 @@ class SamplingParams:
             # Its grammar may be complete, allowing only EOS, before min_tokens: nothing could be sampled.
             raise bad("min_tokens must be 0 with structured_outputs (the grammar decides where it ends)")
         bias = self.logit_bias
-        if bias is not None and (
-            not isinstance(bias, dict)
-            or not all(is_int(t) and 0 <= t < _INT64_END for t in bias)
-            or not all(is_real(v) and -100 <= v <= 100 for v in bias.values())
-        ):
-            raise bad(f"logit_bias must map token ids (ints >= 0) to numbers in [-100, 100], got {bias!r}")
+        if bias is not None:
+            entry = (
+                next(((t, v) for t, v in bias.items() if not (is_int(t) and 0 <= t < _INT64_END and is_real(v)
+                                                             and -100 <= v <= 100)), None)
+                if isinstance(bias, dict) else bias
+            )  # fmt: skip
+            if entry is not None:  # quoted alone: the whole mapping may be huge
+                raise bad(
+                    f"logit_bias must map token ids (ints >= 0) to numbers in [-100, 100], got {entry!r}"
+                )
         allowed = self.allowed_token_ids
-        if allowed is not None and (
-            not isinstance(allowed, (list, tuple))
-            or not allowed
-            or not all(is_int(t) and 0 <= t < _INT64_END for t in allowed)
-        ):
-            raise bad(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {allowed!r}")
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple)) or not allowed:
+                raise bad(
+                    f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {allowed!r}"
+                )
+            wrong = next((t for t in allowed if not (is_int(t) and 0 <= t < _INT64_END)), None)
+            if wrong is not None:
+                raise bad(
+                    f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {wrong!r}"
+                )
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):

@@ -339,14 +339,37 @@ class LLMEngine:
                     + (f"the vocabulary size {vocab}" if value > vocab else f"max_logprobs={limit}")
                     + "; ask for fewer (or raise LLM(max_logprobs=...))"
                 )
+        # Checked again in full: SamplingParams is frozen, but the lists and dicts it holds are not, and an
+        # in-process rank runs no step check.
         for name, what in (
             ("stop_token_ids", "stop token id"), ("logit_bias", "logit_bias token id"),
             ("allowed_token_ids", "allowed token id"),
         ):  # fmt: skip
-            outside = [t for t in getattr(params, name) or () if t >= vocab]
-            if outside:
-                # The field named, so that the server's 400 names it as its param.
-                raise InvalidRequestError(f"{what} {outside[0]} is outside the vocabulary [0, {vocab})", name)
+            for t in getattr(params, name) or ():
+                if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab):
+                    # The field named, so that the server's 400 names it as its param.
+                    raise InvalidRequestError(f"{what} {t!r} is outside the vocabulary [0, {vocab})", name)
+        for value in (params.logit_bias or {}).values():
+            if not (isinstance(value, (int, float)) and -100 <= value <= 100):
+                raise InvalidRequestError(
+                    f"logit_bias values must be in [-100, 100], got {value!r}", "logit_bias"
+                )
+        allowed = params.allowed_token_ids
+        if allowed is not None and params.structured_outputs is not None:
+            raise InvalidRequestError(
+                "allowed_token_ids cannot be combined with structured_outputs: the grammar decides which "
+                "tokens may come next", "allowed_token_ids",
+            )  # fmt: skip
+        if allowed is not None and params.min_tokens:
+            held_back = set(params.stop_token_ids or ()) | (
+                set() if params.ignore_eos else self.eos_token_ids
+            )
+            if held_back.issuperset(allowed):
+                raise InvalidRequestError(
+                    f"allowed_token_ids holds only stop tokens (EOS, stop_token_ids), which min_tokens="
+                    f"{params.min_tokens} holds back: no token could be sampled; allow others, or drop "
+                    "min_tokens", "allowed_token_ids",
+                )  # fmt: skip
 
     # ----------------------------------------------------------------- stepping
     def has_unfinished_requests(self) -> bool:

@@ -157,13 +157,11 @@ def sampling_params(
     except InvalidRequestError as exc:
         raise bad_request(str(exc), exc.field) from None
     bias = None
-    if body.logit_bias:
-        try:  # JSON object keys are strings: OpenAI's token ids
-            bias = {int(token): value for token, value in body.logit_bias.items()}
-        except ValueError:
-            raise bad_request(
-                f"logit_bias keys must be token ids, got {sorted(body.logit_bias)[:4]}", "logit_bias"
-            ) from None
+    if body.logit_bias:  # JSON object keys are strings: OpenAI's token ids, in decimal digits
+        wrong = next((token for token in body.logit_bias if not token.isascii() or not token.isdigit()), None)
+        if wrong is not None:
+            raise bad_request(f"logit_bias keys must be token ids, got {wrong[:40]!r}", "logit_bias")
+        bias = {int(token): value for token, value in body.logit_bias.items()}
     try:
         return SamplingParams(
             structured_outputs=structured,

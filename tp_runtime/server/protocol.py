@@ -1,6 +1,7 @@
 """Request and response bodies of the OpenAI API (completions, chat completions, models, errors), as
 pydantic models. Requests take OpenAI's fields plus vLLM's sampling extensions (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, prompt_logprobs);
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, prompt_logprobs,
+allowed_token_ids, structured_outputs);
 unknown fields are ignored, as OpenAI does. Fields the server cannot honour are declared so that it can
 refuse them with a 400 rather than ignore them (see `unsupported`)."""
 

@@ -40,7 +40,7 @@ from tp_runtime.worker.inputs import (
 from tp_runtime.worker.kernel_precompile import KernelPrecompiler, compile_threads
 from tp_runtime.worker.mixed_graphs import MIXED_GRAPH_MAX_TOKENS, MixedStepGraphs
 from tp_runtime.worker.outputs import HostTransfer, PendingOutput, pack_prompt_logprobs, start_host_transfer
-from tp_runtime.worker.persistent_batch import PenaltyState, PersistentBatch
+from tp_runtime.worker.persistent_batch import PenaltyState, PersistentBatch, apply_token_biases
 from tp_runtime.worker.sampler import Sampler, SamplerOutput, SamplingBatch
 
 if TYPE_CHECKING:  # any model class behind the interface; the runner knows no architecture
@@ -607,8 +607,8 @@ class ModelRunner:
                 if masked is logits:
                     masked = logits.clone()
                 stops.mask(masked[i])
-        for i in biased.tolist():
-            batch.token_bias[rows[i]].apply(masked[i])
+        if len(biased):
+            apply_token_biases(masked, biased, [batch.token_bias[rows[i]] for i in biased.tolist()])
         return masked
 
     def _start_transfer(

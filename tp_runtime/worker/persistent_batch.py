@@ -105,6 +105,7 @@ class PersistentBatch:
         self.req_at: list[int] = []
         widths = {"max_model_len": max_model_len, "max_blocks": max_blocks}
         self._columns = self.columns()
+        self._object_columns = [c for c in self._columns if c.dtype is object]
         for col in self._columns:
             shape = (max_rows,) if col.width is None else (max_rows, widths[col.width])
             setattr(self, col.name, np.zeros(shape, dtype=col.dtype))
@@ -170,6 +171,8 @@ class PersistentBatch:
             moved = self.req_at[last]
             self.req_at[row] = moved
             self.row_of[moved] = row
+        for col in self._object_columns:  # the vacated row lets go of its objects (and their device copies)
+            getattr(self, col.name)[last] = None
         self.req_at.pop()
 
     def device_columns(self, row: int) -> list[np.ndarray | torch.Tensor]:
@@ -226,14 +229,14 @@ class StopTokens:
 
 
 class TokenBias:
-    """A request's logit_bias and allowed_token_ids, applied to its row of the logits before the penalties
-    (vLLM's order). Its device tensors are made on first use and kept: the object moves with its row."""
+    """A request's logit_bias and allowed_token_ids (`apply_token_biases` applies a step's at once). Its
+    device tensors are made on first use and kept: the object moves with its row."""
 
-    __slots__ = ("_allowed", "_device", "_ids", "_values")
+    __slots__ = ("device", "host")
 
     def __init__(self, ids: list[int], values: list[float], allowed: list[int]) -> None:
-        self._ids, self._values, self._allowed = ids, values, allowed
-        self._device: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None = None
+        self.host = (ids, values, allowed)
+        self.device: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def of(cls, s: RequestSampling) -> TokenBias | None:
@@ -242,27 +245,48 @@ class TokenBias:
         return cls(s.logit_bias_ids, s.logit_bias_values, s.allowed_token_ids)
 
     def __eq__(self, other: object) -> bool:  # by the ids and values held (the device copies are a cache)
-        return isinstance(other, TokenBias) and (other._ids, other._values, other._allowed) == (
-            self._ids,
-            self._values,
-            self._allowed,
-        )
+        return isinstance(other, TokenBias) and other.host == self.host
 
-    def apply(self, row: torch.Tensor) -> None:
-        """In place on one row of float32 logits."""
-        if self._device is None:
-            dev = row.device
-            ids = _device_ids(self._ids, dev) if self._ids else None
-            values = to_device(np.asarray(self._values, dtype=np.float32), dev)
-            allowed = _device_ids(self._allowed, dev) if self._allowed else None
-            self._device = (ids, values, allowed)
-        ids, values, allowed = self._device
-        if allowed is not None:
-            kept = row.index_select(0, allowed)
-            row.fill_(float("-inf"))
-            row.index_copy_(0, allowed, kept)
-        if ids is not None:
-            row.index_add_(0, ids, values)
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(bias ids, their biases, allowed ids) on `device`; empty tensors for what the request lacks."""
+        if self.device is None:
+            ids, values, allowed = self.host
+            biases = to_device(np.asarray(values, dtype=np.float32), device)
+            self.device = (_device_ids(ids, device), biases, _device_ids(allowed, device))
+        return self.device
+
+
+def apply_token_biases(logits: torch.Tensor, rows: np.ndarray, biases: list[TokenBias]) -> None:
+    """In place on float32 logits, before the penalties (vLLM's order): logits row `rows[i]` keeps only
+    biases[i]'s allowed tokens, then gets its logit_bias. A few kernels for the whole step, however many
+    rows, and no host sync."""
+    device = logits.device
+    held = [(row, *bias.on(device)) for row, bias in zip(rows.tolist(), biases, strict=True)]
+    allowed = [(row, ids) for row, _, _, ids in held if ids.numel()]
+    if allowed:
+        row_of, ids = _flattened(allowed, device)
+        kept = logits[row_of, ids]
+        whole_rows = to_device(np.asarray([row for row, _ in allowed], dtype=np.int64), device)
+        logits.index_fill_(0, whole_rows, float("-inf"))
+        logits.index_put_((row_of, ids), kept)
+    biased = [(row, ids, values) for row, ids, values, _ in held if ids.numel()]
+    if biased:
+        row_of, ids = _flattened([(row, ids) for row, ids, _ in biased], device)
+        values = _joined([values for _, _, values in biased])
+        logits.index_put_((row_of, ids), values, accumulate=True)
+
+
+def _flattened(
+    rows_ids: list[tuple[int, torch.Tensor]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the row of each id, the ids) of several rows' id lists, as two flat device tensors."""
+    counts = [ids.numel() for _, ids in rows_ids]
+    row_of = np.repeat(np.asarray([row for row, _ in rows_ids], dtype=np.int64), counts)
+    return to_device(row_of, device), _joined([ids for _, ids in rows_ids])
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 class PenaltyState:

@@ -6,8 +6,9 @@ lm_head.weight (transformers fills the embeddings from it, so does the loader), 
 under an untied config (a ConfigError naming the setting); generation_config.json's eos ids, and a
 malformed one as a ConfigError; config.json values no model can have (more experts per token than
 experts, decoder_sparse_step 0, KV heads that do not divide the heads, no layers, a rope factor of the
-wrong type) as ConfigErrors instead of errors from inside torch or transformers; and a checkpoint
-error that the worker processes find at TP 2 as the same ConfigError.
+wrong type) as ConfigErrors instead of errors from inside torch or transformers; a checkpoint
+error that the worker processes find at TP 2 as the same ConfigError; and a weight stored in a valid
+safetensors dtype the loader does not read (a ConfigError naming the tensor and its dtype).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import transformers
 from conftest import assert_same_tokens, hf_greedy, random_prompts
 from safetensors.torch import load_file, save_file
 
-from tp_runtime import LLM, SamplingParams
+from tp_runtime import LLM, SamplingParams, loader
 from tp_runtime.config import build_model_config
+from tp_runtime.distributed import TPGroup
 from tp_runtime.errors import ConfigError
+from tp_runtime.models.llama import LlamaForCausalLM
 
 MAX_TOKENS = 6
 
@@ -193,3 +196,28 @@ def test_rope_parameter_of_the_wrong_type_is_config_error(
     edit_config(model_dir, rope_parameters={"rope_type": "linear", "factor": "2.0", "rope_theta": 10000.0})
     with pytest.raises(ConfigError, match=r"rope parameters .* not valid for rope type 'linear' \(TypeError"):
         build_model_config(model_dir, device="cpu")
+
+
+# ----------------------------------------------------------------------------- safetensors files
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e8m0fnu])
+def test_a_valid_dtype_the_loader_does_not_read_is_named(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """A weight stored in a valid safetensors dtype the loader does not read (U16, U32, U64, F8_E8M0, ...)
+    was refused as "not a valid safetensors file ... re-download", which does not help; the error names
+    the tensor, its dtype and that it is not supported."""
+
+    def retype(t: dict[str, torch.Tensor]) -> None:
+        t["model.norm.weight"] = t["model.norm.weight"].to(dtype)
+
+    model_dir = with_tensors(make_checkpoint(), tmp_path / "retyped", retype)
+    cfg = build_model_config(model_dir, dtype="float32", device="cpu")
+    model = LlamaForCausalLM(cfg, TPGroup(0, 1), torch.float32, torch.device("cpu"))
+    stored = {torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64"}.get(dtype, "F8_E8M0")
+    with pytest.raises(ConfigError) as info:
+        loader.load_weights(model, str(model_dir), torch.float32)
+    message = str(info.value)
+    assert f"tensor 'model.norm.weight' is stored as {stored}" in message, message
+    assert "does not support" in message and "re-download" not in message, message

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 # What a checkpoint weight and its FP8 scales load into: a linear layer, or a stack of experts' weights.
 QuantizedLayer = ColumnParallelLinear | RowParallelLinear | ExpertWeights
 
-# safetensors' dtype names.
+# safetensors' dtype names: those the loader reads, and every other valid one with its size in bits (such a
+# tensor is refused by name and dtype when it is read, not as a broken file).
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -47,6 +48,10 @@ _SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+_UNSUPPORTED_DTYPE_BITS = {
+    "U64": 64, "U32": 32, "U16": 16, "C64": 64, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8,
+    "F6_E2M3": 6, "F6_E3M2": 6, "F4": 4,
+}  # fmt: skip
 _MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 
 
@@ -77,7 +82,8 @@ class SafetensorsFile:
             f"{self.path} is not a valid safetensors file ({why}); re-download or re-convert it"
         )
 
-    def _read_header(self) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
+    def _read_header(self) -> dict[str, tuple[torch.dtype | str, tuple[int, ...], int, int]]:
+        """Each tensor's dtype (its safetensors name where the loader does not read it), shape and span."""
         size = os.fstat(self._file.fileno()).st_size
         prefix = self._file.read(8)
         if len(prefix) < 8:
@@ -97,7 +103,12 @@ class SafetensorsFile:
             if name == "__metadata__":
                 continue
             try:
-                dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+                dtype: torch.dtype | str
+                if info["dtype"] in _UNSUPPORTED_DTYPE_BITS:
+                    dtype, bits = info["dtype"], _UNSUPPORTED_DTYPE_BITS[info["dtype"]]
+                else:
+                    dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+                    bits = 8 * dtype.itemsize
                 shape = tuple(info["shape"])
                 begin, end = info["data_offsets"]
             except (KeyError, TypeError, ValueError):
@@ -105,7 +116,7 @@ class SafetensorsFile:
             numbers = (*shape, begin, end)
             if not all(type(x) is int and 0 <= x < 1 << 62 for x in numbers):
                 raise self._bad(f"tensor {name!r}'s shape and offsets must be non-negative integers")
-            if end - begin != math.prod(shape) * dtype.itemsize or data_start + end > size:
+            if 8 * (end - begin) != math.prod(shape) * bits or data_start + end > size:
                 raise self._bad(f"tensor {name!r}'s offsets do not match its shape or the file")
             entries[name] = (dtype, shape, data_start + begin, data_start + end)
         spans = sorted((begin, end) for _, _, begin, end in entries.values() if end > begin)
@@ -116,7 +127,8 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self._entries)
 
-    def dtype(self, name: str) -> torch.dtype:
+    def dtype(self, name: str) -> torch.dtype | str:
+        """The tensor's torch dtype, or its safetensors dtype name where the loader cannot read it."""
         return self._entries[name][0]
 
     def __contains__(self, name: object) -> bool:
@@ -129,6 +141,11 @@ class SafetensorsFile:
         """Tensor `name`, or only [start, start + length) of its dimension `dim`: only those bytes are read
         (one read per index of the dimensions before `dim`)."""
         dtype, shape, begin, _ = self._entries[name]
+        if isinstance(dtype, str):  # a valid safetensors file; "re-download" was the wrong advice
+            raise ConfigError(
+                f"{os.path.basename(self.path)}: tensor {name!r} is stored as {dtype}, a safetensors dtype "
+                f"tp_runtime does not support (it reads {', '.join(_SAFETENSORS_DTYPES)})"
+            )
         if length is None:
             dim, start, length = 0, 0, shape[0] if shape else 1
         extent = (shape or (1,))[dim] if 0 <= dim < max(len(shape), 1) else -1

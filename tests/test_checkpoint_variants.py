@@ -8,7 +8,8 @@ malformed one as a ConfigError; config.json values no model can have (more exper
 experts, decoder_sparse_step 0, KV heads that do not divide the heads, no layers, a rope factor of the
 wrong type) as ConfigErrors instead of errors from inside torch or transformers; a checkpoint
 error that the worker processes find at TP 2 as the same ConfigError; and a weight stored in a valid
-safetensors dtype the loader does not read (a ConfigError naming the tensor and its dtype).
+safetensors dtype the loader does not read (a ConfigError naming the tensor and its dtype); the rotary
+inv_freq buffers older checkpoints carry, skipped by every family (Gemma 2 refused them).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import assert_same_tokens, hf_greedy, random_prompts
+from conftest import GEMMA2, assert_same_tokens, hf_greedy, random_prompts
 from safetensors.torch import load_file, save_file
 
 from tp_runtime import LLM, SamplingParams, loader
@@ -40,10 +41,11 @@ def engine_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def check_matches_hf(model_dir: Path) -> None:
+def check_matches_hf(model_dir: Path, attn_implementation: str | None = None) -> None:
     prompts = random_prompts((5, 19), json.loads((model_dir / "config.json").read_text())["vocab_size"])
     got = engine_greedy(model_dir, prompts)
-    assert_same_tokens(got, hf_greedy(model_dir, prompts, MAX_TOKENS), prompts)
+    want = hf_greedy(model_dir, prompts, MAX_TOKENS, attn_implementation=attn_implementation)
+    assert_same_tokens(got, want, prompts)
 
 
 def with_tensors(src: Path, out: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
@@ -96,6 +98,34 @@ def test_tied_checkpoint_with_only_the_lm_head(make_checkpoint: Callable[..., Pa
         t["lm_head.weight"] = t.pop("model.embed_tokens.weight")
 
     check_matches_hf(with_tensors(make_checkpoint(tie_word_embeddings=True), tmp_path / "head", head_only))
+
+
+# ----------------------------------------------------------------------------- checkpoint tensors
+
+
+@pytest.mark.parametrize(
+    ("architecture", "overrides", "attn"),
+    [("LlamaForCausalLM", {}, None), ("Gemma2ForCausalLM", GEMMA2, "eager")],
+    ids=["llama", "gemma2"],
+)
+def test_rotary_inv_freq_buffers_in_the_checkpoint_are_skipped(
+    make_checkpoint: Callable[..., Path],
+    tmp_path: Path,
+    architecture: str,
+    overrides: dict[str, object],
+    attn: str | None,
+) -> None:
+    """Older checkpoints carry transformers' rotary inverse frequencies (a buffer it no longer saves and
+    ignores when loading); the Llama family skipped them, Gemma 2 refused the checkpoint as holding an
+    unexpected tensor. Both families share the rule now, and give HF's tokens."""
+
+    def with_inv_freq(t: dict[str, torch.Tensor]) -> None:
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16)
+        t["model.rotary_emb.inv_freq"] = inv_freq
+        t["model.layers.0.self_attn.rotary_emb.inv_freq"] = inv_freq.clone()
+
+    model_dir = with_tensors(make_checkpoint(architecture, **overrides), tmp_path / "m", with_inv_freq)
+    check_matches_hf(model_dir, attn)
 
 
 # ----------------------------------------------------------------------------- generation_config.json

@@ -29,7 +29,7 @@ from tp_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_runtime.layers.linear import TritonMatmul, use_matmul
 from tp_runtime.layers.norm import GemmaRMSNorm
 from tp_runtime.layers.rotary import RotaryEmbedding
-from tp_runtime.models.interface import CheckpointEntry
+from tp_runtime.models.interface import CheckpointEntry, unused_checkpoint_tensor
 from tp_runtime.models.llama import LlamaAttention, LlamaMLP
 
 
@@ -188,6 +188,8 @@ class Gemma2ForCausalLM(nn.Module):
     def checkpoint_targets(self, name: str) -> Iterator[tuple[nn.Parameter, int]]:
         if name.startswith("lm_head.") and self.config.tie_word_embeddings:
             return  # tied: the embedding provides it
+        if unused_checkpoint_tensor(name):
+            return
         _, param, shard = self._checkpoint[name]  # KeyError: not a tensor of this model
         yield param, shard
 

@@ -33,6 +33,14 @@ class FeedForward(Protocol):
         ...
 
 
+
+def unused_checkpoint_tensor(name: str) -> bool:
+    """A tensor some checkpoints hold that fills no parameter and is skipped: the rotary inverse
+    frequencies (`...rotary_emb.inv_freq`), a buffer transformers once saved and now keeps out of
+    checkpoints (non-persistent) and ignores in older ones; the model computes them from its config."""
+    return name.endswith("rotary_emb.inv_freq")
+
+
 # An architecture's config adapter: the ModelConfig fields it sets from a Hugging Face config (biases,
 # sliding window, experts); build_model_config fills the fields every architecture shares.
 ConfigAdapter = Callable[[Any], dict[str, Any]]

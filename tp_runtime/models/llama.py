@@ -27,7 +27,7 @@ from tp_runtime.layers.linear import (
 from tp_runtime.layers.norm import RMSNorm
 from tp_runtime.layers.quantization import linear_method
 from tp_runtime.layers.rotary import RotaryEmbedding, apply_rotary
-from tp_runtime.models.interface import CheckpointEntry, FeedForward
+from tp_runtime.models.interface import CheckpointEntry, FeedForward, unused_checkpoint_tensor
 
 
 class LlamaAttention(nn.Module):
@@ -324,7 +324,7 @@ class LlamaForCausalLM(nn.Module):
         """The parameter a checkpoint tensor name feeds, with the shard index inside a fused one."""
         if name.startswith("lm_head.") and self.config.tie_word_embeddings:
             return  # tied: the embedding provides it
-        if "rotary_emb.inv_freq" in name:
+        if unused_checkpoint_tensor(name):
             return
         _, param, shard = self._checkpoint[name]  # KeyError: not a tensor of this model
         yield param, shard

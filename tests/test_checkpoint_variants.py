@@ -3,10 +3,11 @@
 Covered: a tied model whose checkpoint holds lm_head.weight (equal to the embeddings: loads; different:
 transformers unties them, so a ConfigError that says to untie, after which the tokens are HF's) or only
 lm_head.weight (transformers fills the embeddings from it, so does the loader), and a tied checkpoint
-under an untied config (a ConfigError naming the setting); generation_config.json's eos ids, and a
-malformed one as a ConfigError; config.json values no model can have (more experts per token than
-experts, decoder_sparse_step 0, KV heads that do not divide the heads, no layers, a rope factor of the
-wrong type) as ConfigErrors instead of errors from inside torch or transformers; a checkpoint
+under an untied config (a ConfigError naming the setting); generation_config.json's eos ids, an
+explicit empty list of them (no EOS, as in transformers' generate), and a malformed one as a
+ConfigError; config.json values no model can have (more experts per token than experts,
+decoder_sparse_step 0, KV heads that do not divide the heads, no layers, a rope factor of the wrong type)
+as ConfigErrors instead of errors from inside torch or transformers; a checkpoint
 error that the worker processes find at TP 2 as the same ConfigError; and a weight stored in a valid
 safetensors dtype the loader does not read (a ConfigError naming the tensor and its dtype); the rotary
 inv_freq buffers older checkpoints carry, skipped by every family (Gemma 2 refused them).
@@ -145,6 +146,37 @@ def test_generation_config_eos_ids_and_malformed_file(
         gen.write_text(broken)
         with pytest.raises(ConfigError, match=r"generation_config.json .*fix or remove the file"):
             build_model_config(model_dir, device="cpu")
+
+
+def test_an_explicit_empty_eos_list_stops_at_no_eos(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """generation_config.json's eos_token_id: [] is no EOS in transformers' generate (nothing stops it);
+    the engine took config.json's ids instead (or the tokenizer's) and stopped where HF runs on."""
+    model_dir = tmp_path / "no-eos"
+    shutil.copytree(make_checkpoint(seed=5), model_dir)
+    prompts = random_prompts((7,), 300)
+    eos = hf_greedy(model_dir, prompts, MAX_TOKENS)[0][1]  # a token greedy decoding reaches: config's EOS
+    edit_config(model_dir, eos_token_id=eos)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [], "bos_token_id": 1}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+    kwargs = {"max_new_tokens": MAX_TOKENS, "do_sample": False, "pad_token_id": 0}
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    want = out[0, ids.shape[1] :].tolist()
+    assert len(want) == MAX_TOKENS and eos in want  # HF runs past config.json's EOS
+    with LLM(model=model_dir, device="cpu", dtype="float32", seed=0) as llm:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        [got] = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    assert (got.outputs[0].token_ids, got.outputs[0].finish_reason) == (want, "length")
+    config = build_model_config(model_dir, device="cpu")
+    assert (config.eos_token_ids, config.no_eos) == ((), True)
+    # Without the file config.json's ids are read, as transformers does; an empty list there is no EOS too.
+    (model_dir / "generation_config.json").unlink()
+    assert build_model_config(model_dir, device="cpu").eos_token_ids == (eos,)
+    edit_config(model_dir, eos_token_id=[])
+    config = build_model_config(model_dir, device="cpu")
+    assert (config.eos_token_ids, config.no_eos) == ((), True)
 
 
 # ----------------------------------------------------------------------------- config values

@@ -258,6 +258,9 @@ class ModelConfig:
     load_format: str  # auto | dummy
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # generation_config.json says eos_token_id: [] (no EOS): with eos_token_ids empty, generation then
+    # stops at no EOS, not even the tokenizer's (which ends it where the configs name none).
+    no_eos: bool = False
     # Sparse mixture-of-experts feed-forward (Mixtral, Qwen3-MoE) on the layers in moe_layers; the others
     # (all, for dense families) have a dense MLP of intermediate_size.
     moe_layers: tuple[int, ...] = ()
@@ -660,18 +663,26 @@ def _rope_config(hf_config: Any, head_dim: int) -> RopeConfig:
     )
 
 
-def _eos_token_ids(path: str, hf_config: Any) -> tuple[int, ...]:
+def _eos_token_ids(path: str, hf_config: Any) -> tuple[tuple[int, ...], bool]:
+    """The EOS ids, and whether generation_config.json names none explicitly (an empty list)."""
     ids: list[int] = []
 
-    def add(value: Any) -> None:
+    def add(value: Any) -> bool:
+        """Take `value`'s ids; True where it is an explicit empty list: transformers' generate then stops
+        at no EOS (an empty tensor of them), where the runtime stopped at config.json's or the
+        tokenizer's."""
+        if isinstance(value, (list, tuple)) and not value:
+            return True
         if isinstance(value, int):
             value = [value]
         for v in value or []:
             if isinstance(v, int) and v not in ids:
                 ids.append(v)
+        return False
 
-    # generation_config.json's eos ids replace config.json's, as in transformers' generate. Where it gives
-    # none (or there is no such file) config.json's stand, which transformers' generate would not use.
+    # generation_config.json's eos ids replace config.json's, as in transformers' generate. Where it has no
+    # eos_token_id config.json's stand, which transformers' generate would not use (it does where there is
+    # no such file). An explicit [] in the one read is no EOS, as in transformers' generate.
     gen_path = Path(path) / "generation_config.json"
     if gen_path.is_file():
         # A cut or malformed file was a JSONDecodeError (or AttributeError) traceback from here.
@@ -681,10 +692,11 @@ def _eos_token_ids(path: str, hf_config: Any) -> tuple[int, ...]:
             raise ConfigError(f"could not read {gen_path} as JSON ({exc}); fix or remove the file") from None
         if not isinstance(generation, dict):
             raise ConfigError(f"{gen_path} is not a JSON object; fix or remove the file")
-        add(generation.get("eos_token_id"))
-    if not ids:
-        add(getattr(hf_config, "eos_token_id", None))
-    return tuple(ids)
+        if add(generation.get("eos_token_id")):
+            return (), True
+    if not ids and add(getattr(hf_config, "eos_token_id", None)):
+        return (), True
+    return tuple(ids), False
 
 
 def build_model_config(
@@ -768,6 +780,7 @@ def build_model_config(
         )
     config_dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
     config_dtype = str(config_dtype).replace("torch.", "") if config_dtype is not None else None
+    eos_token_ids, no_eos = _eos_token_ids(path, hf)
     return ModelConfig(
         path=path,
         architecture=arch,
@@ -785,7 +798,8 @@ def build_model_config(
         dtype=resolve_dtype(dtype, config_dtype, device),
         rope=_rope_config(hf, head_dim),
         load_format=load_format,
-        eos_token_ids=_eos_token_ids(path, hf),
+        eos_token_ids=eos_token_ids,
+        no_eos=no_eos,
         bos_token_id=getattr(hf, "bos_token_id", None),
         quantization=quant_config(_hf_quantization(hf), quantization),
         **specific,

@@ -201,8 +201,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.num_kv_blocks)
         self.eos_token_ids = set(config.model.eos_token_ids)
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
-        if not self.eos_token_ids and isinstance(tokenizer_eos, int):
-            # A checkpoint whose configs name no EOS: the tokenizer's ends generation (as in vLLM).
+        if not self.eos_token_ids and not config.model.no_eos and isinstance(tokenizer_eos, int):
+            # A checkpoint whose configs name no EOS: the tokenizer's ends generation (as in vLLM). Not
+            # where they say there is none (eos_token_id: []), as in transformers' generate.
             self.eos_token_ids.add(tokenizer_eos)
         self._next_req_id = 0
         self._decode = _make_decode(tokenizer)

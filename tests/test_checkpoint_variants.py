@@ -10,7 +10,10 @@ decoder_sparse_step 0, KV heads that do not divide the heads, no layers, a rope 
 as ConfigErrors instead of errors from inside torch or transformers; a checkpoint
 error that the worker processes find at TP 2 as the same ConfigError; and a weight stored in a valid
 safetensors dtype the loader does not read (a ConfigError naming the tensor and its dtype); the rotary
-inv_freq buffers older checkpoints carry, skipped by every family (Gemma 2 refused them).
+inv_freq buffers older checkpoints carry, skipped by every family (Gemma 2 refused them); and sharded
+checkpoints: a tensor two shards hold and a stray *.safetensors the index does not list, read as
+transformers reads them, and an index that does not match its shards (a ConfigError naming the tensor
+and the file).
 """
 
 from __future__ import annotations
@@ -283,3 +286,67 @@ def test_a_valid_dtype_the_loader_does_not_read_is_named(
     message = str(info.value)
     assert f"tensor 'model.norm.weight' is stored as {stored}" in message, message
     assert "does not support" in message and "re-download" not in message, message
+
+
+def sharded(src: Path, out: Path, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+    """A copy of checkpoint `src` in two shards and an index (the first half of the sorted names in the
+    first), plus `extra` tensors added to those files (by file name) without entering the index."""
+    shutil.copytree(src, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    (out / "model.safetensors").unlink()
+    names = sorted(tensors)
+    files = {"model-00001-of-00002.safetensors": names[: len(names) // 2]}
+    files["model-00002-of-00002.safetensors"] = names[len(names) // 2 :]
+    weight_map = {name: file for file, part in files.items() for name in part}
+    for file, part in files.items():
+        held = {name: tensors[name] for name in part} | (extra or {}).pop(file, {})
+        save_file(held, str(out / file), metadata={"format": "pt"})
+    for file, held in (extra or {}).items():
+        save_file(held, str(out / file), metadata={"format": "pt"})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+def test_a_tensor_in_two_shards_and_a_stray_file_load_as_in_transformers(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """transformers (5.x) reads every tensor of each file the index lists, in the index's sorted file
+    order, so a tensor two shards hold is the later shard's even where the weight_map names the earlier
+    one; a *.safetensors beside them that the index does not list is not read. The loader does the same
+    (this pins it: following the weight_map would give other weights than transformers')."""
+    src = make_checkpoint()
+    shape = load_file(str(src / "model.safetensors"))["lm_head.weight"].shape  # in the first shard
+    later, stray = torch.full(shape, 0.25), torch.full(shape, -0.5)
+    model_dir = sharded(
+        src,
+        tmp_path / "dup",
+        {
+            "model-00002-of-00002.safetensors": {"lm_head.weight": later},
+            "consolidated.safetensors": {"lm_head.weight": stray},
+        },
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert torch.equal(hf.lm_head.weight, later)
+    cfg = build_model_config(model_dir, dtype="float32", device="cpu")
+    model = LlamaForCausalLM(cfg, TPGroup(0, 1), torch.float32, torch.device("cpu"))
+    loader.load_weights(model, str(model_dir), torch.float32)
+    assert torch.equal(model.lm_head.weight[: shape[0]], later)
+
+
+def test_an_index_that_does_not_match_its_shards_names_tensor_and_file(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A weight_map that puts a tensor in a shard without it, or names a shard that is not there, was an
+    error naming only the tensor ("lacks tensors for") or only the file; it names both now."""
+    model_dir = sharded(make_checkpoint(), tmp_path / "sharded")
+    second = model_dir / "model-00002-of-00002.safetensors"
+    tensors = load_file(str(second))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(second), metadata={"format": "pt"})
+    want = r"lacks tensors for: model\.norm\.weight; .*puts 'model\.norm\.weight' in model-00002-of-00002"
+    with pytest.raises(ConfigError, match=want):
+        LLM(model=model_dir, device="cpu", dtype="float32")
+    second.unlink()
+    want = r"names weight files that are not in .*: model-00002-of-00002\.safetensors \(for 'model\.layers\."
+    with pytest.raises(ConfigError, match=want):
+        LLM(model=model_dir, device="cpu", dtype="float32")

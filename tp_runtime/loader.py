@@ -200,24 +200,37 @@ class CheckpointTensor:
         return self._convert(self._handle.read(self.name))
 
 
-def safetensors_files(model_dir: str) -> list[str]:
+def _weight_map(model_dir: str) -> dict[str, str] | None:
+    """model.safetensors.index.json's weight_map (tensor name -> file), None where there is no index."""
     index = Path(model_dir) / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({str(Path(model_dir) / f) for f in weight_map.values()})
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ConfigError(
-                f"{index} is not a safetensors index (a JSON object whose weight_map maps tensor names to "
-                f"files): {type(exc).__name__}: {exc}; download it again"
-            ) from None
-        absent = [os.path.basename(f) for f in files if not os.path.isfile(f)]
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not all(isinstance(f, str) for f in weight_map.values()):
+            raise TypeError("a file name that is not a string")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(
+            f"{index} is not a safetensors index (a JSON object whose weight_map maps tensor names to "
+            f"files): {type(exc).__name__}: {exc}; download it again"
+        ) from None
+    return dict(weight_map)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The weight files transformers reads: the index's (in its order, the later file's tensor winning
+    where two hold one), else model.safetensors, else every *.safetensors."""
+    weight_map = _weight_map(model_dir)
+    if weight_map is not None:
+        absent = sorted({f for f in weight_map.values() if not (Path(model_dir) / f).is_file()})
         if absent:
+            # With a tensor the index puts in each: which part of the model is missing.
+            named = [f"{f} (for {next(n for n, g in weight_map.items() if g == f)!r})" for f in absent[:4]]
             raise ConfigError(
-                f"{index} names weight files that are not in {model_dir}: {', '.join(absent[:4])}; "
-                "download the whole checkpoint"
+                f"{Path(model_dir) / 'model.safetensors.index.json'} names weight files that are not in "
+                f"{model_dir}: {', '.join(named)}; download the whole checkpoint"
             )
-        return files
+        return sorted({str(Path(model_dir) / f) for f in weight_map.values()})
     single = Path(model_dir) / "model.safetensors"
     if single.is_file():  # as transformers: other *.safetensors beside it (a consolidated copy) are not read
         return [str(single)]
@@ -353,6 +366,14 @@ def load_weights(
             if "lm_head.weight" in missing
             else ""
         )
+        # Where the index puts a missing tensor in a file: that file lacks it (a bad or mixed download).
+        weight_map = _weight_map(model_dir) or {}
+        placed = [f"{n!r} in {weight_map[n]}" for n in names if n in weight_map][:4]
+        if placed:
+            hint += (
+                f"; model.safetensors.index.json puts {', '.join(placed)}, which does not hold it: "
+                "download the checkpoint again"
+            )
         raise ConfigError(f"checkpoint {model_dir} lacks tensors for: {', '.join(names[:8])}{hint}")
     if quantized.scales_missing:
         names = sorted(quantized.scales_missing)

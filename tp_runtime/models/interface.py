@@ -33,7 +33,6 @@ class FeedForward(Protocol):
         ...
 
 
-
 def unused_checkpoint_tensor(name: str) -> bool:
     """A tensor some checkpoints hold that fills no parameter and is skipped: the rotary inverse
     frequencies (`...rotary_emb.inv_freq`), a buffer transformers once saved and now keeps out of

@@ -99,6 +99,8 @@ _INT_AT_LEAST = {
     "num_prompts": 1,
     "num_passes": 1,
     "sampling_seed": 0,
+    # numpy's default_rng refuses a negative seed, with a traceback after the model has loaded.
+    "workload_seed": 0,
 }
 _FLOAT_AT_LEAST = {"spin_wait_us": 0.0, "temperature": 0.0, "min_p": 0.0}
 

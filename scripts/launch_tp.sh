@@ -35,7 +35,18 @@ for ((i = 0; i < ${#torchrun_args[@]}; i++)); do
     --nnodes=*) nnodes=${torchrun_args[$i]#--nnodes=} ;;
   esac
 done
+# --tensor-parallel-size goes before a `--` in the command's arguments (which makes the words after it
+# prompts, e.g. one that begins with "-"): appended after it, it would be two more prompts.
+command_args=()
+tp_flag=(--tensor-parallel-size "$((nproc * nnodes))")
+for arg in "$@"; do
+  if [[ $arg == -- && ${#tp_flag[@]} -gt 0 ]]; then
+    command_args+=("${tp_flag[@]}")
+    tp_flag=()
+  fi
+  command_args+=("$arg")
+done
+command_args+=("${tp_flag[@]}")
 # tp_runtime.launch is torchrun that checks the command's arguments once before starting the ranks and
 # reports a user error or Ctrl-C in one line (no ChildFailedError report).
-exec "$py" -m tp_runtime.launch "${torchrun_args[@]}" --nproc-per-node "$nproc" -- "$@" \
-  --tensor-parallel-size "$((nproc * nnodes))"
+exec "$py" -m tp_runtime.launch "${torchrun_args[@]}" --nproc-per-node "$nproc" -- "${command_args[@]}"

@@ -32,3 +32,43 @@ def test_bench_throughput_negative_workload_seed_is_one_line() -> None:
     proc = _cli("bench", "throughput", "--model", "tiny-llama", "--num-prompts", "2", "--input-len", "4",
                 "--output-len", "2", "--workload-seed", "-1")  # fmt: skip
     _one_error_line(proc, "--workload-seed", "at least 0", "got -1")
+
+
+def _launch_script(
+    tmp_path: Path, *args: str, torchrun_args: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """scripts/launch_tp.sh with a stand-in for the venv's Python that prints the arguments it gets, one a
+    line: what the script would hand tp_runtime.launch."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    python = venv / "bin" / "python"
+    python.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    python.chmod(0o755)
+    env = {**ENV, "VIRTUAL_ENV": str(venv)}
+    env.pop("TORCHRUN_ARGS", None)
+    if torchrun_args is not None:
+        env["TORCHRUN_ARGS"] = torchrun_args
+    return subprocess.run(
+        ["bash", "scripts/launch_tp.sh", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=30
+    )
+
+
+def test_launch_script_puts_the_tp_size_before_a_double_dash(tmp_path: Path) -> None:
+    """After `--` every word is a prompt: the TP size the script adds must come before it."""
+    proc = _launch_script(tmp_path, "2", "generate", "--max-tokens", "4", "--", "-a prompt", "--")
+    assert proc.returncode == 0, proc.stderr
+    command = proc.stdout.splitlines()
+    command = command[command.index("--") + 1 :]  # what follows tp_runtime.launch's own `--`
+    assert command == [
+        "generate",
+        "--max-tokens",
+        "4",
+        "--tensor-parallel-size",
+        "2",
+        "--",
+        "-a prompt",
+        "--",
+    ]
+    proc = _launch_script(tmp_path, "2", "generate", "a prompt", torchrun_args="--nnodes 2 --node-rank 0")
+    command = proc.stdout.splitlines()
+    assert command[command.index("--") + 1 :] == ["generate", "a prompt", "--tensor-parallel-size", "4"]

@@ -26,15 +26,24 @@ for candidate in "${VIRTUAL_ENV:-}/bin/python" "$root/.venv/bin/python"; do
 done
 nproc=$1
 shift
+# NPROC goes into shell arithmetic below: anything but a positive count would be a bash error there.
+if ! [[ $nproc =~ ^[1-9][0-9]*$ ]]; then
+  echo "tp-runtime: error: NPROC must be a positive number of processes, got '$nproc'; usage: $0 NPROC COMMAND [ARGS...]" >&2
+  exit 2
+fi
 # shellcheck disable=SC2206
 torchrun_args=(${TORCHRUN_ARGS:---standalone})
 nnodes=1
 for ((i = 0; i < ${#torchrun_args[@]}; i++)); do
   case "${torchrun_args[$i]}" in
-    --nnodes) nnodes=${torchrun_args[$((i + 1))]} ;;
+    --nnodes) nnodes=${torchrun_args[$((i + 1))]:-} ;;
     --nnodes=*) nnodes=${torchrun_args[$i]#--nnodes=} ;;
   esac
 done
+if ! [[ $nnodes =~ ^[1-9][0-9]*$ ]]; then
+  echo "tp-runtime: error: TORCHRUN_ARGS' --nnodes must be a number of nodes (not a range) for the TP size, got '$nnodes'" >&2
+  exit 2
+fi
 # --tensor-parallel-size goes before a `--` in the command's arguments (which makes the words after it
 # prompts, e.g. one that begins with "-"): appended after it, it would be two more prompts.
 command_args=()

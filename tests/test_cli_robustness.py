@@ -72,3 +72,17 @@ def test_launch_script_puts_the_tp_size_before_a_double_dash(tmp_path: Path) -> 
     proc = _launch_script(tmp_path, "2", "generate", "a prompt", torchrun_args="--nnodes 2 --node-rank 0")
     command = proc.stdout.splitlines()
     assert command[command.index("--") + 1 :] == ["generate", "a prompt", "--tensor-parallel-size", "4"]
+
+
+def test_launch_script_bad_nproc_is_one_line(tmp_path: Path) -> None:
+    for nproc, torchrun_args in (
+        ("abc", None),
+        ("2x", None),
+        ("0", None),
+        ("2", "--nnodes 1:2"),
+        ("2", "--nnodes"),
+    ):
+        proc = _launch_script(tmp_path, nproc, "generate", "a prompt", torchrun_args=torchrun_args)
+        assert proc.returncode == 2, (nproc, torchrun_args, proc.stdout, proc.stderr)
+        assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stderr
+        assert proc.stderr.startswith("tp-runtime: error: "), proc.stderr

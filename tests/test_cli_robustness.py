@@ -86,3 +86,57 @@ def test_launch_script_bad_nproc_is_one_line(tmp_path: Path) -> None:
         assert proc.returncode == 2, (nproc, torchrun_args, proc.stdout, proc.stderr)
         assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stderr
         assert proc.stderr.startswith("tp-runtime: error: "), proc.stderr
+
+
+def test_serve_under_torchrun_drains_on_sigterm() -> None:
+    """`kill -TERM` on a torchrun-launched server drains, as a plain `serve` does: torchrun passes the signal
+    to every rank, and rank 1 must stay for rank 0's requests in flight (it used to die at once, and the
+    stream got a 500 naming the dead rank)."""
+    import http.client
+    import json
+    import re
+    import signal
+
+    env = {**ENV, "VIRTUAL_ENV": sys.prefix}
+    env.pop("TORCHRUN_ARGS", None)
+    launcher = subprocess.Popen(
+        ["bash", "scripts/launch_tp.sh", "2", "serve", "tiny-llama", "--port", "0", "--shutdown-grace", "1"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert launcher.stdout is not None
+    log: list[str] = []
+    try:
+        for line in launcher.stdout:
+            log.append(line)
+            ready = re.search(r"ready on http://127\.0\.0\.1:(\d+)", line)
+            if ready:
+                break
+        else:
+            raise AssertionError("the server never became ready:\n" + "".join(log)[-3000:])
+        ranks = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+        conn = http.client.HTTPConnection("127.0.0.1", int(ready.group(1)), timeout=60)
+        body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200
+        events = []
+        for raw in response:
+            event = raw.decode().strip()
+            if not event.startswith("data:"):
+                continue
+            events.append(event)
+            if len(events) == 1:  # the request runs on both ranks now
+                launcher.send_signal(signal.SIGTERM)
+        output, _ = launcher.communicate(timeout=60)
+        log.append(output)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert events[-1] == "data: [DONE]", events[-3:]
+    last = json.loads(events[-2].removeprefix("data:"))
+    assert "error" not in last, "".join(log)[-3000:]
+    assert last["choices"][0]["finish_reason"] == "abort", last
+    assert "tp-runtime serve: shut down" in "".join(log)
+    for pid in ranks:  # both ranks are gone
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]

@@ -175,7 +175,9 @@ def serve_torchrun_rank(args: argparse.Namespace) -> None:
     (with the same engine options, so the same configuration) until it shuts down."""
     from tp_runtime.executor.torchrun import serve_worker_rank
 
-    serve_worker_rank(engine_args(args).create_engine_config())
+    # `serve`'s rank 0 drains on SIGTERM / Ctrl-C, which torchrun sends to every rank: the others wait
+    # for its shutdown instead of dying under the requests in flight.
+    serve_worker_rank(engine_args(args).create_engine_config(), driver_drains=args.command == "serve")
 
 
 DEFAULT_PROMPT = "The capital of France is"

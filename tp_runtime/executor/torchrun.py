@@ -391,9 +391,14 @@ def connect_torchrun_driver(config: EngineConfig) -> TorchrunExecutor:
     return executor
 
 
-def serve_worker_rank(config: EngineConfig) -> None:
+def serve_worker_rank(config: EngineConfig, *, driver_drains: bool = False) -> None:
     """A rank > 0 of a torchrun job: serve as a worker of rank 0's driver until it shuts down. Every rank
-    must pass the same configuration (the same engine arguments) as rank 0."""
+    must pass the same configuration (the same engine arguments) as rank 0.
+
+    `driver_drains` (`tp-runtime serve`): once started, this rank ignores SIGTERM and SIGINT. torchrun
+    passes a signal it gets to every rank at once, but rank 0's server answers it by draining: its
+    requests in flight still need this rank, which it shuts down when it is done (and this rank leaves
+    by itself if the driver dies; torchrun SIGKILLs it after its own grace)."""
     rank = torchrun_rank()
     if rank is None or rank == 0:
         raise ConfigError(
@@ -401,6 +406,9 @@ def serve_worker_rank(config: EngineConfig) -> None:
             "torchrun) creates the LLM instead"
         )
     worker, _, addresses = _join(config, make_driver=False)
+    if driver_drains and threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
     run_worker_loop(
         config, worker.rank, worker.local_rank, addresses, None, worker=worker, exit_if_driver_leaves=True
     )

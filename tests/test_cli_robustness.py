@@ -34,6 +34,12 @@ def test_bench_throughput_negative_workload_seed_is_one_line() -> None:
     _one_error_line(proc, "--workload-seed", "at least 0", "got -1")
 
 
+def test_bench_serve_unparsable_base_url_is_one_line() -> None:
+    _one_error_line(
+        _cli("bench", "serve", "--base-url", "http://[::1:8000"), "--base-url", "http://[::1:8000"
+    )
+
+
 def _launch_script(
     tmp_path: Path, *args: str, torchrun_args: str | None = None
 ) -> subprocess.CompletedProcess[str]:

@@ -238,7 +238,10 @@ def check(args: argparse.Namespace) -> None:
     if args.served_model is not None and not args.served_model.strip():
         _bad("--model", "a non-empty name (or left out: the first model the server lists)",
              repr(args.served_model))  # fmt: skip
-    parts = urlsplit(args.base_url)
+    try:
+        parts = urlsplit(args.base_url)
+    except ValueError:  # an unclosed "[" of an IPv6 host: urlsplit raises rather than returning parts
+        _bad("--base-url", "http(s)://host[:port] with no path, e.g. http://127.0.0.1:8000", args.base_url)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/") or parts.query:
         _bad("--base-url", "http(s)://host[:port] with no path, e.g. http://127.0.0.1:8000", args.base_url)
     try:

@@ -40,6 +40,11 @@ def test_bench_serve_unparsable_base_url_is_one_line() -> None:
     )
 
 
+def test_output_json_naming_a_folder_is_refused_before_the_run(tmp_path: Path) -> None:
+    for command in (["generate", "--model", "tiny-llama", "--max-tokens", "2"], ["bench", "serve"]):
+        _one_error_line(_cli(*command, "--output-json", str(tmp_path)), "--output-json", "is a folder")
+
+
 def _launch_script(
     tmp_path: Path, *args: str, torchrun_args: str | None = None
 ) -> subprocess.CompletedProcess[str]:

@@ -131,9 +131,19 @@ def check_ranges(args: argparse.Namespace) -> None:
         raise ConfigError(f"argument --min-p: must be at most 1, got {min_p:g}")
     output_json = values.get("output_json")
     if output_json:
-        folder = Path(output_json).expanduser().resolve().parent
-        if not folder.is_dir():
-            raise ConfigError(f"argument --output-json: folder {folder} does not exist")
+        check_output_json(output_json)
+
+
+def check_output_json(value: str) -> None:
+    """--output-json names a file that can be written: checked before the run, whose results would
+    otherwise be lost to a traceback at its end."""
+    path = Path(value).expanduser().resolve()
+    if path.is_dir():
+        raise ConfigError(
+            f"argument --output-json: {path} is a folder; name a file (e.g. {path / 'out.json'})"
+        )
+    if not path.parent.is_dir():
+        raise ConfigError(f"argument --output-json: folder {path.parent} does not exist")
 
 
 def check_model_early(args: argparse.Namespace) -> None:

@@ -250,9 +250,9 @@ def check(args: argparse.Namespace) -> None:
         _bad("--base-url", "http(s)://host[:port] with a port in [0, 65535]", args.base_url)
     endpoint_kind(args.endpoint)
     if args.output_json:
-        folder = Path(args.output_json).expanduser().resolve().parent
-        if not folder.is_dir():
-            raise ConfigError(f"argument --output-json: folder {folder} does not exist")
+        from tp_runtime.cli import check_output_json
+
+        check_output_json(args.output_json)
 
 
 def endpoint_kind(endpoint: str) -> str:

@@ -45,6 +45,25 @@ def test_output_json_naming_a_folder_is_refused_before_the_run(tmp_path: Path) -
         _one_error_line(_cli(*command, "--output-json", str(tmp_path)), "--output-json", "is a folder")
 
 
+def test_output_json_with_a_tilde_the_shell_left_is_written_in_home(tmp_path: Path) -> None:
+    """`--output-json=~/x.json` (no shell expansion after `=`): checked, and written, in the home folder."""
+    home = tmp_path / "home"
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tp_runtime.cli", "bench", "messaging", "-tp", "1", "--steps", "1",
+             "--num-requests", "1", "--output-json=~/out.json"],
+            cwd=tmp_path, env={**ENV, "HOME": str(home)}, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    proc = run()
+    assert proc.returncode == 2 and str(home) in proc.stderr, proc.stderr  # no home folder yet
+    home.mkdir()
+    proc = run()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (home / "out.json").is_file()
+
+
 def _launch_script(
     tmp_path: Path, *args: str, torchrun_args: str | None = None
 ) -> subprocess.CompletedProcess[str]:

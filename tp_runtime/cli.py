@@ -131,19 +131,23 @@ def check_ranges(args: argparse.Namespace) -> None:
         raise ConfigError(f"argument --min-p: must be at most 1, got {min_p:g}")
     output_json = values.get("output_json")
     if output_json:
-        check_output_json(output_json)
+        # The commands open the path as given; a `~` the shell left alone (`--output-json=~/x.json`) is
+        # the home folder here, as the check reads it, not a folder named `~` that does not exist.
+        args.output_json = check_output_json(output_json)
 
 
-def check_output_json(value: str) -> None:
+def check_output_json(value: str) -> str:
     """--output-json names a file that can be written: checked before the run, whose results would
-    otherwise be lost to a traceback at its end."""
-    path = Path(value).expanduser().resolve()
+    otherwise be lost to a traceback at its end. Returns the path with `~` expanded."""
+    expanded = Path(value).expanduser()
+    path = expanded.resolve()
     if path.is_dir():
         raise ConfigError(
             f"argument --output-json: {path} is a folder; name a file (e.g. {path / 'out.json'})"
         )
     if not path.parent.is_dir():
         raise ConfigError(f"argument --output-json: folder {path.parent} does not exist")
+    return str(expanded)
 
 
 def check_model_early(args: argparse.Namespace) -> None:

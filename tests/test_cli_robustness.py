@@ -1,8 +1,10 @@
 """The command line's users: a user mistake is one line with status 2 (never a traceback), the torchrun
-launcher passes the command's arguments through as given, and `serve` under torchrun drains on SIGTERM."""
+launcher passes the command's arguments through as given, `serve` under torchrun drains on SIGTERM, and
+the benchmarks write strict JSON."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -170,3 +172,24 @@ def test_serve_under_torchrun_drains_on_sigterm() -> None:
     assert "tp-runtime serve: shut down" in "".join(log)
     for pid in ranks:  # both ranks are gone
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_benchmark_json_is_strict_json(tmp_path: Path) -> None:
+    """A figure that does not exist (bench latency --output-len 1 has no decode step to time: a NaN
+    roofline fraction) is written as null: `NaN` is not JSON, and strict parsers refuse the file."""
+    from tp_runtime.bench import write_json
+    from tp_runtime.bench.latency import decode_roofline
+
+    traffic = {"weight_bytes": 1e9, "kv_bytes_per_token": 1e3, "copy_bandwidth": 1e12}
+    roofline = decode_roofline(traffic, 1, 32, 1, None, float("nan"))
+    out = tmp_path / "latency.json"
+    write_json(
+        str(out), {"decode_roofline": roofline, "latencies": [0.5, float("inf")], "pair": (1, float("-inf"))}
+    )
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in the JSON")
+
+    data = json.loads(out.read_text(), parse_constant=refuse)
+    assert data["decode_roofline"]["fraction"] is None and data["decode_roofline"]["step"] is None
+    assert data["latencies"] == [0.5, None] and data["pair"] == [1, None]

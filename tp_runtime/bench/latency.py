@@ -7,11 +7,12 @@ phases) and the host gap: how long the device sits idle between one step's forwa
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
 import numpy as np
+
+from tp_runtime.bench import write_json
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 # Phases of one decode step, in the order they happen.
@@ -235,5 +236,4 @@ def main(args: argparse.Namespace) -> None:
         return
     print_report(result)
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.output_json, result)

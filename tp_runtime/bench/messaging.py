@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import pickle
 import secrets
@@ -22,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from tp_runtime.bench import write_json
 from tp_runtime.errors import ConfigError
 from tp_runtime.messages import (
     CachedRequests,
@@ -260,6 +260,5 @@ def main(args: argparse.Namespace) -> None:
     for name, us in trips.items():
         print(f"  {name:<40}{us:8.1f} us")
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            settings = {k: v for k, v in vars(args).items() if not callable(v)}  # not func, check
-            json.dump({"payload_formats": formats, "round_trip_us": trips, "args": settings}, f, indent=2)
+        settings = {k: v for k, v in vars(args).items() if not callable(v)}  # not func, check
+        write_json(args.output_json, {"payload_formats": formats, "round_trip_us": trips, "args": settings})

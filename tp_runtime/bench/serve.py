@@ -54,12 +54,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import numpy as np
 
+from tp_runtime.bench import write_json
 from tp_runtime.bench.serve_metrics import RequestRecord, error_counts, format_report, record_json, summarize
 from tp_runtime.errors import ConfigError, TPRuntimeError
 
@@ -502,9 +502,7 @@ def _session(args: argparse.Namespace, *, max_connections: int | None = None) ->
     second on the development machine)."""
     import aiohttp
 
-    timeout = aiohttp.ClientTimeout(
-        total=None, connect=args.request_timeout, sock_read=args.request_timeout
-    )
+    timeout = aiohttp.ClientTimeout(total=None, connect=args.request_timeout, sock_read=args.request_timeout)
     # trust_env=False: no proxy from the environment between the benchmark and the server.
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=max_connections or 0), timeout=timeout, trust_env=False
@@ -578,8 +576,9 @@ async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
                 args.temperature, args.ignore_eos,
             )  # fmt: skip
             warm = RequestRecord(index=-1, prompt_len=0, output_len=0, scheduled_s=0.0)
-            await send_request(session, url, headers, payload, kind, warm, time.perf_counter(),
-                               args.request_timeout)
+            await send_request(
+                session, url, headers, payload, kind, warm, time.perf_counter(), args.request_timeout
+            )
             if not warm.success:
                 raise ConfigError(
                     f"warmup request {i + 1} to {url} failed: {warm.error}; check --model, --endpoint "
@@ -705,8 +704,7 @@ def main(args: argparse.Namespace) -> int:
     result = asyncio.run(run_benchmark(args, model))
     print(format_report(result), flush=True)
     if args.output_json:
-        with open(Path(args.output_json).expanduser(), "w") as f:
-            json.dump(result, f, indent=2, allow_nan=False)
+        write_json(args.output_json, result)
     for measured in result["pass_results"]:
         if measured["summary"]["completed"] == 0:
             first = measured["errors"][0]

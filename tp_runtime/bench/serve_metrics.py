@@ -253,5 +253,3 @@ def _format_pass(c: dict[str, Any], s: dict[str, Any], errors: list[dict[str, An
         if len(errors) > 5:
             rows.append(f"  ... and {len(errors) - 5} more distinct errors (see --output-json)")
     return "\n".join(rows)
-
-

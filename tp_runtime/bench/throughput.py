@@ -11,9 +11,10 @@ compiled, an attention plan built), which later passes over the same shapes do n
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
+
+from tp_runtime.bench import write_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,5 +155,4 @@ def main(args: argparse.Namespace) -> None:
     result = run(args)
     print_report(result)
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.output_json, result)

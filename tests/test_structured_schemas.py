@@ -222,3 +222,26 @@ def test_constraints_that_allow_no_output_are_refused_up_front(llm: LLM) -> None
     out = llm.generate(["x"], SamplingParams(max_tokens=8, structured_outputs=_spec(regex="a{0}")),
                        use_tqdm=False)[0].outputs[0]  # fmt: skip
     assert (out.text, out.finish_reason) == ("", "stop")
+
+
+def test_special_tokens_are_never_text_to_a_grammar(llm: LLM) -> None:
+    """xgrammar read <s>, </s>, <unk> as their literal text, while the output text leaves them out: a JSON
+    string took <s>, and the regex <.{1,5}> took </s> (EOS) first, an empty text finished "stop"."""
+    import xgrammar
+
+    grammars, tokenizer = llm.engine.grammars, llm.get_tokenizer()
+    special = sorted(set(tokenizer.all_special_ids))
+    assert special
+    quote = tokenizer.convert_tokens_to_ids('"')
+    for spec, prefix in ((_spec(regex="<.{1,5}>"), []), (_spec(json={"type": "string"}), [quote])):
+        state = grammars.matcher(grammars.compile(spec))
+        assert all(state.accept(token) for token in prefix)
+        bitmask = xgrammar.allocate_token_bitmask(1, grammars.vocab_size)
+        state.fill(bitmask, 0)
+        words = bitmask[0].tolist()
+        assert [i for i in special if words[i // 32] >> (i % 32) & 1] == [], spec
+    spec = _spec(regex="<.{1,5}>")
+    params = [SamplingParams(max_tokens=40, seed=s, structured_outputs=spec) for s in range(8)]
+    for out in llm.generate(["Answer:"] * len(params), params, use_tqdm=False):
+        sample = out.outputs[0]
+        assert sample.finish_reason == "length" or re.fullmatch("<.{1,5}>", sample.text, re.S), sample.text

@@ -166,6 +166,14 @@ def _literals_of(branches: Any, kinds: set[Any]) -> bool:
     return True
 
 
+def _hidden_token_ids(tokenizer: Any, vocab_size: int) -> set[int]:
+    """The ids whose text the engine's output leaves out (it decodes with skip_special_tokens)."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids |= {i for i, token in added.items() if getattr(token, "special", False)}
+    return {i for i in ids if 0 <= i < vocab_size and tokenizer.decode([i], skip_special_tokens=True) == ""}
+
+
 def _choice_grammar(choices: list[str]) -> str:
     """EBNF for exactly one of `choices` (each a JSON-escaped string literal)."""
     # (not ASCII-escaped: xgrammar reads a \ud83d surrogate pair as two code points)
@@ -200,6 +208,16 @@ class GrammarCompiler:
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids or None
                 )
+                hidden = _hidden_token_ids(self._tokenizer, self.vocab_size)
+                if hidden:
+                    # xgrammar read special tokens (<s>, <|im_start|>) as their literal text, so a grammar
+                    # took them inside a string or a regex while the output text leaves them out: an empty
+                    # text is special to xgrammar (never allowed), so those ids get one.
+                    vocab = [b"" if i in hidden else t for i, t in enumerate(info.decoded_vocab)]
+                    info = xgrammar.TokenizerInfo(
+                        vocab, vocab_type=xgrammar.VocabType.RAW, vocab_size=self.vocab_size,
+                        stop_token_ids=info.stop_token_ids, add_prefix_space=info.add_prefix_space,
+                    )  # fmt: skip
                 # Bounded: a server caches the grammars its clients send.
                 self._compiler = xgrammar.GrammarCompiler(
                     info, max_threads=4, cache_enabled=True, cache_limit_bytes=256 << 20

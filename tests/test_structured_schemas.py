@@ -134,6 +134,10 @@ SCHEMAS: list[Any] = [
     {"$defs": {"X": {"type": "boolean"}}, "$ref": "#/$defs/X", "x-order": 1},
     {"type": "string", "oneOf": [{"const": "a", "title": "A"}, {"const": "bb", "description": "B"}]},
     {"type": "array", "prefixItems": [{"type": "boolean"}], "minItems": 1, "maxItems": 1},
+    # required names beyond properties: xgrammar left them out (and made "a" required instead)
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["z"],
+     "additionalProperties": {"type": "boolean"}},
+    {"type": "object", "required": ["k"]},
 ]  # fmt: skip
 
 
@@ -185,6 +189,8 @@ UNENFORCEABLE: list[Any] = [
     {"type": "string", "enum": [1, 2]},
     {"type": "string", "anyOf": [{"const": "a"}, {"type": "integer"}]},  # the type would be dropped
     {"type": "string", "oneOf": [{"const": "a"}, {"const": 3}]},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"],
+     "additionalProperties": False},
 ]  # fmt: skip
 
 

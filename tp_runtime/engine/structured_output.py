@@ -132,10 +132,20 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
         and not {"items", "additionalItems", "unevaluatedItems"} & schema.keys()
     ):  # fmt: skip
         out["items"] = True
+    # A required name that `properties` leaves out: xgrammar drops it (and made a listed property required
+    # in its place); JSON Schema gives it the schema of additional properties.
+    required = schema.get("required")
+    if isinstance(required, list) and isinstance(props, dict):
+        missing = [n for n in required if isinstance(n, str) and n not in props]
+        extra = schema.get("additionalProperties", schema.get("unevaluatedProperties", True))
+        if missing and ("patternProperties" in schema or extra is False):
+            raise refuse(f"'required' {missing} beyond 'properties'")
+        if missing:
+            out["properties"] = {**props, **{n: {} if extra is True else extra for n in missing}}
     for key in _SUBSCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
+        if isinstance(out.get(key), dict):
             out[key] = {
-                name: _schema_for_xgrammar(sub, f"{path}/{key}/{name}") for name, sub in schema[key].items()
+                name: _schema_for_xgrammar(sub, f"{path}/{key}/{name}") for name, sub in out[key].items()
             }
     for key in _SUBSCHEMAS:
         if key in schema:

@@ -45,6 +45,10 @@ _UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchem
 # ignores them (any JSON value may come out).
 _NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 _STRING_KEYWORDS = ("minLength", "maxLength", "pattern", "format")
+# Likewise for arrays and objects, unless xgrammar takes the schema as one from items/prefixItems
+# (arrays) or properties/additionalProperties (objects).
+_ARRAY_KEYWORDS = ("minItems", "maxItems")
+_OBJECT_KEYWORDS = ("minProperties", "maxProperties", "patternProperties", "propertyNames")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems",
                "unevaluatedItems", "propertyNames")  # fmt: skip
@@ -111,6 +115,10 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
         return out
     if not kinds:
         untyped = [k for k in (*_NUMBER_KEYWORDS, *_STRING_KEYWORDS) if k in schema]
+        if not {"items", "prefixItems"} & schema.keys():
+            untyped += [k for k in _ARRAY_KEYWORDS if k in schema]
+        if not {"properties", "additionalProperties", "required"} & schema.keys():
+            untyped += [k for k in _OBJECT_KEYWORDS if k in schema]
         if untyped:
             raise refuse(f"{untyped} without a 'type'")
     if "multipleOf" in schema and "number" in kinds:  # (on integers xgrammar enforces it)

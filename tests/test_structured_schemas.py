@@ -88,6 +88,8 @@ def validate(value: Any, schema: Any, root: Any = None) -> bool:
             return False
         if not set(schema.get("required", [])) <= value.keys():
             return False
+        if not all(validate(key, schema.get("propertyNames", True), root) for key in value):
+            return False
         props = schema.get("properties", {})
         for key, item in value.items():
             sub = props[key] if key in props else schema.get("additionalProperties", True)
@@ -138,6 +140,9 @@ SCHEMAS: list[Any] = [
     {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["z"],
      "additionalProperties": {"type": "boolean"}},
     {"type": "object", "required": ["k"]},
+    # a name's string keywords need no type (they were refused)
+    {"type": "object", "propertyNames": {"pattern": "^[a-c]+$"}, "additionalProperties": {"type": "null"},
+     "maxProperties": 2},
 ]  # fmt: skip
 
 

@@ -157,7 +157,11 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
             }
     for key in _SUBSCHEMAS:
         if key in schema:
-            out[key] = _schema_for_xgrammar(schema[key], f"{path}/{key}")
+            sub = schema[key]
+            if key == "propertyNames" and isinstance(sub, dict) and "type" not in sub:
+                # a name is a string: its string keywords need no type (xgrammar enforces them there)
+                sub = {**sub, "type": "string"} if any(k in sub for k in _STRING_KEYWORDS) else sub
+            out[key] = _schema_for_xgrammar(sub, f"{path}/{key}")
     for key in ("prefixItems", "anyOf", "oneOf", "allOf"):
         if isinstance(schema.get(key), list):
             out[key] = [_schema_for_xgrammar(s, f"{path}/{key}/{i}") for i, s in enumerate(schema[key])]

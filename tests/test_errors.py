@@ -355,9 +355,17 @@ def test_out_of_vocab_token_ids(llm: LLM, bad: int) -> None:
         llm.generate({"prompt_token_ids": [1, bad]}, GREEDY4, use_tqdm=False)
 
 
-@pytest.mark.parametrize("prompt", [5, 1.5, None, b"bytes", {"text": "hi"}], ids=repr)
-def test_prompt_of_wrong_type_in_a_list(llm: LLM, prompt: Any) -> None:
-    with pytest.raises(InvalidRequestError, match="a prompt must be a str or a dict with 'prompt_token_ids'"):
+@pytest.mark.parametrize(
+    "prompt,message",
+    [
+        *((p, "a prompt must be a str or a dict with 'prompt_token_ids'") for p in (5, 1.5, None, b"bytes")),
+        ({"text": "hi"}, r"a prompt dict takes only 'prompt' and 'prompt_token_ids' here, got \['text'\]"),
+        ({"prompt": None}, "a prompt must be a str or a dict with 'prompt_token_ids'"),
+    ],
+    ids=repr,
+)
+def test_prompt_of_wrong_type_in_a_list(llm: LLM, prompt: Any, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
         llm.generate([prompt], GREEDY4, use_tqdm=False)
 
 

@@ -7,11 +7,13 @@ import faulthandler
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,7 @@ GEMMA2 = {
     "num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
     "attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0, "tie_word_embeddings": True,
 }  # fmt: skip
+
 
 def build_checkpoint(
     root: Path, architecture: str = "LlamaForCausalLM", seed: int = 0, **overrides: Any
@@ -192,6 +195,47 @@ def random_prompts(lengths: tuple[int, ...], vocab: int, seed: int = 1234) -> li
 def assert_same_tokens(got: list[list[int]], want: list[list[int]], prompts: list[list[int]]) -> None:
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g == w, f"prompt {i} (length {len(prompts[i])}): tp_runtime {g} != HF {w}"
+
+
+@contextlib.contextmanager
+def cli_servers(
+    folder: Path, servers: dict[str, list[str]], start_deadline_s: float = 180.0
+) -> Iterator[dict[str, str]]:
+    """`python -m tp_runtime.server.cli` once per entry of `servers` (name -> its arguments after the
+    module), started together, each logging to `folder/<name>.log`: yields each one's URL once all are
+    ready. At the end each is stopped with SIGTERM and must exit 0 with no traceback in its log."""
+    repo = Path(__file__).resolve().parents[1]
+    logs = {name: folder / f"{name}.log" for name in servers}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for name, args in servers.items():
+            with open(logs[name], "wb") as sink:  # a file, not a pipe: a pipe nobody reads would block
+                cmd = [sys.executable, "-m", "tp_runtime.server.cli", *args]
+                procs[name] = subprocess.Popen(cmd, cwd=repo, stdout=sink, stderr=subprocess.STDOUT)
+        urls: dict[str, str] = {}
+        deadline = time.monotonic() + start_deadline_s
+        while len(urls) < len(procs):
+            for name, proc in procs.items():
+                match = re.search(r"ready on (http://\S+)", logs[name].read_text(errors="replace"))
+                if match:
+                    urls[name] = match.group(1)
+                elif proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"{name} did not start:\n{logs[name].read_text(errors='replace')[-4000:]}")
+            time.sleep(0.05)
+        yield urls
+    finally:
+        for name, proc in procs.items():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise
+            output = logs[name].read_text(errors="replace")
+            assert code == 0, output[-4000:]
+            assert "Traceback" not in output, output[-4000:]
 
 
 @contextlib.contextmanager

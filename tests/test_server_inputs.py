@@ -7,10 +7,6 @@ for long. The tool-call parsers are also checked directly on output text nested 
 from __future__ import annotations
 
 import json
-import re
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import cli_servers
 
 from tp_runtime.server.api_server import MAX_SCHEMA_DEPTH, json_depth
 from tp_runtime.server.tool_calls import ToolPlan, parse_hermes, parse_llama3_json
@@ -39,33 +36,12 @@ REQUEST_TIMEOUT_S = 30.0
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("inputs") / "server.log"
-    cmd = [
-        sys.executable, "-m", "tp_runtime.server.cli", MODEL, "--device", "cpu", "--port", "0",
-        "--max-model-len", "1000", "--log-level", "warning", "--no-access-log", "--chat-template", TEMPLATE,
-        "--tool-call-parser", "hermes",
+    args = [
+        MODEL, "--device", "cpu", "--port", "0", "--max-model-len", "1000", "--log-level", "warning",
+        "--no-access-log", "--chat-template", TEMPLATE, "--tool-call-parser", "hermes",
     ]  # fmt: skip
-    with open(log, "wb") as sink:  # a file, not a pipe: a pipe nobody reads would block the server
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + START_DEADLINE_S
-        while not (match := re.search(r"ready on (http://\S+)", log.read_text(errors="replace"))):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the server did not start:\n{log.read_text(errors='replace')[-4000:]}")
-            time.sleep(0.05)
-        yield match.group(1)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-    output = log.read_text(errors="replace")
-    assert code == 0, output[-4000:]
-    assert "Traceback" not in output, output[-4000:]
+    with cli_servers(tmp_path_factory.mktemp("inputs"), {"server": args}, START_DEADLINE_S) as urls:
+        yield urls["server"]
 
 
 def _post(url: str, path: str, body: dict[str, Any] | bytes) -> httpx.Response:

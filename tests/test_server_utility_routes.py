@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-import re
-import signal
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from conftest import cli_servers
 from test_server import InProcess
 from test_streaming_engine import VOCAB, ScriptedExecutor, closed_form
 
@@ -66,50 +62,18 @@ class Server:
         return httpx.get(f"{self.url}{path}", headers=headers, timeout=REQUEST_TIMEOUT_S, **kwargs)
 
 
-def _stop(proc: subprocess.Popen[bytes], log: Path) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        code = proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise
-    output = log.read_text(errors="replace")
-    assert code == 0, output[-4000:]
-    assert "Traceback" not in output, output[-4000:]
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
     base = [
-        sys.executable, "-m", "tp_runtime.server.cli", MODEL, "--device", "cpu", "--port", "0",
-        "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning", "--no-access-log",
+        MODEL, "--device", "cpu", "--port", "0", "--max-model-len", str(MAX_MODEL_LEN),
+        "--log-level", "warning", "--no-access-log",
     ]  # fmt: skip
     flags = {
-        "keyed": ["--chat-template", TEMPLATE, "--api-key", API_KEY],
-        "trusting": ["--trust-request-chat-template", "--served-model-name", SLASHED],
+        "keyed": [*base, "--chat-template", TEMPLATE, "--api-key", API_KEY],
+        "trusting": [*base, "--trust-request-chat-template", "--served-model-name", SLASHED],
     }
-    logs = {name: tmp_path_factory.mktemp(name) / "server.log" for name in flags}
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    try:
-        for name, extra in flags.items():
-            with open(logs[name], "wb") as sink:  # a file, not a pipe: a pipe nobody reads would block
-                procs[name] = subprocess.Popen(base + extra, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
-        urls: dict[str, str] = {}
-        deadline = time.monotonic() + START_DEADLINE_S
-        while len(urls) < len(procs):
-            for name, proc in procs.items():
-                match = re.search(r"ready on (http://\S+)", logs[name].read_text(errors="replace"))
-                if match:
-                    urls[name] = match.group(1)
-                elif proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"{name} did not start:\n{logs[name].read_text(errors='replace')[-4000:]}")
-            time.sleep(0.05)
+    with cli_servers(tmp_path_factory.mktemp("utility"), flags, START_DEADLINE_S) as urls:
         yield {"keyed": Server(urls["keyed"], API_KEY), "trusting": Server(urls["trusting"], None)}
-    finally:
-        for name, proc in procs.items():
-            _stop(proc, logs[name])
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,8 @@ for arg in "$@"; do
   fi
   command_args+=("$arg")
 done
-command_args+=("${tp_flag[@]}")
+# (empty after a `--`: the +-form, as bash before 4.4 takes an empty array for unset under set -u)
+command_args+=(${tp_flag[@]+"${tp_flag[@]}"})
 # tp_runtime.launch is torchrun that checks the command's arguments once before starting the ranks and
 # reports a user error or Ctrl-C in one line (no ChildFailedError report).
 exec "$py" -m tp_runtime.launch "${torchrun_args[@]}" --nproc-per-node "$nproc" -- "${command_args[@]}"

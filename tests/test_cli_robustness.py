@@ -4,11 +4,16 @@ the benchmarks write strict JSON."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -193,3 +198,33 @@ def test_benchmark_json_is_strict_json(tmp_path: Path) -> None:
     data = json.loads(out.read_text(), parse_constant=refuse)
     assert data["decode_roofline"]["fraction"] is None and data["decode_roofline"]["step"] is None
     assert data["latencies"] == [0.5, None] and data["pair"] == [1, None]
+
+
+def test_torchrun_gives_serve_its_drain_before_its_sigkill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun SIGKILLs the ranks 30 s (its default) after passing a SIGTERM on, which cut a `serve`
+    drain of the default 30 s grace short: the launcher gives serve's ranks the drain and some slack, and
+    leaves a timeout the user set (a flag or TORCH_ELASTIC_SHUTDOWN_TIMEOUT) as it is."""
+    import torch.distributed.run
+
+    from tp_runtime import launch
+    from tp_runtime.server.runner import DRAIN_MARGIN_S
+
+    seen: list[Any] = []
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: seen.append(args.shutdown_timeout))
+    monkeypatch.setattr(launch, "_stop_ranks_with_sigterm_on_ctrl_c", lambda interrupts: None)
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    for name in ("OMP_NUM_THREADS", launch.cli.LAUNCHED_ENV):
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    serve = argparse.Namespace(command="serve", shutdown_grace=50.0)
+    drain = launch._drain_s(serve)
+    assert drain == 50.0 + DRAIN_MARGIN_S and launch._drain_s(argparse.Namespace(command="generate")) is None
+    torchrun = ["--standalone", "--nproc-per-node", "2"]
+    for extra, env, want in (
+        ([], None, math.ceil(drain) + launch._SHUTDOWN_SLACK_S),
+        (["--shutdown-timeout", "7"], None, 7),
+        ([], "9", None),
+    ):
+        if env is not None:
+            monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", env)
+        assert launch._run_torchrun([*torchrun, *extra], ["serve"], launch._Interrupts(), drain) == 0
+        assert seen.pop() == want

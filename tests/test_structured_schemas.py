@@ -198,6 +198,10 @@ UNENFORCEABLE: list[Any] = [
      "additionalProperties": False},
     {"minItems": 2},  # array and object keywords without a type (xgrammar gave any value)
     {"maxProperties": 0},
+    # propertyNames applies to additional names only in xgrammar: a listed name it refuses came out.
+    {"type": "object", "properties": {"long_name": {"type": "integer"}}, "propertyNames": {"maxLength": 3}},
+    {"type": "object", "required": ["xy"], "propertyNames": {"pattern": "^a"}},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "propertyNames": {"format": "email"}},
 ]  # fmt: skip
 
 
@@ -215,8 +219,11 @@ def test_keywords_xgrammar_would_drop_are_clear_errors_and_the_batch_serves_on(l
             llm.generate(["x", "x"], [good, bad], use_tqdm=False)
     out = llm.generate(["x"], good, use_tqdm=False)[0].outputs[0]
     assert out.text in ("ok", "fine") and out.finish_reason == "stop"
-    # Annotations beside $ref / anyOf are fine (pydantic writes them).
+    # Annotations beside $ref / anyOf are fine (pydantic writes them); so are listed names that fit
+    # propertyNames.
     for schema in (
+        {"type": "object", "properties": {"abc": {"type": "integer"}}, "required": ["abc"],
+         "propertyNames": {"pattern": "^[a-c]+$"}},
         {"$defs": {"s": {"type": "boolean"}}, "$ref": "#/$defs/s", "description": "d", "title": "t"},
         {"anyOf": [{"type": "boolean"}, {"type": "null"}], "default": None, "title": "x"},
     ):

@@ -139,7 +139,10 @@ def check_ranges(args: argparse.Namespace) -> None:
 def check_output_json(value: str) -> str:
     """--output-json names a file that can be written: checked before the run, whose results would
     otherwise be lost to a traceback at its end. Returns the path with `~` expanded."""
-    expanded = Path(value).expanduser()
+    try:
+        expanded = Path(value).expanduser()
+    except RuntimeError:  # `~name` of a user this machine does not have
+        raise ConfigError(f"argument --output-json: no home folder for {value.split('/')[0]!r}") from None
     path = expanded.resolve()
     if path.is_dir():
         raise ConfigError(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import signal
@@ -27,6 +28,8 @@ from typing import Any
 from tp_runtime import cli
 
 _QUIET_STATUSES = (cli.EXIT_USAGE, cli.EXIT_INTERRUPTED)
+# Past serve's drain, before torchrun's SIGKILL: time for the server to shut its workers down and exit.
+_SHUTDOWN_SLACK_S = 15
 # What each rank runs: `python -m tp_runtime.cli`, but first (1) SIGINT, which torchrun forwards to every
 # rank on Ctrl-C, ends the rank at once and quietly (this launcher reports it), and (2) on Linux the rank
 # ends when its launcher does (PR_SET_PDEATHSIG), even a launcher killed outright.
@@ -102,10 +105,10 @@ def main(argv: list[str] | None = None) -> None:
         once = cli.once_only_command(command_argv)
         if once is not None:  # before parsing: launch_tp.sh adds --tensor-parallel-size, which it lacks
             cli.refuse_once_only(once)
-        cli.parse_and_check(command_argv, under_torchrun=True)
+        command = cli.parse_and_check(command_argv, under_torchrun=True)
         if interrupts.seen:
             raise KeyboardInterrupt
-        status = _run_torchrun(torchrun_argv, command_argv, interrupts)
+        status = _run_torchrun(torchrun_argv, command_argv, interrupts, _drain_s(command))
     except KeyboardInterrupt:
         status = cli.EXIT_INTERRUPTED
     if status == cli.EXIT_INTERRUPTED:
@@ -136,7 +139,19 @@ def _stop_ranks_with_sigterm_on_ctrl_c(interrupts: _Interrupts) -> None:
     api._terminate_process_handler = handler
 
 
-def _run_torchrun(torchrun_argv: list[str], command_argv: list[str], interrupts: _Interrupts) -> int:
+def _drain_s(command: Any) -> float | None:
+    """How long `serve` may drain after SIGTERM (its grace and the margin for the last responses); None
+    for the other commands."""
+    if getattr(command, "command", None) != "serve":
+        return None
+    from tp_runtime.server.runner import DRAIN_MARGIN_S
+
+    return float(command.shutdown_grace) + DRAIN_MARGIN_S
+
+
+def _run_torchrun(
+    torchrun_argv: list[str], command_argv: list[str], interrupts: _Interrupts, drain_s: float | None
+) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -155,6 +170,11 @@ def _run_torchrun(torchrun_argv: list[str], command_argv: list[str], interrupts:
     # one of its flags (argparse matches prefixes anywhere in the argument list).
     args = parse_args([*torchrun_argv, "--no-python", sys.executable, "-u", "-c", _RANK_MAIN])
     args.training_script_args = [*args.training_script_args, *command_argv]
+    timeout_given = args.shutdown_timeout is not None or "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ
+    if drain_s is not None and not timeout_given:
+        # torchrun SIGKILLs the ranks this long after passing a SIGTERM on (30 s by default): `serve` must
+        # be given its drain, and then the time to shut its workers down.
+        args.shutdown_timeout = math.ceil(drain_s) + _SHUTDOWN_SLACK_S
     nproc = str(args.nproc_per_node)
     if "OMP_NUM_THREADS" not in os.environ and nproc.isdigit() and int(nproc) > 1:
         # What torchrun does then, without its banner about it.

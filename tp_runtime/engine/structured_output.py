@@ -18,6 +18,7 @@ cached by the grammar's text, and the tokenizer's vocabulary is read once per en
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -150,6 +151,12 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
             raise refuse(f"'required' {missing} beyond 'properties'")
         if missing:
             out["properties"] = {**props, **{n: {} if extra is True else extra for n in missing}}
+    # xgrammar applies propertyNames to additional names only: a listed (or required) name must fit it.
+    names_schema, listed = schema.get("propertyNames"), out.get("properties")
+    if isinstance(names_schema, dict) and isinstance(listed, dict):
+        unfit = [name for name in listed if not _name_fits(name, names_schema)]
+        if unfit:
+            raise refuse(f"properties {unfit[:4]} that 'propertyNames' does not allow (or cannot be checked)")
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {
@@ -166,6 +173,28 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
         if isinstance(schema.get(key), list):
             out[key] = [_schema_for_xgrammar(s, f"{path}/{key}/{i}") for i, s in enumerate(schema[key])]
     return out
+
+
+def _name_fits(name: str, names_schema: dict[str, Any]) -> bool:
+    """Whether property name `name` is valid under a propertyNames schema of string keywords; False for a
+    schema with any other keyword (not checked here)."""
+    keys = {k for k in names_schema if k not in _ANNOTATIONS and not k.startswith("x-")}
+    if not keys <= {"type", "minLength", "maxLength", "pattern", "enum", "const"}:
+        return False
+    kind = names_schema.get("type", "string")
+    if kind != "string" and not (isinstance(kind, list) and "string" in kind):
+        return False
+    try:  # (a keyword of the wrong type: not checked, so refused)
+        if not names_schema.get("minLength", 0) <= len(name) <= names_schema.get("maxLength", len(name)):
+            return False
+        if "enum" in names_schema and name not in names_schema["enum"]:
+            return False
+        if "const" in names_schema and name != names_schema["const"]:
+            return False
+        pattern = names_schema.get("pattern")
+        return pattern is None or re.search(pattern, name) is not None
+    except (re.error, TypeError):
+        return False
 
 
 def _literals_of(branches: Any, kinds: set[Any]) -> bool:

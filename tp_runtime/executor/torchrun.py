@@ -4,6 +4,7 @@ ranks > 0 run the worker loop and connect to rank 0."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import hmac
 import ipaddress
@@ -12,6 +13,7 @@ import secrets
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -238,6 +240,7 @@ def torchrun_secret() -> bytes | None:
 
 # torchrun_bind_host's answer when every rank runs on this host (the driver then uses ipc sockets).
 _ONE_HOST = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def torchrun_bind_host(master_addr: str, world: int, secret: bytes | None) -> str:
@@ -409,6 +412,10 @@ def serve_worker_rank(config: EngineConfig, *, driver_drains: bool = False) -> N
     if driver_drains and threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, signal.SIG_IGN)
+        if sys.platform.startswith("linux"):
+            # The launcher's death reaches a rank as SIGTERM (PR_SET_PDEATHSIG, tp_runtime/launch.py),
+            # ignored now: it is SIGKILL instead, so no rank outlives a launcher killed outright.
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     run_worker_loop(
         config, worker.rank, worker.local_rank, addresses, None, worker=worker, exit_if_driver_leaves=True
     )

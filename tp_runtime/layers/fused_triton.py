@@ -55,7 +55,7 @@ def _add_rms_norm_kernel(
     BLOCK: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride past 2**31 in a long step must not wrap
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
@@ -131,7 +131,7 @@ def _rotary_kernel(
     HALF_BLOCK: tl.constexpr,
     HEADS_BLOCK: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token * stride past 2**31 must not wrap
     table = token * table_stride
     c1, c2, s1, s2 = _rope_cos_sin(cos_ptr + table, sin_ptr + table, half, HALF_BLOCK, x_ptr.dtype.element_ty)
     _rope_heads_(x_ptr + token * x_stride, heads, half, c1, c2, s1, s2, HEADS_BLOCK, HALF_BLOCK)
@@ -188,7 +188,7 @@ def _rotary_and_cache_kernel(
     KV_HEADS_BLOCK: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token * stride past 2**31 must not wrap
     table = token * table_stride
     c1, c2, s1, s2 = _rope_cos_sin(cos_ptr + table, sin_ptr + table, half, HALF_BLOCK, q_ptr.dtype.element_ty)
     _rope_heads_(q_ptr + token * q_stride, heads, half, c1, c2, s1, s2, HEADS_BLOCK, HALF_BLOCK)
@@ -310,7 +310,7 @@ def _gelu_tanh_mul_value(gate, up):
 def _gated_act_and_mul_kernel(
     gate_up_ptr, out_ptr, in_stride, out_stride, n_cols, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride past 2**31 in a long step must not wrap
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     gate = tl.load(gate_up_ptr + row * in_stride + cols, mask=mask, other=0.0)

@@ -14,25 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-
-
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tp_runtime.cli", *args],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-
-
-def _one_error_line(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
-    output = (proc.stdout + proc.stderr).strip()
-    assert proc.returncode == 2, f"status {proc.returncode}:\n{output[-3000:]}"
-    assert output.startswith("tp-runtime: error: "), output[-3000:]
-    assert len(output.splitlines()) == 1, output[-3000:]
-    for fragment in fragments:
-        assert fragment in output, f"{fragment!r} not in {output!r}"
+from test_cli_args import ENV, REPO, _cli, _one_error_line
 
 
 def test_bench_throughput_negative_workload_seed_is_one_line() -> None:

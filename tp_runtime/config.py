@@ -545,13 +545,18 @@ def read_config_json(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(
             f"model path {str(path)!r} has no config.json; it is not a Hugging Face checkpoint folder"
         )
+    return _json_object(file, "check the file")
+
+
+def _json_object(file: Path, remedy: str) -> dict[str, Any]:
+    """`file` read as a JSON object; ConfigError naming it (and `remedy`) if it is not one."""
     try:
-        config = json.loads(file.read_text())
+        value = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(f"could not read {file} as JSON ({exc}); check the file") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{file} is not a JSON object; check the file")
-    return config
+        raise ConfigError(f"could not read {file} as JSON ({exc}); {remedy}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{file} is not a JSON object; {remedy}")
+    return value
 
 
 def resolve_device(device: str) -> str:
@@ -685,13 +690,7 @@ def _eos_token_ids(path: str, hf_config: Any) -> tuple[tuple[int, ...], bool]:
     # no such file). An explicit [] in the one read is no EOS, as in transformers' generate.
     gen_path = Path(path) / "generation_config.json"
     if gen_path.is_file():
-        # A cut or malformed file was a JSONDecodeError (or AttributeError) traceback from here.
-        try:
-            generation = json.loads(gen_path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise ConfigError(f"could not read {gen_path} as JSON ({exc}); fix or remove the file") from None
-        if not isinstance(generation, dict):
-            raise ConfigError(f"{gen_path} is not a JSON object; fix or remove the file")
+        generation = _json_object(gen_path, "fix or remove the file")
         if add(generation.get("eos_token_id")):
             return (), True
     if not ids and add(getattr(hf_config, "eos_token_id", None)):

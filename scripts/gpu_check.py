@@ -520,6 +520,54 @@ def engine_checks(root: Path) -> list[dict[str, Any]]:
                 },
             )
         _report(results, _bf16_vs_fp32(path, prompts, name))
+    results += _sampling_controls_checks(root)
+    return results
+
+
+def _sampling_controls_checks(root: Path) -> list[dict[str, Any]]:
+    """logit_bias, allowed_token_ids, min_tokens and penalties on CUDA (async scheduling, decode graphs,
+    the padded sync path) give the CPU engine's greedy tokens (the CPU tests check those against a float64
+    brute force over HF forwards)."""
+    from conftest import build_checkpoint, random_prompts
+
+    from tp_runtime import LLM, SamplingParams
+
+    path = build_checkpoint(root, "LlamaForCausalLM")
+    prompts = random_prompts((5, 17, 33, 48, 60, 9), 300)
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, logit_bias={7: 30.0, 11: -100.0, 250: 2.5}),
+        SamplingParams(temperature=0, max_tokens=20, allowed_token_ids=[3, 5, 8, 13, 21, 34, 55, 89]),
+        SamplingParams(temperature=0, max_tokens=20, min_tokens=12, logit_bias={2: 50.0}),
+        SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(
+            temperature=0,
+            max_tokens=20,
+            allowed_token_ids=[2, 40, 41, 42],
+            logit_bias={41: 1.0},
+            min_tokens=5,
+        ),
+        SamplingParams(temperature=0, max_tokens=20, frequency_penalty=0.7, logit_bias={99: -3.0}),
+    ]
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+
+    def run(**kwargs: Any) -> list[list[int]]:
+        with LLM(path, dtype="float32", **kwargs) as llm:
+            outs = llm.generate(reqs, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    want = run(device="cpu")
+    results: list[dict[str, Any]] = []
+    for label, kwargs in [("async", {}), ("sync", dict(async_scheduling=False))]:
+        got = run(device="cuda", **kwargs)
+        same = sum(g == w for g, w in zip(got, want, strict=True))
+        _report(
+            results,
+            {
+                "check": f"sampling controls, cuda {label} vs cpu",
+                "same": f"{same}/{len(want)}",
+                "ok": same == len(want),
+            },
+        )
     return results
 
 

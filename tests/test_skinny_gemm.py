@@ -369,6 +369,21 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         assert torch.equal(q32, quotient), (dtype, rows, k)
         assert torch.equal(q32.to(torch.float8_e4m3fn).view(torch.uint8), q_ref.view(torch.uint8))
         checked += 1
+# With silu_mul the kernel quantizes what the separate SiLU-mul kernel (tested against torch in
+# test_triton_decode.py) would have written, bit for bit, from a row stride wider than 2K too.
+from tp_runtime.layers.fused_triton import silu_and_mul
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for rows, k in ((1, 4096), (3, 100), (32, 1500), (4, 2500), (130, 40)):
+        gate_up = torch.randn(rows, 2 * k + 6) * torch.logspace(-3, 1.5, rows)[:, None]
+        gate_up = gate_up.to(dtype)[:, : 2 * k]
+        h = silu_and_mul(gate_up)
+        q32, scale = torch.empty(rows, k), torch.empty(rows, 1)
+        aq._launch(gate_up, q32, scale, silu_mul=True)
+        q_ref, scale_ref = aq.quantize_rows_fp8_reference(h)
+        assert torch.equal(scale, scale_ref), (dtype, rows, k, (scale - scale_ref).abs().max())
+        quotient = (h.double() / scale_ref.double()).float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        assert torch.equal(q32, quotient), (dtype, rows, k, (q32 - quotient).abs().max())
+        checked += 1
 # NaN and infinities propagate as in torch: a row holding one gets a NaN or infinite scale, NaN values,
 # in every program of the row (a NaN in the row's last slice reaches its first).
 x = torch.randn(4, 5000)
@@ -380,9 +395,12 @@ quotient = (x.double() / scale_ref.double()).float().clamp(-FP8_E4M3_MAX, FP8_E4
 torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0, equal_nan=True)
 torch.testing.assert_close(q32, quotient, rtol=0, atol=0, equal_nan=True)
 assert scale[0].isnan() and scale[1].isinf() and q32[0].isnan().all() and q32[1, 3].isnan()
-for bad in (torch.zeros(4), torch.zeros(4, 8).t(), torch.zeros(4, 8, dtype=torch.int32)):
+for bad, silu_mul in (
+    (torch.zeros(4), False), (torch.zeros(4, 8).t(), False), (torch.zeros(4, 8, dtype=torch.int32), False),
+    (torch.zeros(4, 7), True),
+):  # fmt: skip
     try:
-        aq.quantize_rows_fp8(bad)
+        aq.quantize_rows_fp8(bad, silu_mul=silu_mul)
     except ValueError as e:
         assert "quantize_rows_fp8 takes" in str(e)
     else:
@@ -486,6 +504,21 @@ for dtype in (torch.bfloat16, torch.float32):
         assert torch.equal(q32, quotient), (dtype, rows, k, group)
         assert torch.equal(quotient.to(torch.float8_e4m3fn).view(torch.uint8), q_ref.view(torch.uint8))
         checked += 1
+# silu_mul: the groups of what the separate SiLU-mul kernel would have written.
+from tp_runtime.layers.fused_triton import silu_and_mul
+for dtype in (torch.bfloat16, torch.float32):
+    for rows, k, group in ((1, 4096, 128), (3, 100, 32), (2, 5000, 128)):
+        groups = -(-k // group)
+        gate_up = (torch.randn(rows, 2 * k) * torch.logspace(-3, 2, 2 * k)).to(dtype)
+        h = silu_and_mul(gate_up)
+        q32, scale = torch.empty(rows, k), torch.empty(rows, groups)
+        aq._launch_groups(gate_up, q32, scale, group, silu_mul=True)
+        q_ref, scale_ref = aq.quantize_rows_fp8_reference(h, group)
+        assert torch.equal(scale, scale_ref), (dtype, rows, k, group)
+        per_col = scale_ref.double().repeat_interleave(group, 1)[:, :k]
+        quotient = (h.double() / per_col).float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        assert torch.equal(q32, quotient), (dtype, rows, k, group)
+        checked += 1
 # A NaN or an infinity reaches only its own group's scale and values.
 x = torch.randn(2, 256)
 x[0, 7], x[1, 200] = float("nan"), float("inf")
@@ -506,9 +539,9 @@ print("OK", checked)
 
 def test_group_activation_quantization_matches_torch() -> None:
     status, checked = run_interpreted(GROUP_QUANT_VS_TORCH).split()
-    assert status == "OK" and int(checked) == 2 * 5
+    assert status == "OK" and int(checked) == 2 * 5 + 2 * 3
 
 
 def test_activation_quantization_matches_torch() -> None:
     status, checked = run_interpreted(ACTIVATION_QUANT_VS_TORCH).split()
-    assert status == "OK" and int(checked) == 3 * 7
+    assert status == "OK" and int(checked) == 3 * 7 + 3 * 5

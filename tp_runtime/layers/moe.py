@@ -368,17 +368,21 @@ class SparseMoE(nn.Module):
         w13, w2 = self.w13_stack, self.w2_stack
         assert w13.scale is not None and w2.scale is not None, "internal: fp8_grouped without FP8 experts"
 
-        def quantize(a: torch.Tensor, stack: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        def quantize(
+            a: torch.Tensor, stack: ExpertWeights, silu_mul: bool = False
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             a = a if a.stride(-1) == 1 else a.contiguous()
             group = stack.activation_groups()
-            return aq.quantize_groups_fp8(a, group) if group else aq.quantize_rows_fp8(a)
+            if group:
+                return aq.quantize_groups_fp8(a, group, silu_mul=silu_mul)
+            return aq.quantize_rows_fp8(a, silu_mul=silu_mul)
 
         tiles = route_tiles(ids, self.num_experts)
         xq, x_scale = quantize(x, w13)
         gate_up = fp8_moe_gemm(
             xq, x_scale, w13.weight, w13.scale, w13.scale_block_k, tiles, x.dtype, a_rows=tiles.order // k
         )
-        hq, h_scale = quantize(silu_and_mul(gate_up, self.fused), w2)
+        hq, h_scale = quantize(gate_up, w2, silu_mul=True)  # the SiLU-mul inside the quantization
         # Rows back in (token, slot) order, each expert's output written where its pair belongs.
         y = fp8_moe_gemm(
             hq, h_scale, w2.weight, w2.scale, w2.scale_block_k, tiles, x.dtype, out_rows=tiles.order
@@ -398,7 +402,7 @@ class SparseMoE(nn.Module):
         gate_up = torch._scaled_grouped_mm(
             xq, w13.weight.transpose(1, 2), x_scale.view(-1), w13.scale[..., 0], offs=offs, out_dtype=x.dtype
         )
-        hq, h_scale = aq.quantize_rows_fp8(silu_and_mul(gate_up, self.fused))
+        hq, h_scale = aq.quantize_rows_fp8(gate_up, silu_mul=True)
         y_sorted = torch._scaled_grouped_mm(
             hq, w2.weight.transpose(1, 2), h_scale.view(-1), w2.scale[..., 0], offs=offs, out_dtype=x.dtype
         )

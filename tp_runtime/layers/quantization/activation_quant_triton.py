@@ -11,6 +11,10 @@ torch expression the per-token kernel replaced was five elementwise kernels and 
 over x: about 25 µs a Llama-3-8B linear layer at 32 rows on an H200, more than the FP8 matmul saved
 there. Here x is read once from memory and written once as e4m3; a row is split over programs of 2,048
 columns below 128 rows (one program per row took 7.5 µs for a 14,336-wide row: one SM's latency).
+
+`silu_mul=True` quantizes silu(gate) * up of the merged [gate | up] projection output, rounded to its
+dtype as the separate SiLU-mul kernel rounds (fused_triton.silu_mul_value): the down projection's input
+then never makes its own round trip through memory, nor its own launch.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import triton
 import triton.language as tl
 
 from tp_runtime.config import FP8_E4M3_MAX
+from tp_runtime.layers.fused_triton import silu_mul_value
 
 # Columns one program quantizes (one iteration) and scans per iteration for the row's amax.
 _SLICE = 2048
@@ -30,9 +35,19 @@ _MIN_AMAX = 1e-12
 
 
 @triton.jit
+def _load_values(x_row, k, mask, K, SILU_MUL: tl.constexpr):
+    """x[k] as float32; with SILU_MUL, silu(x[k]) * x[K + k] in x's dtype (x is [gate | up])."""
+    v = tl.load(x_row + k, mask=mask, other=0.0)
+    if SILU_MUL:
+        v = silu_mul_value(v, tl.load(x_row + K + k, mask=mask, other=0.0))
+    return v.to(tl.float32)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, K, SLICE, x_stride, q_stride,
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, AMAX_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):  # fmt: skip
     """One program per (row, SLICE columns): each reads the whole row for its amax (from L2 but for the
     first) and quantizes its slice, so a few wide rows still spread over many SMs."""
@@ -45,7 +60,7 @@ def _quantize_rows_kernel(
     amax = tl.zeros([AMAX_BLOCK], dtype=tl.float32)
     for k_start in range(0, K, AMAX_BLOCK):
         k = k_start + tl.arange(0, AMAX_BLOCK)
-        v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        v = _load_values(x_row, k, k < K, K, SILU_MUL)
         amax = tl.maximum(amax, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)
     row_max = tl.maximum(tl.max(amax, axis=0), MIN_AMAX)
     row_max = tl.where(tl.sum((amax != amax).to(tl.int32), axis=0) > 0, float("nan"), row_max)
@@ -55,7 +70,7 @@ def _quantize_rows_kernel(
     first = part * SLICE
     for k_start in range(first, tl.minimum(first + SLICE, K), BLOCK_K):
         k = k_start + tl.arange(0, BLOCK_K)
-        v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        v = _load_values(x_row, k, k < K, K, SILU_MUL)
         q = tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         q = tl.minimum(q, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_row + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
@@ -65,12 +80,13 @@ def _quantize_rows_kernel(
 def _quantize_groups_kernel(
     x_ptr, q_ptr, scale_ptr, K, NUM_GROUPS, x_stride, q_stride, scale_stride,
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):  # fmt: skip
     """One program per (row, GROUPS groups of GROUP columns): the tile is [GROUPS, GROUP]."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    v = tl.load(x_ptr + row * x_stride + k, mask=k < K, other=0.0).to(tl.float32)
+    v = _load_values(x_ptr + row * x_stride, k, k < K, K, SILU_MUL)
     group_max = tl.maximum(tl.max(tl.abs(v), axis=1), MIN_AMAX)
     has_nan = tl.sum((v != v).to(tl.int32), axis=1) > 0  # tl.max would drop a NaN
     scale = tl.math.div_rn(tl.where(has_nan, float("nan"), group_max), FP8_MAX)
@@ -80,27 +96,30 @@ def _quantize_groups_kernel(
     tl.store(q_ptr + row * q_stride + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
 
 
-def _check_input(x: torch.Tensor, what: str) -> None:
-    if x.dim() != 2 or x.stride(1) != 1 or not x.is_floating_point():
+def _check_input(x: torch.Tensor, what: str, silu_mul: bool) -> int:
+    """The quantized width: x's, or half of it with silu_mul."""
+    if x.dim() != 2 or x.stride(1) != 1 or not x.is_floating_point() or (silu_mul and x.shape[1] % 2):
         raise ValueError(
-            f"{what} takes a 2-D float tensor contiguous along its rows, got {tuple(x.shape)} "
-            f"{x.dtype} with strides {x.stride()}"
+            f"{what} takes a 2-D float tensor contiguous along its rows (with silu_mul, [gate | up] of even "
+            f"width), got {tuple(x.shape)} {x.dtype} with strides {x.stride()}"
         )
+    return x.shape[1] // 2 if silu_mul else x.shape[1]
 
 
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (16- or 32-bit floats, unit stride along K) -> (e4m3 [M, K], float32 scales [M, 1])."""
-    _check_input(x, "quantize_rows_fp8")
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+def quantize_rows_fp8(x: torch.Tensor, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (16- or 32-bit floats, unit stride along K) -> (e4m3 [M, K], float32 scales [M, 1]).
+    `silu_mul`: x is [M, 2K] = [gate | up] and silu(gate) * up is quantized."""
+    k = _check_input(x, "quantize_rows_fp8", silu_mul)
+    q = torch.empty((x.shape[0], k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
-    _launch(x, q, scale)
+    _launch(x, q, scale, silu_mul)
     return q, scale
 
 
-def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, silu_mul: bool = False) -> None:
     """The kernel into `q` (e4m3; or float32, the quotients before their rounding to e4m3, which the
     tests read in Triton's interpreter: its e4m3 rounding is not CUDA's) and `scale`."""
-    m, k = x.shape
+    m, k = q.shape
     if m and k:
         block_k = min(_SLICE, triton.next_power_of_2(k))
         amax_block = min(_AMAX_BLOCK, triton.next_power_of_2(k))
@@ -108,42 +127,51 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
         _quantize_rows_kernel[(m, triton.cdiv(k, slice_k))](
             x, q, scale, k, slice_k, x.stride(0), q.stride(0),
             FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX, AMAX_BLOCK=amax_block, BLOCK_K=block_k,
-            num_warps=8 if amax_block >= 4096 else 4,
+            SILU_MUL=silu_mul, num_warps=8 if amax_block >= 4096 else 4,
         )  # fmt: skip
     elif m:
         scale.fill_(_MIN_AMAX / FP8_E4M3_MAX)
 
 
-def quantize_groups_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups_fp8(
+    x: torch.Tensor, group: int, silu_mul: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, cdiv(K, group)]): one scale per row and `group`
-    columns (a power of two; the last group may be short)."""
-    _check_input(x, "quantize_groups_fp8")
+    columns (a power of two; the last group may be short). `silu_mul`: as in quantize_rows_fp8."""
+    k = _check_input(x, "quantize_groups_fp8", silu_mul)
     if group < 1 or group & (group - 1):
         raise ValueError(f"quantize_groups_fp8 takes groups of a power of two columns, got {group}")
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((x.shape[0], -(-x.shape[1] // group)), dtype=torch.float32, device=x.device)
-    _launch_groups(x, q, scale, group)
+    q = torch.empty((x.shape[0], k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((x.shape[0], -(-k // group)), dtype=torch.float32, device=x.device)
+    _launch_groups(x, q, scale, group, silu_mul)
     return q, scale
 
 
-def _launch_groups(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int) -> None:
+def _launch_groups(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int, silu_mul: bool = False
+) -> None:
     """As _launch, by groups of columns."""
-    m, k = x.shape
+    m, k = q.shape
     num_groups = scale.shape[1]
     if m and k:
         groups = min(triton.next_power_of_2(num_groups), max(1, _SLICE // group))
         _quantize_groups_kernel[(m, triton.cdiv(num_groups, groups))](
             x, q, scale, k, num_groups, x.stride(0), q.stride(0), scale.stride(0),
-            FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX, GROUP=group, GROUPS=groups, num_warps=4,
+            FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX, GROUP=group, GROUPS=groups, SILU_MUL=silu_mul,
+            num_warps=4,
         )  # fmt: skip
 
 
 def quantize_rows_fp8_reference(
-    x: torch.Tensor, group: int | None = None
+    x: torch.Tensor, group: int | None = None, silu_mul: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' arithmetic in torch, equal on every device: each division in float64 rounded once to
     float32, which is the correctly rounded float32 quotient (torch's own division by a scalar on CUDA
-    multiplies by the reciprocal instead). `group`: one scale per row and `group` columns, else per row."""
+    multiplies by the reciprocal instead). `group`: one scale per row and `group` columns, else per row.
+    `silu_mul`: x is [gate | up], and F.silu(gate) * up (each rounded to x's dtype) is quantized."""
+    if silu_mul:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
     m, k = x.shape
     group = group or max(k, 1)
     num_groups = -(-k // group)

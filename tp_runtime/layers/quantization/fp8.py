@@ -197,17 +197,21 @@ class CudaFp8Kernels(Fp8Kernels):
                 x = silu_and_mul(x, fused=True)
             cfg = kernels.fp8_few_rows_config(weight.shape[0], rows, self.num_sms)
             return kernels.few_rows_linear(x, weight, bias, cfg, scale=scale, scale_block_k=block_k)
-        if silu_mul:
-            x = silu_and_mul(x, fused=True)
         if not w8a8:
+            if silu_mul:
+                x = silu_and_mul(x, fused=True)
             return super().linear(x, weight, scale, block_k, bias, silu_mul=False)
+        # The activation's quantization applies the SiLU-mul itself (one kernel, one pass over x).
         x = x if x.stride(1) == 1 else x.contiguous()
         if scaled_mm and (rows > FP8_TRITON_GEMM_MAX_ROWS or not triton_gemm):
-            xq, x_scale = aq.quantize_rows_fp8(x)
+            xq, x_scale = aq.quantize_rows_fp8(x, silu_mul=silu_mul)
             w_scale = scale.reshape(1, n)
             out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
             return out if bias is None else out + bias
-        xq, x_scale = aq.quantize_rows_fp8(x) if per_row else aq.quantize_groups_fp8(x, block_k)
+        if per_row:
+            xq, x_scale = aq.quantize_rows_fp8(x, silu_mul=silu_mul)
+        else:
+            xq, x_scale = aq.quantize_groups_fp8(x, block_k, silu_mul=silu_mul)
         bias = None if bias is None else bias.contiguous()
         return fp8_gemm(
             xq, x_scale, weight, scale, block_k, x.dtype, bias, num_sms=self.num_sms, locks=self.split_k_locks

@@ -48,9 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_skinny_gemm import DOT_SWEEP, layer_shapes, time_graph
 
 
-def w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, fast: bool = False) -> torch.Tensor:
     xq, x_scale = quantize_rows_fp8(x)
-    return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
+    return torch._scaled_mm(
+        xq, w.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype, use_fast_accum=fast
+    )
 
 
 def gemm_sweep(rows: int, block: bool) -> list[Fp8GemmConfig]:
@@ -84,7 +86,7 @@ FP8_ROW_SWEEP = [
 
 def measure_layer(
     model: str, name: str, n: int, k: int, rows_list: list[int], replays: int, sweep: bool,
-    kernels: CudaFp8Kernels, sweep_gemm: bool,
+    kernels: CudaFp8Kernels, sweep_gemm: bool, prefill_variants: bool = False,
 ) -> list[dict[str, object]]:  # fmt: skip
     copies = max(2, math.ceil(400e6 / (n * k)))  # > L2 even at one byte per weight
     w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -106,6 +108,28 @@ def measure_layer(
                    fp8_default_TBps=n * k / fp8 / 1e6)  # fmt: skip
         if n % 16 == 0 and k % 16 == 0:
             row["w8a8_us"] = timed(lambda x, i: w8a8(x, w8[i], scales[i]))
+            if prefill_variants and rows >= 256:
+                # The GEMM alone (x quantized beforehand), as the engine calls it (per-row scales) and
+                # with cuBLASLt's per-tensor scales, each with and without fast accumulation (no periodic
+                # promotion of the FP8 MMA's partial sums to float32).
+                xq, x_scale = quantize_rows_fp8(x)
+                one = torch.ones((), device="cuda")
+                variants = {
+                    "gemm_rowwise": (x_scale, [c.reshape(1, -1) for c in scales], False),
+                    "gemm_rowwise_fast": (x_scale, [c.reshape(1, -1) for c in scales], True),
+                    "gemm_tensor": (one, [one] * copies, False),
+                    "gemm_tensor_fast": (one, [one] * copies, True),
+                }
+                for label, (sa, sb, fast) in variants.items():
+                    try:
+                        row[f"{label}_us"] = timed(
+                            lambda x, i, xq=xq, sa=sa, sb=sb, fast=fast: torch._scaled_mm(
+                                xq, w8[i].t(), scale_a=sa, scale_b=sb[i],
+                                out_dtype=x.dtype, use_fast_accum=fast,
+                            )
+                        )  # fmt: skip
+                    except RuntimeError as e:  # a combination this torch does not take
+                        row[f"{label}_us"] = f"{type(e).__name__}: {str(e)[:120]}"
 
         def triton_w8a8(x: torch.Tensor, i: int, cfg: Fp8GemmConfig | None = None) -> torch.Tensor:
             xq, xs = quantize_rows_fp8(x)
@@ -177,6 +201,11 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true", help="also time every launch shape of the Triton kernels")
     p.add_argument("--sweep-gemm", action="store_true", help="also sweep the Triton FP8 GEMM's launch shapes")
     p.add_argument("--layers", nargs="+", default=None, help="only these layers (qkv o_proj gate_up down)")
+    p.add_argument(
+        "--prefill-variants",
+        action="store_true",
+        help="from 256 rows also time _scaled_mm with fast accumulation and with per-tensor scales",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     kernels = CudaFp8Kernels.for_device(torch.device("cuda"))
@@ -185,8 +214,9 @@ def main() -> int:
         for name, (n, k) in layer_shapes(model, 1).items():
             if name not in ("lm_head", "down+silu") and (args.layers is None or name in args.layers):
                 results += measure_layer(
-                    model, name, n, k, args.rows, args.replays, args.sweep, kernels, args.sweep_gemm
-                )
+                    model, name, n, k, args.rows, args.replays, args.sweep, kernels, args.sweep_gemm,
+                    args.prefill_variants,
+                )  # fmt: skip
                 torch.cuda.empty_cache()
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

@@ -162,6 +162,7 @@ def fp8_checks() -> list[dict[str, Any]]:
     (K split for few tiles of a long K; the same bits on a second call) to 64 rows, for block-scaled
     weights and float16 x, _scaled_mm past that; and the activations' quantization kernels (per row,
     per row and 128 columns) bit for bit against their reference, NaN and inf included."""
+    from tp_runtime.layers.activation import silu_and_mul
     from tp_runtime.layers.quantization.activation_quant_triton import (
         quantize_groups_fp8,
         quantize_rows_fp8,
@@ -182,6 +183,18 @@ def fp8_checks() -> list[dict[str, Any]]:
             q_ref, scale_ref = quantize_rows_fp8_reference(x, 128)
             same = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
             _report(results, {"check": f"fp8 group quantization rows={rows} k={k} {dtype}", "ok": same})
+            # With the SiLU-mul applied inside: the separate kernel's product, quantized, bit for bit.
+            gate_up = torch.cat([x, x.flip(1)], dim=1) * 0.01  # (float16's range: no infinities)
+            h = silu_and_mul(gate_up, fused=True)
+            fused_pairs = (
+                (quantize_rows_fp8(gate_up, silu_mul=True), quantize_rows_fp8(h)),
+                (quantize_groups_fp8(gate_up, 128, silu_mul=True), quantize_groups_fp8(h, 128)),
+            )
+            same = all(
+                torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+                for a, b in fused_pairs
+            )
+            _report(results, {"check": f"fp8 quantization of silu_mul rows={rows} k={k} {dtype}", "ok": same})
     # A NaN or an infinity makes its row's scale NaN or infinite and its values NaN (CUDA's plain max and
     # min would hide them), as torch's arithmetic does.
     x = torch.randn(4, 300, generator=gen).cuda()
@@ -210,7 +223,7 @@ def fp8_checks() -> list[dict[str, Any]]:
         if (n, k) == (4096, 14336):
             cases = [(8, torch.bfloat16), (32, torch.bfloat16)]
         for rows, dtype in cases:
-            for silu_mul in (False, True) if rows in (1, 512) else (False,):
+            for silu_mul in (False, True) if rows in (1, 32, 512, 600) else (False,):
                 x = torch.randn(rows, 2 * k if silu_mul else k, generator=gen).to(dtype).cuda()
                 got = kernels.linear(x, wq, scale, block_k or k, None, silu_mul)
                 again = kernels.linear(x, wq, scale, block_k or k, None, silu_mul)

@@ -737,3 +737,71 @@ def test_request_metrics_order_arrival_scheduling_and_first_token(
         times.append(m)
     running, queued = times[:4], times[4:]
     assert all(q.first_scheduled_time > max(r.first_token_time for r in running) for q in queued)  # type: ignore[operator]
+
+
+def byte_fallback_tokenizer() -> Any:
+    """A Llama-2-style tokenizer as real checkpoints ship it: SentencePiece words ("▁ok") and byte-fallback
+    tokens (<0xE6>) as ordinary vocabulary entries (not special), and Llama's decoder, whose ByteFallback
+    step turns a whole run of byte tokens into U+FFFD (one per byte) when the run is not valid UTF-8."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for word in ["▁", "▁ok", "ok", "▁a", "b", "."]:
+        vocab[word] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "ok")], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([
+        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)
+    ])  # fmt: skip
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in list(vocab)[:3]])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def test_byte_fallback_runs_stream_the_decoded_text(model_config: Any) -> None:
+    """With a byte-fallback tokenizer a byte that makes the run of byte tokens it ends invalid UTF-8 turns
+    the whole run into U+FFFD (characters already complete in it included): text from a run still open
+    may change. Random outputs (fixed seed) of complete and cut characters, stray bytes, words and <s>,
+    ended by max_tokens, EOS or a stop string: the streamed pieces join into the whole output's text, and
+    both are the tokenizer's decode of the output (after the prompt's text; up to the stop string)."""
+    tok = byte_fallback_tokenizer()
+    chars = [[3 + b for b in c.encode()] for c in "日本🥨öD"]
+    words = tok.convert_tokens_to_ids(["▁ok", "▁a", "b", "."])
+    prompt = [1, words[1], words[0]]
+    rng = random.Random(0)
+    outputs_ids: list[list[int]] = []
+    for _ in range(40):
+        ids: list[int] = []
+        while len(ids) < 12:
+            pick = rng.random()
+            char = rng.choice(chars)
+            if pick < 0.5:
+                ids += char
+            elif pick < 0.7:
+                ids += char[: rng.randint(1, len(char))]  # a character cut short: the run is invalid
+            elif pick < 0.95:
+                ids.append(rng.choice(words))
+            else:
+                ids.append(1)
+        outputs_ids.append(ids)
+    requests: dict[int, tuple[list[int], SamplingParams]] = {}
+    engine = make_engine(
+        model_config, tok,
+        ScriptedExecutor(lambda req_id, pos: requests[req_id][0][pos - len(prompt)]),
+    )  # fmt: skip
+    for i, ids in enumerate(outputs_ids):
+        params = SamplingParams(
+            temperature=0, max_tokens=rng.randint(1, len(ids)), ignore_eos=True,
+            stop=["b."] if i % 3 == 0 else None,
+        )  # fmt: skip
+        requests[engine.add_request(prompt, params, stream=True)] = ids, params
+        requests[engine.add_request(prompt, params)] = ids, params
+    outputs = run_all(engine)
+    prompt_text = tok.decode(prompt, skip_special_tokens=True)
+    for req_id, (ids, params) in requests.items():
+        text = joined(outputs[str(req_id)])[0]
+        full = tok.decode(prompt + ids[: params.max_tokens], skip_special_tokens=True)[len(prompt_text) :]
+        want = full[: full.index("b.")] if params.stop and "b." in full else full
+        assert text == want, (ids[: params.max_tokens], text, want)

@@ -742,12 +742,16 @@ class LLMEngine:
 
 
 def decode_logprobs(tokenizer: Any, entry: tuple[list[int], list[float], int]) -> dict[int, Logprob]:
-    """One position: the chosen (sampled or prompt) token first, then the top-k by rank."""
+    """One position: the chosen (sampled or prompt) token first, then the top-k by rank. A chosen token
+    among the top k takes its place there, as in vLLM: its own rank counts every token it ties with, so
+    with ties it could repeat a top-k entry's."""
     token_ids, logprobs, chosen_rank = entry
     out: dict[int, Logprob] = {}
     for pos, (tid, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
-        if tid not in out:
-            rank = chosen_rank if pos == 0 else pos
+        rank = chosen_rank if pos == 0 else pos
+        if tid in out:
+            out[tid].rank = rank
+        else:
             text = None if tokenizer is None else tokenizer.decode([tid])
             out[tid] = Logprob(logprob=lp, rank=rank, decoded_token=text)
     return out

@@ -23,7 +23,7 @@ def pack_prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, max_k: int
     logprobs = logits.float().log_softmax(dim=-1)
     targets = targets.unsqueeze(1)
     target_lp = logprobs.gather(1, targets)
-    ranks = (logprobs > target_lp).sum(dim=-1, keepdim=True) + 1
+    ranks = (logprobs >= target_lp).sum(dim=-1, keepdim=True)  # as the sampler's (vLLM's, ties last)
     columns = [targets, ranks, target_lp]
     if max_k:
         top_lp, top_ids = logprobs.topk(max_k, dim=-1)

@@ -181,5 +181,7 @@ class Sampler:
             top_lp, top_ids = logprobs.topk(batch.max_num_logprobs, dim=-1)
             out.logprob_token_ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1)
             out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
-            out.sampled_ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
+            # vLLM's rank: the tokens at least as likely (ties rank the sampled token last among them,
+            # after the top-k entries it ties with, which take ranks 1..k in order).
+            out.sampled_ranks = (logprobs >= sampled_lp).sum(dim=-1)
         return out

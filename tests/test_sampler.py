@@ -237,6 +237,29 @@ def test_filter_logits_exact_ties_follow_the_rule() -> None:
     assert torch.isfinite(out).sum(-1).tolist() == [4, 2, 3, 1]
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
+    """Tokens tied with the k-th most likely are all kept, as HF's TopKLogitsWarper and vLLM keep them (a
+    tie is common with bf16 logits): "the k most likely" names no one of them, and which one a sort puts
+    first is an accident of its implementation. The reference is HF's warper."""
+    from transformers import TopKLogitsWarper
+
+    logits = torch.tensor([
+        [3.0, 1.0, 3.0, 0.5, 2.0, 2.0],  # tie at the top: k=1 keeps both
+        [0.0, 2.0, 1.0, 1.0, 1.0, -1.0],  # three-way tie for 2nd-4th: k=2 and k=3 keep all four
+        [0.0, 2.0, 1.0, 1.0, 1.0, -1.0],
+        [5.0, 4.0, 3.0, 2.0, 1.0, 0.0],  # no tie: exactly k
+        [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],  # all tied, with a top_p row beside (the sort path)
+    ])
+    settings = [Setting(top_k=1), Setting(top_k=2), Setting(top_k=3, temperature=0.5), Setting(top_k=2),
+                Setting(top_k=2)]  # fmt: skip
+    for batch in (make_batch(settings, 6), make_batch(settings, 6, force_filters=True)):
+        out = filter_logits(logits.clone(), batch)
+        for r, s in enumerate(settings):
+            want = TopKLogitsWarper(top_k=s.top_k)(None, logits[r : r + 1] / s.temperature)[0]
+            assert torch.isfinite(out[r]).tolist() == torch.isfinite(want).tolist(), f"row {r}: {out[r]}"
+            torch.testing.assert_close(out[r], want)
+
+
 def test_top_p_one_is_a_no_op_in_a_mixed_batch() -> None:
     """A row with top_p=1.0 (disabled; the runner fills 1.0 when another row in the batch uses top_p)
     must keep every token: the rule's shortest prefix reaching mass 1.0 is the whole vocabulary.

@@ -4,8 +4,8 @@ Penalties (vLLM's semantics) apply to the raw logits first: repetition (tokens o
 so far: positive logits divided, others multiplied), then frequency (minus penalty x count in the output)
 and presence (minus penalty if in the output). Logprobs are always those of the raw logits.
 Filters then apply in this order, each to the distribution left by the previous one:
-temperature -> min_p (drop tokens with p < min_p * p_max) -> top_k (keep the k most likely) ->
-top_p (keep the shortest most-likely-first prefix whose probability mass reaches top_p).
+temperature -> min_p (drop tokens with p < min_p * p_max) -> top_k (keep the k most likely, and any tied
+with the k-th) -> top_p (keep the shortest most-likely-first prefix whose probability mass reaches top_p).
 
 A draw uses the exponential race: argmax p_i / E_i with E_i = -log U_i ~ Exp(1), which samples exactly
 from p, computed as argmax s_i - log E_i over the scores s = log p + const (logits / temperature, or the
@@ -96,8 +96,10 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     if batch.top_k is not None:
-        ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= batch.top_k.unsqueeze(1), float("-inf"))
+        # Keep every token at least as likely as the k-th (HF's and vLLM's rule): of tokens tied with it,
+        # the sort's order would otherwise pick some, by accident of its implementation.
+        kth = sorted_logits.gather(1, (batch.top_k.unsqueeze(1) - 1).clamp(max=logits.shape[1] - 1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if batch.top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs

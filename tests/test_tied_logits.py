@@ -1,8 +1,10 @@
-"""Logprob ranks when tokens tie exactly (common with bf16 logits, whose values are coarse), against HF's
-log-softmax as the reference and vLLM's rule: the top-k entries are ranked 1..k in order, and a chosen
-token (sampled, or the prompt's) outside them is ranked after every token at least as likely (vLLM counts
-`logprobs >= chosen`). So a position's ranks are distinct, each a place the token may take in a
-most-likely-first order, and exactly k entries have rank <= k (what top_logprobs=k lists).
+"""Tokens whose logits tie exactly (common with bf16 logits, whose values are coarse), against HF.
+
+- Logprob ranks, against HF's log-softmax and vLLM's rule: the top-k entries are ranked 1..k in order, and
+  a chosen token (sampled, or the prompt's) outside them is ranked after every token at least as likely
+  (vLLM counts `logprobs >= chosen`). So a position's ranks are distinct, each a place the token may take
+  in a most-likely-first order, and exactly k entries have rank <= k (what top_logprobs=k lists).
+- top_k keeps every token tied with the k-th, as HF's TopKLogitsWarper (the reference) and vLLM do.
 
 The model is a tiny random checkpoint whose LM head gives two tokens the same row: their logits are equal
 at every position, and the pair ties for the most likely token after PROMPT.
@@ -73,3 +75,16 @@ def test_tied_tokens_get_distinct_ranks(tied: tuple[Path, Any, int, int], k: int
         got = llm.generate({"prompt_token_ids": [*PROMPT, second]}, params, use_tqdm=False)[0].prompt_logprobs
         assert got is not None and got[-1] is not None
         check_position(got[-1], ref[len(PROMPT) - 1], second, k)
+
+
+def test_top_k_samples_every_token_tied_with_the_kth(tied: tuple[Path, Any, int, int]) -> None:
+    """top_k=1 with the top two tied: HF's TopKLogitsWarper keeps both, so seeded draws take each."""
+    model_dir, model, first, second = tied
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0, -1:]
+    support = torch.isfinite(transformers.TopKLogitsWarper(top_k=1)(None, logits)[0]).nonzero().flatten()
+    assert support.tolist() == [first, second]
+    with LLM(model_dir, device="cpu", dtype="float32") as llm:
+        params = SamplingParams(temperature=1.0, top_k=1, seed=0, n=32, max_tokens=1)
+        outs = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs
+    assert {out.token_ids[0] for out in outs} == {first, second}

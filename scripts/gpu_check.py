@@ -163,6 +163,7 @@ def fp8_checks() -> list[dict[str, Any]]:
     weights and float16 x, _scaled_mm past that; and the activations' quantization kernels (per row,
     per row and 128 columns) bit for bit against their reference, NaN and inf included."""
     from tp_runtime.layers.activation import silu_and_mul
+    from tp_runtime.layers.norm import GemmaRMSNorm, RMSNorm
     from tp_runtime.layers.quantization.activation_quant_triton import (
         quantize_groups_fp8,
         quantize_rows_fp8,
@@ -208,6 +209,25 @@ def fp8_checks() -> list[dict[str, Any]]:
     same = same and torch.equal(scale[3], scale_ref[3])
     _report(results, {"check": "fp8 activation quantization of NaN and inf rows", "ok": nan_kept and same})
     kernels = CudaFp8Kernels.for_device(torch.device("cuda"))
+    # A deferred norm (NormedInput) quantizing its own rows: the bytes, scales and residual of the plain
+    # kernels, and through the FP8 method the same output bits as the norm's output passed as a tensor.
+    for rows, width in ((1, 4096), (4, 4096), (32, 8192), (600, 5120)):
+        for cls in (RMSNorm, GemmaRMSNorm):
+            norm = cls(width, 1e-5, torch.bfloat16, torch.device("cuda"), fused=True)
+            norm.weight.data.copy_(torch.randn(width, generator=gen) * 0.3)
+            x = (torch.randn(rows, width, generator=gen) * 3).bfloat16().cuda()
+            res = torch.randn(rows, width, generator=gen).bfloat16().cuda()
+            res_a, res_b, res_c, res_d = res.clone(), res.clone(), res.clone(), res.clone()
+            q_ref, s_ref = quantize_rows_fp8(norm(x, res_a))
+            q, sc = norm.deferred(x, res_b).quantized()
+            same = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(sc, s_ref)
+            wq = (torch.randn(1024, width, generator=gen) * 0.05).to(torch.float8_e4m3fn).cuda()
+            ws = (torch.rand(1024, 1, generator=gen) + 0.5).cuda() * 1e-2
+            want = kernels.linear(norm(x, res_c), wq, ws, width, None, False)
+            got = kernels.linear(norm.deferred(x, res_d), wq, ws, width, None, False)
+            same = same and torch.equal(got, want) and torch.equal(res_a, res_b) and torch.equal(res_c, res_d)
+            name = f"fp8 norm quantizing its rows {cls.__name__} rows={rows} width={width}"
+            _report(results, {"check": name, "ok": same})
     shapes = [(4096, 4096, 0), (6144, 4096, 128), (1024, 14336, 0), (28672, 4096, 128), (200, 96, 0)]
     shapes += [(4096, 14336, 0)]  # few tiles of a long K: split in two
     for n, k, block_k in shapes:

@@ -545,3 +545,60 @@ def test_group_activation_quantization_matches_torch() -> None:
 def test_activation_quantization_matches_torch() -> None:
     status, checked = run_interpreted(ACTIVATION_QUANT_VS_TORCH).split()
     assert status == "OK" and int(checked) == 3 * 7 + 3 * 5
+
+
+NORM_QUANT_VS_UNFUSED = """
+import torch
+from tp_runtime.config import FP8_E4M3_MAX
+from tp_runtime.layers import fused_triton
+from tp_runtime.layers.norm import GemmaRMSNorm, RMSNorm
+from tp_runtime.layers.quantization import activation_quant_triton as aq
+from tp_runtime.layers.quantization.fp8 import CudaFp8Kernels
+torch.manual_seed(0)
+checked = 0
+# The add + RMSNorm kernel quantizing its own rows (the next W8A8 layer's input) writes the quotients and
+# scales that quantizing the plain kernel's output would, and the same updated residual: Llama's and
+# Gemma's norms, with and without a residual, widths a power of two and not, rows of very different
+# magnitudes. (Float32 quotients: the interpreter's e4m3 rounding is not CUDA's; gpu_check.py checks
+# the bytes on a GPU.)
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for rows, cols in ((1, 64), (5, 100), (33, 4096)):
+        for unit_offset in (False, True):
+            for with_residual in (False, True):
+                x = (torch.randn(rows, cols) * torch.logspace(-2, 2, rows)[:, None]).to(dtype)
+                weight = (torch.randn(cols) * 0.5).to(dtype)
+                res_a = torch.randn(rows, cols).to(dtype) if with_residual else None
+                res_b = None if res_a is None else res_a.clone()
+                h = fused_triton.rms_norm(x, weight, 1e-5, res_a, unit_offset=unit_offset)
+                q_ref, scale_ref = aq.quantize_rows_fp8_reference(h)
+                q32, scale = torch.empty(rows, cols), torch.empty(rows, 1)
+                aq._launch_norm(x, weight, 1e-5, res_b, unit_offset, q32, scale)
+                assert torch.equal(scale, scale_ref), (dtype, rows, cols, unit_offset, with_residual)
+                quotient = (h.double() / scale_ref.double()).float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+                assert torch.equal(q32, quotient), (dtype, rows, cols, unit_offset, with_residual)
+                assert res_a is None or torch.equal(res_a, res_b)
+                checked += 1
+# Through the FP8 method: a deferred norm (NormedInput) gives the bits of the norm's output passed as a
+# tensor, at one row (weight-only: the norm computed plainly) and at 4 and 24 rows (W8A8 on the norm's own
+# quantization), per-row scales; 128-column block scales take the plain norm then group quantization.
+kernels = CudaFp8Kernels(132)
+w = torch.randn(64, 128).to(torch.float8_e4m3fn)
+for rows in (1, 4, 24):
+    for s, bk in ((torch.rand(64, 1) + 0.5, 128), (torch.rand(64, 4) + 0.5, 32)):
+        for cls in (RMSNorm, GemmaRMSNorm):
+            norm = cls(128, 1e-6, torch.bfloat16, torch.device("cpu"), fused=True)
+            norm.weight.data.copy_(torch.randn(128) * 0.3)
+            x = torch.randn(rows, 128).bfloat16()
+            res_a = torch.randn(rows, 128).bfloat16()
+            res_b = res_a.clone()
+            want = kernels.linear(norm(x, res_a), w, s, bk, None, False)
+            got = kernels.linear(norm.deferred(x, res_b), w, s, bk, None, False)
+            assert torch.equal(got, want) and torch.equal(res_a, res_b), (rows, bk, cls)
+            checked += 1
+print("OK", checked)
+"""
+
+
+def test_norm_quantizing_its_rows_matches_the_unfused_kernels() -> None:
+    status, checked = run_interpreted(NORM_QUANT_VS_UNFUSED).split()
+    assert status == "OK" and int(checked) == 3 * 3 * 2 * 2 + 3 * 2 * 2

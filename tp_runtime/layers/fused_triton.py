@@ -21,9 +21,14 @@ from tp_runtime.layers.kv_fp8 import f32_reciprocal
 def _add_rms_norm_row(
     x, residual_row, weight_ptr, out_row, cols, mask, n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+    scale_ptr=None, scale_index=0, QUANT: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
+    MIN_AMAX: tl.constexpr = 1e-12,
 ):  # fmt: skip
     """One row: weight * RMSNorm(x [+ residual]) stored at out_row; with a residual, residual_row is
-    overwritten with x + residual first. Also the tail of the fused all-reduce (allreduce_norm_triton)."""
+    overwritten with x + residual first. Also the tail of the fused all-reduce (allreduce_norm_triton).
+    QUANT: the row (rounded to the model dtype) is quantized to FP8 instead, stored at out_row with its
+    scale at scale_ptr + scale_index, by activation_quant_triton's per-row arithmetic (the next linear
+    layer's W8A8 input, with no pass of its own)."""
     if HAS_RESIDUAL:
         r = tl.load(residual_row + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the add rounds to the model dtype
@@ -37,7 +42,18 @@ def _add_rms_norm_row(
     else:
         normed = (h * tl.rsqrt(var + eps)).to(x.dtype)
         out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
-    tl.store(out_row + cols, out, mask=mask)
+    if QUANT:
+        v = out.to(tl.float32)
+        row_max = tl.maximum(tl.max(tl.abs(v), axis=0), MIN_AMAX)
+        # NaN propagates, as in activation_quant_triton (tl.max drops it).
+        row_max = tl.where(tl.sum((v != v).to(tl.int32), axis=0) > 0, float("nan"), row_max)
+        scale = tl.math.div_rn(row_max, FP8_MAX)
+        tl.store(scale_ptr + scale_index, scale)
+        q = tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.minimum(q, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(out_row + cols, q.to(out_row.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_row + cols, out, mask=mask)
 
 
 @triton.jit
@@ -54,6 +70,10 @@ def _add_rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
+    scale_ptr=None,  # with QUANT: [rows] float32, each row's FP8 scale
+    QUANT: tl.constexpr = False,
+    FP8_MAX: tl.constexpr = 448.0,
+    MIN_AMAX: tl.constexpr = 1e-12,
 ):
     row = tl.program_id(0).to(tl.int64)  # row * stride past 2**31 in a long step must not wrap
     cols = tl.arange(0, BLOCK)
@@ -61,7 +81,7 @@ def _add_rms_norm_kernel(
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     _add_rms_norm_row(
         x, residual_ptr + row * residual_stride, weight_ptr, out_ptr + row * out_stride, cols, mask, n_cols,
-        eps, HAS_RESIDUAL, UNIT_OFFSET,
+        eps, HAS_RESIDUAL, UNIT_OFFSET, scale_ptr, row, QUANT, FP8_MAX, MIN_AMAX,
     )  # fmt: skip
 
 

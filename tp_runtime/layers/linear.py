@@ -18,6 +18,7 @@ from torch import nn
 
 from tp_runtime.distributed import TPGroup
 from tp_runtime.layers.activation import silu_and_mul
+from tp_runtime.layers.normed_input import NormedInput
 from tp_runtime.layers.quantization import UNQUANTIZED, LinearMethod, Shard, copy_checked
 
 
@@ -243,7 +244,9 @@ class ColumnParallelLinear(_ParallelLinear):
         data = source.narrow(0, shard.start, shard.length)
         _copy_checked(param.data.narrow(0, shard.dst_start, shard.length), data, type(self).__name__)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | NormedInput) -> torch.Tensor:
+        """x, or a norm's output not yet computed, which the method computes (fused with its input's
+        quantization where it can)."""
         return self.method.apply(self, x, self.bias)
 
 

@@ -40,6 +40,7 @@ from torch import nn
 from tp_runtime.distributed import TPGroup
 from tp_runtime.layers.activation import silu_and_mul
 from tp_runtime.layers.linear import TensorSource, _copy_checked, _param, divide, renewed
+from tp_runtime.layers.normed_input import NormedInput, as_tensor
 from tp_runtime.layers.quantization import UNQUANTIZED, LinearMethod, Shard
 
 if TYPE_CHECKING:
@@ -319,7 +320,8 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.fp32_weights else weights.to(x.dtype)), ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | NormedInput) -> torch.Tensor:
+        x = as_tensor(x)  # the router reads it too
         weights, ids = self.route(x)
         return self.tp.all_reduce(self._run(x, weights, ids))
 

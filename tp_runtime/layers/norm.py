@@ -4,10 +4,13 @@ import torch
 from torch import nn
 
 from tp_runtime.layers.linear import TensorSource
+from tp_runtime.layers.normed_input import NormedInput
 
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back, in the same order as transformers' LlamaRMSNorm."""
+
+    unit_offset = False  # the fused kernel's UNIT_OFFSET (GemmaRMSNorm)
 
     def __init__(
         self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device, fused: bool = False
@@ -20,6 +23,10 @@ class RMSNorm(nn.Module):
 
     def _load(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
         param.data.copy_(source.full())
+
+    def deferred(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> NormedInput:
+        """forward's result, computed by the linear layer that takes it (NormedInput)."""
+        return NormedInput(self, x, residual)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm(x), or with a residual RMSNorm(x + residual), the residual updated to x + residual in
@@ -51,6 +58,8 @@ class HeadRMSNorm(RMSNorm):
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the checkpoint weight w scales by (1 + w), and the product is taken in float32
     before the cast back (transformers' Gemma2RMSNorm; Llama casts first, then multiplies)."""
+
+    unit_offset = True
 
     def __init__(
         self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device, fused: bool = False

@@ -28,6 +28,7 @@ from tp_runtime.layers.attention import AttentionMetadata
 from tp_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_runtime.layers.linear import TritonMatmul, use_matmul
 from tp_runtime.layers.norm import GemmaRMSNorm
+from tp_runtime.layers.normed_input import NormedInput
 from tp_runtime.layers.rotary import RotaryEmbedding
 from tp_runtime.models.interface import CheckpointEntry, unused_checkpoint_tensor
 from tp_runtime.models.llama import LlamaAttention, LlamaMLP
@@ -46,7 +47,7 @@ class Gemma2Attention(LlamaAttention):
 
 
 class Gemma2MLP(LlamaMLP):
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | NormedInput, reduce: bool = True) -> torch.Tensor:
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x), self.fused), reduce)
 
 

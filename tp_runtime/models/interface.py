@@ -17,6 +17,7 @@ from torch import nn
 from tp_runtime.config import ModelConfig
 from tp_runtime.distributed import TPGroup
 from tp_runtime.layers.attention import AttentionMetadata
+from tp_runtime.layers.normed_input import NormedInput
 
 # One checkpoint tensor: its name, its full (unsharded) shape, the parameter it fills on this rank and the
 # shard index its weight_loader takes (which part of a fused parameter: q/k/v, gate/up, an expert).
@@ -26,7 +27,9 @@ CheckpointEntry = tuple[str, tuple[int, ...], nn.Parameter, int]
 class FeedForward(Protocol):
     """A decoder layer's feed-forward (dense MLP or sparse experts) and its part of the checkpoint."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor | NormedInput) -> torch.Tensor:
+        """x: the post-attention norm's output, possibly deferred (layers/normed_input.py)."""
+        ...
 
     def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:
         """Its checkpoint tensors, named under `prefix` (e.g. "model.layers.3.mlp.")."""

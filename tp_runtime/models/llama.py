@@ -25,6 +25,7 @@ from tp_runtime.layers.linear import (
     use_matmul,
 )
 from tp_runtime.layers.norm import RMSNorm
+from tp_runtime.layers.normed_input import NormedInput, as_tensor
 from tp_runtime.layers.quantization import linear_method
 from tp_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from tp_runtime.models.interface import CheckpointEntry, FeedForward, unused_checkpoint_tensor
@@ -59,7 +60,9 @@ class LlamaAttention(nn.Module):
         """The checkpoint's FP8 KV-cache scales (None: keep that one)."""
         self.kv_scales = (k_scale or self.kv_scales[0], v_scale or self.kv_scales[1])
 
-    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(
+        self, hidden: torch.Tensor | NormedInput
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim], before rotary."""
         n = hidden.shape[0]
         q_size = self.num_heads * self.head_dim
@@ -73,7 +76,7 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | NormedInput,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -124,7 +127,7 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, tp, dtype, device, method)
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | NormedInput, reduce: bool = True) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x), reduce, silu_mul=True)
 
     def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:
@@ -140,15 +143,16 @@ class LlamaMLP(nn.Module):
 
 def reduce_add_norm(
     tp: TPGroup, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, partial: bool
-) -> torch.Tensor:
+) -> torch.Tensor | NormedInput:
     """norm(x + residual), the residual updated in place; a `partial` x is first summed over the ranks, in
-    the same kernel when the all-reduce strategy can (TPGroup.strategy.add_rms_norm)."""
+    the same kernel when the all-reduce strategy can (TPGroup.strategy.add_rms_norm). Else deferred to
+    the linear layer it feeds (NormedInput), which may fuse it with its input's quantization."""
     if partial:
         fused = tp.strategy.add_rms_norm(x, residual, norm.weight, norm.eps)
         if fused is not None:
             return fused
         x = tp.all_reduce(x)
-    return norm(x, residual)
+    return norm.deferred(x, residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -184,16 +188,17 @@ class LlamaDecoderLayer(nn.Module):
         """Residual-stream form: returns (this layer's MLP output, the residual before it); their sum is
         the layer's output, added by the next norm (same additions as transformers, in the same order)."""
         partial = self.reduce_in_norm
+        normed: torch.Tensor | NormedInput
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            normed = self.input_layernorm.deferred(hidden)
         else:
-            hidden = reduce_add_norm(self.tp, self.input_layernorm, hidden, residual, partial)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta, reduce=not partial)
-        hidden = reduce_add_norm(self.tp, self.post_attention_layernorm, hidden, residual, partial)
+            normed = reduce_add_norm(self.tp, self.input_layernorm, hidden, residual, partial)
+        hidden = self.self_attn(normed, cos, sin, kv_cache, meta, reduce=not partial)
+        normed = reduce_add_norm(self.tp, self.post_attention_layernorm, hidden, residual, partial)
         if partial:
-            return cast(LlamaMLP, self.mlp)(hidden, reduce=False), residual
-        return self.mlp(hidden), residual
+            return cast(LlamaMLP, self.mlp)(normed, reduce=False), residual
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -282,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
         if residual is None:  # no layers
             return self.model.norm(hidden)
-        return reduce_add_norm(self.tp, self.model.norm, hidden, residual, self.reduce_in_norm)
+        return as_tensor(reduce_add_norm(self.tp, self.model.norm, hidden, residual, self.reduce_in_norm))
 
     def decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads on this rank: every parameter but the input embedding table,

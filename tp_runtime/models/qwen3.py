@@ -10,6 +10,7 @@ import torch
 from tp_runtime.config import ModelConfig
 from tp_runtime.distributed import TPGroup
 from tp_runtime.layers.norm import HeadRMSNorm
+from tp_runtime.layers.normed_input import NormedInput
 from tp_runtime.models.interface import CheckpointEntry
 from tp_runtime.models.llama import LlamaAttention, LlamaForCausalLM, uniform_sliding_window
 
@@ -25,7 +26,9 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = HeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, fused)
         self.k_norm = HeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, fused)
 
-    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(
+        self, hidden: torch.Tensor | NormedInput
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = super().project_qkv(hidden)
         return self.q_norm(q), self.k_norm(k), v
 

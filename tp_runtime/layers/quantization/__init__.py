@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tp_runtime.errors import ConfigError
+from tp_runtime.layers.normed_input import NormedInput, as_tensor
 
 if TYPE_CHECKING:
     from tp_runtime.config import QuantConfig
@@ -114,8 +115,13 @@ class LinearMethod:
         )
 
     def apply(
-        self, layer: QuantizableLinear, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False
+        self,
+        layer: QuantizableLinear,
+        x: torch.Tensor | NormedInput,
+        bias: torch.Tensor | None,
+        silu_mul: bool = False,
     ) -> torch.Tensor:
+        x = as_tensor(x)
         if silu_mul:
             return layer.matmul.silu_mul_linear(x, layer.weight, bias)
         return layer.matmul.linear(x, layer.weight, bias)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from tp_runtime.config import FP8_E4M3_MAX
+from tp_runtime.layers import fused_triton
 from tp_runtime.layers.fused_triton import silu_mul_value
 
 # Columns one program quantizes (one iteration) and scans per iteration for the row's amax.
@@ -131,6 +132,41 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, silu_mul: boo
         )  # fmt: skip
     elif m:
         scale.fill_(_MIN_AMAX / FP8_E4M3_MAX)
+
+
+def rms_norm_quantized(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    unit_offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_triton.rms_norm's row (the residual updated alike) quantized as quantize_rows_fp8 would
+    quantize it, in the norm's one kernel: (e4m3 [M, K], float32 scales [M, 1])."""
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    _launch_norm(x, weight, eps, residual, unit_offset, q, scale)
+    return q, scale
+
+
+def _launch_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    unit_offset: bool,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+) -> None:
+    """The norm's kernel into `q` (e4m3, or float32 quotients for the interpreter's tests, as _launch)."""
+    rows, n_cols = x.shape
+    if rows:
+        fused_triton._add_rms_norm_kernel[(rows,)](
+            x, x if residual is None else residual, weight, q,
+            x.stride(0), 0 if residual is None else residual.stride(0), q.stride(0), n_cols, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols), UNIT_OFFSET=unit_offset,
+            scale_ptr=scale, QUANT=True, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
+        )  # fmt: skip
 
 
 def quantize_groups_fp8(

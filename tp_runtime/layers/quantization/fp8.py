@@ -27,6 +27,7 @@ from torch import nn
 from tp_runtime.config import FP8_E4M3_MAX, QuantConfig
 from tp_runtime.errors import ConfigError
 from tp_runtime.layers.activation import silu_and_mul
+from tp_runtime.layers.normed_input import NormedInput, as_tensor
 from tp_runtime.layers.quantization import (
     FP8_DTYPES,
     LinearMethod,
@@ -88,13 +89,14 @@ class Fp8Kernels:
 
     def linear(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | NormedInput,
         weight: torch.Tensor,
         scale: torch.Tensor,
         block_k: int,
         bias: torch.Tensor | None,
         silu_mul: bool,
     ) -> torch.Tensor:
+        x = as_tensor(x)
         if silu_mul:
             x = silu_and_mul(x)
         return F.linear(x, dequantize(weight, scale, block_k, x.dtype), bias)
@@ -154,7 +156,7 @@ class CudaFp8Kernels(Fp8Kernels):
 
     def linear(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | NormedInput,
         weight: torch.Tensor,
         scale: torch.Tensor,
         block_k: int,
@@ -163,18 +165,24 @@ class CudaFp8Kernels(Fp8Kernels):
     ) -> torch.Tensor:
         from tp_runtime.layers import skinny_gemm_triton as kernels  # Triton: imported where it runs
         from tp_runtime.layers.quantization import activation_quant_triton as aq
-        from tp_runtime.layers.quantization.fp8_gemm_triton import fp8_gemm
 
-        rows = x.shape[0] if x.dim() == 2 else -1
+        # A deferred norm (NormedInput) has its input's shape and dtype.
+        normed = x if isinstance(x, NormedInput) else None
+        like = x.x if isinstance(x, NormedInput) else x
+        rows = like.shape[0] if like.dim() == 2 else -1
         n, k = weight.shape
         per_row = scale.shape[1] == 1
         # _scaled_mm takes bfloat16 output with per-row scales, and sizes in multiples of 16.
         scaled_mm = (
-            self.fp8_mma and x.dim() == 2 and per_row and x.dtype == torch.bfloat16 and not (n % 16 or k % 16)
+            self.fp8_mma
+            and like.dim() == 2
+            and per_row
+            and like.dtype == torch.bfloat16
+            and not (n % 16 or k % 16)
         )
         triton_gemm = (
             self.triton_gemm
-            and x.dim() == 2
+            and like.dim() == 2
             and (per_row or (block_k >= 32 and not block_k & (block_k - 1)))
         )
         w8a8 = scaled_mm or triton_gemm
@@ -182,6 +190,10 @@ class CudaFp8Kernels(Fp8Kernels):
             weight_only_rows = 1
         else:
             weight_only_rows = FP8_WEIGHT_ONLY_MAX_ROWS if scaled_mm else kernels.MAX_FEW_ROWS
+        if normed is not None and w8a8 and rows > weight_only_rows and per_row and normed.norm.fused:
+            # The norm's kernel quantizes its own rows: no pass of the activation quantization.
+            return self._w8a8(*normed.quantized(), like.dtype, rows, weight, scale, block_k, bias, scaled_mm)
+        x = as_tensor(x)
         if 1 <= rows <= weight_only_rows:
             if rows == 1:
                 return kernels.skinny_linear(
@@ -203,23 +215,40 @@ class CudaFp8Kernels(Fp8Kernels):
             return super().linear(x, weight, scale, block_k, bias, silu_mul=False)
         # The activation's quantization applies the SiLU-mul itself (one kernel, one pass over x).
         x = x if x.stride(1) == 1 else x.contiguous()
-        if scaled_mm and (rows > FP8_TRITON_GEMM_MAX_ROWS or not triton_gemm):
-            xq, x_scale = aq.quantize_rows_fp8(x, silu_mul=silu_mul)
-            w_scale = scale.reshape(1, n)
-            # Fast accumulation (the FP8 MMA's partial sums not promoted to float32 every few K steps), as
-            # Triton's FP8 dots on sm90 do by default: the 8B layer set at 8,192 rows took 10 % less time
-            # (BENCHMARKS.md, "GPU: FP8"); e4m3 activations' own rounding (2^-4) dwarfs its error.
-            out = torch._scaled_mm(
-                xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype, use_fast_accum=True
-            )
-            return out if bias is None else out + bias
         if per_row:
             xq, x_scale = aq.quantize_rows_fp8(x, silu_mul=silu_mul)
         else:
             xq, x_scale = aq.quantize_groups_fp8(x, block_k, silu_mul=silu_mul)
+        return self._w8a8(xq, x_scale, x.dtype, rows, weight, scale, block_k, bias, scaled_mm)
+
+    def _w8a8(
+        self,
+        xq: torch.Tensor,
+        x_scale: torch.Tensor,
+        dtype: torch.dtype,
+        rows: int,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        block_k: int,
+        bias: torch.Tensor | None,
+        scaled_mm: bool,
+    ) -> torch.Tensor:
+        """The FP8 tensor-core product of quantized activations: _scaled_mm past
+        FP8_TRITON_GEMM_MAX_ROWS rows (or without the Triton GEMM), else the Triton GEMM."""
+        from tp_runtime.layers.quantization.fp8_gemm_triton import fp8_gemm
+
+        if scaled_mm and (rows > FP8_TRITON_GEMM_MAX_ROWS or not self.triton_gemm):
+            w_scale = scale.reshape(1, weight.shape[0])
+            # Fast accumulation (the FP8 MMA's partial sums not promoted to float32 every few K steps), as
+            # Triton's FP8 dots on sm90 do by default: the 8B layer set at 8,192 rows took 10 % less time
+            # (BENCHMARKS.md, "GPU: FP8"); e4m3 activations' own rounding (2^-4) dwarfs its error.
+            out = torch._scaled_mm(
+                xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=dtype, use_fast_accum=True
+            )
+            return out if bias is None else out + bias
         bias = None if bias is None else bias.contiguous()
         return fp8_gemm(
-            xq, x_scale, weight, scale, block_k, x.dtype, bias, num_sms=self.num_sms, locks=self.split_k_locks
+            xq, x_scale, weight, scale, block_k, dtype, bias, num_sms=self.num_sms, locks=self.split_k_locks
         )
 
 
@@ -345,7 +374,11 @@ class Fp8LinearMethod(LinearMethod):
             target.copy_(part)
 
     def apply(
-        self, layer: QuantizableLinear, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False
+        self,
+        layer: QuantizableLinear,
+        x: torch.Tensor | NormedInput,
+        bias: torch.Tensor | None,
+        silu_mul: bool = False,
     ) -> torch.Tensor:
         block_k: int = getattr(layer, "scale_block_k")  # noqa: B009 - set by create_weights
         return self.kernels.linear(x, layer.weight, _scale(layer), block_k, bias, silu_mul)

@@ -41,19 +41,14 @@ class IncrementalDetokenizer:
     text ends in U+FFFD is held back: its last bytes may begin a character that the next token completes
     (byte-level BPE splits multi-byte characters). So `text` is always a prefix of the output's text that
     later tokens cannot change; only the held-back tail is missing, which the caller takes from a full
-    decode at the end (`output_text`). So is a window that ends in a run of byte-fallback tokens (`open_ids`,
-    byte_run_ids): a later byte that makes the run invalid UTF-8 turns all of it into U+FFFD.
+    decode at the end (`output_text`).
     """
 
-    __slots__ = ("_context", "_decode", "_open_ids", "_prefix_offset", "_read_offset", "text")
+    __slots__ = ("_context", "_decode", "_prefix_offset", "_read_offset", "text")
 
-    def __init__(
-        self, decode: Callable[[list[int]], str], context: Sequence[int] = (),
-        open_ids: frozenset[int] = frozenset(),
-    ) -> None:  # fmt: skip
+    def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int] = ()) -> None:
         self._decode = decode
         self._context = list(context)
-        self._open_ids = open_ids
         # Offsets into context + ids.
         self._prefix_offset = 0  # start of the previous piece's tokens
         self._read_offset = len(self._context)  # tokens already in `text`
@@ -72,7 +67,7 @@ class IncrementalDetokenizer:
         start, read = self._prefix_offset, self._read_offset
         prefix = self._decode(self._tokens(ids, start, read)) if read > start else ""
         window = self._decode(self._tokens(ids, start))
-        if len(window) <= len(prefix) or window.endswith("\ufffd") or ids[-1] in self._open_ids:
+        if len(window) <= len(prefix) or window.endswith("\ufffd"):
             return ""
         piece = window[len(prefix) :]
         self._prefix_offset, self._read_offset = read, len(self._context) + len(ids)
@@ -101,29 +96,10 @@ class IncrementalDetokenizer:
 DECODE_CONTEXT_TOKENS = 5
 
 
-def byte_run_ids(tokenizer: Any) -> frozenset[int]:
-    """For a tokenizer whose decoder has a ByteFallback step, which decodes a run of byte tokens (<0xE6>) as
-    one (U+FFFD for each of its bytes unless the whole run is valid UTF-8): the tokens a run goes on past,
-    its byte tokens and its special ones (decoding leaves them out). Empty for other tokenizers."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or "ByteFallback" not in repr(backend.decoder):
-        return frozenset()
-    ids = {backend.token_to_id(f"<0x{b:02X}>") for b in range(256)}
-    ids |= {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
-    return frozenset(i for i in ids if i is not None)
-
-
-def decode_context(
-    decode: Callable[[list[int]], str], prompt: Sequence[int], open_ids: frozenset[int] = frozenset()
-) -> list[int]:
-    """The prompt tokens an output is decoded after: its last DECODE_CONTEXT_TOKENS before any run of
-    byte-fallback tokens (`open_ids`, byte_run_ids) it ends with, less any at the end that begin a
-    character the output would complete (their text, U+FFFD, would change under the output; so would
-    such a run's)."""
-    end = len(prompt)
-    while end and prompt[end - 1] in open_ids:
-        end -= 1
-    context = list(prompt[max(0, end - DECODE_CONTEXT_TOKENS) : end])
+def decode_context(decode: Callable[[list[int]], str], prompt: Sequence[int]) -> list[int]:
+    """The prompt tokens an output is decoded after: its last DECODE_CONTEXT_TOKENS, less any at the end
+    that begin a character the output would complete (their text, U+FFFD, would change under the output)."""
+    context = list(prompt[-DECODE_CONTEXT_TOKENS:])
     while context and decode(context).endswith("\ufffd"):
         context.pop()
     return context
@@ -231,7 +207,6 @@ class LLMEngine:
             self.eos_token_ids.add(tokenizer_eos)
         self._next_req_id = 0
         self._decode = _make_decode(tokenizer)
-        self._open_ids = byte_run_ids(tokenizer)
         self._text_states: dict[int, _TextState] = {}
         self.num_output_tokens = 0  # generated so far, over the engine's life (progress bars read it)
         # Per-step timings (seconds) of the driver's own phases, when enabled (benchmarks).
@@ -336,7 +311,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * (len(prompt_ids) - 1)
         request.stop_ids = frozenset(stop_ids)
-        request.decode_context = decode_context(self._decode, prompt_ids, self._open_ids)
+        request.decode_context = decode_context(self._decode, prompt_ids)
         if params.structured_outputs is not None:
             request.grammar = self.grammars.matcher(grammar)
             self._constrained.add(req_id)
@@ -344,7 +319,7 @@ class LLMEngine:
         if stream or params.stop_strings:
             stops = params.stop_strings
             self._text_states[req_id] = _TextState(
-                IncrementalDetokenizer(self._decode, request.decode_context, self._open_ids),
+                IncrementalDetokenizer(self._decode, request.decode_context),
                 stream=stream,
                 stop_strings=stops,
                 hold=max(map(len, stops)) - 1 if stops else 0,

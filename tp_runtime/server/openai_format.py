@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from tp_runtime.engine.async_engine import describe_failure
 from tp_runtime.engine.llm import chat_content_text
-from tp_runtime.engine.llm_engine import IncrementalDetokenizer, byte_run_ids, decode_context
+from tp_runtime.engine.llm_engine import IncrementalDetokenizer, decode_context
 from tp_runtime.errors import InvalidRequestError, TPRuntimeError
 from tp_runtime.outputs import CompletionOutput, Logprob
 from tp_runtime.sampling_params import SamplingParams
@@ -276,8 +276,7 @@ class TextOffsets:
         def decode(ids: list[int]) -> str:
             return str(tokenizer.decode(ids, skip_special_tokens=skip))
 
-        open_ids = byte_run_ids(tokenizer)
-        self._detok = IncrementalDetokenizer(decode, decode_context(decode, prompt, open_ids), open_ids)
+        self._detok = IncrementalDetokenizer(decode, decode_context(decode, prompt))
         self._ids: list[int] = []
 
     def next(self, token_id: int) -> int:

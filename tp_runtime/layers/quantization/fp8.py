@@ -190,7 +190,8 @@ class CudaFp8Kernels(Fp8Kernels):
             weight_only_rows = 1
         else:
             weight_only_rows = FP8_WEIGHT_ONLY_MAX_ROWS if scaled_mm else kernels.MAX_FEW_ROWS
-        if normed is not None and w8a8 and rows > weight_only_rows and per_row and normed.norm.fused:
+        fuse_norm = w8a8 and rows > weight_only_rows and per_row and not silu_mul
+        if normed is not None and normed.norm.fused and fuse_norm:
             # The norm's kernel quantizes its own rows: no pass of the activation quantization.
             return self._w8a8(*normed.quantized(), like.dtype, rows, weight, scale, block_k, bias, scaled_mm)
         x = as_tensor(x)

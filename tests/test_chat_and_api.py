@@ -258,3 +258,25 @@ def test_prompt_forms_and_open_ended_max_tokens(llm: LLM, model_dir: Path) -> No
     assert out.token_ids == hf_greedy(model_dir, [ids], max_len - len(ids))[0]
     with pytest.raises(InvalidRequestError, match="ignore_eos must be True or False"):
         SamplingParams(ignore_eos="yes")  # type: ignore[arg-type]
+
+
+def test_chat_message_without_content_renders_as_empty_text(llm: LLM, model_dir: Path) -> None:
+    """A message whose content is None or absent (an assistant turn that only called tools) reaches the
+    template as empty text, as vLLM's LLM.chat and the server give it: a template that joins strings
+    renders it, rather than failing on None."""
+    template = (
+        "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    conv = [
+        {"role": "user", "content": "Call a tool."},
+        {"role": "assistant", "content": None},
+        {"role": "tool"},
+        {"role": "user", "content": "Thanks."},
+    ]
+    as_text = [{**m, "content": m.get("content") or ""} for m in conv]
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    [out] = llm.chat(conv, GREEDY, chat_template=template, use_tqdm=False)
+    kwargs = {"chat_template": template, "add_generation_prompt": True}
+    assert out.prompt == tok.apply_chat_template(as_text, tokenize=False, **kwargs)
+    assert out.prompt_token_ids == hf_chat_ids(tok, as_text, **kwargs)

@@ -217,13 +217,10 @@ class LLM:
                     f"conversation {i} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
                     f"got {_preview(conv)}"
                 )
-        # Content parts become the text the template renders (as the server does).
+        # Content parts become the text the template renders, and no content (None or absent, e.g. an
+        # assistant turn that only called tools) empty text, as the server and vLLM give it.
         conversations = [
-            [
-                m if m.get("content") is None or isinstance(m["content"], str)
-                else {**m, "content": chat_content_text(m["content"], j)}
-                for j, m in enumerate(conv)
-            ]
+            [{**m, "content": chat_content_text(m.get("content"), j)} for j, m in enumerate(conv)]
             for conv in conversations
         ]
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):

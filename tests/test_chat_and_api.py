@@ -280,3 +280,24 @@ def test_chat_message_without_content_renders_as_empty_text(llm: LLM, model_dir:
     kwargs = {"chat_template": template, "add_generation_prompt": True}
     assert out.prompt == tok.apply_chat_template(as_text, tokenize=False, **kwargs)
     assert out.prompt_token_ids == hf_chat_ids(tok, as_text, **kwargs)
+
+
+def test_chat_shows_tools_to_the_template(llm: LLM, model_dir: Path) -> None:
+    """`tools=` (vLLM's LLM.chat argument) reaches the template as its `tools` variable, as HF's
+    apply_chat_template(tools=...) gives it and as the server passes a request's tools."""
+    template = (
+        "{% if tools %}{% for t in tools %}[tool {{ t['function']['name'] }}]{% endfor %}{% endif %}"
+        + TEMPLATE
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    conv = CONVERSATIONS[0]
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    kwargs = {"chat_template": template, "add_generation_prompt": True}
+    [out] = llm.chat(conv, GREEDY, tools=tools, chat_template=template, use_tqdm=False)
+    assert out.prompt == tok.apply_chat_template(conv, tools=tools, tokenize=False, **kwargs)
+    assert out.prompt is not None and out.prompt.startswith("[tool get_weather]<s>")
+    assert out.prompt_token_ids == hf_chat_ids(tok, conv, tools=tools, **kwargs)
+    with pytest.raises(InvalidRequestError, match="may not set tools"):
+        llm.chat(conv, GREEDY, chat_template_kwargs={"tools": tools}, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="tools must be a list"):
+        llm.chat(conv, GREEDY, tools="get_weather", use_tqdm=False)  # type: ignore[arg-type]

@@ -196,12 +196,17 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to a list of
         them, rendered with the tokenizer's chat template (or `chat_template`, a Jinja string) as vLLM's
         `LLM.chat` does; one RequestOutput per conversation, whose prompt is the rendered text.
-        `chat_template_kwargs`: extra template variables (e.g. Qwen3's enable_thinking)."""
+        `chat_template_kwargs`: extra template variables (e.g. Qwen3's enable_thinking); `tools`: the
+        functions ({"type": "function", "function": {...}}) the template shows the model, as vLLM's."""
         variables = template_variables(chat_template_kwargs)
+        tools_ok = isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)
+        if tools is not None and not tools_ok:
+            raise InvalidRequestError(f"tools must be a list of tool dicts, got {_preview(tools)}")
         if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
             conversations: list[Any] = [messages]
         elif isinstance(messages, (list, tuple)) and messages:
@@ -234,7 +239,8 @@ class LLM:
                 try:
                     text = self.tokenizer.apply_chat_template(
                         list(conv), chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                        continue_final_message=continue_final_message, tokenize=False, **variables,
+                        continue_final_message=continue_final_message, tokenize=False,
+                        tools=None if tools is None else list(tools), **variables,
                     )  # fmt: skip
                 except Exception as exc:
                     raise InvalidRequestError(

@@ -301,3 +301,31 @@ def test_chat_shows_tools_to_the_template(llm: LLM, model_dir: Path) -> None:
         llm.chat(conv, GREEDY, chat_template_kwargs={"tools": tools}, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="tools must be a list"):
         llm.chat(conv, GREEDY, tools="get_weather", use_tqdm=False)  # type: ignore[arg-type]
+
+
+def test_chat_gives_earlier_tool_calls_arguments_as_objects(llm: LLM, model_dir: Path) -> None:
+    """An assistant message's tool_calls carry OpenAI's arguments as JSON text; the template gets them as
+    an object (HF's tool-use templates iterate or tojson them), as vLLM's LLM.chat and the server give
+    them."""
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+        "{% for c in m['tool_calls'] or [] %}{% for k, v in c['function']['arguments'].items() %}"
+        "[{{ c['function']['name'] }} {{ k }}={{ v }}]{% endfor %}{% endfor %}\n{% endfor %}"
+    )
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    conv = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Snow."},
+    ]
+    as_objects = [dict(m) for m in conv]
+    as_objects[1]["tool_calls"] = [{**call, "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    [out] = llm.chat(conv, GREEDY, chat_template=template, use_tqdm=False)
+    assert out.prompt == tok.apply_chat_template(as_objects, chat_template=template, tokenize=False)
+    assert out.prompt is not None and "[weather city=Oslo]" in out.prompt
+    assert out.prompt_token_ids == hf_chat_ids(tok, as_objects, chat_template=template)
+    assert conv[1]["tool_calls"] == [call]  # the caller's messages are left as they were
+    broken = [conv[0], {"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]}]
+    with pytest.raises(InvalidRequestError, match="message 1: a message's tool_calls entry needs"):
+        llm.chat(broken, GREEDY, chat_template=template, use_tqdm=False)

@@ -19,6 +19,7 @@ from tp_runtime.engine.llm_engine import LLMEngine, best_samples, child_params
 from tp_runtime.errors import ConfigError, InvalidRequestError
 from tp_runtime.outputs import RequestOutput
 from tp_runtime.sampling_params import SamplingParams
+from tp_runtime.server.tool_calls import template_tool_call
 
 PromptType = str | dict[str, Any]
 ChatMessage = dict[str, Any]
@@ -73,6 +74,20 @@ def chat_content_text(content: Any, index: int) -> str:
             )
         parts.append(part["text"])
     return "\n".join(parts)
+
+
+def _template_message(message: ChatMessage, index: int) -> ChatMessage:
+    """A message as the chat template gets it, as the server and vLLM give it: content parts become their
+    text and no content (None or absent, e.g. an assistant turn that only called tools) empty text; earlier
+    tool calls' arguments (OpenAI's JSON text) become objects, as tool-use templates read them."""
+    out = {**message, "content": chat_content_text(message.get("content"), index)}
+    calls = message.get("tool_calls")
+    if isinstance(calls, (list, tuple)):
+        try:
+            out["tool_calls"] = [template_tool_call(call) for call in calls]
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"message {index}: {exc}") from None
+    return out
 
 
 class LLM:
@@ -222,12 +237,7 @@ class LLM:
                     f"conversation {i} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
                     f"got {_preview(conv)}"
                 )
-        # Content parts become the text the template renders, and no content (None or absent, e.g. an
-        # assistant turn that only called tools) empty text, as the server and vLLM give it.
-        conversations = [
-            [{**m, "content": chat_content_text(m.get("content"), j)} for j, m in enumerate(conv)]
-            for conv in conversations
-        ]
+        conversations = [[_template_message(m, j) for j, m in enumerate(conv)] for conv in conversations]
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 f"the tokenizer of {self.config.model.path} has no chat template; pass chat_template= "

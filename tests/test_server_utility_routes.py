@@ -257,6 +257,22 @@ def test_tokenize_shows_the_tools_and_a_trusted_template(servers: dict[str, Serv
     _error(servers["keyed"].post("/tokenize", body), 400, "chat_template")
 
 
+def test_empty_tools_reach_the_template_on_chat_as_on_tokenize(servers: dict[str, Server], llm: LLM) -> None:
+    """`tools: []` goes to the template as an empty list (vLLM passes a request's tools as given), on chat
+    as on /tokenize: a template that asks `tools is not none` (as Llama 3.1's does) renders it alike."""
+    template = "{% if tools is not none %}[tools: {{ tools | length }}]{% endif %}" + OTHER_TEMPLATE
+    body = {"messages": MESSAGES, "chat_template": template, "tools": []}
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template(MESSAGES, chat_template=template, tools=[], tokenize=False,
+                                   add_generation_prompt=True)  # fmt: skip
+    assert "[tools: 0]" in text
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert servers["trusting"].post("/tokenize", body).json()["tokens"] == ids
+    chat = servers["trusting"].post("/v1/chat/completions", {**body, "max_tokens": 1})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == len(ids)
+
+
 def test_tokenize_failures(keyed: Server) -> None:
     _error(keyed.post("/tokenize", {"prompt": PROMPT}, headers={"Authorization": "Bearer wrong"}), 401, None)
     error = _error(keyed.post("/tokenize", {"model": "gpt-4", "prompt": PROMPT}), 404, "model")

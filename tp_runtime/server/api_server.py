@@ -476,7 +476,8 @@ class _Context:
         body = self.parse(ChatCompletionRequest, raw)
         check_choices(1, body.n)  # before the template and the tokenizer run
         plan = self.tool_plan(body)
-        ids = self.chat_prompt(body, None if plan is None else plan.template_tools(body.tools or []))
+        # No plan (no tools, or `tools: []`): the tools as given, as /tokenize and vLLM pass them.
+        ids = self.chat_prompt(body, body.tools if plan is None else plan.template_tools(body.tools or []))
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -18,6 +18,13 @@ from tp_runtime.layers.kv_fp8 import f32_reciprocal
 
 
 @triton.jit
+def fp8_quotient(v, scale, FP8_MAX: tl.constexpr):
+    """v / scale correctly rounded, clamped to the e4m3 range; NaN kept (CUDA's plain max/min drop it)."""
+    q = tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(q, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _add_rms_norm_row(
     x, residual_row, weight_ptr, out_row, cols, mask, n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
@@ -49,9 +56,7 @@ def _add_rms_norm_row(
         row_max = tl.where(tl.sum((v != v).to(tl.int32), axis=0) > 0, float("nan"), row_max)
         scale = tl.math.div_rn(row_max, FP8_MAX)
         tl.store(scale_ptr + scale_index, scale)
-        q = tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        q = tl.minimum(q, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(out_row + cols, q.to(out_row.dtype.element_ty), mask=mask)
+        tl.store(out_row + cols, fp8_quotient(v, scale, FP8_MAX).to(out_row.dtype.element_ty), mask=mask)
     else:
         tl.store(out_row + cols, out, mask=mask)
 
@@ -94,15 +99,32 @@ def rms_norm(
 ) -> torch.Tensor:
     """weight * RMSNorm(x [+ residual]); with a residual, it is updated in place to x + residual first.
     `unit_offset`: (1 + weight) * RMSNorm in float32, rounded once (layers/norm.py GemmaRMSNorm)."""
-    rows, n_cols = x.shape
     out = torch.empty_like(x)
+    launch_add_rms_norm(x, weight, eps, residual, unit_offset, out)
+    return out
+
+
+def launch_add_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    unit_offset: bool,
+    out: torch.Tensor,
+    fp8_scale: torch.Tensor | None = None,
+    fp8_max: float = 448.0,
+    min_amax: float = 1e-12,
+) -> None:
+    """The add + RMSNorm kernel into `out`; with `fp8_scale` ([rows, 1] float32) each row is quantized to
+    FP8 into `out` instead (activation_quant_triton.rms_norm_quantized)."""
+    rows, n_cols = x.shape
     if rows:
         _add_rms_norm_kernel[(rows,)](
             x, x if residual is None else residual, weight, out,
             x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0), n_cols, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols), UNIT_OFFSET=unit_offset,
+            scale_ptr=fp8_scale, QUANT=fp8_scale is not None, FP8_MAX=fp8_max, MIN_AMAX=min_amax,
         )  # fmt: skip
-    return out
 
 
 @triton.jit

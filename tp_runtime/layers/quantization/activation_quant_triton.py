@@ -25,7 +25,7 @@ import triton.language as tl
 
 from tp_runtime.config import FP8_E4M3_MAX
 from tp_runtime.layers import fused_triton
-from tp_runtime.layers.fused_triton import silu_mul_value
+from tp_runtime.layers.fused_triton import fp8_quotient, silu_mul_value
 
 # Columns one program quantizes (one iteration) and scans per iteration for the row's amax.
 _SLICE = 2048
@@ -72,9 +72,7 @@ def _quantize_rows_kernel(
     for k_start in range(first, tl.minimum(first + SLICE, K), BLOCK_K):
         k = k_start + tl.arange(0, BLOCK_K)
         v = _load_values(x_row, k, k < K, K, SILU_MUL)
-        q = tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        q = tl.minimum(q, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(q_row + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+        tl.store(q_row + k, fp8_quotient(v, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=k < K)
 
 
 @triton.jit
@@ -92,8 +90,7 @@ def _quantize_groups_kernel(
     has_nan = tl.sum((v != v).to(tl.int32), axis=1) > 0  # tl.max would drop a NaN
     scale = tl.math.div_rn(tl.where(has_nan, float("nan"), group_max), FP8_MAX)
     tl.store(scale_ptr + row * scale_stride + g, scale, mask=g < NUM_GROUPS)
-    q = tl.maximum(tl.math.div_rn(v, scale[:, None]), -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    q = tl.minimum(q, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    q = fp8_quotient(v, scale[:, None], FP8_MAX)
     tl.store(q_ptr + row * q_stride + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
 
 
@@ -159,14 +156,9 @@ def _launch_norm(
     scale: torch.Tensor,
 ) -> None:
     """The norm's kernel into `q` (e4m3, or float32 quotients for the interpreter's tests, as _launch)."""
-    rows, n_cols = x.shape
-    if rows:
-        fused_triton._add_rms_norm_kernel[(rows,)](
-            x, x if residual is None else residual, weight, q,
-            x.stride(0), 0 if residual is None else residual.stride(0), q.stride(0), n_cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols), UNIT_OFFSET=unit_offset,
-            scale_ptr=scale, QUANT=True, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
-        )  # fmt: skip
+    fused_triton.launch_add_rms_norm(
+        x, weight, eps, residual, unit_offset, q, fp8_scale=scale, fp8_max=FP8_E4M3_MAX, min_amax=_MIN_AMAX
+    )
 
 
 def quantize_groups_fp8(

@@ -350,3 +350,100 @@ def test_an_index_that_does_not_match_its_shards_names_tensor_and_file(
     want = r"names weight files that are not in .*: model-00002-of-00002\.safetensors \(for 'model\.layers\."
     with pytest.raises(ConfigError, match=want):
         LLM(model=model_dir, device="cpu", dtype="float32")
+
+
+def as_pytorch_bin(src: Path, out: Path, shards: int = 1) -> Path:
+    """A copy of checkpoint `src` with its weights as transformers' PyTorch files (pytorch_model.bin, or
+    `shards` pytorch_model-0000i-of-0000n.bin with their index) and no safetensors."""
+    shutil.copytree(src, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    (out / "model.safetensors").unlink()
+    if shards == 1:
+        torch.save(tensors, out / "pytorch_model.bin")
+        return out
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        file = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = names[i::shards]
+        torch.save({name: tensors[name] for name in part}, out / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (out / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_pytorch_bin_checkpoints_load_as_in_transformers(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, shards: int
+) -> None:
+    """A checkpoint without safetensors, as older releases ship it: pytorch_model.bin, or shards and their
+    index, which transformers falls back to. The tokens equal HF's on the same files, at TP 1 and (sharded)
+    TP 2, each rank reading its slices."""
+    model_dir = as_pytorch_bin(make_checkpoint(seed=7), tmp_path / "bin", shards)
+    assert not list(model_dir.glob("*.safetensors"))
+    prompts = random_prompts((5, 19), json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    want = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert_same_tokens(engine_greedy(model_dir, prompts), want, prompts)
+    if shards > 1:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        with LLM(model=model_dir, device="cpu", dtype="float32", tensor_parallel_size=2) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert_same_tokens([o.outputs[0].token_ids for o in outs], want, prompts)
+
+
+def test_a_tied_pytorch_bin_with_shared_storage(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """torch.save of a tied model's state dict keeps lm_head.weight and the embeddings as one storage;
+    it loads as the tied model it is."""
+    src = make_checkpoint(seed=3, tie_word_embeddings=True)
+    model_dir = tmp_path / "tied"
+    shutil.copytree(src, model_dir)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    (model_dir / "model.safetensors").unlink()
+    embed = tensors["model.embed_tokens.weight"]
+    torch.save({**tensors, "lm_head.weight": embed}, model_dir / "pytorch_model.bin")
+    check_matches_hf(model_dir)
+
+
+class _RunsCode:
+    """A pickle that would run a command when loaded by an unrestricted unpickler."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_bad_pytorch_bin_files_are_config_errors(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """No weights at all, a file that is not a checkpoint, a pickle that would run code (refused by
+    torch.load's weights_only unpickler: nothing runs), and a state dict nested in another dict: each a
+    ConfigError that says what to do, not a traceback from torch's unpickler."""
+    src = make_checkpoint(seed=5)
+    empty = tmp_path / "empty"
+    shutil.copytree(src, empty)
+    (empty / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"neither \*\.safetensors nor pytorch_model\.bin"):
+        LLM(model=empty, device="cpu", dtype="float32")
+    tensors = load_file(str(src / "model.safetensors"))
+    marker = tmp_path / "ran"
+    cases = {
+        "garbage": (b"not a checkpoint" * 64, r"is not a loadable PyTorch checkpoint"),
+        "code": (None, r"is not a loadable PyTorch checkpoint"),
+        "nested": ({"state_dict": tensors}, r"does not hold a flat state dict"),
+        "non-tensor": ({**tensors, "step": 3}, r"does not hold a flat state dict"),
+    }
+    for name, (content, message) in cases.items():
+        model_dir = tmp_path / name
+        shutil.copytree(empty, model_dir)
+        path = model_dir / "pytorch_model.bin"
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            torch.save(_RunsCode(marker) if content is None else content, path)
+        with pytest.raises(ConfigError, match=message):
+            LLM(model=model_dir, device="cpu", dtype="float32")
+    assert not marker.exists()

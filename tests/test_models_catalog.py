@@ -95,3 +95,27 @@ def test_tiny_llama_tp_runs_at_tp_1_2_4_with_the_same_tokens(tmp_path: Path) -> 
     reference = _generate_ids(1, tmp_path)
     assert _generate_ids(2, tmp_path) == reference
     assert _generate_ids(4, tmp_path) == reference
+
+
+def test_a_hub_repository_without_safetensors_brings_its_pytorch_bin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Hub id fetches configs, safetensors and tokenizer files; only where that snapshot has no
+    safetensors weights (an older release) are transformers' fallback pytorch_model*.bin files fetched."""
+    import huggingface_hub
+
+    calls: list[list[str]] = []
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+
+    def fake_download(repo_id: str, allow_patterns: list[str], ignore_patterns: list[str]) -> str:
+        calls.append(list(allow_patterns))
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    assert resolve_model_name("some-org/old-model") == str(snapshot)
+    assert len(calls) == 2 and "pytorch_model*.bin" not in calls[0] and "pytorch_model*.bin" in calls[1]
+    calls.clear()
+    (snapshot / "model.safetensors").write_bytes(b"")
+    assert resolve_model_name("some-org/new-model") == str(snapshot)
+    assert len(calls) == 1 and "pytorch_model*.bin" not in calls[0]

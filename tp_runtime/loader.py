@@ -1,8 +1,10 @@
-"""Weight loading from safetensors: each rank reads only its own slice.
+"""Weight loading from safetensors (or PyTorch's pytorch_model.bin): each rank reads only its own slice.
 
-The files are read with plain reads rather than through a memory map (which is all safetensors' Python API
-offers): the pages of a mapped file count as the process's resident memory until it is closed, so mapping
-a checkpoint while copying it into the model held its weights twice at the peak.
+The safetensors files are read with plain reads rather than through a memory map (which is all
+safetensors' Python API offers): the pages of a mapped file count as the process's resident memory until
+it is closed, so mapping a checkpoint while copying it into the model held its weights twice at the peak.
+A checkpoint with no safetensors is read from pytorch_model.bin as transformers falls back to it: through
+torch.load's restricted unpickler (weights_only) on a memory map.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -180,11 +182,84 @@ class SafetensorsFile:
         return torch.frombuffer(staging, dtype=torch.uint8).view(dtype).reshape(out_shape)
 
 
+class TorchBinFile:
+    """One PyTorch checkpoint file (transformers' pytorch_model.bin: a pickled state dict) with
+    SafetensorsFile's interface. torch.load's weights_only unpickler builds nothing but tensors and plain
+    containers, and its memory map reads only the pages of the slices taken."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as exc:
+                if "mmap" not in str(exc):
+                    raise
+                # A file of torch's legacy (pre-zip) format cannot be mapped: read whole.
+                state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # unpickling and zip errors of every kind
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                f"{path} is not a loadable PyTorch checkpoint ({reason[:300]}); re-download it or convert "
+                "the checkpoint to safetensors"
+            ) from None
+        if not isinstance(state, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+        ):
+            raise ConfigError(
+                f"{path} does not hold a flat state dict (tensor names mapped to tensors), as transformers "
+                "writes pytorch_model.bin; save the model's state_dict() alone, or convert it to safetensors"
+            )
+        self._tensors: dict[str, torch.Tensor] = dict(state)
+
+    def __enter__(self) -> TorchBinFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._tensors = {}  # drops the file's memory map with the last tensor of it
+
+    def keys(self) -> list[str]:
+        return list(self._tensors)
+
+    def dtype(self, name: str) -> torch.dtype | str:
+        return self._tensors[name].dtype
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensors[name].shape)
+
+    def read(self, name: str, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
+        """As SafetensorsFile.read: the tensor, or [start, start + length) of its dimension `dim`, copied out
+        of the map."""
+        tensor = self._tensors[name]
+        if length is not None:
+            extent = tensor.shape[dim] if 0 <= dim < tensor.dim() else -1
+            if extent < 0 or start < 0 or length < 0 or start + length > extent:
+                raise IndexError(
+                    f"[{start}, {start}+{length}) of dim {dim} of {name!r} is outside {list(tensor.shape)}"
+                )
+            tensor = tensor.narrow(dim, start, length)
+        return tensor.clone(memory_format=torch.contiguous_format)
+
+
+# A checkpoint file open for reading.
+WeightFile = SafetensorsFile | TorchBinFile
+
+
+def open_weight_file(path: str) -> WeightFile:
+    return TorchBinFile(path) if path.endswith(".bin") else SafetensorsFile(path)
+
+
 class CheckpointTensor:
-    """A tensor in a safetensors file, read lazily and in parts, converted to `dtype` (None: as stored).
+    """A tensor in a checkpoint file, read lazily and in parts, converted to `dtype` (None: as stored).
     FP8 tensors stay FP8: their layer's LinearMethod reads them with their scales."""
 
-    def __init__(self, handle: SafetensorsFile, name: str, dtype: torch.dtype | None) -> None:
+    def __init__(self, handle: WeightFile, name: str, dtype: torch.dtype | None) -> None:
         self._handle = handle
         self.name = name
         self._dtype = dtype
@@ -200,21 +275,39 @@ class CheckpointTensor:
         return self._convert(self._handle.read(self.name))
 
 
-def _weight_map(model_dir: str) -> dict[str, str] | None:
-    """model.safetensors.index.json's weight_map (tensor name -> file), None where there is no index."""
-    index = Path(model_dir) / "model.safetensors.index.json"
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+_BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def _weight_map(model_dir: str, index_name: str = _SAFETENSORS_INDEX) -> dict[str, str] | None:
+    """An index's weight_map (tensor name -> file), None where there is no such index."""
+    index = Path(model_dir) / index_name
     if not index.is_file():
         return None
+    kind = "safetensors" if index_name == _SAFETENSORS_INDEX else "PyTorch checkpoint"
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         if not all(isinstance(f, str) for f in weight_map.values()):
             raise TypeError("a file name that is not a string")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(
-            f"{index} is not a safetensors index (a JSON object whose weight_map maps tensor names to "
+            f"{index} is not a {kind} index (a JSON object whose weight_map maps tensor names to "
             f"files): {type(exc).__name__}: {exc}; download it again"
         ) from None
     return dict(weight_map)
+
+
+def _indexed_files(model_dir: str, index_name: str, weight_map: dict[str, str]) -> list[str]:
+    """The files an index names, all of which must be there."""
+    absent = sorted({f for f in weight_map.values() if not (Path(model_dir) / f).is_file()})
+    if absent:
+        # With a tensor the index puts in each: which part of the model is missing.
+        named = [f"{f} (for {next(n for n, g in weight_map.items() if g == f)!r})" for f in absent[:4]]
+        raise ConfigError(
+            f"{Path(model_dir) / index_name} names weight files that are not in {model_dir}: "
+            f"{', '.join(named)}; download the whole checkpoint"
+        )
+    return sorted({str(Path(model_dir) / f) for f in weight_map.values()})
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -222,15 +315,7 @@ def safetensors_files(model_dir: str) -> list[str]:
     where two hold one), else model.safetensors, else every *.safetensors."""
     weight_map = _weight_map(model_dir)
     if weight_map is not None:
-        absent = sorted({f for f in weight_map.values() if not (Path(model_dir) / f).is_file()})
-        if absent:
-            # With a tensor the index puts in each: which part of the model is missing.
-            named = [f"{f} (for {next(n for n, g in weight_map.items() if g == f)!r})" for f in absent[:4]]
-            raise ConfigError(
-                f"{Path(model_dir) / 'model.safetensors.index.json'} names weight files that are not in "
-                f"{model_dir}: {', '.join(named)}; download the whole checkpoint"
-            )
-        return sorted({str(Path(model_dir) / f) for f in weight_map.values()})
+        return _indexed_files(model_dir, _SAFETENSORS_INDEX, weight_map)
     single = Path(model_dir) / "model.safetensors"
     if single.is_file():  # as transformers: other *.safetensors beside it (a consolidated copy) are not read
         return [str(single)]
@@ -241,6 +326,23 @@ def safetensors_files(model_dir: str) -> list[str]:
             "or use load_format='dummy' for random weights"
         )
     return files
+
+
+def weight_files(model_dir: str) -> list[str]:
+    """safetensors_files where the folder has safetensors weights, else transformers' fallback: the files of
+    pytorch_model.bin.index.json, or pytorch_model.bin."""
+    folder = Path(model_dir)
+    if (folder / _SAFETENSORS_INDEX).is_file() or any(folder.glob("*.safetensors")):
+        return safetensors_files(model_dir)
+    weight_map = _weight_map(model_dir, _BIN_INDEX)
+    if weight_map is not None:
+        return _indexed_files(model_dir, _BIN_INDEX, weight_map)
+    if (folder / "pytorch_model.bin").is_file():
+        return [str(folder / "pytorch_model.bin")]
+    raise ConfigError(
+        f"no weights in {model_dir}: neither *.safetensors nor pytorch_model.bin; download the checkpoint's "
+        "weights, or use load_format='dummy' for random weights"
+    )
 
 
 class QuantizedCheckpoint:
@@ -330,8 +432,8 @@ def load_weights(
     missing = dict(expected)
     tied = model.tied_checkpoint_names()
     tied_found: dict[str, str] = {}  # a tied name the checkpoint holds -> its file
-    for path in safetensors_files(model_dir):
-        with SafetensorsFile(path) as handle:
+    for path in weight_files(model_dir):
+        with open_weight_file(path) as handle:
             for name in handle.keys():  # noqa: SIM118 - not a dict
                 if name in tied:  # checked against (or standing in for) its twin once all are loaded
                     tied_found[name] = path
@@ -367,12 +469,13 @@ def load_weights(
             else ""
         )
         # Where the index puts a missing tensor in a file: that file lacks it (a bad or mixed download).
-        weight_map = _weight_map(model_dir) or {}
+        index_name = _BIN_INDEX if weight_files(model_dir)[0].endswith(".bin") else _SAFETENSORS_INDEX
+        weight_map = _weight_map(model_dir, index_name) or {}
         placed = [f"{n!r} in {weight_map[n]}" for n in names if n in weight_map][:4]
         if placed:
             hint += (
-                f"; model.safetensors.index.json puts {', '.join(placed)}, which does not hold it: "
-                "download the checkpoint again"
+                f"; {index_name} puts {', '.join(placed)}, which does not hold it: download the checkpoint "
+                "again"
             )
         raise ConfigError(f"checkpoint {model_dir} lacks tensors for: {', '.join(names[:8])}{hint}")
     if quantized.scales_missing:
@@ -397,7 +500,7 @@ def _load_tied(
     fills its twin's parameter when the checkpoint lacks the twin; where both are there and differ,
     transformers unties them, which a tied model cannot, so that is a ConfigError (it silently gave
     another LM head than HF's)."""
-    with SafetensorsFile(path) as handle:
+    with open_weight_file(path) as handle:
         tensor = CheckpointTensor(handle, name, dtype)
         if tensor.shape != tuple(expected[twin]):
             raise ConfigError(

@@ -25,6 +25,7 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tp_runtime.errors import ConfigError
@@ -62,6 +63,8 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]
 # its top level (fnmatch's * spans folders); a consolidated copy of the weights (Mistral's) is not read.
 _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 _HUB_SKIPPED = ["*/*", "consolidated*"]
+# transformers' fallback weights, fetched only for a repository without safetensors ones.
+_HUB_BIN_FILES = ["pytorch_model*.bin"]
 
 
 def _hub_snapshot(repo_id: str) -> str:
@@ -71,11 +74,14 @@ def _hub_snapshot(repo_id: str) -> str:
     from huggingface_hub import errors
 
     try:
-        return str(
-            huggingface_hub.snapshot_download(
-                repo_id, allow_patterns=_HUB_FILES, ignore_patterns=_HUB_SKIPPED
-            )
+        folder = huggingface_hub.snapshot_download(
+            repo_id, allow_patterns=_HUB_FILES, ignore_patterns=_HUB_SKIPPED
         )
+        if not any(Path(folder).glob("*.safetensors")):
+            folder = huggingface_hub.snapshot_download(
+                repo_id, allow_patterns=_HUB_FILES + _HUB_BIN_FILES, ignore_patterns=_HUB_SKIPPED
+            )
+        return str(folder)
     except (errors.RepositoryNotFoundError, errors.GatedRepoError) as exc:
         raise ConfigError(
             f"model {repo_id!r} is not a local folder, and the Hugging Face Hub has no such model or it "

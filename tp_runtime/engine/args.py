@@ -114,7 +114,8 @@ class EngineArgs:
     load_format: LoadFormat = field(
         default="auto",
         metadata=meta(
-            help="auto: the checkpoint's safetensors; dummy: pseudo-random weights, same at every TP size"
+            help="auto: the checkpoint's safetensors (else pytorch_model.bin); dummy: pseudo-random weights, "
+            "same at every TP size"
         ),
     )
     quantization: Quantization | None = field(

@@ -116,3 +116,42 @@ def test_fp8_kv_cache_perplexity_within_3_percent(smollm2_dir: Path, base_perple
     assert abs(whole / base - 1) < 0.03, (base, whole)
     # The same keys either way (a key one float32 step apart may round to the other e4m3 neighbour).
     assert abs(chunked / whole - 1) < 3e-4, (whole, chunked)
+
+
+def test_a_gguf_file_as_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LLM(model="x.gguf")`: the file is converted once into the cache (a second LLM reuses the folder),
+    and the greedy tokens equal HF transformers' reading the same GGUF file itself; the chat template
+    comes with the tokenizer. A GGUF file that is not one is a ConfigError."""
+    from tp_runtime.errors import ConfigError
+    from tp_runtime.smollm2 import smollm2_gguf_path
+
+    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "models" / "smol.gguf"
+    gguf.parent.mkdir()
+    gguf.symlink_to(smollm2_gguf_path())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf.generation_config.eos_token_id = None
+    want = []
+    for prompt in PROMPTS[:2]:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        out = hf.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=tok.eos_token_id)
+        want.append(out[0, ids.shape[1] :].tolist())
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(model=str(gguf), device="cpu", dtype="float32") as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+        chat = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert got == want
+    assert "hi" in chat and chat != "hi"
+    folders = list((tmp_path / "cache").iterdir())
+    # Named after the file the link points to: a file reached by two paths is converted once.
+    assert len(folders) == 1 and folders[0].name.startswith("gguf-SmolLM2-135M-Instruct.Q4_1-")
+    from tp_runtime.models_catalog import resolve_model_name
+
+    assert resolve_model_name(str(gguf)) == str(folders[0])
+    broken = tmp_path / "models" / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ConfigError, match=r"broken\.gguf could not be read as a GGUF model"):
+        LLM(model=str(broken), device="cpu", dtype="float32")

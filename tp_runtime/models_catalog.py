@@ -9,6 +9,7 @@
   tokenizer (``presets.py``), written once into the cache;
 - ``smollm2-135m``, ``llama-3-8b``, ``llama-3-70b``: model shapes without weights (config and tokenizer
   only), for ``load_format="dummy"``;
+- a GGUF file (``*.gguf``): converted once into a cached safetensors checkpoint (``gguf_checkpoint.py``);
 - a Hugging Face Hub id (``org/name``): its snapshot in huggingface_hub's cache, downloaded when the Hub can
   be reached;
 - ``None`` (the command line without ``--model``): SmolLM2-135M-Instruct when its package is installed
@@ -169,6 +170,10 @@ def resolve_model_name(model: str | os.PathLike[str] | None, load_format: str = 
     model = os.fspath(model)
     if os.path.isdir(model):
         return model
+    if model.endswith(".gguf") and os.path.isfile(model):
+        from tp_runtime.gguf_checkpoint import gguf_checkpoint_dir
+
+        return str(gguf_checkpoint_dir(model))
     builtin = _BY_NAME.get(model)
     if builtin is None:
         names = ", ".join(known_names())
@@ -177,7 +182,8 @@ def resolve_model_name(model: str | os.PathLike[str] | None, load_format: str = 
         if os.sep in model or model.startswith((".", "~")) or os.path.exists(model):
             raise ConfigError(
                 f"model {model!r} is not a directory; give a checkpoint folder (config.json, safetensors "
-                f"weights, tokenizer), a Hugging Face Hub id (org/name) or a built-in model name: {names}"
+                f"weights, tokenizer), a GGUF file, a Hugging Face Hub id (org/name) or a built-in model "
+                f"name: {names}"
             )
         raise ConfigError(
             f"model {model!r} is neither a checkpoint folder nor a built-in model name; "

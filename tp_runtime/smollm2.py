@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
+from tp_runtime.gguf_checkpoint import convert_gguf
 from tp_runtime.presets import BOS_TOKEN_ID, EOS_TOKEN_ID, cached_dir
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,39 +43,17 @@ def convert_smollm2(out_dir: str | Path, *, overwrite: bool = False) -> Path:
         if importlib.util.find_spec(module) is None:
             raise RuntimeError(f"reading the SmolLM2 GGUF file needs {module!r}; run: {_INSTALL_HINT}")
 
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    def upstream_config(config: Any) -> None:
+        # GGUF stores the eps as float32 (9.9999997e-06); the upstream config says 1e-5.
+        config.rms_norm_eps = 1e-5
 
-    folder, name = gguf.parent, gguf.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    from transformers import GenerationConfig
 
-    # A model loaded from GGUF refuses save_pretrained, so write the pieces by hand. The config must
-    # lose its GGUF quantization_config, or loaders would try to dequantize plain float32 tensors.
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.architectures = ["LlamaForCausalLM"]  # GGUF metadata does not carry it
-    config.rms_norm_eps = 1e-5  # GGUF stores it as float32 (9.9999997e-06); the upstream config says 1e-5
-    config.dtype = torch.float32
-
-    # lm_head shares storage with embed_tokens (tie_word_embeddings); safetensors rejects shared
-    # tensors and loaders re-tie it from the config.
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-
-    out.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(out)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    convert_gguf(gguf, out, upstream_config)
     generation = GenerationConfig(
         bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID
     )
     generation.save_pretrained(out)
-    tokenizer.model_max_length = config.max_position_embeddings  # GGUF leaves it unset (1e30)
-    tokenizer.save_pretrained(out)
-    (out / "model.safetensors").chmod(0o644)  # save_file creates it 0600, unlike the other files
     return out
 
 

@@ -52,6 +52,7 @@ ARCH_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
     "MixtralForCausalLM": transformers.MixtralConfig,
     "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
     "Gemma2ForCausalLM": transformers.Gemma2Config,
+    "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
 }
 
 BASE_CONFIG: dict[str, Any] = dict(
@@ -75,6 +76,17 @@ BASE_CONFIG: dict[str, Any] = dict(
 GEMMA2 = {
     "num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
     "attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0, "tie_word_embeddings": True,
+}  # fmt: skip
+# A Gemma 3 test model: per-head q/k norms, layers 0 and 1 windowed (6 tokens) with the local rope (theta
+# 10^4), layer 2 global with a linearly scaled rope of theta 10^6; no soft-caps; tied embeddings.
+GEMMA3 = {
+    "num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+    "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    },
+    "tie_word_embeddings": True,
 }  # fmt: skip
 
 

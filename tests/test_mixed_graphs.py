@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import GEMMA2, assert_same_tokens, hf_greedy, random_prompts, record_steps
+from conftest import GEMMA2, GEMMA3, assert_same_tokens, hf_greedy, random_prompts, record_steps
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.worker.inputs import MixedStepBatch
@@ -36,6 +36,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str | None]] = {
     "llama-gqa": ("LlamaForCausalLM", {}, None),
     "mistral-window": ("MistralForCausalLM", {"sliding_window": 8}, None),
     "gemma2": ("Gemma2ForCausalLM", GEMMA2, "eager"),  # HF's SDPA path drops the soft-cap
+    "gemma3": ("Gemma3ForCausalLM", GEMMA3, None),
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}, None),
     "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}, None),
 }

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import assert_same_tokens, count_checkpoint_reads, hf_greedy, random_prompts
+from conftest import GEMMA3, assert_same_tokens, count_checkpoint_reads, hf_greedy, random_prompts
 from safetensors.torch import load_file, save_file
 
 from tp_runtime import LLM, SamplingParams, loader
@@ -104,6 +104,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "final_logit_softcapping": 8.0,
         },
     ),
+    # Gemma 3 (conftest.GEMMA3), its q/k norms randomised by with_random_norms.
+    "gemma3": ("Gemma3ForCausalLM", GEMMA3),
 }
 # Expert projection names (gate, up, down) and the feed-forward's checkpoint name, per architecture.
 EXPERT_NAMES = {
@@ -228,6 +230,8 @@ CASES = [
     ("gemma2", 2),
     ("gemma2", 4),  # 2 KV heads replicated over 4 ranks
     ("gemma2-global", 1),
+    ("gemma3", 1),
+    ("gemma3", 2),
 ]
 
 
@@ -741,6 +745,35 @@ def test_dummy_weights_load_for_every_family(family_dir: Callable[[str], Path]) 
         model = model_class(cfg.architecture)(cfg, TPGroup(0, 1), torch.float32, torch.device("cpu"))
         loader.init_dummy_weights(model, 0, torch.float32, torch.device("cpu"))
         assert all(torch.isfinite(p).all() for p in model.parameters())  # type: ignore[attr-defined]
+
+
+def test_gemma3_rope_per_layer_type_and_head_norms_change_the_output(
+    family_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The Gemma 3 test model is one where its features matter: with the global rope on every layer, or
+    without the q/k norms, HF's own greedy tokens change (so the tokens equal to HF's above show both are
+    applied); and the config gives each layer type its rope."""
+    model_dir = family_dir("gemma3")
+    cfg = build_model_config(model_dir, device="cpu")
+    assert cfg.local_rope is not None and cfg.local_rope.rope_type == "default"
+    assert cfg.rope.rope_type == "linear"
+    assert (cfg.rope.theta, cfg.local_rope.theta) == (1_000_000.0, 10_000.0)
+    assert cfg.sliding_window_layers == (0, 1) and cfg.attn_logit_softcapping is None
+    want = reference_greedy(model_dir, PROMPTS[:3])
+    one_rope = tmp_path / "one-rope"
+    shutil.copytree(model_dir, one_rope)
+    config = json.loads((one_rope / "config.json").read_text())
+    config["rope_parameters"]["sliding_attention"] = config["rope_parameters"]["full_attention"]
+    (one_rope / "config.json").write_text(json.dumps(config))
+    assert reference_greedy(one_rope, PROMPTS[:3]) != want
+    no_head_norms = tmp_path / "no-head-norms"
+    shutil.copytree(model_dir, no_head_norms)
+    tensors = load_file(str(no_head_norms / "model.safetensors"))
+    for name in tensors:
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            tensors[name] = torch.zeros_like(tensors[name])  # Gemma's (1 + w): the identity
+    save_file(tensors, str(no_head_norms / "model.safetensors"), metadata={"format": "pt"})
+    assert reference_greedy(no_head_norms, PROMPTS[:3]) != want
 
 
 def test_config_fields(family_dir: Callable[[str], Path]) -> None:

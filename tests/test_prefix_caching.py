@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import GEMMA2, assert_same_tokens, hf_greedy, random_prompts
+from conftest import GEMMA2, GEMMA3, assert_same_tokens, hf_greedy, random_prompts
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.config import CacheConfig, EngineConfig, SchedulerConfig, build_model_config
@@ -175,6 +175,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
     "llama": ("LlamaForCausalLM", {}, None),
     "mistral-window": ("MistralForCausalLM", {"sliding_window": 8}, None),
     "gemma2": ("Gemma2ForCausalLM", GEMMA2, "eager"),
+    "gemma3": ("Gemma3ForCausalLM", GEMMA3, None),
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}, None),
     "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}, None),
 }

@@ -281,6 +281,9 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     # FP8 linear layers (None: the model dtype's).
     quantization: QuantConfig | None = None
+    # The rope of the sliding-window layers where the config gives them their own (Gemma 3's local base
+    # frequency); None: `rope` serves every layer.
+    local_rope: RopeConfig | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: it attends to the whole context)."""
@@ -599,9 +602,21 @@ def _load_hf_config(path: str) -> Any:
         ) from None
 
 
-def _rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """transformers >= 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta + rope_scaling."""
+def _per_layer_type_rope(hf_config: Any) -> bool:
+    """Whether rope_parameters holds one set per layer type (transformers 5's Gemma 3: "full_attention"
+    and "sliding_attention")."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return isinstance(params, Mapping) and any(
+        isinstance(params.get(kind), Mapping) for kind in ("full_attention", "sliding_attention")
+    )
+
+
+def _rope_parameters(hf_config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
+    """transformers >= 5 keeps rope settings in `rope_parameters` (per layer type for some families: the
+    global layers' by default); 4.x in rope_theta + rope_scaling."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if _per_layer_type_rope(hf_config):
+        params = dict(params.get(layer_type) or {})
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -626,11 +641,12 @@ def _max_positions(hf_config: Any) -> int:
     return int(max_positions * factor)
 
 
-def _rope_config(hf_config: Any, head_dim: int) -> RopeConfig:
+def _rope_config(hf_config: Any, head_dim: int, layer_type: str | None = None) -> RopeConfig:
+    """The rope of the model, or with `layer_type` of that type of layer (rope_parameters per type)."""
     import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = _rope_parameters(hf_config)
+    params = _rope_parameters(hf_config, layer_type or "full_attention")
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -643,7 +659,8 @@ def _rope_config(hf_config: Any, head_dim: int) -> RopeConfig:
         scaling = 1.0
     else:
         try:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+            kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
         except (TypeError, ValueError, KeyError, ZeroDivisionError) as exc:
             # A parameter of the wrong type (a "2.0" string factor) failed here as a bare TypeError.
             raise ConfigError(
@@ -780,6 +797,7 @@ def build_model_config(
     config_dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
     config_dtype = str(config_dtype).replace("torch.", "") if config_dtype is not None else None
     eos_token_ids, no_eos = _eos_token_ids(path, hf)
+    per_type_rope = _per_layer_type_rope(hf)
     return ModelConfig(
         path=path,
         architecture=arch,
@@ -795,7 +813,8 @@ def build_model_config(
         sliding_window=int(sliding) if sliding else None,
         max_model_len=int(max_model_len),
         dtype=resolve_dtype(dtype, config_dtype, device),
-        rope=_rope_config(hf, head_dim),
+        rope=_rope_config(hf, head_dim, "full_attention" if per_type_rope else None),
+        local_rope=_rope_config(hf, head_dim, "sliding_attention") if per_type_rope else None,
         load_format=load_format,
         eos_token_ids=eos_token_ids,
         no_eos=no_eos,

@@ -78,3 +78,7 @@ class GemmaRMSNorm(RMSNorm):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GemmaHeadRMSNorm(HeadRMSNorm, GemmaRMSNorm):
+    """Gemma 3's q_norm and k_norm: HeadRMSNorm's per-head form of GemmaRMSNorm (1 + weight, float32)."""

@@ -52,13 +52,17 @@ class Gemma2MLP(LlamaMLP):
 
 
 class Gemma2DecoderLayer(nn.Module):
+    attention_cls: type[Gemma2Attention] = Gemma2Attention
+
     def __init__(
         self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool, layer: int
     ) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps, dtype, device, fused)
-        self.self_attn = Gemma2Attention(cfg, tp, dtype, device, fused, layer)
+        self.self_attn = self.attention_cls(cfg, tp, dtype, device, fused, layer)
+        # A "sliding_attention" layer (whatever its window): Gemma 3 gives those their own rope.
+        self.sliding = layer in (cfg.sliding_window_layers or ())
         self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype, device, fused)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype, device, fused)
         self.mlp = Gemma2MLP(cfg, tp, dtype, device, fused)
@@ -101,15 +105,25 @@ class Gemma2DecoderLayer(nn.Module):
 
 class Gemma2Model(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
+        self,
+        cfg: ModelConfig,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+        fused: bool,
+        layer_cls: type[Gemma2DecoderLayer],
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         self.layers = nn.ModuleList(
-            [Gemma2DecoderLayer(cfg, tp, dtype, device, fused, i) for i in range(cfg.num_layers)]
+            [layer_cls(cfg, tp, dtype, device, fused, i) for i in range(cfg.num_layers)]
         )
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.max_model_len, device)
+        # Gemma 3: the windowed layers rotate with their own (local) frequencies.
+        self.local_rotary = (
+            None if cfg.local_rope is None else RotaryEmbedding(cfg.local_rope, cfg.max_model_len, device)
+        )
         # sqrt(hidden_size) as transformers holds it: a float32 scalar, cast to the model dtype (in bfloat16
         # sqrt(2304) = 48.0 becomes 48.0, sqrt(3072) = 55.43 becomes 55.5).
         normalizer = torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32).to(dtype)
@@ -119,13 +133,15 @@ class Gemma2Model(nn.Module):
 class Gemma2ForCausalLM(nn.Module):
     """Gemma 2 through the interface of models/interface.py, tensor-parallel like the Llama family."""
 
+    layer_cls: type[Gemma2DecoderLayer] = Gemma2DecoderLayer
+
     def __init__(
         self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool = False
     ) -> None:
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        self.model = Gemma2Model(cfg, tp, dtype, device, fused)
+        self.model = Gemma2Model(cfg, tp, dtype, device, fused, self.layer_cls)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -145,10 +161,13 @@ class Gemma2ForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per scheduled token."""
-        cos, sin = self.model.rotary.cos_sin(positions)
+        cos_sin = self.model.rotary.cos_sin(positions)
+        local = self.model.local_rotary
+        local_cos_sin = cos_sin if local is None else local.cos_sin(positions)
         hidden = self.model.embed_tokens(input_ids) * self.model.normalizer
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            cos, sin = local_cos_sin if layer.sliding else cos_sin
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
         out: torch.Tensor = self.model.norm(hidden, residual)
         return out
@@ -195,20 +214,20 @@ class Gemma2ForCausalLM(nn.Module):
         yield param, shard
 
 
-def gemma2_config(hf: Any) -> dict[str, Any]:
+def gemma2_config(hf: Any, family: str = "Gemma 2") -> dict[str, Any]:
     """Gemma 2's ModelConfig fields: which layers are windowed (transformers' `layer_types`, which
     Gemma2Config fills with sliding attention on even layers), the activation, scale and soft-caps."""
     act = getattr(hf, "hidden_activation", None) or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
-        raise ConfigError(f"Gemma 2 hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
+        raise ConfigError(f"{family} hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
     if getattr(hf, "use_bidirectional_attention", False):
-        raise ConfigError("Gemma 2 with use_bidirectional_attention is not supported (causal only)")
+        raise ConfigError(f"{family} with use_bidirectional_attention is not supported (causal only)")
     num_layers = int(hf.num_hidden_layers)
     layer_types = list(getattr(hf, "layer_types", None) or [])
     if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
         raise ConfigError(
-            f"Gemma 2 layer_types {layer_types!r} must name sliding_attention or full_attention for each of "
-            f"the {num_layers} layers"
+            f"{family} layer_types {layer_types!r} must name sliding_attention or full_attention for each "
+            f"of the {num_layers} layers"
         )
     window = getattr(hf, "sliding_window", None)
     windowed = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tp_runtime.errors import ConfigError
 from tp_runtime.models.gemma2 import Gemma2ForCausalLM, gemma2_config
+from tp_runtime.models.gemma3 import Gemma3ForCausalLM, gemma3_config
 from tp_runtime.models.interface import CausalLMFactory, ConfigAdapter
 from tp_runtime.models.llama import LlamaForCausalLM, llama_config, mistral_config, qwen2_config
 from tp_runtime.models.mixtral import MixtralForCausalLM, mixtral_config
@@ -32,6 +33,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MixtralForCausalLM": Architecture(MixtralForCausalLM, mixtral_config),
     "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, qwen3_moe_config),
     "Gemma2ForCausalLM": Architecture(Gemma2ForCausalLM, gemma2_config),
+    "Gemma3ForCausalLM": Architecture(Gemma3ForCausalLM, gemma3_config),
 }
 
 

@@ -144,6 +144,9 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("max_logprobs", -1, "at least 0"),
     ("model", "", "must not be empty"),
     ("model", 3, "str or a path"),
+    ("generation_config", "/nonexistent-folder", "must be auto (the checkpoint's generation_config.json)"),
+    ("generation_config", "", "must not be empty"),
+    ("generation_config", 3, "str or a path"),
 ]
 
 

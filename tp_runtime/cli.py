@@ -182,6 +182,7 @@ def check_model(args: argparse.Namespace) -> Any:
         max_model_len=args.max_model_len,
         load_format=args.load_format,
         quantization=getattr(args, "quantization", None),
+        generation_config=getattr(args, "generation_config", "auto"),
     )
     validate_tensor_parallel(model_config, args.tensor_parallel_size)
     return model_config

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tp_runtime.errors import ConfigError
+from tp_runtime.errors import ConfigError, InvalidRequestError
 
 # Choices of EngineConfig.attention_backend (see layers/attention.py).
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton_one_split")
@@ -44,6 +44,42 @@ QUANTIZATIONS = ("fp8",)
 FP8_E4M3_MAX = 448.0
 # Choices of CacheConfig.kv_cache_dtype: the model's dtype, or e4m3 ("fp8" is vLLM's name for it too).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+# LLM(generation_config=...) / --generation-config, as vLLM's: "auto" (the checkpoint's
+# generation_config.json), "vllm" (none: SamplingParams' own defaults) or a folder holding a
+# generation_config.json.
+GENERATION_CONFIG_SOURCES = ("auto", "vllm")
+# The keys of generation_config.json that become requests' default sampling parameters (vLLM's list), and
+# the SamplingParams option each sets (transformers' max_new_tokens is max_tokens).
+GENERATION_DEFAULT_KEYS = {
+    "repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_k": "top_k",
+    "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The default sampling parameters of requests that leave them out, read at start-up from a
+    generation_config.json (vLLM's `generation_config`, see GENERATION_DEFAULT_KEYS): `LLM.generate` and
+    `LLM.chat` without SamplingParams start from them, and so does each server request, option by option
+    (its max_tokens at most this one). None: SamplingParams' own default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+    source: str | None = None  # the generation_config.json they come from (None: none was read)
+
+    def overrides(self) -> dict[str, Any]:
+        """The SamplingParams options these set, by name, in GENERATION_DEFAULT_KEYS' order (empty: none)."""
+        values = {name: getattr(self, name) for name in GENERATION_DEFAULT_KEYS.values()}
+        return {name: value for name, value in values.items() if value is not None}
+
+    def describe(self) -> str:
+        """`temperature=0.6, top_p=0.95, max_tokens=256` (empty: none)."""
+        return ", ".join(f"{name}={value!r}" for name, value in self.overrides().items())
 
 
 @dataclass(frozen=True)
@@ -284,6 +320,8 @@ class ModelConfig:
     # The rope of the sliding-window layers where the config gives them their own (Gemma 3's local base
     # frequency); None: `rope` serves every layer.
     local_rope: RopeConfig | None = None
+    # Requests' default sampling parameters, from the generation config LLM(generation_config=...) names.
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     def layer_window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: it attends to the whole context)."""
@@ -685,8 +723,9 @@ def _rope_config(hf_config: Any, head_dim: int, layer_type: str | None = None) -
     )
 
 
-def _eos_token_ids(path: str, hf_config: Any) -> tuple[tuple[int, ...], bool]:
-    """The EOS ids, and whether generation_config.json names none explicitly (an empty list)."""
+def _eos_token_ids(generation: Mapping[str, Any], hf_config: Any) -> tuple[tuple[int, ...], bool]:
+    """The EOS ids, and whether the generation config (`generation`, generation_config.json as read; empty
+    where there is none) names none explicitly (an empty list)."""
     ids: list[int] = []
 
     def add(value: Any) -> bool:
@@ -705,14 +744,58 @@ def _eos_token_ids(path: str, hf_config: Any) -> tuple[tuple[int, ...], bool]:
     # generation_config.json's eos ids replace config.json's, as in transformers' generate. Where it has no
     # eos_token_id config.json's stand, which transformers' generate would not use (it does where there is
     # no such file). An explicit [] in the one read is no EOS, as in transformers' generate.
-    gen_path = Path(path) / "generation_config.json"
-    if gen_path.is_file():
-        generation = _json_object(gen_path, "fix or remove the file")
-        if add(generation.get("eos_token_id")):
-            return (), True
+    if add(generation.get("eos_token_id")):
+        return (), True
     if not ids and add(getattr(hf_config, "eos_token_id", None)):
         return (), True
     return tuple(ids), False
+
+
+def generation_config_problem(value: str | os.PathLike[str]) -> str | None:
+    """Why `value` cannot be LLM(generation_config=...), or None: it takes "auto", "vllm" or a folder
+    holding a generation_config.json (GENERATION_CONFIG_SOURCES)."""
+    if isinstance(value, str) and value in GENERATION_CONFIG_SOURCES:
+        return None
+    takes = (
+        "must be auto (the checkpoint's generation_config.json), vllm (no defaults from it: SamplingParams' "
+        "own) or a folder holding a generation_config.json"
+    )
+    folder = Path(value)
+    if folder.is_file():
+        return f"{takes}; {str(value)!r} is a file: give the folder that holds it"
+    if not folder.is_dir():
+        return f"{takes}; {str(value)!r} is not a folder"
+    if not (folder / "generation_config.json").is_file():
+        return f"{takes}; folder {str(value)!r} has no generation_config.json"
+    return None
+
+
+def _generation_defaults(generation: Mapping[str, Any], file: Path) -> GenerationDefaults:
+    """The default sampling parameters generation_config.json `file` (read as `generation`) gives: its
+    GENERATION_DEFAULT_KEYS that are set (not null), as vLLM takes them; `do_sample` is not read (vLLM
+    ignores it: `do_sample: false` with a temperature still samples at that temperature). A value that
+    SamplingParams refuses is a ConfigError naming the file and the key: the model's recommended settings
+    are not dropped silently."""
+    from tp_runtime.sampling_params import SamplingParams
+
+    values: dict[str, Any] = {}
+    for key, option in GENERATION_DEFAULT_KEYS.items():
+        value: Any = generation.get(key)
+        if value is None:
+            continue
+        if option in ("top_k", "max_tokens") and isinstance(value, float) and value.is_integer():
+            value = int(value)  # 50.0: a whole number written as a float
+        try:
+            SamplingParams(**{option: value})
+        except InvalidRequestError as exc:
+            reason = str(exc).removeprefix("invalid SamplingParams: ")
+            raise ConfigError(
+                f"{file}: {key}={value!r} cannot be a default sampling parameter ({reason}); fix the file, "
+                "or leave the file's sampling parameters out with generation_config='vllm' "
+                "(--generation-config vllm)"
+            ) from None
+        values[option] = value
+    return GenerationDefaults(**values, source=str(file))
 
 
 def build_model_config(
@@ -723,9 +806,13 @@ def build_model_config(
     max_model_len: int | None = None,
     load_format: str = "auto",
     quantization: str | None = None,
+    generation_config: str | os.PathLike[str] = "auto",
 ) -> ModelConfig:
     """Read and check a Hugging Face checkpoint folder's config. `quantization`: LLM(quantization=...)
-    (see quant_config)."""
+    (see quant_config). `generation_config`: LLM(generation_config=...), where the generation config (its
+    EOS ids and its default sampling parameters) comes from: "auto", the checkpoint's
+    generation_config.json; "vllm", the checkpoint's for its EOS ids but no default sampling parameters;
+    a folder, its generation_config.json for both (as vLLM reads them)."""
     path = str(path)
     if not os.path.isdir(path):
         raise ConfigError(
@@ -737,6 +824,9 @@ def build_model_config(
         )
     if load_format not in ("auto", "dummy"):
         raise ConfigError(f"load_format must be auto|dummy, got {load_format!r}")
+    problem = generation_config_problem(generation_config)
+    if problem is not None:
+        raise ConfigError(f"generation_config {problem}")
     hf = _load_hf_config(path)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -796,8 +886,18 @@ def build_model_config(
         )
     config_dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
     config_dtype = str(config_dtype).replace("torch.", "") if config_dtype is not None else None
-    eos_token_ids, no_eos = _eos_token_ids(path, hf)
     per_type_rope = _per_layer_type_rope(hf)
+    # The generation config: the checkpoint's generation_config.json (if any), or the one in the folder
+    # generation_config names.
+    own = isinstance(generation_config, str) and generation_config in GENERATION_CONFIG_SOURCES
+    gen_file = Path(path if own else generation_config) / "generation_config.json"
+    generation: dict[str, Any] = {}
+    if gen_file.is_file():
+        generation = _json_object(gen_file, "fix or remove the file" if own else "fix the file")
+    eos_token_ids, no_eos = _eos_token_ids(generation, hf)
+    defaults = GenerationDefaults()
+    if generation_config != "vllm" and gen_file.is_file():
+        defaults = _generation_defaults(generation, gen_file)
     return ModelConfig(
         path=path,
         architecture=arch,
@@ -820,6 +920,7 @@ def build_model_config(
         no_eos=no_eos,
         bos_token_id=getattr(hf, "bos_token_id", None),
         quantization=quant_config(_hf_quantization(hf), quantization),
+        generation_defaults=defaults,
         **specific,
     )
 

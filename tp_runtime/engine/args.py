@@ -27,7 +27,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from functools import cache
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from tp_runtime.config import MAX_TIMEOUT_S
+from tp_runtime.config import MAX_TIMEOUT_S, generation_config_problem
 from tp_runtime.errors import ConfigError
 from tp_runtime.models_catalog import DEFAULT_MODEL, resolve_model_name
 
@@ -228,6 +228,16 @@ class EngineArgs:
     max_logprobs: int = field(
         default=20, metadata=meta(help="the most logprobs a request may ask for, per token", at_least=0)
     )
+    generation_config: str | os.PathLike[str] = field(
+        default="auto",
+        metadata=meta(
+            help="where requests' default sampling parameters come from, as vLLM's: auto, the model's "
+            "generation_config.json (its repetition_penalty, temperature, top_k, top_p, min_p and "
+            "max_new_tokens, for LLM.generate/chat without SamplingParams and for each server request "
+            "that leaves them out); vllm: none (SamplingParams' own defaults); or a folder whose "
+            "generation_config.json gives them (and the EOS ids)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         _validate({f.name: getattr(self, f.name) for f in fields(self)}, cli=False)
@@ -259,6 +269,7 @@ class EngineArgs:
         model_config = build_model_config(
             model, dtype=self.dtype, device=device, max_model_len=self.max_model_len,
             load_format=self.load_format, quantization=self.quantization,
+            generation_config=self.generation_config,
         )  # fmt: skip
         return EngineConfig(
             model=model_config,
@@ -452,6 +463,8 @@ def _problem(name: str, value: Any) -> str | None:
         return "must not be empty"
     if base in (int, float):
         return _bounds(value, meta)
+    if name == "generation_config":
+        return generation_config_problem(value)
     return None
 
 

@@ -155,6 +155,13 @@ class LLM:
         """The Hugging Face tokenizer the engine encodes prompts and decodes outputs with."""
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams, as vLLM's: SamplingParams
+        with the model's generation config's defaults (repetition_penalty, temperature, top_k, top_p, min_p,
+        max_new_tokens as max_tokens) where it sets them (LLM(generation_config=...) says which config;
+        "vllm": none), SamplingParams' own defaults for the rest."""
+        return SamplingParams(**self.config.model.generation_defaults.overrides())
+
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
             text.encode("utf-8")
@@ -199,6 +206,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """One RequestOutput per prompt. `sampling_params`: one for every prompt or one per prompt; None:
+        `get_default_sampling_params()` (the model's generation config's defaults, as in vLLM)."""
         with self._lock:
             return self._generate(prompts, sampling_params, use_tqdm)
 
@@ -217,7 +226,8 @@ class LLM:
         them, rendered with the tokenizer's chat template (or `chat_template`, a Jinja string) as vLLM's
         `LLM.chat` does; one RequestOutput per conversation, whose prompt is the rendered text.
         `chat_template_kwargs`: extra template variables (e.g. Qwen3's enable_thinking); `tools`: the
-        functions ({"type": "function", "function": {...}}) the template shows the model, as vLLM's."""
+        functions ({"type": "function", "function": {...}}) the template shows the model, as vLLM's.
+        `sampling_params` as `generate`'s (None: `get_default_sampling_params()`)."""
         variables = template_variables(chat_template_kwargs)
         tools_ok = isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)
         if tools is not None and not tools_ok:
@@ -279,7 +289,7 @@ class LLM:
             )
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if not isinstance(sampling_params, (SamplingParams, list, tuple)):
             raise InvalidRequestError(
                 "sampling_params must be a SamplingParams or a list of them, "

@@ -1,7 +1,8 @@
 """Default sampling parameters from the model's generation_config.json, as vLLM takes them
 (`generation_config="auto"`, its default): repetition_penalty, temperature, top_k, top_p, min_p and
 max_new_tokens (as max_tokens) are the defaults of `LLM.generate` / `LLM.chat` without SamplingParams
-(`LLM.get_default_sampling_params()`). `generation_config="vllm"` leaves them out; a folder gives its own
+(`LLM.get_default_sampling_params()`) and of every server request that leaves them out (a request's
+max_tokens at most the config's). `generation_config="vllm"` leaves them out; a folder gives its own
 generation_config.json. `do_sample` is ignored, as in vLLM; a value SamplingParams refuses is a ConfigError
 at start-up naming the file and the key.
 
@@ -11,6 +12,7 @@ penalty and 7 new tokens: HF transformers' `generate`, reading the same file, is
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -18,11 +20,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 import transformers
 from conftest import hf_greedy
 from test_cli_args import _cli, _one_error_line
+from test_server import InProcess, Server, start_server
+from test_streaming_engine import ScriptedExecutor, closed_form
 
 from tp_runtime import LLM, EngineArgs, SamplingParams
 from tp_runtime.config import GenerationDefaults, build_model_config
@@ -244,3 +249,127 @@ def test_command_line_errors_are_one_line(plain_dir: Path, tmp_path: Path) -> No
         _cli("generate", "--model", str(plain_dir), "--generation-config", str(tmp_path)),
         "temperature=-1 cannot be a default sampling parameter",
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- the server, in process
+class _Recording(InProcess):
+    """The app over a scripted engine, keeping the SamplingParams of every engine request."""
+
+    def __init__(self, config: Any, tokenizer: Any) -> None:
+        super().__init__(config, tokenizer, ScriptedExecutor(closed_form))
+        self.params: list[SamplingParams] = []
+        engine = self.engine.engine
+        add = engine.add_request
+
+        def recording(prompt_ids: list[int], params: SamplingParams, *args: Any, **kwargs: Any) -> int:
+            self.params.append(params)
+            return add(prompt_ids, params, *args, **kwargs)
+
+        engine.add_request = recording  # type: ignore[method-assign]
+
+    def run(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], SamplingParams]:
+        """POST `body`: the response, and the SamplingParams of its (one) engine request."""
+
+        async def post() -> httpx.Response:
+            async with self.client() as client:
+                return await client.post(path, json=body)
+
+        before = len(self.params)
+        response = asyncio.run(post())
+        assert response.status_code == 200, response.text
+        [params] = self.params[before:]
+        return response.json(), params
+
+
+def _option(params: SamplingParams) -> dict[str, Any]:
+    return {name: getattr(params, name) for name in
+            ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Any:
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+def test_server_requests_take_the_defaults_they_leave_out(model_dir: Path, tokenizer: Any) -> None:
+    config = build_model_config(model_dir, max_model_len=MAX_MODEL_LEN)
+    model = {"temperature": 0.0, "top_p": 0.9, "top_k": 20, "min_p": 0.0, "repetition_penalty": 1.3}
+    with _Recording(config, tokenizer) as served:
+        # Left out: the config's; max_tokens the smaller of the request's (completions: 16; chat: the
+        # rest of the context) and max_new_tokens.
+        body, params = served.run("/v1/completions", {"prompt": "Hello"})
+        assert _option(params) == {**model, "max_tokens": 7}
+        assert body["usage"]["completion_tokens"] == 7 and body["choices"][0]["finish_reason"] == "length"
+        _, params = served.run("/v1/chat/completions", {"messages": MESSAGES})
+        assert _option(params) == {**model, "max_tokens": 7}
+        _, params = served.run("/v1/completions", {"prompt": "Hello", "max_tokens": 50})
+        assert params.max_tokens == 7
+        _, params = served.run("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 60})
+        assert params.max_tokens == 7
+        # Given: the request's, field by field (null is left out).
+        mine = {"temperature": 0.5, "top_p": 1.0, "top_k": -1, "min_p": 0.1, "repetition_penalty": 1.0}
+        _, params = served.run("/v1/completions", {"prompt": "Hello", "max_tokens": 3, **mine})
+        assert _option(params) == {**mine, "max_tokens": 3}
+        _, params = served.run("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 5, "top_k": 4,
+                                                        "temperature": None})  # fmt: skip
+        assert _option(params) == {**model, "top_k": 4, "max_tokens": 5}
+        # The other options keep SamplingParams' defaults.
+        assert (params.presence_penalty, params.frequency_penalty, params.seed) == (0.0, 0.0, None)
+
+
+def test_server_with_generation_config_vllm_keeps_its_defaults(model_dir: Path, tokenizer: Any) -> None:
+    config = build_model_config(model_dir, max_model_len=MAX_MODEL_LEN, generation_config="vllm")
+    plain = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+    with _Recording(config, tokenizer) as served:
+        _, params = served.run("/v1/completions", {"prompt": "Hello"})
+        assert _option(params) == {**plain, "max_tokens": 16}
+        _, params = served.run("/v1/chat/completions", {"messages": MESSAGES})
+        prompt_len = len(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"])  # fmt: skip
+        assert _option(params) == {**plain, "max_tokens": MAX_MODEL_LEN - prompt_len}
+
+
+# ------------------------------------------------------------------------- the server, end to end
+@pytest.fixture(scope="module")
+def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    tmp = tmp_path_factory.mktemp("gencfg-servers")
+    started: dict[str, Server] = {}
+    try:
+        started["auto"] = start_server(model_dir, 1, tmp)
+        started["vllm"] = start_server(model_dir, 1, tmp, "--generation-config", "vllm")
+        yield started
+    finally:
+        for server in started.values():
+            assert server.stop() == 0, server.output()[-4000:]
+            assert "Traceback" not in server.output(), server.output()[-4000:]
+
+
+def _completion(server: Server, **body: Any) -> dict[str, Any]:
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPTS[0], **body}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0] | {"usage": response.json()["usage"]}
+
+
+def test_serve_says_once_which_defaults_it_took(servers: dict[str, Server], model_dir: Path) -> None:
+    line = (
+        f"tp-runtime serve: default sampling parameters from the model's generation config "
+        f"({model_dir / 'generation_config.json'}), as its creator recommends: repetition_penalty=1.3, "
+        "temperature=0.0, top_k=20, top_p=0.9, max_tokens=7; a request's own values win"
+    )
+    assert servers["auto"].output().count(line) == 1, servers["auto"].output()[-4000:]
+    assert "default sampling parameters" not in servers["vllm"].output()
+
+
+def test_serve_requests_follow_the_generation_config(servers: dict[str, Server], llm: LLM) -> None:
+    """A request that leaves the options out gets what LLM.generate without SamplingParams gives (the
+    config's greedy decoding, repetition penalty and 7 tokens); one that sets them gets its own."""
+    [default] = llm.generate(PROMPTS[0], use_tqdm=False)
+    choice = _completion(servers["auto"])
+    assert (choice["text"], choice["usage"]["completion_tokens"]) == (default.outputs[0].text, 7)
+    [mine] = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    choice = _completion(servers["auto"], max_tokens=5, temperature=0, repetition_penalty=1.0)
+    assert (choice["text"], choice["usage"]["completion_tokens"]) == (mine.outputs[0].text, 5)
+    # --generation-config vllm: the server's own defaults (16 tokens, no penalty).
+    [greedy] = llm.generate(PROMPTS[0], SamplingParams(temperature=0, ignore_eos=True), use_tqdm=False)
+    choice = _completion(servers["vllm"], temperature=0, ignore_eos=True)
+    assert (choice["text"], choice["usage"]["completion_tokens"]) == (greedy.outputs[0].text, 16)

@@ -35,8 +35,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import pydantic
@@ -171,6 +171,9 @@ class _Context:
     max_body_bytes: int
     tool_call_parser: str | None = None  # --tool-call-parser: reads tool_choice "auto"'s calls
     trust_request_chat_template: bool = False  # --trust-request-chat-template: a request's own template
+    # The model's default sampling parameters (SamplingParams options by name, from its generation config:
+    # GenerationDefaults.overrides()), for the options a request leaves out.
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     draining: bool = False
 
     def failure(self, exc: BaseException) -> APIError:
@@ -354,22 +357,24 @@ class _Context:
             raise bad_request(str(exc), exc.field) from None
 
     def max_tokens(self, requested: int | None, prompt_len: int, param: str, prompt_param: str) -> int:
-        """The output budget, with vLLM's messages for a request that does not fit the context."""
+        """The output budget, with vLLM's messages for a request that does not fit the context: the request's
+        (None: the rest of the context), at most the model's default max_tokens (its generation config's
+        max_new_tokens) where it has one, as vLLM's smallest of the two."""
         limit = self.max_model_len
         if prompt_len >= limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, your request has "
                 f"{prompt_len} input tokens. Please reduce the length of the input messages.", prompt_param,
             )  # fmt: skip
-        if requested is None:
-            return limit - prompt_len
-        if requested >= 1 and prompt_len + requested > limit:
+        if requested is not None and requested >= 1 and prompt_len + requested > limit:
             raise bad_request(
                 f"'{param}' is too large: {requested}. This model's maximum context length is {limit} tokens "
                 f"and your request has {prompt_len} input tokens ({requested} > {limit} - {prompt_len}).",
                 param,
             )
-        return requested
+        budget = limit - prompt_len if requested is None else requested
+        cap = self.sampling_defaults.get("max_tokens")
+        return budget if cap is None else min(budget, cap)
 
     def engine_requests(
         self, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None, param: str,
@@ -400,7 +405,7 @@ class _Context:
         names = {"max_tokens": param, "logprobs": logprobs_param}
         for k, ids in enumerate(prompts):
             budget = self.max_tokens(max_tokens, len(ids), param, prompt_param)
-            params = sampling_params(body, budget, logprobs, names, prompt_logprobs)
+            params = sampling_params(body, budget, logprobs, names, prompt_logprobs, self.sampling_defaults)
             if constraint is not None:
                 params = replace(params, structured_outputs=constraint)
             if params.structured_outputs is not None:
@@ -780,6 +785,7 @@ def build_app(
         api_key=api_key, metrics=ServerMetrics(model_name, lambda: engine.stats),
         max_body_bytes=max_body_bytes or default_max_body_bytes(max_model_len),
         tool_call_parser=tool_call_parser, trust_request_chat_template=trust_request_chat_template,
+        sampling_defaults=engine.engine.config.model.generation_defaults.overrides(),
     )  # fmt: skip
 
     @contextlib.asynccontextmanager

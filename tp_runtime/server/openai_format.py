@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,14 +143,19 @@ def text_content(content: Any, index: int) -> str:
 
 def sampling_params(
     body: SamplingFields, max_tokens: int, logprobs: int | None, names: dict[str, str] | None = None,
-    prompt_logprobs: int | None = None,
+    prompt_logprobs: int | None = None, defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:  # fmt: skip
-    """The request's options; one left out (None) takes the engine's default. `names`: the request's own
-    name of an option that SamplingParams names otherwise (chat's top_logprobs, max_completion_tokens),
-    for the error message and its param."""
+    """The request's options; one left out (None) takes the model's default in `defaults` (SamplingParams
+    options by name: the generation config's, GenerationDefaults.overrides()), else SamplingParams' own,
+    as vLLM's order is: the request, the server's default, OpenAI's. `max_tokens`: the budget, already
+    decided (see `_Context.max_tokens`). `names`: the request's own name of an option that SamplingParams
+    names otherwise (chat's top_logprobs, max_completion_tokens), for the error message and its param."""
+    model_defaults = defaults or {}
 
-    def given(value: Any, default: Any) -> Any:
-        return default if value is None else value
+    def given(value: Any, default: Any, name: str | None = None) -> Any:
+        if value is not None:
+            return value
+        return model_defaults.get(name, default) if name is not None else default
 
     try:
         structured = body.structured()
@@ -168,10 +173,10 @@ def sampling_params(
             n=body.n,
             max_tokens=max_tokens,
             min_tokens=body.min_tokens,
-            temperature=given(body.temperature, 1.0),
-            top_p=given(body.top_p, 1.0),
-            top_k=given(body.top_k, -1),
-            min_p=given(body.min_p, 0.0),
+            temperature=given(body.temperature, 1.0, "temperature"),
+            top_p=given(body.top_p, 1.0, "top_p"),
+            top_k=given(body.top_k, -1, "top_k"),
+            min_p=given(body.min_p, 0.0, "min_p"),
             seed=body.seed,
             stop=body.stop or None,
             stop_token_ids=body.stop_token_ids,
@@ -181,7 +186,7 @@ def sampling_params(
             prompt_logprobs=prompt_logprobs,
             presence_penalty=given(body.presence_penalty, 0.0),
             frequency_penalty=given(body.frequency_penalty, 0.0),
-            repetition_penalty=given(body.repetition_penalty, 1.0),
+            repetition_penalty=given(body.repetition_penalty, 1.0, "repetition_penalty"),
             logit_bias=bias,
             allowed_token_ids=list(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
         )

@@ -184,6 +184,15 @@ def _serve(args: argparse.Namespace, sock: socket.socket, signals: _Signals) -> 
         if args.chat_template is not None:  # check_serve read and parsed it
             tokenizer.chat_template = args.chat_template
         model_name = args.served_model_name or _model_name(args.model)
+        defaults = config.model.generation_defaults
+        if defaults.overrides():  # once, at start, as vLLM says it
+            print(
+                f"tp-runtime serve: default sampling parameters from the model's generation config "
+                f"({defaults.source}), as its creator recommends: {defaults.describe()}; a request's own "
+                "values win (its max_tokens at most this max_tokens); --generation-config vllm leaves them "
+                "out",
+                flush=True,
+            )  # fmt: skip
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         if api_key is None and not ipaddress.ip_address(host).is_loopback:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import assert_same_tokens, count_checkpoint_reads, hf_greedy, random_prompts
+from conftest import GEMMA3, assert_same_tokens, count_checkpoint_reads, hf_greedy, random_prompts
 from safetensors.torch import load_file, save_file
 
 from tp_runtime import LLM, SamplingParams, loader
@@ -152,6 +152,7 @@ CASES = {
     "llama-fp8-block-tp2": ("LlamaForCausalLM", "fp8", "block", 2),
     "qwen3-ct-block": ("Qwen3ForCausalLM", "compressed-tensors", "block", 1),
     "llama-fp8-tensor": ("LlamaForCausalLM", "fp8", "tensor", 1),
+    "gemma3-ct-channel-tp2": ("Gemma3ForCausalLM", "compressed-tensors", "channel", 2),
 }
 
 
@@ -160,7 +161,7 @@ def test_fp8_checkpoint_matches_hf_on_dequantized_weights(
     case: str, make_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     arch, fmt, scheme, tp = CASES[case]
-    extra = {"head_dim": 32} if arch == "Qwen3ForCausalLM" else {}
+    extra = {"Qwen3ForCausalLM": {"head_dim": 32}, "Gemma3ForCausalLM": GEMMA3}.get(arch, {})
     src = make_checkpoint(arch, seed=3, **extra)
     out = write_fp8(src, tmp_path_factory.mktemp(case), fmt, scheme)
     prompts = random_prompts((5, 17, 33), 300, seed=11)

@@ -53,6 +53,7 @@ ARCH_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
     "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
     "Gemma2ForCausalLM": transformers.Gemma2Config,
     "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+    "Phi3ForCausalLM": transformers.Phi3Config,
 }
 
 BASE_CONFIG: dict[str, Any] = dict(

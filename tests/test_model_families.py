@@ -106,6 +106,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Gemma 3 (conftest.GEMMA3), its q/k norms randomised by with_random_norms.
     "gemma3": ("Gemma3ForCausalLM", GEMMA3),
+    # Phi-3: fused qkv_proj and gate_up_proj tensors in the checkpoint; a window on every layer.
+    "phi3": ("Phi3ForCausalLM", {"sliding_window": 8}),
 }
 # Expert projection names (gate, up, down) and the feed-forward's checkpoint name, per architecture.
 EXPERT_NAMES = {
@@ -232,6 +234,8 @@ CASES = [
     ("gemma2-global", 1),
     ("gemma3", 1),
     ("gemma3", 2),
+    ("phi3", 1),
+    ("phi3", 2),
 ]
 
 
@@ -670,6 +674,46 @@ def test_each_rank_holds_its_slice(
             assert torch.equal(param.data, _expected(hf, name, arch, cfg, tp, rank)), f"rank {rank}: {name}"
         # Norms, routers and replicated KV heads are read in full; everything else only this rank's part.
         assert sum(read) < full_elements / tp * 1.35, (rank, sum(read), full_elements)
+
+
+def test_phi3_fused_tensors_give_each_rank_its_rows(
+    family_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Phi-3's fused qkv_proj and gate_up_proj: each rank holds its heads' rows of each part (q, k, v;
+    gate, up) and reads little more than its share. A fused tensor whose rows do not add up to the
+    config's parts, and a partial rotary factor, are ConfigErrors."""
+    model_dir = family_dir("phi3")
+    cfg = build_model_config(model_dir, dtype="float32", device="cpu")
+    hf = load_file(str(model_dir / "model.safetensors"))
+    full_elements = sum(t.numel() for t in hf.values())
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    read = count_checkpoint_reads(monkeypatch)
+    for rank in range(2):
+        read.clear()
+        model = model_class("Phi3ForCausalLM")(cfg, TPGroup(rank, 2), torch.float32, torch.device("cpu"))
+        loader.load_weights(model, str(model_dir), torch.float32)
+        for i, layer in enumerate(model.model.layers):  # type: ignore[attr-defined]
+            qkv = hf[f"model.layers.{i}.self_attn.qkv_proj.weight"]
+            parts = qkv.split([q, kv, kv])
+            want = torch.cat([part.chunk(2)[rank] for part in parts])
+            assert torch.equal(layer.self_attn.qkv_proj.weight, want), (rank, i)
+            gate, up = hf[f"model.layers.{i}.mlp.gate_up_proj.weight"].split([inter, inter])
+            want = torch.cat([gate.chunk(2)[rank], up.chunk(2)[rank]])
+            assert torch.equal(layer.mlp.gate_up_proj.weight, want), (rank, i)
+        assert sum(read) < full_elements / 2 * 1.35, (rank, sum(read), full_elements)
+    cut = tmp_path / "cut"
+    shutil.copytree(model_dir, cut)
+    hf["model.layers.0.self_attn.qkv_proj.weight"] = hf["model.layers.0.self_attn.qkv_proj.weight"][:-4]
+    save_file(hf, str(cut / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"qkv_proj\.weight' has shape .* gives \d+ rows"):
+        make_llm(cut, 1)
+    partial = tmp_path / "partial"
+    shutil.copytree(model_dir, partial)
+    config = json.loads((partial / "config.json").read_text())
+    config["rope_parameters"] = {**config.get("rope_parameters", {}), "partial_rotary_factor": 0.5}
+    (partial / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"partial_rotary_factor=0\.5"):
+        make_llm(partial, 1)
 
 
 def test_checkpoint_missing_an_expert_is_config_error(

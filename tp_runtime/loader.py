@@ -17,7 +17,7 @@ import os
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
@@ -310,6 +310,45 @@ def _indexed_files(model_dir: str, index_name: str, weight_map: dict[str, str]) 
     return sorted({str(Path(model_dir) / f) for f in weight_map.values()})
 
 
+class RowSlice:
+    """Rows [start, start + length) of a checkpoint tensor, read as a tensor of its own (a part of a fused
+    tensor, CausalLM.fused_checkpoint_parts)."""
+
+    def __init__(self, source: CheckpointTensor, name: str, start: int, length: int) -> None:
+        self._source = source
+        self.name = name
+        self._start = start
+        self.shape: tuple[int, ...] = (length, *source.shape[1:])
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self._source.narrow(0, self._start + start, length)
+        return self.full().narrow(dim, start, length)
+
+    def full(self) -> torch.Tensor:
+        return self._source.narrow(0, self._start, self.shape[0])
+
+
+def _split_fused(model: CausalLM, path: str, name: str, tensor: CheckpointTensor) -> list[tuple[str, Any]]:
+    """(name, source) for each tensor the model takes from checkpoint tensor `name`: its parts where it
+    fuses several (CausalLM.fused_checkpoint_parts), else itself."""
+    parts = model.fused_checkpoint_parts(name)
+    if not parts:
+        return [(name, tensor)]
+    rows = sum(length for _, length in parts)
+    if not tensor.shape or tensor.shape[0] != rows:
+        raise ConfigError(
+            f"{os.path.basename(path)}: tensor {name!r} has shape {list(tensor.shape)} but the model's "
+            f"config.json gives {rows} rows ({' + '.join(str(n) for _, n in parts)}); the config does not "
+            "match the weights"
+        )
+    split, start = [], 0
+    for part, length in parts:
+        split.append((part, RowSlice(tensor, part, start, length)))
+        start += length
+    return split
+
+
 def safetensors_files(model_dir: str) -> list[str]:
     """The weight files transformers reads: the index's (in its order, the later file's tensor winning
     where two hold one), else model.safetensors, else every *.safetensors."""
@@ -442,21 +481,22 @@ def load_weights(
                     continue
                 if _load_kv_scale(model, name, CheckpointTensor(handle, name, None)):
                     continue
-                try:
-                    targets = list(model.checkpoint_targets(name))
-                except KeyError:
-                    raise ConfigError(f"{os.path.basename(path)} holds unexpected tensor {name!r}") from None
-                tensor = CheckpointTensor(handle, name, dtype)
-                # Each rank reads only its slice, so a tensor of the wrong size could load part of itself.
-                if name in expected and tensor.shape != tuple(expected[name]):
-                    raise ConfigError(
-                        f"{os.path.basename(path)}: tensor {name!r} has shape {list(tensor.shape)} but the "
-                        f"model's config.json gives {list(expected[name])}; the config does not match the "
-                        "weights"
-                    )
-                for param, shard_id in targets:
-                    param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
-                missing.pop(name, None)
+                for part, tensor in _split_fused(model, path, name, CheckpointTensor(handle, name, dtype)):
+                    try:
+                        targets = list(model.checkpoint_targets(part))
+                    except KeyError:
+                        unexpected = f"{os.path.basename(path)} holds unexpected tensor {name!r}"
+                        raise ConfigError(unexpected) from None
+                    # Each rank reads only its slice, so a tensor of the wrong size could load part of itself.
+                    if part in expected and tensor.shape != tuple(expected[part]):
+                        raise ConfigError(
+                            f"{os.path.basename(path)}: tensor {name!r} has shape {list(tensor.shape)} but "
+                            f"the model's config.json gives {list(expected[part])}; the config does not "
+                            "match the weights"
+                        )
+                    for param, shard_id in targets:
+                        param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+                    missing.pop(part, None)
     for name, path in tied_found.items():
         _load_tied(model, name, tied[name], path, dtype, expected, missing)
     if missing:

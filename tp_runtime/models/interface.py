@@ -78,6 +78,11 @@ class CausalLM(Protocol):
         """The parameter(s) a checkpoint tensor feeds, with shard indices; KeyError for an unknown name."""
         ...
 
+    def fused_checkpoint_parts(self, name: str) -> tuple[tuple[str, int], ...]:
+        """Where checkpoint tensor `name` stacks several of checkpoint_shapes' tensors along dim 0 (Phi-3's
+        qkv_proj and gate_up_proj): each part's name and rows, in order; () for any other tensor."""
+        ...
+
     def tied_checkpoint_names(self) -> dict[str, str]:
         """Checkpoint names whose tensor, when the checkpoint holds it, must equal another's that fills the
         same parameter (a tied LM head: {"lm_head.weight": "model.embed_tokens.weight"}); {} if none."""

@@ -14,6 +14,7 @@ from tp_runtime.models.gemma3 import Gemma3ForCausalLM, gemma3_config
 from tp_runtime.models.interface import CausalLMFactory, ConfigAdapter
 from tp_runtime.models.llama import LlamaForCausalLM, llama_config, mistral_config, qwen2_config
 from tp_runtime.models.mixtral import MixtralForCausalLM, mixtral_config
+from tp_runtime.models.phi3 import Phi3ForCausalLM, phi3_config
 from tp_runtime.models.qwen3 import Qwen3ForCausalLM, qwen3_config
 from tp_runtime.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_config
 
@@ -34,6 +35,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, qwen3_moe_config),
     "Gemma2ForCausalLM": Architecture(Gemma2ForCausalLM, gemma2_config),
     "Gemma3ForCausalLM": Architecture(Gemma3ForCausalLM, gemma3_config),
+    "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, phi3_config),
 }
 
 

@@ -1,5 +1,5 @@
-"""Greedy tokens of the non-Llama families (Qwen3, Mixtral, Qwen3-MoE, Gemma 2) at several TP sizes, against
-each other and against HF transformers, on small random checkpoints built here.
+"""Greedy tokens of the non-Llama families (Qwen3, Mixtral, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3) at several
+TP sizes, against each other and against HF transformers, on small random checkpoints built here.
 
     python scripts/check_families.py --device cuda --tp-sizes 1 2 --output-json families.json
 
@@ -84,7 +84,27 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": True,
         },
     ),
+    # Gemma 3: Gemma 2's layout with per-head q/k norms, three windowed layers (16 tokens, local rope of
+    # theta 10^4) to one global (linearly scaled rope of theta 10^6), no soft-caps.
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+            "tie_word_embeddings": True,
+        },
+    ),
+    # Phi-3: fused qkv_proj / gate_up_proj checkpoint tensors, a 32-token window on every layer.
+    "phi3": ("Phi3ForCausalLM", {"sliding_window": 32}),
 }
+# transformers' config class of an architecture, where it is not <Name>Config.
+CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 
 PROMPT_LENGTHS = (5, 12, 23, 40, 61)  # all but the first two are longer than Gemma 2's window
 PROMPT_SEED = 1234
@@ -95,6 +115,7 @@ WEIGHT_GAIN = 1.5  # weights ~ N(0, (gain / sqrt(fan_in))^2); norm weights + N(0
 # larger sublayer outputs (post-norms) and a larger final norm (peaked logits) give varied continuations.
 INIT_OVERRIDES: dict[str, dict[str, float]] = {
     "gemma2": {"embed_gain": 0.2, "post_norm_offset": 3.0, "final_norm_offset": 8.0},
+    "gemma3": {"embed_gain": 0.2, "post_norm_offset": 3.0, "final_norm_offset": 8.0},
 }
 
 
@@ -105,7 +126,7 @@ def build_checkpoint(root: Path, family: str) -> Path:
 
     arch, overrides = FAMILIES[family]
     kwargs = {**COMMON, **overrides}
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, CONFIG_CLASSES.get(arch, arch.replace("ForCausalLM", "Config")))
     config = config_cls(architectures=[arch], **kwargs)
     torch.manual_seed(WEIGHT_SEED)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

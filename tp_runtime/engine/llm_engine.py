@@ -30,6 +30,65 @@ from tp_runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from tp_runtime.sampling_params import SamplingParams
 
 
+def _common_prefix(a: str, b: str) -> int:
+    """The number of leading characters `a` and `b` share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    same = 0
+    while a[same] == b[same]:
+        same += 1
+    return same
+
+
+def byte_run_probe(tokenizer: Any, decode: Callable[[list[int]], str]) -> int | None:
+    """The token IncrementalDetokenizer puts after a text to learn whether a later byte token could still
+    rewrite it, for a decoder that does: SentencePiece-style byte fallback (Llama 2, Mistral: byte tokens
+    `<0xE4>`; tokenizers' ByteFallback decoder) decodes a run of consecutive byte tokens that is not valid
+    UTF-8 as one U+FFFD per byte, so the text of a run ("中" from <0xE4><0xB8><0xAD>) may change until a
+    token that is not a byte ends the run. The probe is a byte token that can never be part of a character
+    (0xFF, else the highest non-ASCII one the vocabulary has: each makes a valid run invalid). None where
+    the vocabulary has no byte tokens, or where its decoder keeps the text before such a byte (byte-level
+    BPE and SentencePiece's own decoder make only the invalid bytes U+FFFD: only an unfinished last
+    character can change, which the detokenizer's U+FFFD rule covers)."""
+    if tokenizer is None or not hasattr(tokenizer, "convert_tokens_to_ids"):
+        return None
+
+    def byte_token(byte: int) -> int | None:
+        piece = f"<0x{byte:02X}>"
+        token = tokenizer.convert_tokens_to_ids(piece)
+        if not isinstance(token, int) or tokenizer.convert_ids_to_tokens(token) != piece:
+            return None  # not in the vocabulary (the unknown token's id comes back)
+        return token
+
+    probe = None
+    for byte in range(0xFF, 0x7F, -1):
+        token = byte_token(byte)
+        if token is not None and decode([token]) == "\ufffd":
+            probe = token
+            break
+    if probe is None:
+        return None
+    for byte in range(0x21, 0x7F):  # a printable ASCII byte token: does the probe rewrite its text?
+        token = byte_token(byte)
+        if token is not None and decode([token]) == chr(byte):
+            return None if decode([token, probe]) == chr(byte) + "\ufffd" else probe
+    return probe  # no way to tell: probing costs a decode, never correctness
+
+
+def text_is_final(
+    decode: Callable[[list[int]], str], tokens: list[int], text: str, probe: int | None
+) -> bool:
+    """Whether `text`, the decode of `tokens`, stays the start of the decode whatever tokens follow: it
+    does not end in U+FFFD (its last bytes may begin a character that later bytes complete) and, for a
+    decoder that rewrites byte runs (`probe`, byte_run_probe), the probe byte after it adds its U+FFFD and
+    nothing else (not where it joins a run of bytes before it, also one whose text is empty: a space
+    byte that the decoder strips at the start)."""
+    if text.endswith("\ufffd"):
+        return False
+    return probe is None or decode([*tokens, probe]) == text + "\ufffd"
+
+
 class IncrementalDetokenizer:
     """The text of a growing list of token ids, a piece at a time (vLLM's incremental detokenization).
 
@@ -37,22 +96,34 @@ class IncrementalDetokenizer:
     SentencePiece decoder drops the leading space of a text's first word, so the output decoded alone
     would lose the space its first token begins with (vLLM and transformers' text-generation pipeline keep
     it). Each call decodes the tokens from the start of the previous piece on, so the decoder sees the same
-    context as in the whole text, and keeps what that window adds past the previous piece. A window whose
-    text ends in U+FFFD is held back: its last bytes may begin a character that the next token completes
-    (byte-level BPE splits multi-byte characters). So `text` is always a prefix of the output's text that
-    later tokens cannot change; only the held-back tail is missing, which the caller takes from a full
-    decode at the end (`output_text`).
+    context as in the whole text, and keeps what that window adds past the previous piece.
+
+    `text` only ever grows by text that no later token can change (text_is_final): a window whose text
+    ends in U+FFFD is held back (its last bytes may begin a character the next token completes: byte-level
+    BPE splits multi-byte characters), and with a byte-run `probe` (byte_run_probe) so is one that a later
+    byte token would rewrite (a byte-fallback run of bytes until a token that is not a byte ends it). So
+    `text` is always a prefix of the output's text; only the held-back tail is missing, which the caller
+    takes from a full decode at the end (`output_text`).
+
+    `pending` is the held-back tail as it decoded at the last step whose window did not end in U+FFFD
+    (then "" once `text` takes it): `text + pending` is the text as vLLM's detokenizer makes it, which stop
+    strings are looked for in (a stop string that byte tokens complete is found at the token that
+    completes it, although those bytes' text may still change).
     """
 
-    __slots__ = ("_context", "_decode", "_prefix_offset", "_read_offset", "text")
+    __slots__ = ("_context", "_decode", "_prefix_offset", "_probe", "_read_offset", "pending", "text")
 
-    def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int] = ()) -> None:
+    def __init__(
+        self, decode: Callable[[list[int]], str], context: Sequence[int] = (), probe: int | None = None
+    ) -> None:
         self._decode = decode
         self._context = list(context)
+        self._probe = probe
         # Offsets into context + ids.
         self._prefix_offset = 0  # start of the previous piece's tokens
         self._read_offset = len(self._context)  # tokens already in `text`
         self.text = ""
+        self.pending = ""
 
     def _tokens(self, ids: list[int], start: int, end: int | None = None) -> list[int]:
         """(context + ids)[start:end], without building the whole list."""
@@ -60,49 +131,80 @@ class IncrementalDetokenizer:
         head = self._context[start:end] if start < skip else []
         return head + ids[max(0, start - skip) : None if end is None else max(0, end - skip)]
 
-    def step(self, ids: list[int]) -> str:
-        """Advance to the output `ids` (the previous ones plus new tokens); returns the text they add."""
+    def step(self, ids: list[int]) -> int | None:
+        """Advance to the output `ids` (the previous ones plus new tokens). Returns None when the text
+        `text + pending` is as before (the new tokens end inside a character), else how many of its
+        leading characters this step left as they were (those past them are new or rewritten)."""
         if len(self._context) + len(ids) <= self._read_offset:
-            return ""
+            return None
         start, read = self._prefix_offset, self._read_offset
-        prefix = self._decode(self._tokens(ids, start, read)) if read > start else ""
-        window = self._decode(self._tokens(ids, start))
+        tokens = self._tokens(ids, start)
+        prefix = self._decode(tokens[: read - start]) if read > start else ""
+        window = self._decode(tokens)
         if len(window) <= len(prefix) or window.endswith("\ufffd"):
-            return ""
+            return None
         piece = window[len(prefix) :]
-        self._prefix_offset, self._read_offset = read, len(self._context) + len(ids)
-        self.text += piece
-        return piece
+        unchanged = len(self.text) + _common_prefix(self.pending, piece)
+        if text_is_final(self._decode, tokens, window, self._probe):
+            self._prefix_offset, self._read_offset = read, len(self._context) + len(ids)
+            self.text += piece
+            self.pending = ""
+        else:
+            self.pending = piece
+        return unchanged
+
+    def unchanged(self, later: str) -> int:
+        """How many leading characters of `text + pending` stay in `later`, a later decode of the output
+        (which begins with `text`)."""
+        done = len(self.text)
+        return done + _common_prefix(self.pending, later[done : done + len(self.pending)])
 
     def held_chars_kept(self, ids: list[int], next_id: int) -> int:
-        """Of the text held back after `ids` (waiting on a character its tokens began), the characters
-        that stay as they are with `next_id` after them: those before the character next_id completes or
-        still leaves unfinished (bytes that can no longer make a character stay U+FFFD)."""
+        """Of the text held back after `ids` (past `text`), the characters that stay as they are with
+        `next_id` after them, as far as is known then: not those of a character next_id completes or
+        still leaves unfinished (bytes that can no longer make a character stay U+FFFD), nor, with a
+        byte-run probe, those of a run of byte tokens that next_id continues (its text may still change)."""
         start, read = self._prefix_offset, self._read_offset
         if len(self._context) + len(ids) <= read:
             return 0
-        after = self._decode([*self._tokens(ids, start), next_id])
-        if after.endswith("\ufffd"):
-            after = after[:-1]  # the last character alone may still be completed by later bytes
-        prefix = self._decode(self._tokens(ids, start, read)) if read > start else ""
-        before = self._decode(self._tokens(ids, start))
-        same = 0
-        while same < min(len(before), len(after)) and before[same] == after[same]:
-            same += 1
-        return max(0, same - len(prefix))
+        tokens = self._tokens(ids, start)
+        prefix = self._decode(tokens[: read - start]) if read > start else ""
+        before = self._decode(tokens)
+        after = self._final_part([*tokens, next_id], read - start, prefix)
+        return max(0, _common_prefix(before, after) - len(prefix))
+
+    def _final_part(self, tokens: list[int], known: int, known_text: str) -> str:
+        """The start of the decode of `tokens` that no later token changes, as far as can be told;
+        tokens[:known] decode to `known_text`, which is final."""
+        text = self._decode(tokens)
+        if self._probe is None:
+            # Only an unfinished last character can change; bytes that can no longer make one stay.
+            return text[:-1] if text.endswith("\ufffd") else text
+        for end in range(len(tokens), known, -1):
+            part = text if end == len(tokens) else self._decode(tokens[:end])
+            if text_is_final(self._decode, tokens[:end], part, self._probe):
+                return part
+        return known_text
 
 
 # The prompt tokens an output's text is decoded after (IncrementalDetokenizer): vLLM's number.
 DECODE_CONTEXT_TOKENS = 5
+# How far back from the prompt's end decode_context looks for them, past tokens whose text may change.
+DECODE_CONTEXT_SEARCH = 64
 
 
-def decode_context(decode: Callable[[list[int]], str], prompt: Sequence[int]) -> list[int]:
-    """The prompt tokens an output is decoded after: its last DECODE_CONTEXT_TOKENS, less any at the end
-    that begin a character the output would complete (their text, U+FFFD, would change under the output)."""
-    context = list(prompt[-DECODE_CONTEXT_TOKENS:])
-    while context and decode(context).endswith("\ufffd"):
-        context.pop()
-    return context
+def decode_context(
+    decode: Callable[[list[int]], str], prompt: Sequence[int], probe: int | None = None
+) -> list[int]:
+    """The prompt tokens an output is decoded after: the last DECODE_CONTEXT_TOKENS before any at the end
+    whose text the output could change (text_is_final: a character they begin, U+FFFD now; with a
+    byte-run probe, a run of byte tokens the output could continue, whose characters the decoder turns
+    into U+FFFDs if the output's bytes spoil it). None when no such place is near the end."""
+    for end in range(len(prompt), max(0, len(prompt) - DECODE_CONTEXT_SEARCH), -1):
+        context = list(prompt[max(0, end - DECODE_CONTEXT_TOKENS) : end])
+        if text_is_final(decode, context, decode(context), probe):
+            return context
+    return []
 
 
 def output_text(decode: Callable[[list[int]], str], context: list[int], ids: list[int]) -> str:
@@ -207,6 +309,7 @@ class LLMEngine:
             self.eos_token_ids.add(tokenizer_eos)
         self._next_req_id = 0
         self._decode = _make_decode(tokenizer)
+        self._probe = byte_run_probe(tokenizer, self._decode)
         self._text_states: dict[int, _TextState] = {}
         self.num_output_tokens = 0  # generated so far, over the engine's life (progress bars read it)
         # Per-step timings (seconds) of the driver's own phases, when enabled (benchmarks).
@@ -311,7 +414,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * (len(prompt_ids) - 1)
         request.stop_ids = frozenset(stop_ids)
-        request.decode_context = decode_context(self._decode, prompt_ids)
+        request.decode_context = decode_context(self._decode, prompt_ids, self._probe)
         if params.structured_outputs is not None:
             request.grammar = self.grammars.matcher(grammar)
             self._constrained.add(req_id)
@@ -319,7 +422,7 @@ class LLMEngine:
         if stream or params.stop_strings:
             stops = params.stop_strings
             self._text_states[req_id] = _TextState(
-                IncrementalDetokenizer(self._decode, request.decode_context),
+                IncrementalDetokenizer(self._decode, request.decode_context, self._probe),
                 stream=stream,
                 stop_strings=stops,
                 hold=max(map(len, stops)) - 1 if stops else 0,
@@ -625,41 +728,43 @@ class LLMEngine:
         state = self._text_states.get(req.req_id)
         if state is None or not state.stop_strings:
             state = None
-        # Stop strings are searched in the text past what earlier steps searched (the incremental text).
-        searched = state.detok.text if state is not None else ""
         if token in req.stop_ids and searching:
             # A stop string that the incremental text held back (its last token also begins a character)
             # came first: the stop token's text is not part of the output either way.
-            text = output_text(self._decode, req.decode_context, ids[:-1]) if state is not None else ""
-            if state is not None and self._find_stop_string(req, state, text, searched):
-                return "stop"
+            if state is not None:
+                text = output_text(self._decode, req.decode_context, ids[:-1])
+                if self._find_stop_string(req, state, text, state.detok.unchanged(text)):
+                    return "stop"
             if params.stop_token_ids and token in params.stop_token_ids:
                 req.stop_reason = token
             return "stop"
-        if state is not None and state.detok.step(ids) and searching:
-            if self._find_stop_string(req, state, state.detok.text, searched):
+        # Stop strings are searched in the incremental text (text + pending) where earlier steps left it
+        # as it is, past what they searched.
+        unchanged = state.detok.step(ids) if state is not None else None
+        if state is not None and unchanged is not None and searching:
+            detok = state.detok
+            text = detok.text + detok.pending if detok.pending else detok.text
+            if self._find_stop_string(req, state, text, unchanged):
                 return "stop"
-            searched = state.detok.text
         if num_out >= req.max_tokens or num_known >= self.config.model.max_model_len:
             # The text the detokenizer still holds back is final now: it may complete a stop string.
             if state is not None and searching:
                 text = output_text(self._decode, req.decode_context, ids)
-                stopped = self._find_stop_string(req, state, text, searched)
-                if stopped:
+                if self._find_stop_string(req, state, text, state.detok.unchanged(text)):
                     return "stop"
             return "length"
         return None
 
-    def _find_stop_string(self, req: Request, state: _TextState, text: str, searched: str) -> bool:
-        """Look for the request's stop strings in `text` (a prefix of the output's text, or all of it) where
-        they may end past `searched`, the text earlier steps searched. On a match set the request's stop
-        reason and final text. The earliest match wins (the text before it holds no stop string), the first
-        listed on a tie. A match ending within `searched` was looked for already (or, within the first
-        min_tokens tokens' text, is not one)."""
+    def _find_stop_string(self, req: Request, state: _TextState, text: str, searched: int) -> bool:
+        """Look for the request's stop strings in `text` (the output's text so far, or all of it) where
+        they may end past its first `searched` characters, which earlier steps searched. On a match set the
+        request's stop reason and final text. The earliest match wins (the text before it holds no stop
+        string), the first listed on a tie. A match ending within the searched text was looked for already
+        (or, within the first min_tokens tokens' text, is not one)."""
         stops = state.stop_strings
         found = []
         for i, stop in enumerate(stops):
-            idx = text.find(stop, max(0, len(searched) + 1 - len(stop)))
+            idx = text.find(stop, max(0, searched + 1 - len(stop)))
             if idx >= 0:
                 found.append((idx, i))
         if not found:

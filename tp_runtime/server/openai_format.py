@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from tp_runtime.engine.async_engine import describe_failure
 from tp_runtime.engine.llm import chat_content_text
-from tp_runtime.engine.llm_engine import IncrementalDetokenizer, decode_context
+from tp_runtime.engine.llm_engine import IncrementalDetokenizer, byte_run_probe, decode_context
 from tp_runtime.errors import InvalidRequestError, TPRuntimeError
 from tp_runtime.outputs import CompletionOutput, Logprob
 from tp_runtime.sampling_params import SamplingParams
@@ -281,12 +281,15 @@ class TextOffsets:
         def decode(ids: list[int]) -> str:
             return str(tokenizer.decode(ids, skip_special_tokens=skip))
 
-        self._detok = IncrementalDetokenizer(decode, decode_context(decode, prompt))
+        probe = byte_run_probe(tokenizer, decode)
+        self._detok = IncrementalDetokenizer(decode, decode_context(decode, prompt, probe), probe)
         self._ids: list[int] = []
 
     def next(self, token_id: int) -> int:
-        # Complete characters only: a split one counts once complete. Held-back text that this token does
-        # not complete (bytes that never make a character, U+FFFD in the text) counts as it stands.
+        # Complete characters only: a split one counts once complete, a byte-fallback run of byte tokens
+        # once a token that is not a byte ends it (until then a byte may turn its text into U+FFFDs).
+        # Held-back text that this token does not complete (bytes that never make a character, U+FFFD in
+        # the text) counts as it stands.
         offset = len(self._detok.text) + self._detok.held_chars_kept(self._ids, token_id)
         self._ids.append(token_id)
         self._detok.step(self._ids)

@@ -32,7 +32,7 @@ from tp_runtime import LLM, SamplingParams
 from tp_runtime.config import build_model_config
 from tp_runtime.engine.llm_engine import (
     IncrementalDetokenizer,
-    byte_run_probe,
+    TextFinality,
     decode_context,
     output_text,
 )
@@ -72,19 +72,21 @@ def byte_fallback_tokenizer() -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-def wordpiece_tokenizer() -> Any:
-    """BERT-style: WordPiece with ## continuations and the decoder's own cleanup (" ." to ".")."""
+def wordpiece_tokenizer(clean_up_tokenization_spaces: bool = False) -> Any:
+    """BERT-style: WordPiece with ## continuations and the decoder's own cleanup of each token (" ." to
+    "."); with clean_up_tokenization_spaces, transformers' too, on the whole text ("don ' t" to "don't")."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     pieces = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "the", "cat", "##s", "don", "'", "t", "##'", "##t", "n",
-              ".", ",", "?", "a", "é", "中", "##中", "x", "##x", "stop"]  # fmt: skip
+              ".", ",", "?", "!", "a", "é", "中", "##中", "x", "##x", "stop", "s", "m", "ve", "re",
+              "##n"]  # fmt: skip
     tok = Tokenizer(models.WordPiece(vocab={p: i for i, p in enumerate(pieces)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]",
-        clean_up_tokenization_spaces=False,
+        clean_up_tokenization_spaces=clean_up_tokenization_spaces,
     )  # fmt: skip
 
 
@@ -102,7 +104,7 @@ def sentencepiece_processor() -> Any:
 
 
 class SentencePieceTokenizer:
-    """What byte_run_probe looks up, over a SentencePieceProcessor."""
+    """What TextFinality.of looks up, over a SentencePieceProcessor."""
 
     def __init__(self, sp: Any) -> None:
         self.sp = sp
@@ -122,7 +124,7 @@ class Family:
                  size: int) -> None:  # fmt: skip
         self.name, self.tokenizer, self.decode, self.byte = name, tokenizer, decode, byte
         self.words, self.specials, self.size = words, specials, size
-        self.probe = byte_run_probe(tokenizer, decode)
+        self.finality = TextFinality.of(tokenizer, decode)
 
     def bytes_of(self, data: bytes) -> list[int]:
         assert self.byte is not None
@@ -171,6 +173,7 @@ def families() -> Iterator[Family]:
         yield hf_family(f"byte-fallback-skip{skip}", bf, skip, lambda b: 3 + b)
         yield hf_family(f"byte-level-skip{skip}", bl, skip, lambda b: 3 + b)
         yield hf_family(f"wordpiece-skip{skip}", wp, skip, None)
+    yield hf_family("wordpiece-cleanup", wordpiece_tokenizer(clean_up_tokenization_spaces=True), True, None)
     sp = sentencepiece_processor()
     words = [i for i in range(sp.get_piece_size()) if not sp.id_to_piece(i).startswith("<")]
     yield Family(
@@ -233,12 +236,17 @@ def continuations(f: Family) -> list[list[int]]:
     nexts = [[f.words[2]], [f.specials[-1]], [f.words[0], f.words[3]]]
     if f.byte is not None:
         nexts += [f.bytes_of(x) for x in (b"\xff", b"\x80", b"\xad", b"A", b"\xb8\xad", b"\xe4", b" ")]
+    else:  # WordPiece: every token, and pairs that may complete a cleanup pattern (" n't", " ' ")
+        nexts += [[t] for t in f.words]
+        vocab = f.tokenizer.get_vocab()
+        small = [vocab[p] for p in ("'", "##'", "n", "##n", "t", "s", "ve", ".") if p in vocab]
+        nexts += [[a, b] for a in small for b in small]
     return nexts
 
 
 def stream(f: Family, prompt: list[int], ids: list[int]) -> tuple[IncrementalDetokenizer, list[int]]:
-    context = decode_context(f.decode, prompt, f.probe)
-    return IncrementalDetokenizer(f.decode, context, f.probe), context
+    context = decode_context(f.decode, prompt, f.finality)
+    return IncrementalDetokenizer(f.decode, context, f.finality), context
 
 
 def outputs(f: Family, seed: int) -> list[list[int]]:
@@ -279,13 +287,24 @@ def test_the_streamed_text_is_final_text(name: str) -> None:
 def test_the_probe_is_only_where_a_byte_rewrites_text() -> None:
     """Only the byte-fallback decoder (a run that is not UTF-8 decodes to one U+FFFD per byte) needs
     the probe; byte-level BPE and SentencePiece's own decoder keep the text before a stray byte, and a
-    vocabulary without byte tokens has none."""
-    probes = {name: f.probe for name, f in FAMILIES.items()}
+    vocabulary without byte tokens has none. Only transformers' cleanup of tokenization spaces needs tails,
+    not where it is asked for a BPE tokenizer (transformers leaves those alone)."""
+    probes = {name: f.finality.probe for name, f in FAMILIES.items()}
     assert probes["byte-fallback-skipTrue"] == probes["byte-fallback-skipFalse"] == 3 + 0xFF
     assert all(p is None for name, p in probes.items() if not name.startswith("byte-fallback")), probes
     f = FAMILIES["byte-fallback-skipTrue"]
     assert f.decode(f.bytes_of("中".encode())) == "中"
     assert f.decode(f.bytes_of("中".encode() + b"\xff")) == FFFD * 4  # the run's text changes
+    tails = {name for name, f in FAMILIES.items() if f.finality.tails}
+    assert tails == {"wordpiece-cleanup"}
+    assert set(FAMILIES["wordpiece-cleanup"].finality.tails) >= {" ", " '", " n", " n'"}
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = byte_level_tokenizer([])
+    flagged = PreTrainedTokenizerFast(
+        tokenizer_object=bpe.backend_tokenizer, unk_token="<unk>", clean_up_tokenization_spaces=True
+    )
+    assert TextFinality.of(flagged, flagged.decode) == TextFinality()
 
 
 def _held_reference(f: Family, word: int | None, ids: list[int]) -> list[int]:
@@ -325,7 +344,7 @@ def test_text_offsets_follow_the_held_text(name: str) -> None:
 
 
 # ----------------------------------------------------------------------------------- the engine
-ENGINE_FAMILIES = ["byte-fallback-skipTrue", "byte-level-skipTrue", "wordpiece-skipTrue"]
+ENGINE_FAMILIES = ["byte-fallback-skipTrue", "byte-level-skipTrue", "wordpiece-skipTrue", "wordpiece-cleanup"]
 
 
 @pytest.fixture(scope="module")
@@ -376,14 +395,15 @@ def first_stop(f: Family, word: int | None, ids: list[int], stops: list[str], in
 def stop_cases(f: Family, rng: random.Random) -> Iterator[tuple[list[int], list[str]]]:
     """Outputs with stop strings that their byte tokens complete ("中", "é"), that span a run and a word,
     that hold U+FFFD, and pieces of the text picked at random."""
-    b = f.bytes_of
-    word = f.words[0]
-    wtext = f.decode([f.words[1], word])[len(f.decode([f.words[1]])) :]
-    yield [word, *b("中".encode()), *b(b"\xff"), word], ["中"]
-    yield [word, *b("中".encode()), word], ["中" + wtext[:2]]
-    yield [word, *b("中".encode()), *b(b"\xff"), word], [FFFD * 2, "zz"]
-    yield [word, *b("é".encode()), *b("中".encode()), word], ["中", "é"]
-    yield [*b(b"AB"), *b(b"\x80"), word], ["B"]
+    if f.byte is not None:
+        b = f.bytes_of
+        word = f.words[0]
+        wtext = f.decode([f.words[1], word])[len(f.decode([f.words[1]])) :]
+        yield [word, *b("中".encode()), *b(b"\xff"), word], ["中"]
+        yield [word, *b("中".encode()), word], ["中" + wtext[:2]]
+        yield [word, *b("中".encode()), *b(b"\xff"), word], [FFFD * 2, "zz"]
+        yield [word, *b("é".encode()), *b("中".encode()), word], ["中", "é"]
+        yield [*b(b"AB"), *b(b"\x80"), word], ["B"]
     for _ in range(25):
         ids = f.random_ids(rng, rng.randrange(2, 25))
         text = f.decode(ids)
@@ -394,7 +414,7 @@ def stop_cases(f: Family, rng: random.Random) -> Iterator[tuple[list[int], list[
 
 
 @pytest.mark.parametrize("include", [False, True])
-@pytest.mark.parametrize("name", ["byte-fallback-skipTrue", "byte-level-skipTrue"])
+@pytest.mark.parametrize("name", ["byte-fallback-skipTrue", "byte-level-skipTrue", "wordpiece-cleanup"])
 def test_stop_strings_fire_where_the_brute_force_finds_them(
     model_config: Any, name: str, include: bool
 ) -> None:
@@ -455,7 +475,7 @@ def test_a_real_model_streams_the_text_generate_gives(byte_fallback_llm: LLM) ->
     llm = byte_fallback_llm
     tok = llm.get_tokenizer()
     f = hf_family("loaded", tok, True, lambda b: 3 + b)
-    assert f.probe == 3 + 0xFF
+    assert f.finality.probe == 3 + 0xFF
     word = tok.convert_tokens_to_ids("▁the")
     prompts = [[1, word], [1, word, *f.bytes_of("中".encode())], [1, word, 3 + 0xE4]]
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=30, ignore_eos=True) for s in range(3)]

@@ -76,17 +76,53 @@ def byte_run_probe(tokenizer: Any, decode: Callable[[list[int]], str]) -> int | 
     return probe  # no way to tell: probing costs a decode, never correctness
 
 
-def text_is_final(
-    decode: Callable[[list[int]], str], tokens: list[int], text: str, probe: int | None
-) -> bool:
-    """Whether `text`, the decode of `tokens`, stays the start of the decode whatever tokens follow: it
-    does not end in U+FFFD (its last bytes may begin a character that later bytes complete) and, for a
-    decoder that rewrites byte runs (`probe`, byte_run_probe), the probe byte after it adds its U+FFFD and
-    nothing else (not where it joins a run of bytes before it, also one whose text is empty: a space
-    byte that the decoder strips at the start)."""
-    if text.endswith("\ufffd"):
-        return False
-    return probe is None or decode([*tokens, probe]) == text + "\ufffd"
+# transformers' clean_up_tokenization (a decode with clean_up_tokenization_spaces, on the whole text): each
+# pattern loses its first space (" ' " both), so text may change where its end begins one.
+CLEANUP_PATTERNS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
+
+
+def cleanup_tails(tokenizer: Any) -> tuple[str, ...]:
+    """The ends of a text that a later token may rewrite where the tokenizer's decode cleans up
+    tokenization spaces (WordPiece tokenizers: "don '" becomes "don't" once "t" follows): the beginnings
+    of CLEANUP_PATTERNS. None where its decode does not ("a ." stays: transformers leaves BPE alone)."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return ()
+    try:
+        ids = list(tokenizer.encode("a .", add_special_tokens=False))
+        cleaned = tokenizer.decode(ids, skip_special_tokens=True)
+        raw = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    except Exception:
+        cleaned, raw = "", ""
+    if cleaned == raw == "a .":
+        return ()
+    return tuple(sorted({p[:n] for p in CLEANUP_PATTERNS for n in range(1, len(p))}))
+
+
+@dataclass(frozen=True)
+class TextFinality:
+    """How to tell that the decode of some tokens is final: that no tokens after them change it (a stream
+    may send it). `probe`: byte_run_probe's; `tails`: cleanup_tails'."""
+
+    probe: int | None = None
+    tails: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, tokenizer: Any, decode: Callable[[list[int]], str]) -> TextFinality:
+        """For `decode`, the tokenizer's decode (as the engine or the server calls it)."""
+        return cls(byte_run_probe(tokenizer, decode), cleanup_tails(tokenizer))
+
+    def is_final(self, decode: Callable[[list[int]], str], tokens: list[int], text: str) -> bool:
+        """Whether `text`, the decode of `tokens`, stays the start of the decode whatever tokens follow:
+        it does not end in U+FFFD (its last bytes may begin a character that later bytes complete) nor in
+        the beginning of a cleanup pattern, and, for a decoder that rewrites byte runs (`probe`), the probe
+        byte after it adds its U+FFFD and nothing else (not where it joins a run of bytes before it, also
+        one whose text is empty: a space byte that the decoder strips at the start)."""
+        if text.endswith("\ufffd") or (self.tails and text.endswith(self.tails)):
+            return False
+        return self.probe is None or decode([*tokens, self.probe]) == text + "\ufffd"
+
+
+NO_RULES = TextFinality()
 
 
 class IncrementalDetokenizer:
@@ -98,10 +134,11 @@ class IncrementalDetokenizer:
     it). Each call decodes the tokens from the start of the previous piece on, so the decoder sees the same
     context as in the whole text, and keeps what that window adds past the previous piece.
 
-    `text` only ever grows by text that no later token can change (text_is_final): a window whose text
-    ends in U+FFFD is held back (its last bytes may begin a character the next token completes: byte-level
-    BPE splits multi-byte characters), and with a byte-run `probe` (byte_run_probe) so is one that a later
-    byte token would rewrite (a byte-fallback run of bytes until a token that is not a byte ends it). So
+    `text` only ever grows by text that no later token can change (`finality`, TextFinality): a window
+    whose text ends in U+FFFD is held back (its last bytes may begin a character the next token completes:
+    byte-level BPE splits multi-byte characters), and with a byte-run probe so is one that a later byte
+    token would rewrite (a byte-fallback run of bytes until a token that is not a byte ends it), with
+    cleanup tails one whose end a cleanup of tokenization spaces may rewrite. So
     `text` is always a prefix of the output's text; only the held-back tail is missing, which the caller
     takes from a full decode at the end (`output_text`).
 
@@ -111,14 +148,17 @@ class IncrementalDetokenizer:
     completes it, although those bytes' text may still change).
     """
 
-    __slots__ = ("_context", "_decode", "_prefix_offset", "_probe", "_read_offset", "pending", "text")
+    __slots__ = ("_context", "_decode", "_final", "_prefix_offset", "_read_offset", "pending", "text")
 
     def __init__(
-        self, decode: Callable[[list[int]], str], context: Sequence[int] = (), probe: int | None = None
+        self,
+        decode: Callable[[list[int]], str],
+        context: Sequence[int] = (),
+        finality: TextFinality = NO_RULES,
     ) -> None:
         self._decode = decode
         self._context = list(context)
-        self._probe = probe
+        self._final = finality
         # Offsets into context + ids.
         self._prefix_offset = 0  # start of the previous piece's tokens
         self._read_offset = len(self._context)  # tokens already in `text`
@@ -145,7 +185,7 @@ class IncrementalDetokenizer:
             return None
         piece = window[len(prefix) :]
         unchanged = len(self.text) + _common_prefix(self.pending, piece)
-        if text_is_final(self._decode, tokens, window, self._probe):
+        if self._final.is_final(self._decode, tokens, window):
             self._prefix_offset, self._read_offset = read, len(self._context) + len(ids)
             self.text += piece
             self.pending = ""
@@ -163,7 +203,8 @@ class IncrementalDetokenizer:
         """Of the text held back after `ids` (past `text`), the characters that stay as they are with
         `next_id` after them, as far as is known then: not those of a character next_id completes or
         still leaves unfinished (bytes that can no longer make a character stay U+FFFD), nor, with a
-        byte-run probe, those of a run of byte tokens that next_id continues (its text may still change)."""
+        byte-run probe or cleanup tails, those that next_id leaves open to change (a run of byte tokens it
+        continues)."""
         start, read = self._prefix_offset, self._read_offset
         if len(self._context) + len(ids) <= read:
             return 0
@@ -177,12 +218,12 @@ class IncrementalDetokenizer:
         """The start of the decode of `tokens` that no later token changes, as far as can be told;
         tokens[:known] decode to `known_text`, which is final."""
         text = self._decode(tokens)
-        if self._probe is None:
+        if self._final == NO_RULES:
             # Only an unfinished last character can change; bytes that can no longer make one stay.
             return text[:-1] if text.endswith("\ufffd") else text
         for end in range(len(tokens), known, -1):
             part = text if end == len(tokens) else self._decode(tokens[:end])
-            if text_is_final(self._decode, tokens[:end], part, self._probe):
+            if self._final.is_final(self._decode, tokens[:end], part):
                 return part
         return known_text
 
@@ -194,15 +235,15 @@ DECODE_CONTEXT_SEARCH = 64
 
 
 def decode_context(
-    decode: Callable[[list[int]], str], prompt: Sequence[int], probe: int | None = None
+    decode: Callable[[list[int]], str], prompt: Sequence[int], finality: TextFinality = NO_RULES
 ) -> list[int]:
     """The prompt tokens an output is decoded after: the last DECODE_CONTEXT_TOKENS before any at the end
-    whose text the output could change (text_is_final: a character they begin, U+FFFD now; with a
+    whose text the output could change (TextFinality: a character they begin, U+FFFD now; with a
     byte-run probe, a run of byte tokens the output could continue, whose characters the decoder turns
     into U+FFFDs if the output's bytes spoil it). None when no such place is near the end."""
     for end in range(len(prompt), max(0, len(prompt) - DECODE_CONTEXT_SEARCH), -1):
         context = list(prompt[max(0, end - DECODE_CONTEXT_TOKENS) : end])
-        if text_is_final(decode, context, decode(context), probe):
+        if finality.is_final(decode, context, decode(context)):
             return context
     return []
 
@@ -309,7 +350,7 @@ class LLMEngine:
             self.eos_token_ids.add(tokenizer_eos)
         self._next_req_id = 0
         self._decode = _make_decode(tokenizer)
-        self._probe = byte_run_probe(tokenizer, self._decode)
+        self._finality = TextFinality.of(tokenizer, self._decode)
         self._text_states: dict[int, _TextState] = {}
         self.num_output_tokens = 0  # generated so far, over the engine's life (progress bars read it)
         # Per-step timings (seconds) of the driver's own phases, when enabled (benchmarks).
@@ -414,7 +455,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * (len(prompt_ids) - 1)
         request.stop_ids = frozenset(stop_ids)
-        request.decode_context = decode_context(self._decode, prompt_ids, self._probe)
+        request.decode_context = decode_context(self._decode, prompt_ids, self._finality)
         if params.structured_outputs is not None:
             request.grammar = self.grammars.matcher(grammar)
             self._constrained.add(req_id)
@@ -422,7 +463,7 @@ class LLMEngine:
         if stream or params.stop_strings:
             stops = params.stop_strings
             self._text_states[req_id] = _TextState(
-                IncrementalDetokenizer(self._decode, request.decode_context, self._probe),
+                IncrementalDetokenizer(self._decode, request.decode_context, self._finality),
                 stream=stream,
                 stop_strings=stops,
                 hold=max(map(len, stops)) - 1 if stops else 0,

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from tp_runtime.engine.async_engine import describe_failure
 from tp_runtime.engine.llm import chat_content_text
-from tp_runtime.engine.llm_engine import IncrementalDetokenizer, byte_run_probe, decode_context
+from tp_runtime.engine.llm_engine import IncrementalDetokenizer, TextFinality, decode_context
 from tp_runtime.errors import InvalidRequestError, TPRuntimeError
 from tp_runtime.outputs import CompletionOutput, Logprob
 from tp_runtime.sampling_params import SamplingParams
@@ -281,8 +281,8 @@ class TextOffsets:
         def decode(ids: list[int]) -> str:
             return str(tokenizer.decode(ids, skip_special_tokens=skip))
 
-        probe = byte_run_probe(tokenizer, decode)
-        self._detok = IncrementalDetokenizer(decode, decode_context(decode, prompt, probe), probe)
+        finality = TextFinality.of(tokenizer, decode)
+        self._detok = IncrementalDetokenizer(decode, decode_context(decode, prompt, finality), finality)
         self._ids: list[int] = []
 
     def next(self, token_id: int) -> int:

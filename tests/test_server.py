@@ -35,6 +35,8 @@ import httpx
 import openai
 import pytest
 import transformers
+from test_detokenizer import FAMILIES, first_stop
+from test_detokenizer import reference as detok_reference
 from test_streaming_engine import (
     PROMPT,
     TEXT,
@@ -1086,6 +1088,36 @@ def test_text_offsets_point_into_the_text(scripted_config: Any, byte_tokenizer: 
             check(text, tokens, offsets)
 
     with InProcess(scripted_config, byte_tokenizer, executor) as served:
+        asyncio.run(main(served))
+
+
+@pytest.mark.parametrize("stop", [None, ["中"], ["\ufffd\ufffd"]], ids=["no-stop", "stop-cjk", "stop-fffd"])
+def test_a_byte_fallback_stream_joins_into_the_whole_text(scripted_config: Any, stop: Any) -> None:
+    """SentencePiece byte fallback (Llama 2): a run of byte tokens that is not UTF-8 decodes to one U+FFFD
+    per byte, also bytes that made a character before. The SSE chunks' texts join into the whole
+    response's text, the tokenizer's decode, or cut where a stop string first shows in the decode of the
+    tokens so far ("中" before <0xFF> spoils it); text_offset never goes back nor past the text."""
+    f = FAMILIES["byte-fallback-skipTrue"]
+    the, ok = f.tokenizer.convert_tokens_to_ids(["▁the", "▁ok"])
+    zhong = f.bytes_of("中".encode())
+    ids = [the, *zhong, *f.bytes_of(b"\xff"), ok, *zhong, ok, *f.bytes_of("é".encode())[:1], the]
+    want = first_stop(f, the, ids, stop, include=False) if stop else None
+    text = want[1] if want else detok_reference(f, the, ids)
+    executor = ScriptedExecutor(text_script(ids, 2))
+    request = {"prompt": [1, the], "max_tokens": len(ids), "logprobs": 0, "temperature": 0, "stop": stop}
+
+    async def main(served: InProcess) -> None:
+        async with served.client() as client:
+            whole = (await client.post("/v1/completions", json=request)).json()["choices"][0]
+            assert whole["text"] == text
+            events = _events(await client.post("/v1/completions", json={**request, "stream": True}))
+            choices = [e["choices"][0] for e in events[:-1]]
+            assert "".join(c["text"] for c in choices) == text
+            offsets = [o for c in choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+            assert offsets == whole["logprobs"]["text_offset"] == sorted(offsets)
+            assert offsets[-1] <= len(text) and len(offsets) == (want[0] if want else len(ids))
+
+    with InProcess(scripted_config, f.tokenizer, executor) as served:
         asyncio.run(main(served))
 
 

@@ -307,6 +307,30 @@ def test_the_probe_is_only_where_a_byte_rewrites_text() -> None:
     assert TextFinality.of(flagged, flagged.decode) == TextFinality()
 
 
+@pytest.mark.parametrize("name", ["byte-fallback-skipTrue", "byte-level-skipTrue"])
+def test_plain_tokens_cost_two_decodes_each(name: str) -> None:
+    """The common path: after a token that is not a byte (nor special), the detokenizer decodes the
+    previous piece and the window, as before; the byte-run probe is tried only after byte tokens (and
+    after special ones, which a run may go on through), whatever the family (one more decode per new token
+    id, once)."""
+    f = FAMILIES[name]
+    calls = []
+
+    def counting(ids: list[int]) -> str:
+        calls.append(len(ids))
+        return f.decode(ids)
+
+    words = [f.tokenizer.convert_tokens_to_ids(w) for w in ("▁the", "▁cat", "▁sat", "▁on", "▁mat")]
+    if name.startswith("byte-level"):
+        words = [3 + b for b in b"the cat"]
+    ids = [words[i % len(words)] for i in range(200)]
+    detok = IncrementalDetokenizer(counting, [1], f.finality)
+    for n in range(1, len(ids) + 1):
+        detok.step(ids[:n])
+    assert detok.text == f.decode(ids)
+    assert len(calls) <= 2 * len(ids) + len(words), len(calls)
+
+
 def _held_reference(f: Family, word: int | None, ids: list[int]) -> list[int]:
     """Brute force: token i starts where the text of the tokens before it stops agreeing with the whole
     text."""

@@ -61,6 +61,8 @@ def byte_run_probe(tokenizer: Any, decode: Callable[[list[int]], str]) -> int | 
             return None  # not in the vocabulary (the unknown token's id comes back)
         return token
 
+    if all(byte_token(byte) is None for byte in (0x00, 0x41, 0x80, 0xFF)):
+        return None  # no byte tokens (a vocabulary that has them has them all)
     probe = None
     for byte in range(0xFF, 0x7F, -1):
         token = byte_token(byte)
@@ -105,6 +107,8 @@ class TextFinality:
 
     probe: int | None = None
     tails: tuple[str, ...] = ()
+    # Per token id, whether the probe is to be tried after it (_may_continue_run).
+    _runs: dict[int, bool] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, tokenizer: Any, decode: Callable[[list[int]], str]) -> TextFinality:
@@ -119,7 +123,20 @@ class TextFinality:
         one whose text is empty: a space byte that the decoder strips at the start)."""
         if text.endswith("\ufffd") or (self.tails and text.endswith(self.tails)):
             return False
-        return self.probe is None or decode([*tokens, self.probe]) == text + "\ufffd"
+        if self.probe is None or not self._may_continue_run(decode, tokens[-1]):
+            return True
+        return decode([*tokens, self.probe]) == text + "\ufffd"
+
+    def _may_continue_run(self, decode: Callable[[list[int]], str], token: int) -> bool:
+        """Whether a run of byte tokens may go on through `token`, so that the probe is to be tried after
+        it: after the probe byte it decodes to U+FFFD twice (a byte token: the run is not UTF-8; or a token
+        that is U+FFFD itself) or to the probe's U+FFFD alone (a token without text, such as a special
+        token the decode skips). Any other token ends a run. Decoded once per token id."""
+        known = self._runs.get(token)
+        if known is None:
+            assert self.probe is not None
+            known = self._runs[token] = decode([self.probe, token]) in ("\ufffd", "\ufffd\ufffd")
+        return known
 
 
 NO_RULES = TextFinality()

@@ -153,11 +153,11 @@ class IncrementalDetokenizer:
 
     `text` only ever grows by text that no later token can change (`finality`, TextFinality): a window
     whose text ends in U+FFFD is held back (its last bytes may begin a character the next token completes:
-    byte-level BPE splits multi-byte characters), and with a byte-run probe so is one that a later byte
-    token would rewrite (a byte-fallback run of bytes until a token that is not a byte ends it), with
-    cleanup tails one whose end a cleanup of tokenization spaces may rewrite. So
-    `text` is always a prefix of the output's text; only the held-back tail is missing, which the caller
-    takes from a full decode at the end (`output_text`).
+    byte-level BPE splits multi-byte characters), with a byte-run probe so is one that a later byte token
+    would rewrite (a byte-fallback run of bytes, until a token that is not a byte ends it), and with cleanup
+    tails one whose end a cleanup of tokenization spaces may rewrite. So `text` is always a prefix of the
+    output's text; only the held-back tail is missing, which the caller takes from a full decode at the
+    end (`output_text`).
 
     `pending` is the held-back tail as it decoded at the last step whose window did not end in U+FFFD
     (then "" once `text` takes it): `text + pending` is the text as vLLM's detokenizer makes it, which stop
@@ -257,7 +257,7 @@ def decode_context(
     """The prompt tokens an output is decoded after: the last DECODE_CONTEXT_TOKENS before any at the end
     whose text the output could change (TextFinality: a character they begin, U+FFFD now; with a
     byte-run probe, a run of byte tokens the output could continue, whose characters the decoder turns
-    into U+FFFDs if the output's bytes spoil it). None when no such place is near the end."""
+    into U+FFFDs if the output's bytes spoil it); none when no such place is near the end."""
     for end in range(len(prompt), max(0, len(prompt) - DECODE_CONTEXT_SEARCH), -1):
         context = list(prompt[max(0, end - DECODE_CONTEXT_TOKENS) : end])
         if finality.is_final(decode, context, decode(context)):

@@ -143,6 +143,8 @@ SCHEMAS: list[Any] = [
     # a name's string keywords need no type (they were refused)
     {"type": "object", "propertyNames": {"pattern": "^[a-c]+$"}, "additionalProperties": {"type": "null"},
      "maxProperties": 2},
+    # a fractional multipleOf on integers: xgrammar dropped it (2.5 gave 7); the multiples of 5 are these
+    {"type": "integer", "multipleOf": 2.5, "minimum": -60, "maximum": 60},
 ]  # fmt: skip
 
 
@@ -202,6 +204,8 @@ UNENFORCEABLE: list[Any] = [
     {"type": "object", "properties": {"long_name": {"type": "integer"}}, "propertyNames": {"maxLength": 3}},
     {"type": "object", "required": ["xy"], "propertyNames": {"pattern": "^a"}},
     {"type": "object", "properties": {"a": {"type": "integer"}}, "propertyNames": {"format": "email"}},
+    {"type": "integer", "multipleOf": 2048},  # xgrammar drops a multipleOf past 1024
+    {"type": ["integer", "null"], "multipleOf": 1e30},
 ]  # fmt: skip
 
 

@@ -21,6 +21,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ _UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchem
 # ignores them (any JSON value may come out).
 _NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 _STRING_KEYWORDS = ("minLength", "maxLength", "pattern", "format")
+_MAX_INTEGER_STEP = 1024  # the largest multipleOf xgrammar enforces on integers (it drops larger ones)
 # Likewise for arrays and objects, unless xgrammar takes the schema as one from items/prefixItems
 # (arrays) or properties/additionalProperties (objects).
 _ARRAY_KEYWORDS = ("minItems", "maxItems")
@@ -122,8 +124,20 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
             untyped += [k for k in _OBJECT_KEYWORDS if k in schema]
         if untyped:
             raise refuse(f"{untyped} without a 'type'")
-    if "multipleOf" in schema and "number" in kinds:  # (on integers xgrammar enforces it)
+    step = schema.get("multipleOf")
+    if step is not None and "number" in kinds:  # (on integers xgrammar enforces it)
         raise refuse("'multipleOf' on a non-integer type")
+    if "integer" in kinds and isinstance(step, (int, float)) and not isinstance(step, bool) and step > 0:
+        # xgrammar enforces a whole multipleOf up to 1024 on integers and silently drops any other (2.5
+        # let 7 out). The integers that are multiples of p/q (lowest terms) are the multiples of p: that
+        # whole number is the step (1: every integer), the decimal read as written (0.1 is 1/10).
+        whole = Fraction(repr(step)).numerator if isinstance(step, float) else step
+        if whole > _MAX_INTEGER_STEP:
+            raise refuse(f"'multipleOf' {step} on integers (at most {_MAX_INTEGER_STEP} can be enforced)")
+        if whole == 1:
+            out.pop("multipleOf")
+        else:
+            out["multipleOf"] = whole
     lengths = [k for k in ("minLength", "maxLength") if k in schema]
     for key in ("pattern", "format"):
         if key in schema and lengths and "string" in kinds:

@@ -145,6 +145,10 @@ SCHEMAS: list[Any] = [
      "maxProperties": 2},
     # a fractional multipleOf on integers: xgrammar dropped it (2.5 gave 7); the multiples of 5 are these
     {"type": "integer", "multipleOf": 2.5, "minimum": -60, "maximum": 60},
+    # a quote or a backslash in a class beside other characters: xgrammar leaves them out (valid JSON)
+    {"type": "string", "pattern": '^["x-z]{2}$'},
+    {"type": "object", "propertyNames": {"pattern": '^[^"\\\\]{1,3}$'},
+     "additionalProperties": {"type": "null"}, "maxProperties": 2},
 ]  # fmt: skip
 
 
@@ -206,6 +210,13 @@ UNENFORCEABLE: list[Any] = [
     {"type": "object", "properties": {"a": {"type": "integer"}}, "propertyNames": {"format": "email"}},
     {"type": "integer", "multipleOf": 2048},  # xgrammar drops a multipleOf past 1024
     {"type": ["integer", "null"], "multipleOf": 1e30},
+    # A pattern that names a quote or a backslash: xgrammar wrote it unescaped, invalid JSON (`a"b` gave
+    # `"a"b"`, a Windows path `"C:\x"`); one with a lookahead: xgrammar ignored it (this one gave "abc").
+    {"type": "string", "pattern": 'a"b'},
+    {"type": "string", "pattern": "^C:\\\\[a-z]+$"},
+    {"type": "string", "pattern": "^[\\x22]$"},
+    {"type": "object", "patternProperties": {'^"': {"type": "integer"}}, "additionalProperties": False},
+    {"type": "object", "properties": {"pw": {"type": "string", "pattern": "^(?=.*[A-Z]).{3}$"}}},
 ]  # fmt: skip
 
 

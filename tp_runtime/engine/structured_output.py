@@ -138,6 +138,13 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
             out.pop("multipleOf")
         else:
             out["multipleOf"] = whole
+    patterns = [(f"'pattern' {schema['pattern']!r}", schema["pattern"])] if "pattern" in schema else []
+    if isinstance(schema.get("patternProperties"), dict):
+        patterns += [(f"'patternProperties' key {name!r}", name) for name in schema["patternProperties"]]
+    for what, pattern in patterns:
+        problem = _pattern_problem(pattern) if isinstance(pattern, str) else None
+        if problem:
+            raise refuse(f"{what} {problem}")
     lengths = [k for k in ("minLength", "maxLength") if k in schema]
     for key in ("pattern", "format"):
         if key in schema and lengths and "string" in kinds:
@@ -187,6 +194,43 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
         if isinstance(schema.get(key), list):
             out[key] = [_schema_for_xgrammar(s, f"{path}/{key}/{i}") for i, s in enumerate(schema[key])]
     return out
+
+
+# In a JSON schema's pattern: an escape, a character class, or a lookahead / negative lookahead.
+_PATTERN_TOKEN = re.compile(r"\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)|\[\^?|\]|\(\?[=!]|.", re.S)
+_QUOTE_OR_BACKSLASH = frozenset({'"', "\\"})
+_UNESCAPED = "that names a '\"' or a backslash (xgrammar would write it unescaped: invalid JSON)"
+
+
+def _pattern_problem(pattern: str) -> str | None:
+    """Why xgrammar would not enforce JSON-schema `pattern` as written, else None.
+
+    xgrammar writes a pattern's literal characters into the JSON string as they are: a `"` or a `\\` that
+    the pattern names outside a character class (or as a class of its own) came out unescaped, an invalid
+    JSON string (`a"b` gave `"a"b"`). It drops a lookahead with a warning (`^(?=.*[A-Z]).{3}$` gave "abc").
+    A class that names them beside other characters is fine: xgrammar leaves them out of it."""
+    in_class, negated, members = False, False, list[str]()
+    for match in _PATTERN_TOKEN.finditer(pattern):
+        token = match.group()
+        char = token
+        if token.startswith("\\") and len(token) > 2:  # \xHH, \uHHHH
+            char = chr(int(token[2:], 16))
+        elif token.startswith("\\"):
+            char = token[1] if token[1] in _QUOTE_OR_BACKSLASH else token
+        if in_class:
+            if token == "]":
+                in_class = False
+                if members and not negated and set(members) <= _QUOTE_OR_BACKSLASH:
+                    return _UNESCAPED
+            else:
+                members.append(char)
+        elif token.startswith("["):
+            in_class, members, negated = True, [], token == "[^"
+        elif token in ("(?=", "(?!"):
+            return "with a lookahead (xgrammar ignores it)"
+        elif char in _QUOTE_OR_BACKSLASH:
+            return _UNESCAPED
+    return None
 
 
 def _name_fits(name: str, names_schema: dict[str, Any]) -> bool:

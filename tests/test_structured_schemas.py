@@ -147,6 +147,7 @@ SCHEMAS: list[Any] = [
     {"type": "integer", "multipleOf": 2.5, "minimum": -60, "maximum": 60},
     # a quote or a backslash in a class beside other characters: xgrammar leaves them out (valid JSON)
     {"type": "string", "pattern": '^["x-z]{2}$'},
+    {"type": "number", "minimum": 0, "maximum": 1e-6},  # (0 and 0.000001 fit, at 6 decimals)
     {"type": "object", "propertyNames": {"pattern": '^[^"\\\\]{1,3}$'},
      "additionalProperties": {"type": "null"}, "maxProperties": 2},
 ]  # fmt: skip
@@ -217,6 +218,11 @@ UNENFORCEABLE: list[Any] = [
     {"type": "string", "pattern": "^[\\x22]$"},
     {"type": "object", "patternProperties": {'^"': {"type": "integer"}}, "additionalProperties": False},
     {"type": "object", "properties": {"pw": {"type": "string", "pattern": "^(?=.*[A-Z]).{3}$"}}},
+    # A number range with no number of 6 decimals: xgrammar's grammar for it was the empty text ("" and
+    # `{"x": }` finished "stop").
+    {"type": "number", "minimum": 1e-7, "maximum": 2e-7},
+    {"type": "object", "properties": {"x": {"type": ["number", "null"], "exclusiveMinimum": 0,
+                                            "exclusiveMaximum": 1e-6}}, "required": ["x"]},
 ]  # fmt: skip
 
 

@@ -18,6 +18,7 @@ cached by the grammar's text, and the tokenizer's vocabulary is read once per en
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 from collections import OrderedDict
@@ -138,6 +139,10 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
             out.pop("multipleOf")
         else:
             out["multipleOf"] = whole
+    if "number" in kinds and not _range_has_decimals(schema):
+        # xgrammar writes a number range with at most 6 decimals, and one that holds none as the empty
+        # output: {"minimum": 1e-7, "maximum": 2e-7} finished ("stop") with "" (nested: `{"x": }`).
+        raise refuse(f"a 'number' range that holds no number of at most {_RANGE_DECIMALS} decimals")
     patterns = [(f"'pattern' {schema['pattern']!r}", schema["pattern"])] if "pattern" in schema else []
     if isinstance(schema.get("patternProperties"), dict):
         patterns += [(f"'patternProperties' key {name!r}", name) for name in schema["patternProperties"]]
@@ -194,6 +199,28 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
         if isinstance(schema.get(key), list):
             out[key] = [_schema_for_xgrammar(s, f"{path}/{key}/{i}") for i, s in enumerate(schema[key])]
     return out
+
+
+_RANGE_DECIMALS = 6  # the decimals xgrammar writes the numbers of a bounded 'number' range with
+
+
+def _range_has_decimals(schema: dict[str, Any]) -> bool:
+    """Whether the bounds of a 'number' schema hold a number of at most _RANGE_DECIMALS decimals (each bound
+    read as written: 1e-7 is 1/10**7)."""
+    scale = 10**_RANGE_DECIMALS
+    first, last = None, None  # the least and the greatest multiple of 1/scale the bounds allow
+    for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        bound = schema.get(key)
+        if not isinstance(bound, (int, float)) or isinstance(bound, bool) or not math.isfinite(bound):
+            continue
+        at = Fraction(repr(bound)) * scale
+        if key.endswith("inimum"):
+            low = math.floor(at) + 1 if key == "exclusiveMinimum" else math.ceil(at)
+            first = low if first is None else max(first, low)
+        else:
+            high = math.ceil(at) - 1 if key == "exclusiveMaximum" else math.floor(at)
+            last = high if last is None else min(last, high)
+    return first is None or last is None or first <= last
 
 
 # In a JSON schema's pattern: an escape, a character class, or a lookahead / negative lookahead.

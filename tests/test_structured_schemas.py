@@ -221,6 +221,10 @@ UNENFORCEABLE: list[Any] = [
     # A number range with no number of 6 decimals: xgrammar's grammar for it was the empty text ("" and
     # `{"x": }` finished "stop").
     {"type": "number", "minimum": 1e-7, "maximum": 2e-7},
+    # $ref beyond this schema (a URL, another file, an $anchor): xgrammar took any value in its place.
+    {"$ref": "https://example.com/s.json"},
+    {"type": "object", "properties": {"x": {"$ref": "other.json#/$defs/x"}}, "required": ["x"]},
+    {"$defs": {"a": {"$anchor": "A", "type": "null"}}, "$ref": "#A"},
     {"type": "object", "properties": {"x": {"type": ["number", "null"], "exclusiveMinimum": 0,
                                             "exclusiveMaximum": 1e-6}}, "required": ["x"]},
 ]  # fmt: skip

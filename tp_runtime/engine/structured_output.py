@@ -88,6 +88,11 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
     for key in _UNENFORCED:
         if key in schema:
             raise refuse(f"{key!r}")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        # xgrammar resolves JSON pointers into this schema only, and takes any other $ref (another
+        # document's URL, an $anchor) as any JSON value: {"$ref": "https://x/s.json"} let out 8007...
+        raise refuse(f"'$ref' {ref!r} (only JSON pointers into this schema, '#/...', are resolved)")
     if schema.get("uniqueItems") is True:
         raise refuse("'uniqueItems'")
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:

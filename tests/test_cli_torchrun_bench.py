@@ -126,12 +126,21 @@ def test_ranks_compare_their_configurations_but_not_host_local_settings() -> Non
     from tp_runtime.executor.torchrun import _comparable_config
 
     base = EngineArgs(model="tiny-llama-tp", device="cpu").create_engine_config()
+    # The generation config's file sits in the model's folder: its path differs with the folder's.
+    generation = dataclasses.replace(
+        base.model.generation_defaults, source="/elsewhere/model/generation_config.json"
+    )
     same = dataclasses.replace(
         base,
-        model=dataclasses.replace(base.model, path="/elsewhere/model"),
+        model=dataclasses.replace(base.model, path="/elsewhere/model", generation_defaults=generation),
         parallel=dataclasses.replace(base.parallel, driver_host="node0.cluster"),
     )
     assert _comparable_config(same) == _comparable_config(base)
+    defaults = dataclasses.replace(base.model.generation_defaults, temperature=0.5)
+    other_defaults = dataclasses.replace(
+        base, model=dataclasses.replace(base.model, generation_defaults=defaults)
+    )
+    assert _comparable_config(other_defaults) != _comparable_config(base)
     for changed in (dataclasses.replace(base, seed=1), dataclasses.replace(base.cache, block_size=8)):
         config = changed if hasattr(changed, "model") else dataclasses.replace(base, cache=changed)
         assert _comparable_config(config) != _comparable_config(base)

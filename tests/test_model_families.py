@@ -803,6 +803,8 @@ def test_gemma3_rope_per_layer_type_and_head_norms_change_the_output(
     assert cfg.rope.rope_type == "linear"
     assert (cfg.rope.theta, cfg.local_rope.theta) == (1_000_000.0, 10_000.0)
     assert cfg.sliding_window_layers == (0, 1) and cfg.attn_logit_softcapping is None
+    # Gemma 3's max_position_embeddings is the scaled context already (vLLM reads it so): not times 2.
+    assert cfg.max_model_len == 512
     want = reference_greedy(model_dir, PROMPTS[:3])
     one_rope = tmp_path / "one-rope"
     shutil.copytree(model_dir, one_rope)
@@ -818,6 +820,25 @@ def test_gemma3_rope_per_layer_type_and_head_norms_change_the_output(
             tensors[name] = torch.zeros_like(tensors[name])  # Gemma's (1 + w): the identity
     save_file(tensors, str(no_head_norms / "model.safetensors"), metadata={"format": "pt"})
     assert reference_greedy(no_head_norms, PROMPTS[:3]) != want
+
+
+def test_gemma3_rope_of_transformers_4_configs() -> None:
+    """transformers 4.x's Gemma 3 config keeps the windowed layers' base apart (rope_local_base_freq; 5.x
+    folds it into rope_parameters per layer type): the windowed layers get their own rope from it too."""
+    from types import SimpleNamespace
+
+    from tp_runtime import config as config_module
+
+    hf = SimpleNamespace(
+        model_type="gemma3_text", rope_theta=1_000_000.0, rope_scaling=None, rope_local_base_freq=10_000.0,
+        max_position_embeddings=32768,
+    )  # fmt: skip
+    local = config_module._rope_config(hf, 32, "sliding_attention")
+    assert (local.rope_type, local.theta) == ("default", 10_000.0)
+    assert local.inv_freq[1] == pytest.approx(10_000.0 ** (-2 / 32))
+    full = config_module._rope_config(hf, 32, None)
+    assert (full.rope_type, full.theta) == ("default", 1_000_000.0)
+    assert full.inv_freq[1] == pytest.approx(1_000_000.0 ** (-2 / 32))
 
 
 def test_config_fields(family_dir: Callable[[str], Path]) -> None:

@@ -119,3 +119,31 @@ def test_a_hub_repository_without_safetensors_brings_its_pytorch_bin(
     (snapshot / "model.safetensors").write_bytes(b"")
     assert resolve_model_name("some-org/new-model") == str(snapshot)
     assert len(calls) == 1 and "pytorch_model*.bin" not in calls[0]
+
+
+def test_concurrent_callers_build_a_cached_folder_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun's ranks resolving one GGUF file (or built-in model) at once: one builds, the others wait
+    for its folder instead of each converting the model again."""
+    import threading
+    import time
+
+    from tp_runtime.presets import cached_dir
+
+    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
+    builds: list[int] = []
+
+    def build(out: Path) -> None:
+        builds.append(1)
+        time.sleep(0.3)
+        (out / "config.json").write_text("{}")
+
+    found: list[Path] = []
+    threads = [threading.Thread(target=lambda: found.append(cached_dir("shared", build))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and found == [tmp_path / "shared"] * 4
+    assert (tmp_path / "shared" / "config.json").is_file()

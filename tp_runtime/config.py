@@ -649,12 +649,22 @@ def _per_layer_type_rope(hf_config: Any) -> bool:
     )
 
 
+def _local_rope_theta(hf_config: Any) -> float | None:
+    """transformers 4.x's Gemma 3 names its windowed layers' rope base apart (rope_local_base_freq; 5.x
+    folds it into rope_parameters["sliding_attention"])."""
+    theta = getattr(hf_config, "rope_local_base_freq", None)
+    return float(theta) if isinstance(theta, (int, float)) and not _per_layer_type_rope(hf_config) else None
+
+
 def _rope_parameters(hf_config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
     """transformers >= 5 keeps rope settings in `rope_parameters` (per layer type for some families: the
-    global layers' by default); 4.x in rope_theta + rope_scaling."""
+    global layers' by default); 4.x in rope_theta + rope_scaling (Gemma 3's windowed layers: an unscaled
+    rope of base rope_local_base_freq)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     if _per_layer_type_rope(hf_config):
         params = dict(params.get(layer_type) or {})
+    elif layer_type == "sliding_attention" and _local_rope_theta(hf_config) is not None:
+        return {"rope_type": "default", "rope_theta": _local_rope_theta(hf_config)}
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -667,6 +677,8 @@ def _max_positions(hf_config: Any) -> int:
     are fixed (transformers computes any position the same way). A dynamic rope's frequencies change past
     max_position_embeddings in transformers, which this rope table does not do: it keeps that limit."""
     max_positions = int(hf_config.max_position_embeddings)
+    if "gemma3" in str(getattr(hf_config, "model_type", "")):
+        return max_positions  # Gemma 3's (128K) is already the scaled one, as vLLM reads it
     params = _rope_parameters(hf_config)
     rope_type = params.get("rope_type", params.get("type", "default"))
     factor = params.get("factor")
@@ -691,13 +703,15 @@ def _rope_config(hf_config: Any, head_dim: int, layer_type: str | None = None) -
         raise ConfigError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
     if rope_type == "default":
         # The supported families' own default rope (transformers' compute_default_rope_parameters) rotates
-        # the whole head, whatever partial_rotary_factor the config carries.
+        # the whole head, whatever partial_rotary_factor the config carries (Phi-3's, whose transformers
+        # class does read it, refuses a partial factor in its adapter).
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim
         inv_freq = 1.0 / (theta**exponents)
         scaling = 1.0
     else:
         try:
-            kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+            # transformers 5's rope functions read a layer type's own parameters (4.x's take no such name).
+            kwargs = {"layer_type": layer_type} if _per_layer_type_rope(hf_config) else {}
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
         except (TypeError, ValueError, KeyError, ZeroDivisionError) as exc:
             # A parameter of the wrong type (a "2.0" string factor) failed here as a bare TypeError.
@@ -886,7 +900,7 @@ def build_model_config(
         )
     config_dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
     config_dtype = str(config_dtype).replace("torch.", "") if config_dtype is not None else None
-    per_type_rope = _per_layer_type_rope(hf)
+    per_type_rope = _per_layer_type_rope(hf) or _local_rope_theta(hf) is not None
     # The generation config: the checkpoint's generation_config.json (if any), or the one in the folder
     # generation_config names.
     own = isinstance(generation_config, str) and generation_config in GENERATION_CONFIG_SOURCES

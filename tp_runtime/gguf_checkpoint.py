@@ -76,15 +76,15 @@ def convert_gguf(gguf: Path, out: Path, edit_config: Callable[[Any], None] | Non
 
 
 def gguf_checkpoint_dir(path: str | os.PathLike[str]) -> Path:
-    """The cached checkpoint folder of GGUF file `path`, converted on first use (atomically: concurrent
-    callers, such as torchrun's ranks, never see a partial folder). The cache entry is keyed by the file's
-    absolute path, size and modification time, so a changed file is converted again."""
+    """The cached checkpoint folder of GGUF file `path`, converted on first use (presets.cached_dir:
+    concurrent callers, such as torchrun's ranks, never see a partial folder, and one converts while the
+    others wait). The cache entry is keyed by the file's absolute path, size and modification time, so a
+    changed file is converted again."""
     from tp_runtime.presets import cached_dir
 
-    gguf = Path(path).resolve()
+    gguf = Path(path).expanduser().resolve()
     if not gguf.is_file():
         raise ConfigError(f"GGUF file {path} does not exist")
-    _check_readers()
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     return cached_dir(f"gguf-{gguf.stem[:64]}-{key}", lambda out: convert_gguf(gguf, out))

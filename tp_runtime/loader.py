@@ -14,6 +14,8 @@ import json
 import math
 import mmap
 import os
+import pickle
+import re
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -182,6 +184,9 @@ class SafetensorsFile:
         return torch.frombuffer(staging, dtype=torch.uint8).view(dtype).reshape(out_shape)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal styling in torch's unpickling messages
+
+
 class TorchBinFile:
     """One PyTorch checkpoint file (transformers' pytorch_model.bin: a pickled state dict) with
     SafetensorsFile's interface. torch.load's weights_only unpickler builds nothing but tensors and plain
@@ -197,8 +202,16 @@ class TorchBinFile:
                     raise
                 # A file of torch's legacy (pre-zip) format cannot be mapped: read whole.
                 state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # unpickling and zip errors of every kind
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        except Exception as exc:  # unpickling, zip and format errors of every kind
+            # torch's message is ANSI-styled; it names an object it refused on an "unsupported global" line.
+            lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
+            refused = next((line for line in lines if "unsupported global" in line.lower()), None)
+            if isinstance(exc, pickle.UnpicklingError) and refused is not None:
+                raise ConfigError(
+                    f"{path} holds more than tensors, which tp_runtime does not unpickle ({refused[:300]}); "
+                    "save the model's state_dict() alone, or convert the checkpoint to safetensors"
+                ) from None
+            reason = lines[0] if lines else type(exc).__name__
             raise ConfigError(
                 f"{path} is not a loadable PyTorch checkpoint ({reason[:300]}); re-download it or convert "
                 "the checkpoint to safetensors"
@@ -368,16 +381,19 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def weight_files(model_dir: str) -> list[str]:
-    """safetensors_files where the folder has safetensors weights, else transformers' fallback: the files of
-    pytorch_model.bin.index.json, or pytorch_model.bin."""
+    """The weight files, in transformers' order of preference: the safetensors index's, model.safetensors,
+    the PyTorch index's (pytorch_model.bin.index.json), pytorch_model.bin, else every *.safetensors (so a
+    stray adapter_model.safetensors beside pytorch_model.bin is not taken for the weights)."""
     folder = Path(model_dir)
-    if (folder / _SAFETENSORS_INDEX).is_file() or any(folder.glob("*.safetensors")):
+    if (folder / _SAFETENSORS_INDEX).is_file() or (folder / "model.safetensors").is_file():
         return safetensors_files(model_dir)
     weight_map = _weight_map(model_dir, _BIN_INDEX)
     if weight_map is not None:
         return _indexed_files(model_dir, _BIN_INDEX, weight_map)
     if (folder / "pytorch_model.bin").is_file():
         return [str(folder / "pytorch_model.bin")]
+    if any(folder.glob("*.safetensors")):
+        return safetensors_files(model_dir)
     raise ConfigError(
         f"no weights in {model_dir}: neither *.safetensors nor pytorch_model.bin; download the checkpoint's "
         "weights, or use load_format='dummy' for random weights"

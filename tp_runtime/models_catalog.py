@@ -78,7 +78,8 @@ def _hub_snapshot(repo_id: str) -> str:
         folder = huggingface_hub.snapshot_download(
             repo_id, allow_patterns=_HUB_FILES, ignore_patterns=_HUB_SKIPPED
         )
-        if not any(Path(folder).glob("*.safetensors")):
+        have = (Path(folder) / name for name in ("model.safetensors", "model.safetensors.index.json"))
+        if not any(path.is_file() for path in have):
             folder = huggingface_hub.snapshot_download(
                 repo_id, allow_patterns=_HUB_FILES + _HUB_BIN_FILES, ignore_patterns=_HUB_SKIPPED
             )
@@ -170,7 +171,7 @@ def resolve_model_name(model: str | os.PathLike[str] | None, load_format: str = 
     model = os.fspath(model)
     if os.path.isdir(model):
         return model
-    if model.endswith(".gguf") and os.path.isfile(model):
+    if model.endswith(".gguf"):
         from tp_runtime.gguf_checkpoint import gguf_checkpoint_dir
 
         return str(gguf_checkpoint_dir(model))

@@ -7,6 +7,8 @@ only, for ``load_format="dummy"`` benchmarks.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import json
 import os
@@ -266,23 +268,29 @@ def cached_dir(name: str, build: Callable[[Path], object]) -> Path:
     """Return ``cache_root()/name``, calling ``build(tmp_dir)`` to create it if it is missing.
 
     The build writes into a temporary sibling that is renamed into place, so a concurrent caller
-    sees either no directory or a complete one. If two callers race, the first rename wins and the
-    loser's copy is discarded.
+    sees either no directory or a complete one. Builders take a file lock first, so concurrent callers
+    (torchrun's ranks on one host) build once: the others wait and find the folder. Should two still
+    race (a file system without locks), the first rename wins and the loser's copy is discarded.
     """
     target = cache_root() / name
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the finished cache dir should look like any other
-    try:
-        build(tmp)
+    with open(target.parent / f".{name}.lock", "a") as lock:
+        with contextlib.suppress(OSError):
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():  # built while this caller waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the finished cache dir should look like any other
         try:
-            os.replace(tmp, target)
-        except OSError:
-            # Another process renamed its finished copy into place first (ENOTEMPTY/EEXIST).
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            try:
+                os.replace(tmp, target)
+            except OSError:
+                # Another process renamed its finished copy into place first (ENOTEMPTY/EEXIST).
+                if not (target / "config.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -354,12 +354,15 @@ def _agree_and_load(
 
 
 def _comparable_config(config: EngineConfig) -> bytes:
-    """The engine configuration as every rank must hold it: all of it but the model's folder, which may
-    sit at another path on each host, and the driver's host, which each node names by its own
-    MASTER_ADDR (only rank 0 binds it)."""
+    """The engine configuration as every rank must hold it: all of it but the model's folder (and the
+    generation config file's path in it), which may sit at another path on each host, and the driver's
+    host, which each node names by its own MASTER_ADDR (only rank 0 binds it)."""
+    model = config.model
     local = dataclasses.replace(
         config,
-        model=dataclasses.replace(config.model, path=""),
+        model=dataclasses.replace(
+            model, path="", generation_defaults=dataclasses.replace(model.generation_defaults, source=None)
+        ),
         parallel=dataclasses.replace(config.parallel, driver_host=""),
     )
     return msgspec.json.encode(local)

@@ -187,6 +187,23 @@ def test_greedy_and_n_samples_under_a_constraint(llm: LLM) -> None:
     assert len(samples) == 4 and all(o.text in choices and o.finish_reason == "stop" for o in samples)
 
 
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_grammar_completed_by_the_last_allowed_token_stops(llm: LLM, ignore_eos: bool) -> None:
+    """An output whose grammar ends with exactly its max_tokens-th token (the grammar's end token, EOS) is
+    whole: finish_reason "stop", as when it ends earlier, with or without ignore_eos."""
+    spec = StructuredOutputsParams(choice=["alpha", "beta", "gamma"])
+
+    def run(max_tokens: int) -> Any:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                structured_outputs=spec)  # fmt: skip
+        return llm.generate(["Pick:"], params, use_tqdm=False)[0].outputs[0]
+
+    whole = run(16)
+    assert whole.text in spec.choice and whole.finish_reason == "stop"  # type: ignore[operator]
+    exact = run(len(whole.token_ids))
+    assert (exact.token_ids, exact.text, exact.finish_reason) == (whole.token_ids, whole.text, "stop")
+
+
 def test_bad_constraints_are_clear_errors_and_the_engine_serves_on(llm: LLM) -> None:
     cases = [
         ({"json": '{"type": "object", "properties": 5}'}, "json"),

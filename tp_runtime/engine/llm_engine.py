@@ -631,7 +631,10 @@ class LLMEngine:
                 if not req.grammar.accept(req.output_token_ids[-1]):
                     reason = "abort"
                 elif req.grammar.finished:
-                    reason = reason or "stop"
+                    # The grammar's end token completed the output: a stop, also when that token reached
+                    # max_tokens or max_model_len too (as a stop token there stops; ignore_eos lets EOS
+                    # pass _check_stop, but not the grammar's end).
+                    reason = "stop" if reason in (None, "length") else reason
             if reason is not None:
                 self.scheduler.finish(req, reason)
             state = states.get(req.req_id)

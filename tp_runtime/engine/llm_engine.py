@@ -228,21 +228,18 @@ class IncrementalDetokenizer:
         tokens = self._tokens(ids, start)
         prefix = self._decode(tokens[: read - start]) if read > start else ""
         before = self._decode(tokens)
-        after = self._final_part([*tokens, next_id], read - start, prefix)
+        after = self._final_part([*tokens, next_id], prefix)
         return max(0, _common_prefix(before, after) - len(prefix))
 
-    def _final_part(self, tokens: list[int], known: int, known_text: str) -> str:
-        """The start of the decode of `tokens` that no later token changes, as far as can be told;
-        tokens[:known] decode to `known_text`, which is final."""
+    def _final_part(self, tokens: list[int], known_text: str) -> str:
+        """The start of the decode of `tokens` (the window and one more token) that no later token changes,
+        as far as can be told: all of it where final, else `known_text`, the decode of the window's tokens
+        already in `text` (every longer prefix of the window was found not final as it arrived)."""
         text = self._decode(tokens)
         if self._final == NO_RULES:
             # Only an unfinished last character can change; bytes that can no longer make one stay.
             return text[:-1] if text.endswith("\ufffd") else text
-        for end in range(len(tokens), known, -1):
-            part = text if end == len(tokens) else self._decode(tokens[:end])
-            if self._final.is_final(self._decode, tokens[:end], part):
-                return part
-        return known_text
+        return text if self._final.is_final(self._decode, tokens, text) else known_text
 
 
 # The prompt tokens an output's text is decoded after (IncrementalDetokenizer): vLLM's number.

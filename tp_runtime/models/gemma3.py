@@ -9,38 +9,17 @@ transformers' modeling_gemma3 differences:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import torch
-
-from tp_runtime.config import ModelConfig
-from tp_runtime.distributed import TPGroup
 from tp_runtime.layers.norm import GemmaHeadRMSNorm
-from tp_runtime.layers.normed_input import NormedInput
 from tp_runtime.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, gemma2_config
-from tp_runtime.models.interface import CheckpointEntry
+from tp_runtime.models.llama import HeadNormedAttention
 
 
-class Gemma3Attention(Gemma2Attention):
-    def __init__(
-        self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool, layer: int
-    ) -> None:
-        super().__init__(cfg, tp, dtype, device, fused, layer)
-        # [head_dim] weights shared by every head, so replicated across ranks.
-        self.q_norm = GemmaHeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, fused)
-        self.k_norm = GemmaHeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, fused)
+class Gemma3Attention(Gemma2Attention, HeadNormedAttention):
+    """Gemma 2's attention (window, scale, soft-cap) with head norms of Gemma's kind (1 + weight)."""
 
-    def project_qkv(
-        self, hidden: torch.Tensor | NormedInput
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().project_qkv(hidden)
-        return self.q_norm(q), self.k_norm(k), v
-
-    def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:
-        yield from super().checkpoint_entries(prefix)
-        yield f"{prefix}q_norm.weight", (self.head_dim,), self.q_norm.weight, 0
-        yield f"{prefix}k_norm.weight", (self.head_dim,), self.k_norm.weight, 0
+    head_norm_cls = GemmaHeadRMSNorm
 
 
 class Gemma3DecoderLayer(Gemma2DecoderLayer):

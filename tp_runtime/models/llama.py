@@ -24,7 +24,7 @@ from tp_runtime.layers.linear import (
     TritonMatmul,
     use_matmul,
 )
-from tp_runtime.layers.norm import RMSNorm
+from tp_runtime.layers.norm import HeadRMSNorm, RMSNorm
 from tp_runtime.layers.normed_input import NormedInput, as_tensor
 from tp_runtime.layers.quantization import linear_method
 from tp_runtime.layers.rotary import RotaryEmbedding, apply_rotary
@@ -111,6 +111,32 @@ class LlamaAttention(nn.Module):
         yield f"{prefix}o_proj.weight", (c.hidden_size, q), self.o_proj.weight, 0
         if self.o_proj.bias is not None:
             yield f"{prefix}o_proj.bias", (c.hidden_size,), self.o_proj.bias, 0
+
+
+class HeadNormedAttention(LlamaAttention):
+    """Llama's attention with an RMSNorm over each query and key head before rotary (Qwen3, Gemma 3:
+    `head_norm_cls` says which kind); the q_norm / k_norm weights are [head_dim], shared by every head and
+    so replicated across ranks."""
+
+    head_norm_cls: type[HeadRMSNorm] = HeadRMSNorm
+
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
+    ) -> None:
+        super().__init__(cfg, tp, dtype, device, fused)
+        self.q_norm = self.head_norm_cls(cfg.head_dim, cfg.rms_norm_eps, dtype, device, fused)
+        self.k_norm = self.head_norm_cls(cfg.head_dim, cfg.rms_norm_eps, dtype, device, fused)
+
+    def project_qkv(
+        self, hidden: torch.Tensor | NormedInput
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project_qkv(hidden)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:
+        yield from super().checkpoint_entries(prefix)
+        yield f"{prefix}q_norm.weight", (self.head_dim,), self.q_norm.weight, 0
+        yield f"{prefix}k_norm.weight", (self.head_dim,), self.k_norm.weight, 0
 
 
 class LlamaMLP(nn.Module):

@@ -920,6 +920,7 @@ def test_worker_traceback_stays_in_the_server_log(
     get one line naming the rank and the exception's class; its traceback is logged once, on the server."""
     executor = ScriptedExecutor(closed_form)
     executor.fail_at_step = 3
+    executor.fail_after_requests = 2  # both requests are in before the engine dies
     executor.failure = WorkerError(
         1, 'Traceback (most recent call last):\n  File "/srv/secret/worker.py", line 7, in step\n'
         "RuntimeError: CUDA error: secret detail\n",

@@ -38,7 +38,8 @@ class ScriptedExecutor:
     """Stands in for the executor: 'samples' `script(req_id, position)`, and checks each step against a
     worker's view of its live requests (a freed request is never scheduled again, nor a request twice).
     With `gate`, each step waits until the test releases it (one `release()` per step). From step
-    `fail_at_step` on, a step raises `failure`; `check_alive` (what an idle engine thread calls) raises
+    `fail_at_step` on, a step raises `failure`, once `fail_after_requests` requests have arrived (a
+    failure that waits for an observed event, not for the engine thread to lose a race); `check_alive` (what an idle engine thread calls) raises
     `dead` once set, and calls `on_check_alive` first."""
 
     def __init__(self, script: Callable[[int, int], int], gate: threading.Semaphore | None = None) -> None:
@@ -49,6 +50,8 @@ class ScriptedExecutor:
         self.outputs: dict[int, ModelRunnerOutput] = {}
         self.last_step_timings: dict[str, float] = {}
         self.fail_at_step: int | None = None
+        self.fail_after_requests = 0
+        self.requests_seen = 0
         self.failure: BaseException = WorkerDiedError(1, "killed by the test")
         self.dead: BaseException | None = None
         self.on_check_alive: Callable[[], None] | None = None
@@ -66,6 +69,7 @@ class ScriptedExecutor:
             assert new.req_id not in self.tokens
             self.tokens[new.req_id] = list(new.token_ids)
             self.computed[new.req_id] = new.num_computed_tokens  # a prefix-cache hit starts later
+            self.requests_seen += 1
         req_ids, sampled = [], []
         for req_id, n in zip(so.scheduled_req_ids, so.num_scheduled_tokens, strict=True):
             tokens = self.tokens[req_id]
@@ -83,7 +87,8 @@ class ScriptedExecutor:
         if self.gate is not None:
             self.gate.acquire()
         self.steps += 1
-        if self.fail_at_step is not None and self.steps >= self.fail_at_step:
+        failing = self.fail_at_step is not None and self.steps >= self.fail_at_step
+        if failing and self.requests_seen >= self.fail_after_requests:
             raise self.failure
         return self.outputs.pop(step_id)
 
@@ -529,6 +534,7 @@ def test_engine_thread_surfaces_a_dead_engine(model_config: Any, tokenizer: Any)
     readers would mutate its traceback under the others) that names the cause in one line."""
     executor = ScriptedExecutor(closed_form)
     executor.fail_at_step = 3
+    executor.fail_after_requests = 3  # all three streams are in before the engine dies
     async_engine = AsyncLLMEngine(make_engine(model_config, tokenizer, executor))
     async_engine.start()
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)

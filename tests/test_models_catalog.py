@@ -40,6 +40,12 @@ def test_unknown_name_is_a_config_error_listing_the_names(model: str, says: str)
         assert name in str(info.value)
 
 
+def test_a_missing_gguf_file_is_a_config_error(tmp_path: Path) -> None:
+    missing = tmp_path / "models" / "model.Q4_K_M.gguf"
+    with pytest.raises(ConfigError, match=f"GGUF file {missing} does not exist"):
+        resolve_model_name(missing)
+
+
 def test_shape_without_weights_needs_dummy() -> None:
     with pytest.raises(ConfigError, match="load_format='dummy'"):
         resolve_model_name("llama-3-8b")

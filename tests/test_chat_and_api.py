@@ -93,6 +93,32 @@ def test_get_tokenizer(llm: LLM, model_dir: Path) -> None:
     assert tok("Hello there")["input_ids"] == reference("Hello there")["input_ids"]
 
 
+def without_tokenizer(model_dir: Path, out: Path) -> Path:
+    """A copy of a checkpoint folder without its tokenizer's files (weights and configs only)."""
+    shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    return out
+
+
+def test_tokenizer_from_another_folder(llm: LLM, model_dir: Path, tmp_path: Path) -> None:
+    """LLM(tokenizer=...) (vLLM's option): a checkpoint folder without a tokenizer runs with one from
+    elsewhere, its chat template included; without the option, or with a folder that holds none, a
+    ConfigError names where it looked."""
+    from tp_runtime.errors import ConfigError
+
+    weights_only = without_tokenizer(model_dir, tmp_path / "weights")
+    with pytest.raises(ConfigError, match=f"could not load a tokenizer from {weights_only}"):
+        LLM(weights_only, dtype="float32", device="cpu")
+    with pytest.raises(ConfigError, match=f"could not load a tokenizer from {tmp_path}"):
+        LLM(weights_only, tokenizer=tmp_path, dtype="float32", device="cpu")
+    want = llm.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False)[0]
+    with LLM(weights_only, tokenizer=str(model_dir), dtype="float32", device="cpu") as other:
+        assert other.get_tokenizer().chat_template == TEMPLATE
+        got = other.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False)[0]
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.outputs[0].text == want.outputs[0].text
+
+
 def test_chat_without_a_template_is_an_invalid_request(make_checkpoint: Callable[..., Path]) -> None:
     with LLM(make_checkpoint(seed=6), dtype="float32", device="cpu") as engine:
         with pytest.raises(InvalidRequestError, match="no chat template; pass chat_template="):

@@ -132,6 +132,7 @@ def test_ranks_compare_their_configurations_but_not_host_local_settings() -> Non
     )
     same = dataclasses.replace(
         base,
+        tokenizer="/elsewhere/tokenizer",  # rank 0's alone
         model=dataclasses.replace(base.model, path="/elsewhere/model", generation_defaults=generation),
         parallel=dataclasses.replace(base.parallel, driver_host="node0.cluster"),
     )

@@ -333,14 +333,18 @@ def test_chat_matches_llm_chat(served: tuple[Server, LLM]) -> None:
     assert out.usage is not None and out.usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
-def test_chat_template_flag_serves_a_model_without_one(
+def test_chat_template_and_tokenizer_flags_serve_a_model_without_them(
     make_checkpoint: Callable[..., Path], llm1: LLM, tmp_path: Path
 ) -> None:
-    """--chat-template gives a tokenizer without a template one: the same weights serve chat as llm1 (whose
-    tokenizer carries TEMPLATE) chats."""
-    model = make_checkpoint(seed=6)
-    assert not getattr(transformers.AutoTokenizer.from_pretrained(model), "chat_template", None)
-    server = start_server(model, 1, tmp_path, "--chat-template", TEMPLATE)
+    """--tokenizer gives a checkpoint folder without a tokenizer one, and --chat-template gives that
+    tokenizer, which has no template, one: the same weights serve chat as llm1 (whose tokenizer carries
+    TEMPLATE) chats."""
+    from test_chat_and_api import without_tokenizer
+
+    tokenizer = make_checkpoint(seed=6)
+    assert not getattr(transformers.AutoTokenizer.from_pretrained(tokenizer), "chat_template", None)
+    model = without_tokenizer(tokenizer, tmp_path / "weights")
+    server = start_server(model, 1, tmp_path, "--tokenizer", str(tokenizer), "--chat-template", TEMPLATE)
     try:
         [ref] = llm1.chat(MESSAGES, greedy(12), use_tqdm=False)
         out = server.client().chat.completions.create(

@@ -39,8 +39,8 @@ class ScriptedExecutor:
     worker's view of its live requests (a freed request is never scheduled again, nor a request twice).
     With `gate`, each step waits until the test releases it (one `release()` per step). From step
     `fail_at_step` on, a step raises `failure`, once `fail_after_requests` requests have arrived (a
-    failure that waits for an observed event, not for the engine thread to lose a race); `check_alive` (what an idle engine thread calls) raises
-    `dead` once set, and calls `on_check_alive` first."""
+    failure that waits for an observed event, not for the engine thread to lose a race); `check_alive`
+    (what an idle engine thread calls) raises `dead` once set, and calls `on_check_alive` first."""
 
     def __init__(self, script: Callable[[int, int], int], gate: threading.Semaphore | None = None) -> None:
         self.script = script

@@ -228,18 +228,15 @@ def _sampling_params(args: argparse.Namespace) -> Any:
 
 def _check_chat_template(args: argparse.Namespace) -> None:
     """--chat needs a chat template in the model's tokenizer: say so before anything starts."""
-    import transformers
+    from tp_runtime.config import load_tokenizer
 
-    folder = resolve_model_arg(args)
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    except Exception as exc:
-        raise ConfigError(f"could not load a tokenizer from {folder}: {exc}") from None
+    folder = os.path.expanduser(args.tokenizer) if args.tokenizer else resolve_model_arg(args)
+    tokenizer = load_tokenizer(folder)
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
             f"argument --chat: the model {args.model or folder} has no chat template (its tokenizer in "
             f"{folder} carries none); leave out --chat to complete the prompts as plain text, or give a "
-            "--model whose tokenizer has one (smollm2-135m-instruct does)"
+            "--model or --tokenizer whose tokenizer has one (smollm2-135m-instruct does)"
         )
 
 

@@ -428,6 +428,8 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
+    # A tokenizer folder or Hub id other than the model's (vLLM's `tokenizer`); None: the model's folder.
+    tokenizer: str | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -481,6 +483,23 @@ class EngineConfig:
         if not isinstance(self.async_scheduling, bool):
             raise ConfigError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         validate_tensor_parallel(self.model, self.parallel.tensor_parallel_size)
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ConfigError(f"tokenizer must be a folder or a Hugging Face Hub id, got {self.tokenizer!r}")
+
+    @property
+    def tokenizer_source(self) -> str:
+        """Where the tokenizer loads from: `tokenizer`, else the model's folder."""
+        return self.tokenizer if self.tokenizer is not None else self.model.path
+
+
+def load_tokenizer(source: str | os.PathLike[str]) -> Any:
+    """The Hugging Face tokenizer of a folder or Hub id; a ConfigError that names it when none loads."""
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(os.fspath(source))
+    except Exception as exc:
+        raise ConfigError(f"could not load a tokenizer from {os.fspath(source)}: {exc}") from exc
 
 
 @dataclass(frozen=True)

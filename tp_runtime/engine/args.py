@@ -85,6 +85,13 @@ class EngineArgs:
             help="checkpoint folder or built-in model name, listed below", default_help=DEFAULT_MODEL
         )
     )
+    tokenizer: str | os.PathLike[str] | None = field(
+        default=None,
+        metadata=meta(
+            help="tokenizer folder or Hugging Face Hub id, as vLLM's --tokenizer",
+            default_help="the model's",
+        ),
+    )
     tensor_parallel_size: int = field(
         default=1, metadata=meta(help="ranks the model is split across", aliases=("-tp",), at_least=1)
     )
@@ -273,6 +280,7 @@ class EngineArgs:
         )  # fmt: skip
         return EngineConfig(
             model=model_config,
+            tokenizer=None if self.tokenizer is None else os.path.expanduser(os.fspath(self.tokenizer)),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, executor=self.executor,
                 step_timeout_s=self.step_timeout_s, startup_timeout_s=self.startup_timeout_s,

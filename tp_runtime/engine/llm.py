@@ -11,9 +11,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from tp_runtime.config import (
-    EngineConfig,
-)
+from tp_runtime.config import EngineConfig, load_tokenizer
 from tp_runtime.engine.args import EngineArgs
 from tp_runtime.engine.llm_engine import LLMEngine, best_samples, child_params
 from tp_runtime.errors import ConfigError, InvalidRequestError
@@ -111,14 +109,8 @@ class LLM:
         return cls(**args.to_llm_kwargs())
 
     def _start(self, config: EngineConfig) -> None:
-        import transformers
-
         self.config = config
-        model = config.model.path
-        try:
-            self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(model))
-        except Exception as exc:
-            raise ConfigError(f"could not load a tokenizer from {model}: {exc}") from exc
+        self.tokenizer = load_tokenizer(config.tokenizer_source)
         self.engine = LLMEngine(self.config, self.tokenizer)
         self._lock = threading.RLock()  # serializes generate/chat callers (see the class doc)
         self._closed = False

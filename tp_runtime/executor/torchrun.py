@@ -355,11 +355,13 @@ def _agree_and_load(
 
 def _comparable_config(config: EngineConfig) -> bytes:
     """The engine configuration as every rank must hold it: all of it but the model's folder (and the
-    generation config file's path in it), which may sit at another path on each host, and the driver's
-    host, which each node names by its own MASTER_ADDR (only rank 0 binds it)."""
+    generation config file's path in it) and the tokenizer's, which may sit at another path on each host
+    (only rank 0 reads the tokenizer), and the driver's host, which each node names by its own
+    MASTER_ADDR (only rank 0 binds it)."""
     model = config.model
     local = dataclasses.replace(
         config,
+        tokenizer=None,
         model=dataclasses.replace(
             model, path="", generation_defaults=dataclasses.replace(model.generation_defaults, source=None)
         ),

@@ -170,8 +170,7 @@ def run_server(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace, sock: socket.socket, signals: _Signals) -> None:
-    import transformers
-
+    from tp_runtime.config import load_tokenizer
     from tp_runtime.engine.args import build_llm
     from tp_runtime.server.cli import API_KEY_ENV
 
@@ -180,7 +179,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, signals: _Signals) -> 
     engine = AsyncLLMEngine(llm.engine, shutdown_engine=llm.shutdown)
     try:
         config = llm.engine.config
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(config.model.path))
+        tokenizer = load_tokenizer(config.tokenizer_source)
         if args.chat_template is not None:  # check_serve read and parsed it
             tokenizer.chat_template = args.chat_template
         model_name = args.served_model_name or _model_name(args.model)

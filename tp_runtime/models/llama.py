@@ -191,15 +191,16 @@ class LlamaDecoderLayer(nn.Module):
         device: torch.device,
         fused: bool,
         tp: TPGroup,
+        norm_cls: type[RMSNorm] = RMSNorm,
     ) -> None:
         super().__init__()
         self.tp = tp
         # Set by the model when every layer can: the row-parallel outputs leave unreduced and the norm
         # after each sums them (one kernel for all-reduce + residual add + RMSNorm).
         self.reduce_in_norm = False
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
+        self.input_layernorm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
         self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
+        self.post_attention_layernorm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
         self.mlp = mlp
 
     def forward(
@@ -236,20 +237,23 @@ class LlamaModel(nn.Module):
         device: torch.device,
         fused: bool,
         layers: list[LlamaDecoderLayer],
+        norm_cls: type[RMSNorm] = RMSNorm,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
+        self.norm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.max_model_len, device)
 
 
 class LlamaForCausalLM(nn.Module):
     """A pre-norm decoder with rotary attention and a SiLU-gated feed-forward. Other families change it
-    through `attention_cls` (Qwen3's q/k norms), `make_mlp` (sparse experts) and `mlp_checkpoint_name`;
-    the forward pass, the checkpoint mapping and the rest of the interface (models/interface.py) stay here."""
+    through `attention_cls` (Qwen3's q/k norms), `norm_cls` and `embed` (Gemma's (1 + w) norms and scaled
+    embedding), `make_mlp` (sparse experts, GeGLU) and `mlp_checkpoint_name`; the forward pass, the
+    checkpoint mapping and the rest of the interface (models/interface.py) stay here."""
 
     attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+    norm_cls: ClassVar[type[RMSNorm]] = RMSNorm
     # The checkpoint's name for a layer's feed-forward (ours is always `mlp`).
     mlp_checkpoint_name: ClassVar[str] = "mlp"
 
@@ -269,20 +273,23 @@ class LlamaForCausalLM(nn.Module):
                 device,
                 fused,
                 tp,
+                self.norm_cls,
             )
             for i in range(cfg.num_layers)
         ]
         self.tp = tp
         # Fusing each all-reduce into the norm after it needs dense layers whose row-parallel outputs
-        # have no bias (the bias would be added before the sum) and a strategy that fuses.
+        # have no bias (the bias would be added before the sum), a strategy that fuses, and Llama's norm
+        # (the fused all-reduce + norm kernel has no (1 + w) form).
         self.reduce_in_norm = (
             tp.strategy.fuses_add_rms_norm
+            and not self.norm_cls.unit_offset
             and not cfg.o_proj_bias
             and all(type(layer.mlp) is LlamaMLP and layer.mlp.down_proj.bias is None for layer in layers)
         )
         for layer in layers:
             layer.reduce_in_norm = self.reduce_in_norm
-        self.model = LlamaModel(cfg, tp, dtype, device, fused, layers)
+        self.model = LlamaModel(cfg, tp, dtype, device, fused, layers, self.norm_cls)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -298,6 +305,11 @@ class LlamaForCausalLM(nn.Module):
         """Layer `layer`'s feed-forward."""
         return LlamaMLP(self.config, tp, dtype, device, fused)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder's input: each token's embedding row."""
+        out: torch.Tensor = self.model.embed_tokens(input_ids)
+        return out
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -307,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per scheduled token."""
         cos, sin = self.model.rotary.cos_sin(positions)
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)

@@ -34,6 +34,13 @@ from tp_runtime.models.interface import CheckpointEntry, unused_checkpoint_tenso
 from tp_runtime.models.llama import LlamaAttention, LlamaMLP
 
 
+def embedding_normalizer(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The factor of every Gemma's embedding output: sqrt(hidden_size) as transformers holds it, a float32
+    scalar cast to the model dtype (in bfloat16 sqrt(2304) = 48.0 stays 48.0, sqrt(3072) = 55.43 becomes
+    55.5)."""
+    return torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32).to(dtype).to(device)
+
+
 class Gemma2Attention(LlamaAttention):
     """Llama's attention with this layer's window (None on global layers), Gemma's scale and soft-cap."""
 
@@ -124,10 +131,7 @@ class Gemma2Model(nn.Module):
         self.local_rotary = (
             None if cfg.local_rope is None else RotaryEmbedding(cfg.local_rope, cfg.max_model_len, device)
         )
-        # sqrt(hidden_size) as transformers holds it: a float32 scalar, cast to the model dtype (in bfloat16
-        # sqrt(2304) = 48.0 becomes 48.0, sqrt(3072) = 55.43 becomes 55.5).
-        normalizer = torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32).to(dtype)
-        self.register_buffer("normalizer", normalizer.to(device), persistent=False)
+        self.register_buffer("normalizer", embedding_normalizer(cfg, dtype, device), persistent=False)
 
 
 class Gemma2ForCausalLM(nn.Module):
@@ -223,8 +227,7 @@ def gemma2_config(hf: Any, family: str = "Gemma 2") -> dict[str, Any]:
     act = getattr(hf, "hidden_activation", None) or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise ConfigError(f"{family} hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
-    if getattr(hf, "use_bidirectional_attention", False):
-        raise ConfigError(f"{family} with use_bidirectional_attention is not supported (causal only)")
+    refuse_bidirectional(hf, family)
     num_layers = int(hf.num_hidden_layers)
     layer_types = list(getattr(hf, "layer_types", None) or [])
     if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
@@ -251,3 +254,13 @@ def gemma2_config(hf: Any, family: str = "Gemma 2") -> dict[str, Any]:
         "attn_logit_softcapping": cap("attn_logit_softcapping"),
         "final_logit_softcapping": cap("final_logit_softcapping"),
     }
+
+
+def refuse_bidirectional(hf: Any, family: str) -> None:
+    """transformers' Gemma configs can make attention bidirectional (embedding models); the runner's is
+    causal only."""
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise ConfigError(
+            f"{family} with use_bidirectional_attention is not supported (causal only); remove it from "
+            "config.json or set it to false"
+        )

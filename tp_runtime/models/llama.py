@@ -1,5 +1,5 @@
 """The Llama architecture family (Llama, Mistral, Qwen2) written with tensor-parallel layers, and the
-decoder skeleton the other families extend (models/qwen3.py, mixtral.py, qwen3_moe.py).
+decoder skeleton the other families extend (models/qwen3.py, mixtral.py, qwen3_moe.py, phi3.py, gemma.py).
 
 At TP=1 every collective is a no-op, so one code path serves every TP size.
 """

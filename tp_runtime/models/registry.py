@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tp_runtime.errors import ConfigError
+from tp_runtime.models.gemma import GemmaForCausalLM, gemma_config
 from tp_runtime.models.gemma2 import Gemma2ForCausalLM, gemma2_config
 from tp_runtime.models.gemma3 import Gemma3ForCausalLM, gemma3_config
 from tp_runtime.models.interface import CausalLMFactory, ConfigAdapter
@@ -33,6 +34,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture(Qwen3ForCausalLM, qwen3_config),
     "MixtralForCausalLM": Architecture(MixtralForCausalLM, mixtral_config),
     "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, qwen3_moe_config),
+    "GemmaForCausalLM": Architecture(GemmaForCausalLM, gemma_config),
     "Gemma2ForCausalLM": Architecture(Gemma2ForCausalLM, gemma2_config),
     "Gemma3ForCausalLM": Architecture(Gemma3ForCausalLM, gemma3_config),
     "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, phi3_config),

@@ -51,6 +51,7 @@ ARCH_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
     "Qwen3ForCausalLM": transformers.Qwen3Config,
     "MixtralForCausalLM": transformers.MixtralConfig,
     "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+    "GemmaForCausalLM": transformers.GemmaConfig,
     "Gemma2ForCausalLM": transformers.Gemma2Config,
     "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
     "Phi3ForCausalLM": transformers.Phi3Config,

@@ -276,3 +276,15 @@ def test_layers_with_a_row_parallel_bias_never_defer(make_checkpoint: Any, overr
     tp = TPGroup(0, WORLD, _FusingDist())
     model = model_class(cfg.architecture)(cfg, tp, torch.float32, torch.device("cpu"))
     assert not model.reduce_in_norm
+
+
+def test_gemma_layers_never_defer(make_checkpoint: Any) -> None:
+    """The fused all-reduce + norm kernel computes Llama's norm, not Gemma's (1 + w) one: a Gemma model
+    reduces in its row-parallel layers even where the strategy fuses."""
+    from tp_runtime.models.registry import model_class
+
+    checkpoint = make_checkpoint("GemmaForCausalLM", head_dim=32, tie_word_embeddings=True)
+    cfg = build_model_config(checkpoint, dtype="float32", device="cpu")
+    tp = TPGroup(0, WORLD, _FusingDist())
+    model = model_class(cfg.architecture)(cfg, tp, torch.float32, torch.device("cpu"))
+    assert not model.reduce_in_norm

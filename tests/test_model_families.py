@@ -1,4 +1,5 @@
-"""Qwen3, Mixtral, Qwen3-MoE and Gemma 2 against HF transformers (fp32, CPU) on tiny random checkpoints.
+"""Qwen3, Mixtral, Qwen3-MoE, Gemma and Gemma 2 against HF transformers (fp32, CPU) on tiny random
+checkpoints.
 
 - Greedy tokens equal HF's and logprobs are within 1e-4 at TP=1, 2 and (Mixtral) 4, through chunked
   prefill and preemption by recompute.
@@ -79,6 +80,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "decoder_sparse_step": 2,
         },
     ),
+    # Gemma: Llama's layers with (1 + w) norms, GeGLU and the sqrt(hidden) embedding scale; head_dim 32
+    # with 4 heads (q width 128, not hidden_size 64); tied embeddings.
+    "gemma": ("GemmaForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
     # Gemma 2: layers 0 and 2 windowed (6 tokens), layer 1 global; both soft-caps bind; scale 24 ** -0.5
     # with head_dim 32; tied embeddings.
     "gemma2": (
@@ -164,11 +168,8 @@ def hf_model(model_dir: Path) -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
 
 
-def reference_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    if not _eager(model_dir):
-        return hf_greedy(model_dir, prompts, MAX_TOKENS)
-    model = hf_model(model_dir)
-    assert model.config._attn_implementation == "eager"
+def greedy(model: Any, prompts: list[list[int]]) -> list[list[int]]:
+    """A transformers model's greedy continuation of each prompt, MAX_TOKENS long."""
     model.generation_config.eos_token_id = None  # never stops early (paired with ignore_eos)
     outs = []
     for p in prompts:
@@ -179,6 +180,14 @@ def reference_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int
         )  # fmt: skip
         outs.append(gen[0, len(p) :].tolist())
     return outs
+
+
+def reference_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    if not _eager(model_dir):
+        return hf_greedy(model_dir, prompts, MAX_TOKENS)
+    model = hf_model(model_dir)
+    assert model.config._attn_implementation == "eager"
+    return greedy(model, prompts)
 
 
 @functools.cache
@@ -228,6 +237,8 @@ CASES = [
     ("qwen3-moe", 1),
     ("qwen3-moe", 2),
     ("qwen3-moe-step2", 1),
+    ("gemma", 1),
+    ("gemma", 2),
     ("gemma2", 1),
     ("gemma2", 2),
     ("gemma2", 4),  # 2 KV heads replicated over 4 ranks
@@ -326,14 +337,39 @@ def test_gemma2_caps_window_and_scale_change_the_output(family_dir: Callable[[st
                 moved = model(ids).logits.log_softmax(-1) - hf_model(model_dir)(ids).logits.log_softmax(-1)
             assert moved.abs().max() > 0.1, f"{what}: the test model does not depend on it"
             continue
-        model.generation_config.eos_token_id = None
-        got = []
-        for p in PROMPTS:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False, pad_token_id=0)  # fmt: skip
-            got.append(gen[0, len(p) :].tolist())
-        assert got != want, f"{what}: the test model does not depend on it"
+        assert greedy(model, PROMPTS) != want, f"{what}: the test model does not depend on it"
+
+
+def test_gemma_norms_geglu_and_embedding_scale_change_the_output(family_dir: Callable[[str], Path]) -> None:
+    """The Gemma test model is one where each of its own parts matters: with Llama's norm (w, not 1 + w),
+    with SwiGLU, or without the sqrt(hidden_size) embedding scale, HF's own greedy tokens change (so the
+    tokens equal to HF's above show each is applied). Checked in one forward pass a prompt: the greedy
+    tokens change where some next-token argmax along HF's own continuation does."""
+    model_dir = family_dir("gemma")
+    want = hf_reference(model_dir)
+
+    def llama_norms(model: Any) -> None:
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.sub_(1.0)  # (1 + (w - 1)) x: the checkpoint's w read as Llama reads it
+
+    def unscaled(model: Any) -> None:
+        model.model.embed_tokens.embed_scale.fill_(1.0)
+
+    variants: dict[str, tuple[dict[str, Any], Callable[[Any], None]]] = {
+        "Llama's norm": ({}, llama_norms),
+        "SwiGLU": ({"hidden_act": "silu"}, lambda model: None),
+        "no embedding scale": ({}, unscaled),
+    }
+    for what, (overrides, change) in variants.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **overrides)
+        with torch.no_grad():
+            change(model.eval())
+            argmax = [
+                model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].argmax(-1).tolist()
+                for p, c in zip(PROMPTS, want, strict=True)
+            ]
+        assert argmax != want, f"{what}: the test model does not depend on it"
 
 
 # ----------------------------------------------------------------------------- attention alone
@@ -652,7 +688,7 @@ def _expected(
 
 SHARD_CASES = [
     ("qwen3", 2), ("qwen3", 4), ("mixtral", 2), ("mixtral", 4), ("qwen3-moe", 2),
-    ("gemma2", 2), ("gemma2", 4), ("gemma2-global", 2),
+    ("gemma", 2), ("gemma2", 2), ("gemma2", 4), ("gemma2-global", 2),
 ]  # fmt: skip
 
 
@@ -784,7 +820,7 @@ def test_which_safetensors_files_are_read(make_checkpoint: Callable[..., Path], 
 
 
 def test_dummy_weights_load_for_every_family(family_dir: Callable[[str], Path]) -> None:
-    for family in ("qwen3", "mixtral", "qwen3-moe", "gemma2"):
+    for family in ("qwen3", "mixtral", "qwen3-moe", "gemma", "gemma2"):
         cfg = build_model_config(family_dir(family), dtype="float32", device="cpu", load_format="dummy")
         model = model_class(cfg.architecture)(cfg, TPGroup(0, 1), torch.float32, torch.device("cpu"))
         loader.init_dummy_weights(model, 0, torch.float32, torch.device("cpu"))
@@ -866,6 +902,39 @@ def test_config_fields(family_dir: Callable[[str], Path]) -> None:
     global_only = build_model_config(family_dir("gemma2-global"), device="cpu")
     assert global_only.sliding_window is None and global_only.sliding_window_layers == ()
     assert [global_only.layer_window(i) for i in range(2)] == [None, None]
+
+
+def test_gemma_config_fields_and_unsupported_settings(
+    family_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Gemma: GeGLU, head_dim from the config (not hidden_size / heads) and scaled by its own ** -0.5, tied
+    embeddings, no window or soft-caps. The first releases' hidden_act "gelu" is the tanh approximation
+    (as transformers' GemmaConfig reads it); another activation, or bidirectional attention, is a
+    ConfigError."""
+    model_dir = family_dir("gemma")
+    gemma = build_model_config(model_dir, device="cpu")
+    assert gemma.hidden_act == "gelu_pytorch_tanh" and gemma.tie_word_embeddings and gemma.head_dim == 32
+    assert gemma.attention_scale == 32**-0.5 and not gemma.qkv_bias and not gemma.o_proj_bias
+    assert gemma.sliding_window is None and gemma.layer_window(0) is None
+    assert gemma.attn_logit_softcapping is None and gemma.final_logit_softcapping is None
+    config = json.loads((model_dir / "config.json").read_text())
+    cases: dict[str, tuple[dict[str, Any], str | None]] = {
+        "legacy gelu": ({"hidden_act": "gelu"}, None),
+        "silu": ({"hidden_act": "silu"}, "Gemma hidden_act 'silu' is not supported"),
+        "bidirectional": (
+            {"use_bidirectional_attention": True},
+            "use_bidirectional_attention is not supported",
+        ),
+    }
+    for what, (change, error) in cases.items():
+        folder = tmp_path / what.replace(" ", "-")
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**config, **change}))
+        if error is None:
+            assert build_model_config(folder, device="cpu").hidden_act == "gelu_pytorch_tanh", what
+        else:
+            with pytest.raises(ConfigError, match=error):
+                build_model_config(folder, device="cpu")
 
 
 def test_tp_size_that_does_not_divide_the_experts_is_config_error(

@@ -1,5 +1,5 @@
-"""Greedy tokens of the non-Llama families (Qwen3, Mixtral, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3) at several
-TP sizes, against each other and against HF transformers, on small random checkpoints built here.
+"""Greedy tokens of the non-Llama families (Qwen3, Mixtral, Qwen3-MoE, Gemma, Gemma 2, Gemma 3, Phi-3) at
+several TP sizes, against each other and against HF transformers, on small random checkpoints built here.
 
     python scripts/check_families.py --device cuda --tp-sizes 1 2 --output-json families.json
 
@@ -69,6 +69,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "mlp_only_layers": [0],
         },
     ),
+    # Gemma: Llama's layers with (1 + w) norms, GeGLU and the sqrt(hidden) embedding scale; head_dim 64
+    # (q width 512, not hidden_size 256); tied embeddings.
+    "gemma": ("GemmaForCausalLM", {"head_dim": 64, "tie_word_embeddings": True}),
     # Layers 0 and 2 windowed (16 tokens), 1 and 3 global; both soft-caps on (the attention cap, the window
     # and the scale each change HF's greedy tokens on every prompt); scale 24 ** -0.5 with head_dim 32; tied
     # embeddings.
@@ -113,7 +116,10 @@ WEIGHT_GAIN = 1.5  # weights ~ N(0, (gain / sqrt(fan_in))^2); norm weights + N(0
 # Gemma 2 with tied embeddings and the init above predicts its own input token everywhere (the residual
 # is mostly the sqrt(hidden)-scaled embedding), so greedy decoding repeats one token. A small embedding,
 # larger sublayer outputs (post-norms) and a larger final norm (peaked logits) give varied continuations.
+# Gemma (1) repeats likewise; it has no post-norms (its post_attention_layernorm is the MLP's input norm),
+# and the small embedding and large final norm suffice.
 INIT_OVERRIDES: dict[str, dict[str, float]] = {
+    "gemma": {"embed_gain": 0.2, "final_norm_offset": 8.0},
     "gemma2": {"embed_gain": 0.2, "post_norm_offset": 3.0, "final_norm_offset": 8.0},
     "gemma3": {"embed_gain": 0.2, "post_norm_offset": 3.0, "final_norm_offset": 8.0},
 }

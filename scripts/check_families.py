@@ -1,5 +1,5 @@
-"""Greedy tokens of the non-Llama families (Qwen3, Mixtral, Qwen3-MoE, Gemma, Gemma 2, Gemma 3, Phi-3) at
-several TP sizes, against each other and against HF transformers, on small random checkpoints built here.
+"""Greedy tokens of the non-Llama families (Qwen3, Mixtral, Qwen3-MoE, Gemma, Gemma 2, Gemma 3, Phi-3,
+Granite) at several TP sizes, against each other and against HF transformers, on small random checkpoints built here.
 
     python scripts/check_families.py --device cuda --tp-sizes 1 2 --output-json families.json
 
@@ -105,6 +105,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Phi-3: fused qkv_proj / gate_up_proj checkpoint tensors, a 32-token window on every layer.
     "phi3": ("Phi3ForCausalLM", {"sliding_window": 32}),
+    # Granite: Llama with its four scalings (as Granite 3's: embedding x12, residual x0.22, attention
+    # scale 1/head_dim, logits / 8).
+    "granite": (
+        "GraniteForCausalLM",
+        {
+            "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.22,
+            "attention_multiplier": 1 / 32,
+            "logits_scaling": 8.0,
+        },
+    ),
 }
 # transformers' config class of an architecture, where it is not <Name>Config.
 CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}

@@ -52,6 +52,7 @@ ARCH_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
     "MixtralForCausalLM": transformers.MixtralConfig,
     "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
     "GemmaForCausalLM": transformers.GemmaConfig,
+    "GraniteForCausalLM": transformers.GraniteConfig,
     "Gemma2ForCausalLM": transformers.Gemma2Config,
     "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
     "Phi3ForCausalLM": transformers.Phi3Config,

@@ -110,6 +110,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Gemma 3 (conftest.GEMMA3), its q/k norms randomised by with_random_norms.
     "gemma3": ("Gemma3ForCausalLM", GEMMA3),
+    # Granite: Llama with its four scalings, each away from 1 (attention 1/16 with head_dim 16, not 1/4),
+    # and attention biases.
+    "granite": (
+        "GraniteForCausalLM",
+        {
+            "embedding_multiplier": 6.0,
+            "residual_multiplier": 0.3,
+            "attention_multiplier": 0.0625,
+            "logits_scaling": 4.0,
+            "attention_bias": True,
+        },
+    ),
     # Phi-3: fused qkv_proj and gate_up_proj tensors in the checkpoint; a window on every layer.
     "phi3": ("Phi3ForCausalLM", {"sliding_window": 8}),
 }
@@ -247,6 +259,8 @@ CASES = [
     ("gemma3", 2),
     ("phi3", 1),
     ("phi3", 2),
+    ("granite", 1),
+    ("granite", 2),
 ]
 
 
@@ -370,6 +384,46 @@ def test_gemma_norms_geglu_and_embedding_scale_change_the_output(family_dir: Cal
                 for p, c in zip(PROMPTS, want, strict=True)
             ]
         assert argmax != want, f"{what}: the test model does not depend on it"
+
+
+def test_granite_scalings_change_the_output(family_dir: Callable[[str], Path]) -> None:
+    """Each of the Granite test model's multipliers matters: set to 1, HF's own greedy tokens change (so
+    the tokens equal to HF's above show each is applied; logits_scaling leaves the argmax as it is and
+    shows in the logprobs compared there). Checked as the Gemma test above is."""
+    model_dir = family_dir("granite")
+    want = hf_reference(model_dir)
+    for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, **{name: 1.0}
+        ).eval()
+        with torch.no_grad():
+            argmax = [
+                model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].argmax(-1).tolist()
+                for p, c in zip(PROMPTS, want, strict=True)
+            ]
+        assert argmax != want, f"{name}: the test model does not depend on it"
+
+
+def test_granite_config_fields_and_bad_scalings(family_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """Granite's scalings reach ModelConfig (its attention scale is attention_multiplier itself); one
+    that is not a positive number is a ConfigError naming it."""
+    model_dir = family_dir("granite")
+    granite = build_model_config(model_dir, device="cpu")
+    assert granite.attention_scale == 0.0625 and granite.embedding_multiplier == 6.0
+    assert granite.residual_multiplier == 0.3 and granite.logits_scaling == 4.0
+    assert granite.qkv_bias and granite.o_proj_bias and not granite.mlp_bias
+    config = json.loads((model_dir / "config.json").read_text())
+    for name, value in (("logits_scaling", 0), ("residual_multiplier", -1.0)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**config, name: value}))
+        with pytest.raises(ConfigError, match=f"Granite {name} must be a positive number"):
+            build_model_config(folder, device="cpu")
+    # A value of the wrong type: transformers' own check, as a ConfigError that names the field.
+    (tmp_path / "typed").mkdir()
+    (tmp_path / "typed" / "config.json").write_text(json.dumps({**config, "attention_multiplier": "x"}))
+    with pytest.raises(ConfigError, match=r"could not read .*attention_multiplier"):
+        build_model_config(tmp_path / "typed", device="cpu")
 
 
 # ----------------------------------------------------------------------------- attention alone

@@ -315,6 +315,13 @@ class ModelConfig:
     # Soft-capping, cap * tanh(x / cap): of attention scores before masking, and of the final logits.
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Granite's scalings: attention scores times attention_multiplier (None: attention_scale's rule), the
+    # embedding output times embedding_multiplier, each block's output times residual_multiplier as it
+    # joins the residual stream, the logits divided by logits_scaling (1: none).
+    attention_multiplier: float | None = None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # FP8 linear layers (None: the model dtype's).
     quantization: QuantConfig | None = None
     # The rope of the sliding-window layers where the config gives them their own (Gemma 3's local base
@@ -331,6 +338,8 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         base = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
         return float(base**-0.5)
 
@@ -649,13 +658,21 @@ def resolve_dtype(dtype: str, config_dtype: str | None, device: str) -> str:
 def _load_hf_config(path: str) -> Any:
     import transformers
 
+    # transformers 5's configs validate their fields' types (huggingface_hub's strict dataclasses).
+    invalid: tuple[type[Exception], ...] = (OSError, ValueError, KeyError, TypeError)
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+
+        invalid += (StrictDataclassError,)
+    except ImportError:  # an older huggingface_hub: no such validation
+        pass
     try:
         return transformers.AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as exc:
+    except invalid as exc:
+        detail = " ".join(str(exc).split())[:300] or repr(exc)
         raise ConfigError(
-            f"could not read {path}/config.json as a Hugging Face config ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else exc!r}); check that the file is a valid config of a "
-            "supported architecture"
+            f"could not read {path}/config.json as a Hugging Face config ({type(exc).__name__}: {detail}); "
+            "check that the file is a valid config of a supported architecture"
         ) from None
 
 

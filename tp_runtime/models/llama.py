@@ -1,4 +1,4 @@
-"""The Llama architecture family (Llama, Mistral, Qwen2) written with tensor-parallel layers, and the
+"""The Llama architecture family (Llama, Mistral, Qwen2, Granite) written with tensor-parallel layers, and the
 decoder skeleton the other families extend (models/qwen3.py, mixtral.py, qwen3_moe.py, phi3.py, gemma.py).
 
 At TP=1 every collective is a no-op, so one code path serves every TP size.
@@ -6,6 +6,7 @@ At TP=1 every collective is a no-op, so one code path serves every TP size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any, ClassVar, cast
 
@@ -49,7 +50,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, tp, dtype, device, method
         )
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
         # This layer's sliding window and attention logit soft-cap (Gemma 2 sets them per layer).
         self.window: int | None = cfg.sliding_window
         self.softcap: float | None = None
@@ -202,6 +203,8 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
         self.mlp = mlp
+        # Each block's output times this as it joins the residual stream (Granite's); 1: as it is.
+        self.residual_multiplier = cfg.residual_multiplier
 
     def forward(
         self,
@@ -222,10 +225,16 @@ class LlamaDecoderLayer(nn.Module):
         else:
             normed = reduce_add_norm(self.tp, self.input_layernorm, hidden, residual, partial)
         hidden = self.self_attn(normed, cos, sin, kv_cache, meta, reduce=not partial)
-        normed = reduce_add_norm(self.tp, self.post_attention_layernorm, hidden, residual, partial)
         if partial:
+            normed = reduce_add_norm(self.tp, self.post_attention_layernorm, hidden, residual, partial)
             return cast(LlamaMLP, self.mlp)(normed, reduce=False), residual
-        return self.mlp(normed), residual
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
+        normed = reduce_add_norm(self.tp, self.post_attention_layernorm, hidden, residual, partial)
+        hidden = self.mlp(normed)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
+        return hidden, residual
 
 
 class LlamaModel(nn.Module):
@@ -284,6 +293,7 @@ class LlamaForCausalLM(nn.Module):
         self.reduce_in_norm = (
             tp.strategy.fuses_add_rms_norm
             and not self.norm_cls.unit_offset
+            and cfg.residual_multiplier == 1.0  # the partial sums join the residual stream unscaled
             and not cfg.o_proj_bias
             and all(type(layer.mlp) is LlamaMLP and layer.mlp.down_proj.bias is None for layer in layers)
         )
@@ -306,8 +316,10 @@ class LlamaForCausalLM(nn.Module):
         return LlamaMLP(self.config, tp, dtype, device, fused)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The decoder's input: each token's embedding row."""
+        """The decoder's input: each token's embedding row (times Granite's embedding_multiplier)."""
         out: torch.Tensor = self.model.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            out = out * self.config.embedding_multiplier
         return out
 
     def forward(
@@ -338,7 +350,10 @@ class LlamaForCausalLM(nn.Module):
         return total
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+        logits = self.lm_head.compute_logits(hidden)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        return logits
 
     def _checkpoint_entries(self) -> Iterator[CheckpointEntry]:
         c, h = self.config, self.config.hidden_size
@@ -383,6 +398,19 @@ class LlamaForCausalLM(nn.Module):
 def llama_config(hf: Any) -> dict[str, Any]:
     bias = bool(getattr(hf, "attention_bias", False))
     return {"qkv_bias": bias, "o_proj_bias": bias, "mlp_bias": bool(getattr(hf, "mlp_bias", False))}
+
+
+def granite_config(hf: Any) -> dict[str, Any]:
+    """Granite: Llama with four scalings (ModelConfig's attention_multiplier, embedding_multiplier,
+    residual_multiplier, logits_scaling); its attention scale is attention_multiplier, not
+    head_dim ** -0.5."""
+    scalings = {}
+    for name in ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        value = getattr(hf, name, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ConfigError(f"Granite {name} must be a positive number, got {value!r}; check config.json")
+        scalings[name] = float(value)
+    return {**llama_config(hf), **scalings}
 
 
 def mistral_config(hf: Any) -> dict[str, Any]:

@@ -13,7 +13,13 @@ from tp_runtime.models.gemma import GemmaForCausalLM, gemma_config
 from tp_runtime.models.gemma2 import Gemma2ForCausalLM, gemma2_config
 from tp_runtime.models.gemma3 import Gemma3ForCausalLM, gemma3_config
 from tp_runtime.models.interface import CausalLMFactory, ConfigAdapter
-from tp_runtime.models.llama import LlamaForCausalLM, llama_config, mistral_config, qwen2_config
+from tp_runtime.models.llama import (
+    LlamaForCausalLM,
+    granite_config,
+    llama_config,
+    mistral_config,
+    qwen2_config,
+)
 from tp_runtime.models.mixtral import MixtralForCausalLM, mixtral_config
 from tp_runtime.models.phi3 import Phi3ForCausalLM, phi3_config
 from tp_runtime.models.qwen3 import Qwen3ForCausalLM, qwen3_config
@@ -26,11 +32,13 @@ class Architecture:
     config: ConfigAdapter
 
 
-# Mistral and Qwen2 differ from Llama only in config (sliding window, q/k/v bias), which ModelConfig holds.
+# Mistral, Qwen2 and Granite differ from Llama only in config (sliding window, q/k/v bias, Granite's
+# scalings), which ModelConfig holds.
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture(LlamaForCausalLM, llama_config),
     "MistralForCausalLM": Architecture(LlamaForCausalLM, mistral_config),
     "Qwen2ForCausalLM": Architecture(LlamaForCausalLM, qwen2_config),
+    "GraniteForCausalLM": Architecture(LlamaForCausalLM, granite_config),
     "Qwen3ForCausalLM": Architecture(Qwen3ForCausalLM, qwen3_config),
     "MixtralForCausalLM": Architecture(MixtralForCausalLM, mixtral_config),
     "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, qwen3_moe_config),

@@ -1,5 +1,6 @@
 """Greedy tokens of the non-Llama families (Qwen3, Mixtral, Qwen3-MoE, Gemma, Gemma 2, Gemma 3, Phi-3,
-Granite) at several TP sizes, against each other and against HF transformers, on small random checkpoints built here.
+Granite) at several TP sizes, against each other and against HF transformers, on small random checkpoints
+built here.
 
     python scripts/check_families.py --device cuda --tp-sizes 1 2 --output-json families.json
 

@@ -29,6 +29,7 @@ from tp_runtime.layers import kv_fp8
 from tp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tp_runtime.layers.moe import ExpertWeights, SparseMoE
 from tp_runtime.layers.quantization import FP8_DTYPES, UNQUANTIZED
+from tp_runtime.models.interface import MODEL_NAMES, CheckpointNames
 
 if TYPE_CHECKING:
     from tp_runtime.models.interface import CausalLM
@@ -477,44 +478,58 @@ def _is_quantized(layer: QuantizedLayer | None) -> bool:
 
 
 def load_weights(
-    model: CausalLM, model_dir: str, dtype: torch.dtype, quant: QuantConfig | None = None
+    model: CausalLM,
+    model_dir: str,
+    dtype: torch.dtype,
+    quant: QuantConfig | None = None,
+    checkpoint_names: CheckpointNames = MODEL_NAMES,
 ) -> None:
     """Fill every parameter of `model` from the checkpoint; missing or unknown tensors are errors.
-    `quant`: the model's FP8 config (its layers are FP8 already; the checkpoint's scales go to them)."""
+    `quant`: the model's FP8 config (its layers are FP8 already; the checkpoint's scales go to them).
+    `checkpoint_names`: how the architecture's checkpoints name the model's tensors (models/registry.py);
+    the tensors it skips are never read."""
     quantized = QuantizedCheckpoint(model, quant)
     # By checkpoint name, not by parameter: a fused or stacked parameter (q/k/v, experts) takes many.
     expected = dict(model.checkpoint_shapes())
     missing = dict(expected)
     tied = model.tied_checkpoint_names()
-    tied_found: dict[str, str] = {}  # a tied name the checkpoint holds -> its file
+    tied_found: dict[str, tuple[str, str]] = {}  # a tied name the checkpoint holds -> its file, name there
     for path in weight_files(model_dir):
         with open_weight_file(path) as handle:
-            for name in handle.keys():  # noqa: SIM118 - not a dict
+            for stored in handle.keys():  # noqa: SIM118 - not a dict
+                # `stored`: the tensor's name in the file (what is read); `name`: the model's name of it.
+                try:
+                    name = checkpoint_names.model_name(stored)
+                except KeyError:
+                    unexpected = f"{os.path.basename(path)} holds unexpected tensor {stored!r}"
+                    raise ConfigError(unexpected) from None
+                if name is None:
+                    continue
                 if name in tied:  # checked against (or standing in for) its twin once all are loaded
-                    tied_found[name] = path
+                    tied_found[name] = (path, stored)
                     continue
-                if quantized.load_extra(name, CheckpointTensor(handle, name, None)):
+                if quantized.load_extra(name, CheckpointTensor(handle, stored, None)):
                     continue
-                if _load_kv_scale(model, name, CheckpointTensor(handle, name, None)):
+                if _load_kv_scale(model, name, CheckpointTensor(handle, stored, None)):
                     continue
-                for part, tensor in _split_fused(model, path, name, CheckpointTensor(handle, name, dtype)):
+                for part, tensor in _split_fused(model, path, name, CheckpointTensor(handle, stored, dtype)):
                     try:
                         targets = list(model.checkpoint_targets(part))
                     except KeyError:
-                        unexpected = f"{os.path.basename(path)} holds unexpected tensor {name!r}"
+                        unexpected = f"{os.path.basename(path)} holds unexpected tensor {stored!r}"
                         raise ConfigError(unexpected) from None
                     # Each rank reads only its slice, so a tensor of the wrong size could load part of itself.
                     if part in expected and tensor.shape != tuple(expected[part]):
                         raise ConfigError(
-                            f"{os.path.basename(path)}: tensor {name!r} has shape {list(tensor.shape)} but "
+                            f"{os.path.basename(path)}: tensor {stored!r} has shape {list(tensor.shape)} but "
                             f"the model's config.json gives {list(expected[part])}; the config does not "
                             "match the weights"
                         )
                     for param, shard_id in targets:
                         param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
                     missing.pop(part, None)
-    for name, path in tied_found.items():
-        _load_tied(model, name, tied[name], path, dtype, expected, missing)
+    for name, (path, stored) in tied_found.items():
+        _load_tied(model, name, stored, tied[name], path, dtype, expected, missing)
     if missing:
         names = sorted(missing)
         # A checkpoint of a tied model under an untied config: the usual cause of a missing LM head.
@@ -526,7 +541,7 @@ def load_weights(
         )
         # Where the index puts a missing tensor in a file: that file lacks it (a bad or mixed download).
         index_name = _BIN_INDEX if weight_files(model_dir)[0].endswith(".bin") else _SAFETENSORS_INDEX
-        weight_map = _weight_map(model_dir, index_name) or {}
+        weight_map = _model_names(_weight_map(model_dir, index_name) or {}, checkpoint_names)
         placed = [f"{n!r} in {weight_map[n]}" for n in names if n in weight_map][:4]
         if placed:
             hint += (
@@ -543,24 +558,39 @@ def load_weights(
         )
 
 
+def _model_names(weight_map: dict[str, str], names: CheckpointNames) -> dict[str, str]:
+    """An index's weight_map by the model's names of its tensors (those `names` skips or does not know
+    left out)."""
+    renamed = {}
+    for stored, file in weight_map.items():
+        try:
+            name = names.model_name(stored)
+        except KeyError:
+            continue
+        if name is not None:
+            renamed[name] = file
+    return renamed
+
+
 def _load_tied(
     model: CausalLM,
     name: str,
+    stored: str,
     twin: str,
     path: str,
     dtype: torch.dtype,
     expected: dict[str, tuple[int, ...]],
     missing: dict[str, tuple[int, ...]],
 ) -> None:
-    """A tied tensor the checkpoint holds (a tied model's lm_head.weight), as transformers 5 reads it: it
-    fills its twin's parameter when the checkpoint lacks the twin; where both are there and differ,
-    transformers unties them, which a tied model cannot, so that is a ConfigError (it silently gave
-    another LM head than HF's)."""
+    """A tied tensor the checkpoint holds (a tied model's lm_head.weight; `stored`: its name in the file),
+    as transformers 5 reads it: it fills its twin's parameter when the checkpoint lacks the twin; where
+    both are there and differ, transformers unties them, which a tied model cannot, so that is a
+    ConfigError (it silently gave another LM head than HF's)."""
     with open_weight_file(path) as handle:
-        tensor = CheckpointTensor(handle, name, dtype)
+        tensor = CheckpointTensor(handle, stored, dtype)
         if tensor.shape != tuple(expected[twin]):
             raise ConfigError(
-                f"{os.path.basename(path)}: tensor {name!r} has shape {list(tensor.shape)} but the model's "
+                f"{os.path.basename(path)}: tensor {stored!r} has shape {list(tensor.shape)} but the model's "
                 f"config.json gives {list(expected[twin])}; the config does not match the weights"
             )
         for param, shard_id in model.checkpoint_targets(twin):
@@ -571,9 +601,9 @@ def _load_tied(
             param.weight_loader(this_rank, tensor, shard_id)  # type: ignore[attr-defined]
             if not torch.equal(this_rank, param):
                 raise ConfigError(
-                    f"checkpoint {os.path.dirname(path)} holds {name!r} and {twin!r} with different values, "
-                    "but its config.json ties them (tie_word_embeddings=true); transformers then uses the "
-                    "two untied: set tie_word_embeddings to false in config.json"
+                    f"checkpoint {os.path.dirname(path)} holds {stored!r} and {twin!r} with different "
+                    "values, but its config.json ties them (tie_word_embeddings=true); transformers then "
+                    "uses the two untied: set tie_word_embeddings to false in config.json"
                 )
     missing.pop(twin, None)
 

@@ -9,6 +9,7 @@ of them knows an architecture.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -41,6 +42,31 @@ def unused_checkpoint_tensor(name: str) -> bool:
     frequencies (`...rotary_emb.inv_freq`), a buffer transformers once saved and now keeps out of
     checkpoints (non-persistent) and ignores in older ones; the model computes them from its config."""
     return name.endswith("rotary_emb.inv_freq")
+
+
+@dataclass(frozen=True)
+class CheckpointNames:
+    """How an architecture's checkpoints name their tensors where that is not the model's own naming (the
+    names checkpoint_shapes() gives): `prefixes` maps a checkpoint name prefix to the model's prefix that
+    replaces it, or to None for tensors of parts the runtime does not run (a vision tower), which are
+    skipped without being read. The first matching prefix applies, and a checkpoint of such an architecture
+    names nothing outside them. No prefixes: the checkpoint's names are the model's."""
+
+    prefixes: tuple[tuple[str, str | None], ...] = ()
+
+    def model_name(self, name: str) -> str | None:
+        """The model's name of checkpoint tensor `name`; None where it is skipped; KeyError where it is under
+        none of the prefixes (not a tensor of this architecture)."""
+        if not self.prefixes:
+            return name
+        for prefix, replacement in self.prefixes:
+            if name.startswith(prefix):
+                return None if replacement is None else replacement + name[len(prefix) :]
+        raise KeyError(name)
+
+
+# A checkpoint that names the tensors as the model does (most architectures').
+MODEL_NAMES = CheckpointNames()
 
 
 # An architecture's config adapter: the ModelConfig fields it sets from a Hugging Face config (biases,

@@ -1,4 +1,4 @@
-"""Architecture name (config.json `architectures[0]`) -> model class and config adapter.
+"""Architecture name (config.json `architectures[0]`) -> model class, config adapter and checkpoint names.
 
 A new decoder family is one model file and one entry here; the loader and the runner see only the
 interface in models/interface.py.
@@ -12,7 +12,7 @@ from tp_runtime.errors import ConfigError
 from tp_runtime.models.gemma import GemmaForCausalLM, gemma_config
 from tp_runtime.models.gemma2 import Gemma2ForCausalLM, gemma2_config
 from tp_runtime.models.gemma3 import Gemma3ForCausalLM, gemma3_config
-from tp_runtime.models.interface import CausalLMFactory, ConfigAdapter
+from tp_runtime.models.interface import MODEL_NAMES, CausalLMFactory, CheckpointNames, ConfigAdapter
 from tp_runtime.models.llama import (
     LlamaForCausalLM,
     granite_config,
@@ -30,6 +30,8 @@ from tp_runtime.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_config
 class Architecture:
     model: CausalLMFactory
     config: ConfigAdapter
+    # Where the checkpoints name the model's tensors otherwise than the model does (or hold parts it skips).
+    checkpoint_names: CheckpointNames = MODEL_NAMES
 
 
 # Mistral, Qwen2 and Granite differ from Llama only in config (sliding window, q/k/v bias, Granite's

@@ -44,7 +44,7 @@ from tp_runtime.messages import (
     Shutdown,
     WorkerReply,
 )
-from tp_runtime.models.registry import model_class
+from tp_runtime.models.registry import architecture
 from tp_runtime.serialize import (
     BROADCAST,
     DRIVER_ID,
@@ -155,11 +155,12 @@ class Worker:
         mc = self.config.model
         dtype = _DTYPES[mc.dtype]
         fused = pick_kernels(self.config.fused_kernels, self.device) == "triton"
-        model = model_class(mc.architecture)(mc, self.tp, dtype, self.device, fused=fused)
+        arch = architecture(mc.architecture)
+        model = arch.model(mc, self.tp, dtype, self.device, fused=fused)
         if mc.load_format == "dummy":
             init_dummy_weights(model, self.config.seed, dtype, self.device)
         else:
-            load_weights(model, mc.path, dtype, mc.quantization)
+            load_weights(model, mc.path, dtype, mc.quantization, arch.checkpoint_names)
         model.eval()
         self.runner = ModelRunner(self.config, model, self.device, self.rank)
         if self.device.type == "cuda":

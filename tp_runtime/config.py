@@ -535,7 +535,11 @@ class TPShape:
     @classmethod
     def of_config_json(cls, config: Mapping[str, Any]) -> TPShape:
         """From config.json's fields as read, without transformers (so before torch is imported); the
-        MoE rules are the model adapters' (a test checks that the two agree for every family)."""
+        MoE rules are the model adapters' (a test checks that the two agree for every family). A multimodal
+        checkpoint's language model is its text_config."""
+        text_config = config.get("text_config")
+        if isinstance(text_config, Mapping):
+            config = text_config
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads") or heads)
         layers = int(config.get("num_hidden_layers", 1))
@@ -653,6 +657,22 @@ def resolve_dtype(dtype: str, config_dtype: str | None, device: str) -> str:
     if config_dtype in ("bfloat16", "float16"):
         return config_dtype
     return "bfloat16"
+
+
+def _language_model_config(hf: Any) -> Any:
+    """The config of the language model a checkpoint's config describes: a multimodal checkpoint's nested
+    text_config (Gemma3ForConditionalGeneration's), found as transformers finds it (get_text_config); the
+    config itself for a text-only model."""
+    get_text_config = getattr(hf, "get_text_config", None)
+    return hf if get_text_config is None else get_text_config(decoder=True)
+
+
+def _outer_first(outer: Any, text: Any, name: str) -> Any:
+    """Setting `name` of a checkpoint's config, else of its language model's (the same config for a text-only
+    model): transformers' generate takes a multimodal config's token ids so (GenerationConfig.
+    from_model_config)."""
+    value = getattr(outer, name, None)
+    return value if value is not None else getattr(text, name, None)
 
 
 def _load_hf_config(path: str) -> Any:
@@ -773,9 +793,9 @@ def _rope_config(hf_config: Any, head_dim: int, layer_type: str | None = None) -
     )
 
 
-def _eos_token_ids(generation: Mapping[str, Any], hf_config: Any) -> tuple[tuple[int, ...], bool]:
+def _eos_token_ids(generation: Mapping[str, Any], config_eos: Any) -> tuple[tuple[int, ...], bool]:
     """The EOS ids, and whether the generation config (`generation`, generation_config.json as read; empty
-    where there is none) names none explicitly (an empty list)."""
+    where there is none) names none explicitly (an empty list). `config_eos`: config.json's eos_token_id."""
     ids: list[int] = []
 
     def add(value: Any) -> bool:
@@ -796,7 +816,7 @@ def _eos_token_ids(generation: Mapping[str, Any], hf_config: Any) -> tuple[tuple
     # no such file). An explicit [] in the one read is no EOS, as in transformers' generate.
     if add(generation.get("eos_token_id")):
         return (), True
-    if not ids and add(getattr(hf_config, "eos_token_id", None)):
+    if not ids and add(config_eos):
         return (), True
     return tuple(ids), False
 
@@ -877,19 +897,25 @@ def build_model_config(
     problem = generation_config_problem(generation_config)
     if problem is not None:
         raise ConfigError(f"generation_config {problem}")
-    hf = _load_hf_config(path)
+    checkpoint_hf = _load_hf_config(path)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from tp_runtime.models.registry import ARCHITECTURES  # imports torch and the models: only when needed
 
-    archs = list(getattr(hf, "architectures", None) or [])
+    archs = list(getattr(checkpoint_hf, "architectures", None) or [])
     # No architectures listed: transformers' AutoModelForCausalLM goes by model_type.
-    arch = archs[0] if archs else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf, "model_type", ""), "")
+    model_type = getattr(checkpoint_hf, "model_type", "")
+    arch = archs[0] if archs else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")
     if arch not in ARCHITECTURES:
         raise ConfigError(
             f"architecture {arch or '(none)'!r} in {path}/config.json is not supported; "
             f"supported: {', '.join(ARCHITECTURES)}"
         )
+    # The language model's config: the model's sizes, rope, layer types and the adapters' fields come from
+    # it. Where the checkpoint's config nests it (a multimodal checkpoint run on text, see
+    # _language_model_config) the outer one keeps what concerns the whole checkpoint: the dtype, the
+    # quantization, whether the LM head is tied, and the token ids it sets.
+    hf = _language_model_config(checkpoint_hf)
     num_heads = int(hf.num_attention_heads)
     kv_heads = getattr(hf, "num_key_value_heads", None)
     num_kv_heads = num_heads if kv_heads is None else int(kv_heads)
@@ -934,7 +960,7 @@ def build_model_config(
             f"max_model_len={max_model_len} exceeds the model's context of {derived_max} positions{scaled} "
             f"(max_position_embeddings={hf.max_position_embeddings}); lower max_model_len"
         )
-    config_dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    config_dtype = _outer_first(checkpoint_hf, hf, "dtype") or _outer_first(checkpoint_hf, hf, "torch_dtype")
     config_dtype = str(config_dtype).replace("torch.", "") if config_dtype is not None else None
     per_type_rope = _per_layer_type_rope(hf) or _local_rope_theta(hf) is not None
     # The generation config: the checkpoint's generation_config.json (if any), or the one in the folder
@@ -944,7 +970,7 @@ def build_model_config(
     generation: dict[str, Any] = {}
     if gen_file.is_file():
         generation = _json_object(gen_file, "fix or remove the file" if own else "fix the file")
-    eos_token_ids, no_eos = _eos_token_ids(generation, hf)
+    eos_token_ids, no_eos = _eos_token_ids(generation, _outer_first(checkpoint_hf, hf, "eos_token_id"))
     defaults = GenerationDefaults()
     if generation_config != "vllm" and gen_file.is_file():
         defaults = _generation_defaults(generation, gen_file)
@@ -959,7 +985,9 @@ def build_model_config(
         intermediate_size=int(hf.intermediate_size),
         vocab_size=int(hf.vocab_size),
         rms_norm_eps=float(hf.rms_norm_eps),
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        # transformers 5 ties the LM head as the outer model's config says (a multimodal model's, not its
+        # text_config's).
+        tie_word_embeddings=bool(getattr(checkpoint_hf, "tie_word_embeddings", False)),
         sliding_window=int(sliding) if sliding else None,
         max_model_len=int(max_model_len),
         dtype=resolve_dtype(dtype, config_dtype, device),
@@ -968,8 +996,8 @@ def build_model_config(
         load_format=load_format,
         eos_token_ids=eos_token_ids,
         no_eos=no_eos,
-        bos_token_id=getattr(hf, "bos_token_id", None),
-        quantization=quant_config(_hf_quantization(hf), quantization),
+        bos_token_id=_outer_first(checkpoint_hf, hf, "bos_token_id"),
+        quantization=quant_config(_hf_quantization(checkpoint_hf) or _hf_quantization(hf), quantization),
         generation_defaults=defaults,
         **specific,
     )

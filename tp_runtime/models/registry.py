@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from tp_runtime.errors import ConfigError
 from tp_runtime.models.gemma import GemmaForCausalLM, gemma_config
 from tp_runtime.models.gemma2 import Gemma2ForCausalLM, gemma2_config
-from tp_runtime.models.gemma3 import Gemma3ForCausalLM, gemma3_config
+from tp_runtime.models.gemma3 import Gemma3ForCausalLM, gemma3_config, gemma3_multimodal_config
 from tp_runtime.models.interface import MODEL_NAMES, CausalLMFactory, CheckpointNames, ConfigAdapter
 from tp_runtime.models.llama import (
     LlamaForCausalLM,
@@ -34,6 +34,24 @@ class Architecture:
     checkpoint_names: CheckpointNames = MODEL_NAMES
 
 
+# Gemma 3's multimodal checkpoints (4B, 12B, 27B) run as their language model, on text: Gemma3ForCausalLM
+# built from config.json's text_config. The language model's tensors are named as the released checkpoints
+# and transformers' save_pretrained name them, or as transformers 5 names its parameters (a state dict saved
+# as it is); the vision tower's and the projector's are not read.
+GEMMA3_MULTIMODAL_NAMES = CheckpointNames(
+    prefixes=(
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("model.language_model.", "model."),
+        ("lm_head.", "lm_head."),
+        ("vision_tower.", None),
+        ("multi_modal_projector.", None),
+        ("model.vision_tower.", None),
+        ("model.multi_modal_projector.", None),
+    )
+)
+
+
 # Mistral, Qwen2 and Granite differ from Llama only in config (sliding window, q/k/v bias, Granite's
 # scalings), which ModelConfig holds.
 ARCHITECTURES: dict[str, Architecture] = {
@@ -47,6 +65,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GemmaForCausalLM": Architecture(GemmaForCausalLM, gemma_config),
     "Gemma2ForCausalLM": Architecture(Gemma2ForCausalLM, gemma2_config),
     "Gemma3ForCausalLM": Architecture(Gemma3ForCausalLM, gemma3_config),
+    "Gemma3ForConditionalGeneration": Architecture(
+        Gemma3ForCausalLM, gemma3_multimodal_config, GEMMA3_MULTIMODAL_NAMES
+    ),
     "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, phi3_config),
 }
 

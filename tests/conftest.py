@@ -93,6 +93,28 @@ GEMMA3 = {
 }  # fmt: skip
 
 
+# The vision tower of a Gemma3ForConditionalGeneration test model: a tiny SigLIP (the runtime does not load
+# it), 4x4 patches pooled to mm_tokens_per_image=4 image tokens.
+TINY_SIGLIP = {
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+    "image_size": 32, "patch_size": 8,
+}  # fmt: skip
+
+
+def hf_config(architecture: str, **kwargs: Any) -> transformers.PretrainedConfig:
+    """The transformers config of a test model; a multimodal architecture's `kwargs` are its text_config."""
+    if architecture == "Gemma3ForConditionalGeneration":
+        vocab = kwargs["vocab_size"]
+        return transformers.Gemma3Config(
+            architectures=[architecture], text_config=kwargs, vision_config=TINY_SIGLIP,
+            # transformers ties the LM head as the outer config says
+            tie_word_embeddings=kwargs.get("tie_word_embeddings", True), mm_tokens_per_image=4,
+            # the image tokens within the vocabulary, as the releases' are
+            boi_token_index=vocab - 3, eoi_token_index=vocab - 2, image_token_index=vocab - 1,
+        )  # fmt: skip
+    return ARCH_CONFIGS[architecture](architectures=[architecture], **kwargs)
+
+
 def build_checkpoint(
     root: Path, architecture: str = "LlamaForCausalLM", seed: int = 0, **overrides: Any
 ) -> Path:
@@ -103,7 +125,7 @@ def build_checkpoint(
     out = root / f"{architecture}-{key[:12]}"
     if (out / "config.json").is_file():
         return out
-    config = ARCH_CONFIGS[architecture](architectures=[architecture], **kwargs)
+    config = hf_config(architecture, **kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Default init is tiny (std 0.02); larger weights make logits peaked, so greedy ties are improbable.

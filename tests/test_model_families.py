@@ -1,5 +1,5 @@
-"""Qwen3, Mixtral, Qwen3-MoE, Gemma and Gemma 2 against HF transformers (fp32, CPU) on tiny random
-checkpoints.
+"""Qwen3, Mixtral, Qwen3-MoE, Gemma, Gemma 2, Gemma 3 (text and multimodal checkpoints) and Phi-3 against HF
+transformers (fp32, CPU) on tiny random checkpoints.
 
 - Greedy tokens equal HF's and logprobs are within 1e-4 at TP=1, 2 and (Mixtral) 4, through chunked
   prefill and preemption by recompute.
@@ -32,17 +32,24 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import GEMMA3, assert_same_tokens, count_checkpoint_reads, hf_greedy, random_prompts
+from conftest import (
+    BASE_CONFIG,
+    GEMMA3,
+    assert_same_tokens,
+    count_checkpoint_reads,
+    hf_greedy,
+    random_prompts,
+)
 from safetensors.torch import load_file, save_file
 
 from tp_runtime import LLM, SamplingParams, loader
 from tp_runtime.config import build_model_config
 from tp_runtime.distributed import IdentityAllReduce, TPGroup
-from tp_runtime.errors import ConfigError
+from tp_runtime.errors import ConfigError, InvalidRequestError
 from tp_runtime.layers import attention, moe
 from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk, TorchAttention, paged_attention
 from tp_runtime.layers.moe import SparseMoE
-from tp_runtime.models.registry import model_class
+from tp_runtime.models.registry import architecture, model_class
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # head_dim 32 with 4 heads: the q width (128) is not hidden_size (64).
@@ -110,6 +117,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Gemma 3 (conftest.GEMMA3), its q/k norms randomised by with_random_norms.
     "gemma3": ("Gemma3ForCausalLM", GEMMA3),
+    # Gemma 3's multimodal checkpoint: conftest.GEMMA3 as the text_config, beside a tiny vision tower and
+    # projector (conftest.hf_config); run on text as its language model, against transformers'
+    # Gemma3ForConditionalGeneration.
+    "gemma3-mm": ("Gemma3ForConditionalGeneration", GEMMA3),
     # Granite: Llama with its four scalings, each away from 1 (attention 1/16 with head_dim 16, not 1/4),
     # and attention biases.
     "granite": (
@@ -257,6 +268,7 @@ CASES = [
     ("gemma2-global", 1),
     ("gemma3", 1),
     ("gemma3", 2),
+    ("gemma3-mm", 2),  # TP=1: test_gemma3_multimodal_checkpoint_of_transformers_5_names_matches_hf
     ("phi3", 1),
     ("phi3", 2),
     ("granite", 1),
@@ -764,6 +776,162 @@ def test_each_rank_holds_its_slice(
             assert torch.equal(param.data, _expected(hf, name, arch, cfg, tp, rank)), f"rank {rank}: {name}"
         # Norms, routers and replicated KV heads are read in full; everything else only this rank's part.
         assert sum(read) < full_elements / tp * 1.35, (rank, sum(read), full_elements)
+
+
+# ----------------------------------------------------------------------------- Gemma 3 multimodal checkpoints
+
+# The names of a Gemma3ForConditionalGeneration checkpoint's tensors as the releases and transformers'
+# save_pretrained write them -> as transformers 5 names its parameters (what a state dict saved as it is
+# holds).
+GEMMA3_MM_MODULE_NAMES = {
+    "language_model.model.": "model.language_model.", "language_model.lm_head.": "lm_head.",
+    "vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector.",
+}  # fmt: skip
+GEMMA3_MM_VISION = (
+    "vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."
+)  # fmt: skip
+
+
+def gemma3_mm_layouts(family_dir: Callable[[str], Path]) -> dict[str, Path]:
+    """The gemma3-mm checkpoint as save_pretrained wrote it (the releases' names: language_model.model.*,
+    vision_tower.*, multi_modal_projector.*, the tied LM head left out) and two copies (cached next to it):
+    with the LM head a checkpoint may hold as well, under the releases' name (language_model.lm_head), and
+    with every tensor under transformers 5's parameter names, the head (lm_head) included."""
+    saved = family_dir("gemma3-mm")
+    tensors = load_file(str(saved / "model.safetensors"))
+    parts = {name.split(".")[0] for name in tensors}
+    assert parts == {"language_model", "vision_tower", "multi_modal_projector"}
+    head = tensors["language_model.model.embed_tokens.weight"].clone()
+    module_names = {}
+    for name, tensor in tensors.items():
+        [prefix] = [p for p in GEMMA3_MM_MODULE_NAMES if name.startswith(p)]
+        module_names[GEMMA3_MM_MODULE_NAMES[prefix] + name[len(prefix) :]] = tensor
+    copies = {
+        "with-head": {**tensors, "language_model.lm_head.weight": head},
+        "module-names": {**module_names, "lm_head.weight": head},
+    }
+    layouts = {"saved": saved}
+    for what, renamed in copies.items():
+        out = saved.with_name(f"{saved.name}-{what}")
+        if not (out / "config.json").is_file():
+            tmp = saved.with_name(f"{saved.name}-{what}-tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(saved, tmp)
+            save_file(renamed, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            tmp.rename(out)
+        layouts[what] = out
+    return layouts
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_language_model_only(
+    family_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under each naming, every rank of TP=2 holds its slice of the language model's tensors (cut by hand
+    from the checkpoint as saved), reads about 1/TP of them and never a tensor of the vision tower or the
+    projector; transformers reads each copy as the same model."""
+    layouts = gemma3_mm_layouts(family_dir)
+    saved = load_file(str(layouts["saved"] / "model.safetensors"))
+    language = {
+        "model." + name.removeprefix("language_model.model."): t
+        for name, t in saved.items()
+        if name.startswith("language_model.model.")
+    }
+    language_elements = sum(t.numel() for t in language.values())
+    reference = hf_model(layouts["saved"])
+    assert type(reference).__name__ == "Gemma3ForConditionalGeneration"
+    want_hf = reference.state_dict()
+    read: list[tuple[str, int]] = []
+    original_read = loader.SafetensorsFile.read
+
+    def recording_read(self: loader.SafetensorsFile, name: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out: torch.Tensor = original_read(self, name, *args, **kwargs)
+        read.append((name, out.numel()))
+        return out
+
+    monkeypatch.setattr(loader.SafetensorsFile, "read", recording_read)
+    cfg = build_model_config(layouts["saved"], dtype="float32", device="cpu")
+    arch = architecture(cfg.architecture)
+    for what, folder in layouts.items():
+        for rank in range(2):
+            read.clear()
+            model = arch.model(cfg, TPGroup(rank, 2), torch.float32, torch.device("cpu"))
+            loader.load_weights(model, str(folder), torch.float32, None, arch.checkpoint_names)
+            for name, param in model.named_parameters():  # type: ignore[attr-defined]
+                want = _expected(language, name, "Gemma3ForCausalLM", cfg, 2, rank)
+                assert torch.equal(param.data, want), f"{what}, rank {rank}: {name}"
+            vision = [name for name, _ in read if name.startswith(GEMMA3_MM_VISION)]
+            assert not vision, f"{what}, rank {rank}: read {vision}"
+            elements = sum(n for _, n in read)
+            assert elements < language_elements / 2 * 1.35, (what, rank, elements, language_elements)
+        if what != "saved":
+            got_hf = hf_model(folder).state_dict()
+            assert got_hf.keys() == want_hf.keys(), what
+            assert all(torch.equal(got_hf[k], want_hf[k]) for k in want_hf), what
+
+
+def test_gemma3_multimodal_checkpoint_of_transformers_5_names_matches_hf(
+    family_dir: Callable[[str], Path],
+) -> None:
+    """At TP=1, through chunked prefill and preemption, the checkpoint with transformers 5's names gives
+    HF's greedy tokens (transformers' Gemma3ForConditionalGeneration on the checkpoint as saved, text only);
+    a chat of text content parts gives HF's continuation of its prompt, and one with an image is refused."""
+    layouts = gemma3_mm_layouts(family_dir)
+    with make_llm(layouts["module-names"], 1, **SCHED_KWARGS) as llm:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert_same_tokens([o.outputs[0].token_ids for o in outs], hf_reference(layouts["saved"]), PROMPTS)
+        assert llm.engine.scheduler.num_preemptions > 0
+        # Short (the test tokenizer spells most words out, and max_model_len is 48).
+        template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        text = [{"type": "text", "text": "Hi."}, {"type": "text", "text": "Go."}]
+        [out] = llm.chat([{"role": "user", "content": text}], params, chat_template=template, use_tqdm=False)
+        want = greedy(hf_model(layouts["saved"]), [out.prompt_token_ids])
+        assert out.outputs[0].token_ids == want[0]
+        refused = r"only text content parts .* are supported, got 'image"
+        for image in (
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+            {"type": "image", "url": "https://example.com/cat.png"},
+        ):
+            with pytest.raises(InvalidRequestError, match=refused):
+                llm.chat([{"role": "user", "content": [*text, image]}], params, chat_template=template)
+
+
+def test_gemma3_multimodal_config_is_its_text_config(
+    family_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The model's fields are those of a Gemma3ForCausalLM with the same settings as the text_config; the
+    outer config's EOS ids and LM-head tying win over the text_config's, as in transformers; a final
+    soft-cap, which transformers' Gemma3ForConditionalGeneration does not apply, is a ConfigError."""
+    model_dir = family_dir("gemma3-mm")
+    multimodal = build_model_config(model_dir, device="cpu")
+    text_only = tmp_path / "text-only"
+    settings = {**BASE_CONFIG, **GEMMA3}
+    transformers.Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], **settings).save_pretrained(text_only)
+    text = build_model_config(text_only, device="cpu")
+    differ = {"path", "architecture", "generation_defaults"}
+    fields = [f.name for f in dataclasses.fields(text) if f.name not in differ]
+    assert {f: getattr(multimodal, f) for f in fields} == {f: getattr(text, f) for f in fields}
+    assert multimodal.architecture == "Gemma3ForConditionalGeneration" and multimodal.tie_word_embeddings
+    config = json.loads((model_dir / "config.json").read_text())
+    cases: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # name -> (outer change, text_config change)
+        "outer eos": ({"eos_token_id": [2, 7]}, {}),
+        "untied": ({"tie_word_embeddings": False}, {}),
+        "final cap": ({}, {"final_logit_softcapping": 30.0}),
+    }
+    for what, (outer, text_change) in cases.items():
+        folder = tmp_path / what.replace(" ", "-")
+        folder.mkdir()
+        changed = {**config, **outer, "text_config": {**config["text_config"], **text_change}}
+        (folder / "config.json").write_text(json.dumps(changed))
+        if what == "final cap":
+            with pytest.raises(ConfigError, match=r"final_logit_softcapping=30\.0 is not supported"):
+                build_model_config(folder, device="cpu")
+            continue
+        cfg = build_model_config(folder, device="cpu")
+        if what == "outer eos":
+            assert cfg.eos_token_ids == (2, 7) and multimodal.eos_token_ids == (2,)
+        else:
+            assert not cfg.tie_word_embeddings and config["text_config"]["tie_word_embeddings"]
 
 
 def test_phi3_fused_tensors_give_each_rank_its_rows(

@@ -31,7 +31,7 @@ from tp_runtime.layers.norm import GemmaRMSNorm
 from tp_runtime.layers.normed_input import NormedInput
 from tp_runtime.layers.rotary import RotaryEmbedding
 from tp_runtime.models.interface import CheckpointEntry, unused_checkpoint_tensor
-from tp_runtime.models.llama import LlamaAttention, LlamaMLP
+from tp_runtime.models.llama import LlamaAttention, LlamaMLP, layer_windows
 
 
 def embedding_normalizer(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -228,15 +228,6 @@ def gemma2_config(hf: Any, family: str = "Gemma 2") -> dict[str, Any]:
     if act != "gelu_pytorch_tanh":
         raise ConfigError(f"{family} hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
     refuse_bidirectional(hf, family)
-    num_layers = int(hf.num_hidden_layers)
-    layer_types = list(getattr(hf, "layer_types", None) or [])
-    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
-        raise ConfigError(
-            f"{family} layer_types {layer_types!r} must name sliding_attention or full_attention for each "
-            f"of the {num_layers} layers"
-        )
-    window = getattr(hf, "sliding_window", None)
-    windowed = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
     bias = bool(getattr(hf, "attention_bias", False))
 
     def cap(name: str) -> float | None:
@@ -247,9 +238,7 @@ def gemma2_config(hf: Any, family: str = "Gemma 2") -> dict[str, Any]:
         "qkv_bias": bias,
         "o_proj_bias": bias,
         "hidden_act": act,
-        # ModelConfig.sliding_window: the window whenever any layer has one.
-        "sliding_window": window if window and windowed else None,
-        "sliding_window_layers": windowed,
+        **layer_windows(hf, family),
         "query_pre_attn_scalar": float(hf.query_pre_attn_scalar),
         "attn_logit_softcapping": cap("attn_logit_softcapping"),
         "final_logit_softcapping": cap("final_logit_softcapping"),

@@ -182,7 +182,30 @@ def reduce_add_norm(
     return norm.deferred(x, residual)
 
 
-class LlamaDecoderLayer(nn.Module):
+class DecoderLayer(nn.Module):
+    """A layer of LlamaForCausalLM's decoder: its attention, its feed-forward and the norms `norm_names`
+    lists (each a [hidden_size] checkpoint tensor under its own name). Its forward takes and returns the
+    residual-stream form of LlamaDecoderLayer.forward."""
+
+    norm_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, self_attn: LlamaAttention, mlp: FeedForward) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+
+    def checkpoint_entries(self, prefix: str, mlp_name: str) -> Iterator[CheckpointEntry]:
+        """Its checkpoint tensors under `prefix` ("model.layers.3."), the feed-forward's under `mlp_name`."""
+        for name in self.norm_names:
+            weight = cast(RMSNorm, getattr(self, name)).weight
+            yield f"{prefix}{name}.weight", tuple(weight.shape), weight, 0
+        yield from self.self_attn.checkpoint_entries(f"{prefix}self_attn.")
+        yield from self.mlp.checkpoint_entries(f"{prefix}{mlp_name}.")
+
+
+class LlamaDecoderLayer(DecoderLayer):
+    norm_names = ("input_layernorm", "post_attention_layernorm")
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -194,15 +217,13 @@ class LlamaDecoderLayer(nn.Module):
         tp: TPGroup,
         norm_cls: type[RMSNorm] = RMSNorm,
     ) -> None:
-        super().__init__()
+        super().__init__(self_attn, mlp)
         self.tp = tp
         # Set by the model when every layer can: the row-parallel outputs leave unreduced and the norm
         # after each sums them (one kernel for all-reduce + residual add + RMSNorm).
         self.reduce_in_norm = False
         self.input_layernorm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
-        self.self_attn = self_attn
         self.post_attention_layernorm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
-        self.mlp = mlp
         # Each block's output times this as it joins the residual stream (Granite's); 1: as it is.
         self.residual_multiplier = cfg.residual_multiplier
 
@@ -245,7 +266,7 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         fused: bool,
-        layers: list[LlamaDecoderLayer],
+        layers: list[DecoderLayer],
         norm_cls: type[RMSNorm] = RMSNorm,
     ) -> None:
         super().__init__()
@@ -253,13 +274,19 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.max_model_len, device)
+        # OLMo 3: the windowed layers rotate with their own rope (rope_parameters per layer type).
+        self.local_rotary = (
+            None if cfg.local_rope is None else RotaryEmbedding(cfg.local_rope, cfg.max_model_len, device)
+        )
+        self.local_rope_layers = frozenset(cfg.sliding_window_layers or ()) if cfg.local_rope else frozenset()
 
 
 class LlamaForCausalLM(nn.Module):
     """A pre-norm decoder with rotary attention and a SiLU-gated feed-forward. Other families change it
     through `attention_cls` (Qwen3's q/k norms), `norm_cls` and `embed` (Gemma's (1 + w) norms and scaled
     embedding), `make_mlp` (sparse experts, GeGLU) and `mlp_checkpoint_name`; the forward pass, the
-    checkpoint mapping and the rest of the interface (models/interface.py) stay here."""
+    checkpoint mapping and the rest of the interface (models/interface.py) stay here. A family with another
+    layer layout (OLMo 2's post-norms) builds its own layers through `make_layer`."""
 
     attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
     norm_cls: ClassVar[type[RMSNorm]] = RMSNorm
@@ -273,31 +300,22 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        layers = [
-            LlamaDecoderLayer(
-                cfg,
-                self.attention_cls(cfg, tp, dtype, device, fused),
-                self.make_mlp(i, tp, dtype, device, fused),
-                dtype,
-                device,
-                fused,
-                tp,
-                self.norm_cls,
-            )
-            for i in range(cfg.num_layers)
-        ]
+        layers = [self.make_layer(i, tp, dtype, device, fused) for i in range(cfg.num_layers)]
         self.tp = tp
-        # Fusing each all-reduce into the norm after it needs dense layers whose row-parallel outputs
-        # have no bias (the bias would be added before the sum), a strategy that fuses, and Llama's norm
-        # (the fused all-reduce + norm kernel has no (1 + w) form).
+        # Fusing each all-reduce into the norm after it needs Llama's layers (the norm that sums a block's
+        # output also adds it to the residual; OLMo 2 norms the block's output before the add), dense ones
+        # whose row-parallel outputs have no bias (the bias would be added before the sum), a strategy that
+        # fuses, and Llama's norm (the fused all-reduce + norm kernel has no (1 + w) form).
+        llama_layers = [layer for layer in layers if isinstance(layer, LlamaDecoderLayer)]
         self.reduce_in_norm = (
             tp.strategy.fuses_add_rms_norm
+            and len(llama_layers) == len(layers)
             and not self.norm_cls.unit_offset
             and cfg.residual_multiplier == 1.0  # the partial sums join the residual stream unscaled
             and not cfg.o_proj_bias
             and all(type(layer.mlp) is LlamaMLP and layer.mlp.down_proj.bias is None for layer in layers)
         )
-        for layer in layers:
+        for layer in llama_layers:
             layer.reduce_in_norm = self.reduce_in_norm
         self.model = LlamaModel(cfg, tp, dtype, device, fused, layers, self.norm_cls)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
@@ -308,6 +326,15 @@ class LlamaForCausalLM(nn.Module):
             use_matmul(self, TritonMatmul.for_device(device))
         # Checkpoint name -> (full shape, parameter, shard index), listed once from the modules themselves.
         self._checkpoint = {name: (shape, p, shard) for name, shape, p, shard in self._checkpoint_entries()}
+
+    def make_layer(
+        self, layer: int, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
+    ) -> DecoderLayer:
+        """Decoder layer `layer`: Llama's, of `attention_cls`, `make_mlp` and `norm_cls`."""
+        cfg = self.config
+        attention = self.attention_cls(cfg, tp, dtype, device, fused)
+        mlp = self.make_mlp(layer, tp, dtype, device, fused)
+        return LlamaDecoderLayer(cfg, attention, mlp, dtype, device, fused, tp, self.norm_cls)
 
     def make_mlp(
         self, layer: int, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
@@ -330,10 +357,13 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per scheduled token."""
-        cos, sin = self.model.rotary.cos_sin(positions)
+        cos_sin = self.model.rotary.cos_sin(positions)
+        local = self.model.local_rotary
+        local_cos_sin = cos_sin if local is None else local.cos_sin(positions)
         hidden = self.embed(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            cos, sin = local_cos_sin if i in self.model.local_rope_layers else cos_sin
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
         if residual is None:  # no layers
             return self.model.norm(hidden)
@@ -358,13 +388,9 @@ class LlamaForCausalLM(nn.Module):
     def _checkpoint_entries(self) -> Iterator[CheckpointEntry]:
         c, h = self.config, self.config.hidden_size
         yield "model.embed_tokens.weight", (c.vocab_size, h), self.model.embed_tokens.weight, 0
-        for i, module in enumerate(self.model.layers):
-            layer = cast(LlamaDecoderLayer, module)
-            p = f"model.layers.{i}."
-            yield f"{p}input_layernorm.weight", (h,), layer.input_layernorm.weight, 0
-            yield f"{p}post_attention_layernorm.weight", (h,), layer.post_attention_layernorm.weight, 0
-            yield from layer.self_attn.checkpoint_entries(f"{p}self_attn.")
-            yield from layer.mlp.checkpoint_entries(f"{p}{self.mlp_checkpoint_name}.")
+        for i, layer in enumerate(self.model.layers):
+            prefix = f"model.layers.{i}."
+            yield from cast(DecoderLayer, layer).checkpoint_entries(prefix, self.mlp_checkpoint_name)
         yield "model.norm.weight", (h,), self.model.norm.weight, 0
         if not c.tie_word_embeddings:
             yield "lm_head.weight", (c.vocab_size, h), self.lm_head.weight, 0
@@ -434,3 +460,20 @@ def uniform_sliding_window(hf: Any) -> int | None:
 
 def qwen2_config(hf: Any) -> dict[str, Any]:
     return {"qkv_bias": True, "o_proj_bias": False, "sliding_window": uniform_sliding_window(hf)}
+
+
+def layer_windows(hf: Any, family: str) -> dict[str, Any]:
+    """ModelConfig's sliding_window and sliding_window_layers from transformers' `layer_types` (Gemma 2
+    and 3, OLMo 3): the layers it marks "sliding_attention" attend within sliding_window, the others to
+    the whole context."""
+    num_layers = int(hf.num_hidden_layers)
+    layer_types = list(getattr(hf, "layer_types", None) or [])
+    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise ConfigError(
+            f"{family} layer_types {layer_types!r} must name sliding_attention or full_attention for each "
+            f"of the {num_layers} layers"
+        )
+    window = getattr(hf, "sliding_window", None)
+    windowed = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    # ModelConfig.sliding_window: the window whenever any layer has one.
+    return {"sliding_window": window if window and windowed else None, "sliding_window_layers": windowed}

@@ -5,6 +5,7 @@ from torch import nn
 
 from tp_runtime.layers.linear import TensorSource
 from tp_runtime.layers.normed_input import NormedInput
+from tp_runtime.layers.quantization import copy_checked
 
 
 class RMSNorm(nn.Module):
@@ -82,3 +83,56 @@ class GemmaRMSNorm(RMSNorm):
 
 class GemmaHeadRMSNorm(HeadRMSNorm, GemmaRMSNorm):
     """Gemma 3's q_norm and k_norm: HeadRMSNorm's per-head form of GemmaRMSNorm (1 + weight, float32)."""
+
+
+def _weighted_rms(
+    x: torch.Tensor, mean_square: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """weight * x / sqrt(mean_square + eps), the product taken in float32 and cast back once."""
+    return (weight * (x.float() * torch.rsqrt(mean_square + eps))).to(x.dtype)
+
+
+class Olmo2RMSNorm(RMSNorm):
+    """OLMo 2's RMSNorm: the weight multiplies the float32 normalised row before the cast back (Llama's
+    casts first, then multiplies). No fused kernel rounds in this order, so it runs as PyTorch ops whatever
+    `fused` says (and NormedInput.quantized, which needs a fused norm, refuses its deferred output)."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device, fused: bool = False
+    ) -> None:
+        super().__init__(hidden_size, eps, dtype, device, fused=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is not None:
+            residual.add_(x)
+            x = residual
+        return _weighted_rms(x, x.float().pow(2).mean(-1, keepdim=True), self.weight, self.eps)
+
+
+class SlicedRMSNorm(nn.Module):
+    """Olmo2RMSNorm over `size` features of which this rank holds `length`, from `start` on: OLMo 2's
+    q_norm and k_norm span every head of a projection, and a rank holds only its heads. The weight is that
+    slice of the checkpoint's; forward takes the sum of squares over all `size` features, which the caller
+    gathers (each rank's `sum_of_squares`, all-reduced)."""
+
+    def __init__(
+        self, size: int, start: int, length: int, eps: float, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.size = size
+        self.start = start
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(length, dtype=dtype, device=device), requires_grad=False)
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _load(self, param: nn.Parameter, source: TensorSource, shard_id: int = 0) -> None:
+        copy_checked(param.data, source.narrow(0, self.start, param.shape[0]), type(self).__name__)
+
+    @staticmethod
+    def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+        """[rows, 1] float32: each row's sum of squares over this rank's features."""
+        return x.float().pow(2).sum(-1, keepdim=True)
+
+    def forward(self, x: torch.Tensor, sum_of_squares: torch.Tensor) -> torch.Tensor:
+        """x [rows, length] normalised by the mean square over all `size` features."""
+        return _weighted_rms(x, sum_of_squares / self.size, self.weight, self.eps)

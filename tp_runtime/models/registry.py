@@ -21,6 +21,7 @@ from tp_runtime.models.llama import (
     qwen2_config,
 )
 from tp_runtime.models.mixtral import MixtralForCausalLM, mixtral_config
+from tp_runtime.models.olmo2 import Olmo2ForCausalLM, olmo2_config, olmo3_config
 from tp_runtime.models.phi3 import Phi3ForCausalLM, phi3_config
 from tp_runtime.models.qwen3 import Qwen3ForCausalLM, qwen3_config
 from tp_runtime.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_config
@@ -69,6 +70,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         Gemma3ForCausalLM, gemma3_multimodal_config, GEMMA3_MULTIMODAL_NAMES
     ),
     "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, phi3_config),
+    "Olmo2ForCausalLM": Architecture(Olmo2ForCausalLM, olmo2_config),
+    # OLMo 3 is OLMo 2 with windowed layers and their own rope, which ModelConfig holds.
+    "Olmo3ForCausalLM": Architecture(Olmo2ForCausalLM, olmo3_config),
 }
 
 

@@ -56,6 +56,8 @@ ARCH_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
     "Gemma2ForCausalLM": transformers.Gemma2Config,
     "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
     "Phi3ForCausalLM": transformers.Phi3Config,
+    "Olmo2ForCausalLM": transformers.Olmo2Config,
+    "Olmo3ForCausalLM": transformers.Olmo3Config,
 }
 
 BASE_CONFIG: dict[str, Any] = dict(

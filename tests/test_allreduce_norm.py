@@ -278,12 +278,20 @@ def test_layers_with_a_row_parallel_bias_never_defer(make_checkpoint: Any, overr
     assert not model.reduce_in_norm
 
 
-def test_gemma_layers_never_defer(make_checkpoint: Any) -> None:
-    """The fused all-reduce + norm kernel computes Llama's norm, not Gemma's (1 + w) one: a Gemma model
-    reduces in its row-parallel layers even where the strategy fuses."""
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [("GemmaForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}), ("Olmo2ForCausalLM", {})],
+)
+def test_gemma_and_olmo2_layers_never_defer(
+    make_checkpoint: Any, arch: str, overrides: dict[str, Any]
+) -> None:
+    """The fused all-reduce + norm kernel computes Llama's norm of the block's output plus the residual,
+    not Gemma's (1 + w) one nor OLMo 2's (which norms the block's output alone, before the add, with the
+    weight applied in float32): such a model reduces in its row-parallel layers even where the strategy
+    fuses."""
     from tp_runtime.models.registry import model_class
 
-    checkpoint = make_checkpoint("GemmaForCausalLM", head_dim=32, tie_word_embeddings=True)
+    checkpoint = make_checkpoint(arch, **overrides)
     cfg = build_model_config(checkpoint, dtype="float32", device="cpu")
     tp = TPGroup(0, WORLD, _FusingDist())
     model = model_class(cfg.architecture)(cfg, tp, torch.float32, torch.device("cpu"))

@@ -1,8 +1,8 @@
-"""Qwen3, Mixtral, Qwen3-MoE, Gemma, Gemma 2, Gemma 3 (text and multimodal checkpoints) and Phi-3 against HF
-transformers (fp32, CPU) on tiny random checkpoints.
+"""Qwen3, Mixtral, Qwen3-MoE, the Gemmas (Gemma 3 text and multimodal checkpoints), Phi-3, Granite and
+OLMo 2 / 3 against HF transformers (fp32, CPU) on tiny random checkpoints.
 
-- Greedy tokens equal HF's and logprobs are within 1e-4 at TP=1, 2 and (Mixtral) 4, through chunked
-  prefill and preemption by recompute.
+- Greedy tokens equal HF's and logprobs are within 1e-4 at TP=1, 2 and (Mixtral, Gemma 2, OLMo 2) 4,
+  through chunked prefill and preemption by recompute.
 - Decode steps where most experts get no token: the CPU loop skips them and the output still equals HF.
 - The CUDA expert paths ("grouped": torch._grouped_mm, "dense": every expert on every token) run on CPU
   too and equal the loop, alone and end to end in padded (decode-graph shaped) steps.
@@ -135,6 +135,21 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Phi-3: fused qkv_proj and gate_up_proj tensors in the checkpoint; a window on every layer.
     "phi3": ("Phi3ForCausalLM", {"sliding_window": 8}),
+    # OLMo 2: post-norms only, q/k norms over all heads (whole-projection widths 128 and 64, neither
+    # hidden_size), with attention biases.
+    "olmo2": ("Olmo2ForCausalLM", {"head_dim": 32, "attention_bias": True}),
+    # OLMo 3: layers 0 and 2 windowed (6 tokens) with their own rope (theta 5 * 10^5, unscaled), layer 1
+    # global with a YaRN-scaled rope of theta 10^4 (transformers gives rope_scaling to the global layers).
+    "olmo3": (
+        "Olmo3ForCausalLM",
+        {
+            "num_hidden_layers": 3,
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_theta": 10_000.0,
+            "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256},
+        },
+    ),
 }
 # Expert projection names (gate, up, down) and the feed-forward's checkpoint name, per architecture.
 EXPERT_NAMES = {
@@ -273,6 +288,10 @@ CASES = [
     ("phi3", 2),
     ("granite", 1),
     ("granite", 2),
+    ("olmo2", 1),
+    ("olmo2", 2),  # one KV head a rank: the k norm's mean square is summed over the ranks
+    ("olmo2", 4),  # 2 KV heads replicated over 4 ranks: each counted once in the k norm
+    ("olmo3", 1),
 ]
 
 
@@ -414,6 +433,113 @@ def test_granite_scalings_change_the_output(family_dir: Callable[[str], Path]) -
                 for p, c in zip(PROMPTS, want, strict=True)
             ]
         assert argmax != want, f"{name}: the test model does not depend on it"
+
+
+def test_olmo2_post_norms_and_whole_projection_qk_norms_change_the_output(
+    family_dir: Callable[[str], Path],
+) -> None:
+    """The OLMo 2 test model is one where its own parts matter: with Llama's pre-norms (each norm before
+    its block, not after it), without the q/k norms, or with them per head (what a rank computes alone
+    without the all-reduce at TP 4), HF's own greedy tokens change (so the tokens equal to HF's above show
+    each is applied). Checked as the Gemma test above is. (Its float32 weight product equals Llama's order
+    in float32, so no float32 test can show it.)"""
+    model_dir = family_dir("olmo2")
+    want = hf_reference(model_dir)
+
+    def pre_norms(model: Any) -> None:
+        for layer in model.model.layers:
+
+            def forward(hidden_states: torch.Tensor, *, layer: Any = layer, **kwargs: Any) -> torch.Tensor:
+                attended, _ = layer.self_attn(layer.post_attention_layernorm(hidden_states), **kwargs)
+                hidden_states = hidden_states + attended
+                return hidden_states + layer.mlp(layer.post_feedforward_layernorm(hidden_states))
+
+            layer.forward = forward
+
+    class PerHeadNorm(torch.nn.Module):
+        def __init__(self, norm: Any, head_dim: int) -> None:
+            super().__init__()
+            self.norm, self.head_dim = norm, head_dim
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = x.unflatten(-1, (-1, self.head_dim))
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon)
+            return self.norm.weight * h.flatten(-2)
+
+    def qk_norms(replace: Callable[[Any, Any], torch.nn.Module]) -> Callable[[Any], None]:
+        def change(model: Any) -> None:
+            for layer in model.model.layers:
+                attn = layer.self_attn
+                attn.q_norm, attn.k_norm = replace(attn.q_norm, attn), replace(attn.k_norm, attn)
+
+        return change
+
+    variants: dict[str, Callable[[Any], None]] = {
+        "Llama's pre-norms": pre_norms,
+        "no q/k norms": qk_norms(lambda norm, attn: torch.nn.Identity()),
+        "per-head q/k norms": qk_norms(lambda norm, attn: PerHeadNorm(norm, attn.head_dim)),
+    }
+    for what, change in variants.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            change(model.eval())
+            argmax = [
+                model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].argmax(-1).tolist()
+                for p, c in zip(PROMPTS, want, strict=True)
+            ]
+        assert argmax != want, f"{what}: the test model does not depend on it"
+
+
+def test_olmo3_windows_and_rope_per_layer_type(family_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """OLMo 3's windowed layers and their own rope reach ModelConfig, and each matters to HF's own greedy
+    tokens (no window, or the global layers' rope everywhere: checked as the Gemma test above is). A
+    layer kind other than sliding or full attention is a ConfigError, as is a transformers 4 config with
+    rope_scaling (which its OLMo 3 gives to the global layers only, and ModelConfig could not tell)."""
+    from types import SimpleNamespace
+
+    from tp_runtime.models.olmo2 import olmo3_config
+
+    model_dir = family_dir("olmo3")
+    cfg = build_model_config(model_dir, device="cpu")
+    assert cfg.sliding_window == 6 and cfg.sliding_window_layers == (0, 2)
+    assert [cfg.layer_window(i) for i in range(3)] == [6, None, 6]
+    assert cfg.local_rope is not None and (cfg.local_rope.rope_type, cfg.local_rope.theta) == ("default", 5e5)
+    assert (cfg.rope.rope_type, cfg.rope.theta) == ("yarn", 1e4) and cfg.max_model_len == 512
+    assert cfg.attention_scale == cfg.head_dim**-0.5 and not cfg.qkv_bias
+    olmo2 = build_model_config(family_dir("olmo2"), device="cpu")
+    assert olmo2.qkv_bias and olmo2.o_proj_bias and not olmo2.mlp_bias and olmo2.head_dim == 32
+    assert olmo2.sliding_window is None and olmo2.local_rope is None
+
+    want = hf_reference(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    full_rope = config["rope_parameters"]["full_attention"]
+    variants: dict[str, dict[str, Any]] = {
+        "no window": {"layer_types": ["full_attention"] * 3},
+        "one rope": {"rope_parameters": {"full_attention": full_rope, "sliding_attention": full_rope}},
+    }
+    for what, overrides in variants.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, **overrides
+        ).eval()
+        with torch.no_grad():
+            argmax = [
+                model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].argmax(-1).tolist()
+                for p, c in zip(PROMPTS, want, strict=True)
+            ]
+        assert argmax != want, f"{what}: the test model does not depend on it"
+
+    chunked = ["sliding_attention", "chunked_attention", "full_attention"]  # a kind transformers accepts
+    (tmp_path / "config.json").write_text(json.dumps({**config, "layer_types": chunked}))
+    with pytest.raises(ConfigError, match=r"OLMo 3 layer_types .* must name sliding_attention or full"):
+        build_model_config(tmp_path, device="cpu")
+    v4 = SimpleNamespace(
+        num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=4096,
+        rope_theta=5e5, rope_scaling={"rope_type": "yarn", "factor": 8.0},
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="OLMo 3 with rope_scaling needs transformers >= 5"):
+        olmo3_config(v4)
+    unscaled = SimpleNamespace(**{**vars(v4), "rope_scaling": None})
+    assert olmo3_config(unscaled)["sliding_window_layers"] == (0,)
 
 
 def test_granite_config_fields_and_bad_scalings(family_dir: Callable[[str], Path], tmp_path: Path) -> None:
@@ -715,12 +841,14 @@ def _expected(
     layer, _, leaf = name.rpartition(".")
     kv_heads = cfg.num_kv_heads
     kv_index, kv_parts = (rank, tp) if kv_heads >= tp else (rank * kv_heads // tp, kv_heads)
-    if leaf == "weight" and layer.endswith("qkv_proj"):
+    if layer.endswith("qkv_proj"):  # weight and bias alike
         base = layer.removesuffix("qkv_proj")
-        q = rows(hf[f"{base}q_proj.weight"], tp, rank)
-        k = rows(hf[f"{base}k_proj.weight"], kv_parts, kv_index)
-        v = rows(hf[f"{base}v_proj.weight"], kv_parts, kv_index)
+        q = rows(hf[f"{base}q_proj.{leaf}"], tp, rank)
+        k = rows(hf[f"{base}k_proj.{leaf}"], kv_parts, kv_index)
+        v = rows(hf[f"{base}v_proj.{leaf}"], kv_parts, kv_index)
         return torch.cat([q, k, v])
+    if leaf == "bias" and layer.endswith("o_proj"):
+        return hf[name]  # added once, after the sum
     if layer.endswith("gate_up_proj"):
         base = layer.removesuffix("gate_up_proj")
         return torch.cat(
@@ -749,12 +877,15 @@ def _expected(
         part = full[rank * per : min((rank + 1) * per, cfg.vocab_size)]
         shard[: part.shape[0]] = part
         return shard
-    return hf[name]  # layer norms (Gemma 2's four per layer too) and q_norm / k_norm are replicated
+    if arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM") and layer.endswith(("q_norm", "k_norm")):
+        # OLMo's q/k norms span the whole projection: each rank holds its (query or key) heads' part.
+        return rows(hf[name], tp, rank) if layer.endswith("q_norm") else rows(hf[name], kv_parts, kv_index)
+    return hf[name]  # layer norms (Gemma 2's four per layer too) and other q_norm / k_norm are replicated
 
 
 SHARD_CASES = [
     ("qwen3", 2), ("qwen3", 4), ("mixtral", 2), ("mixtral", 4), ("qwen3-moe", 2),
-    ("gemma", 2), ("gemma2", 2), ("gemma2", 4), ("gemma2-global", 2),
+    ("gemma", 2), ("gemma2", 2), ("gemma2", 4), ("gemma2-global", 2), ("olmo2", 2), ("olmo2", 4),
 ]  # fmt: skip
 
 
@@ -1042,7 +1173,7 @@ def test_which_safetensors_files_are_read(make_checkpoint: Callable[..., Path], 
 
 
 def test_dummy_weights_load_for_every_family(family_dir: Callable[[str], Path]) -> None:
-    for family in ("qwen3", "mixtral", "qwen3-moe", "gemma", "gemma2"):
+    for family in ("qwen3", "mixtral", "qwen3-moe", "gemma", "gemma2", "olmo2", "olmo3"):
         cfg = build_model_config(family_dir(family), dtype="float32", device="cpu", load_format="dummy")
         model = model_class(cfg.architecture)(cfg, TPGroup(0, 1), torch.float32, torch.device("cpu"))
         loader.init_dummy_weights(model, 0, torch.float32, torch.device("cpu"))

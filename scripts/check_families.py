@@ -1,6 +1,6 @@
 """Greedy tokens of the non-Llama families (Qwen3, Mixtral, Qwen3-MoE, Gemma, Gemma 2, Gemma 3, Phi-3,
-Granite) at several TP sizes, against each other and against HF transformers, on small random checkpoints
-built here.
+Granite, OLMo 2, OLMo 3) at several TP sizes, against each other and against HF transformers, on small
+random checkpoints built here.
 
     python scripts/check_families.py --device cuda --tp-sizes 1 2 --output-json families.json
 
@@ -115,6 +115,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "residual_multiplier": 0.22,
             "attention_multiplier": 1 / 32,
             "logits_scaling": 8.0,
+        },
+    ),
+    # OLMo 2: post-norms only, q/k norms over the whole projection (all heads; summed over the ranks).
+    "olmo2": ("Olmo2ForCausalLM", {}),
+    # OLMo 3: three windowed layers (16 tokens, their own unscaled rope) to one global (YaRN-scaled rope).
+    "olmo3": (
+        "Olmo3ForCausalLM",
+        {
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+            "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256},
         },
     ),
 }

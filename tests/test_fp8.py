@@ -185,6 +185,17 @@ def test_fp8_ignore_list_keeps_modules_unquantized(make_checkpoint: Any, tmp_pat
     assert_same_tokens(_greedy(out / "fp8", prompts, 1), hf_greedy(out / "ref", prompts, 8), prompts)
 
 
+def test_fp8_ignore_list_names_modules_as_the_checkpoint_does(make_checkpoint: Any, tmp_path: Path) -> None:
+    """A Gemma 3 multimodal checkpoint names its language model's modules language_model.model.*, and so
+    does its ignore list (the model calls them model.*): those modules stay unquantized."""
+    src = make_checkpoint("Gemma3ForConditionalGeneration", seed=3, **GEMMA3)
+    assert any(name.startswith("language_model.model.") for name in load_file(str(src / "model.safetensors")))
+    mlp = tuple(f"language_model.model.layers.1.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
+    out = write_fp8(src, tmp_path, "compressed-tensors", "channel", ignore=mlp)
+    prompts = random_prompts((5, 17), 300, seed=11)
+    assert_same_tokens(_greedy(out / "fp8", prompts, 1), hf_greedy(out / "ref", prompts, 8), prompts)
+
+
 def _qdq_per_channel(w: torch.Tensor) -> torch.Tensor:
     """What online quantization must give: per-output-row amax / 448 scales, round to e4m3, back."""
     scale = w.float().abs().amax(dim=1, keepdim=True) / E4M3_MAX

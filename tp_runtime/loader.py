@@ -405,7 +405,9 @@ class QuantizedCheckpoint:
     """The FP8 side of loading: which layers the checkpoint leaves unquantized (its ignore list), and the
     scale tensors (`<module>.weight_scale`, ...), routed to the layer of `<module>.weight`."""
 
-    def __init__(self, model: CausalLM, quant: QuantConfig | None) -> None:
+    def __init__(
+        self, model: CausalLM, quant: QuantConfig | None, checkpoint_names: CheckpointNames = MODEL_NAMES
+    ) -> None:
         self.model = model
         self.quant = quant
         modules = model.modules() if isinstance(model, torch.nn.Module) else []
@@ -424,7 +426,9 @@ class QuantizedCheckpoint:
         for name, _ in model.checkpoint_shapes():
             layer = self._layer_of(name)
             if layer is not None and _is_quantized(layer):
-                ignored = quant.is_ignored(name.removesuffix(".weight"))
+                # The ignore list names modules as the checkpoint does.
+                stored = checkpoint_names.checkpoint_names(name)
+                ignored = any(quant.is_ignored(s.removesuffix(".weight")) for s in stored)
                 parts.setdefault(id(layer), (layer, []))[1].append(ignored)
                 self.scales_missing.add(name)
         for layer, flags in parts.values():
@@ -488,7 +492,7 @@ def load_weights(
     `quant`: the model's FP8 config (its layers are FP8 already; the checkpoint's scales go to them).
     `checkpoint_names`: how the architecture's checkpoints name the model's tensors (models/registry.py);
     the tensors it skips are never read."""
-    quantized = QuantizedCheckpoint(model, quant)
+    quantized = QuantizedCheckpoint(model, quant, checkpoint_names)
     # By checkpoint name, not by parameter: a fused or stacked parameter (q/k/v, experts) takes many.
     expected = dict(model.checkpoint_shapes())
     missing = dict(expected)

@@ -64,6 +64,19 @@ class CheckpointNames:
                 return None if replacement is None else replacement + name[len(prefix) :]
         raise KeyError(name)
 
+    def checkpoint_names(self, model_name: str) -> tuple[str, ...]:
+        """The names a checkpoint of this architecture may give the model's tensor `model_name` (one per
+        naming it accepts): what its quantization_config's ignore list names."""
+        if not self.prefixes:
+            return (model_name,)
+        names = []
+        for prefix, replacement in self.prefixes:
+            if replacement is not None and model_name.startswith(replacement):
+                stored = prefix + model_name[len(replacement) :]
+                if self.model_name(stored) == model_name:  # not taken by an earlier prefix
+                    names.append(stored)
+        return tuple(names)
+
 
 # A checkpoint that names the tensors as the model does (most architectures').
 MODEL_NAMES = CheckpointNames()

@@ -110,13 +110,42 @@ def test_tokenizer_from_another_folder(llm: LLM, model_dir: Path, tmp_path: Path
         LLM(weights_only, dtype="float32", device="cpu")
     with pytest.raises(ConfigError, match=f"could not load a tokenizer from {tmp_path}"):
         LLM(weights_only, tokenizer=tmp_path, dtype="float32", device="cpu")
+
     want = llm.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False)[0]
     with LLM(weights_only, tokenizer=str(model_dir), dtype="float32", device="cpu") as other:
         assert other.get_tokenizer().chat_template == TEMPLATE
         got = other.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False)[0]
+        other.tokenizer.chat_template = None  # an error names the tokenizer's folder, not the model's
+        with pytest.raises(InvalidRequestError, match=f"the tokenizer of {model_dir} has no chat template"):
+            other.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False)
     assert got.prompt_token_ids == want.prompt_token_ids
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert got.outputs[0].text == want.outputs[0].text
+
+
+def test_tokenizer_option_on_the_command_line(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`generate --chat --tokenizer T` checks T's chat template before starting, on torchrun's rank 0
+    alone (only rank 0 reads the tokenizer: another host need not hold T); a built-in model name as T
+    is that model's tokenizer, as with --model."""
+    from tp_runtime import cli
+    from tp_runtime.errors import ConfigError
+    from tp_runtime.models_catalog import resolve_model_name, resolve_tokenizer_name
+
+    argv = ["generate", "--model", str(model_dir), "--tokenizer", str(tmp_path / "elsewhere"), "--chat", "hi"]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    for rank, fails in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        args = cli.build_parser().parse_args(argv)
+        if fails:
+            with pytest.raises(ConfigError, match=f"could not load a tokenizer from {tmp_path}/elsewhere"):
+                cli.check_args(args, under_torchrun=True)
+        else:
+            cli.check_args(args, under_torchrun=True)
+    assert resolve_tokenizer_name("tiny-llama-tp") == resolve_model_name("tiny-llama-tp")
+    assert resolve_tokenizer_name(model_dir) == str(model_dir)
+    assert resolve_tokenizer_name("org/some-tokenizer") == "org/some-tokenizer"  # for transformers to fetch
 
 
 def test_chat_without_a_template_is_an_invalid_request(make_checkpoint: Callable[..., Path]) -> None:

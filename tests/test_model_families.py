@@ -1352,6 +1352,28 @@ def test_config_without_architectures_or_with_swish_loads(
     assert_same_tokens([o.outputs[0].token_ids for o in outs], hf_greedy(local, prompts, 8), prompts)
 
 
+def test_a_text_only_config_with_stray_nested_keys(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A text-only config.json that carries a plain dict under a key where multimodal configs nest their
+    language model's (text_config, decoder) is still the model's own config; two such keys at once, which
+    transformers cannot choose between, are a ConfigError."""
+    source = make_checkpoint()
+    base = build_model_config(source)
+    config = json.loads((source / "config.json").read_text())
+    for name, extra in (("one", {"text_config": {"note": 1}}), ("two", {"text_config": {}, "decoder": {}})):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**config, **extra}))
+        if name == "one":
+            stray = build_model_config(folder)
+            same = dataclasses.replace(stray, path=base.path, generation_defaults=base.generation_defaults)
+            assert same == base
+        else:
+            with pytest.raises(ConfigError, match=r"config\.json"):
+                build_model_config(folder)
+
+
 def test_gemma2_unsupported_settings_are_config_errors(make_checkpoint: Callable[..., Path]) -> None:
     model_dir = make_checkpoint("Gemma2ForCausalLM", num_hidden_layers=1, hidden_activation="gelu")
     with pytest.raises(ConfigError, match="hidden_activation 'gelu' is not supported"):

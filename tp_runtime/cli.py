@@ -33,6 +33,7 @@ from tp_runtime.models_catalog import (
     DEFAULT_MODEL,
     FALLBACK_MODEL,
     models_table,
+    resolve_tokenizer_name,
 )
 
 PROG = "tp-runtime"
@@ -230,7 +231,7 @@ def _check_chat_template(args: argparse.Namespace) -> None:
     """--chat needs a chat template in the model's tokenizer: say so before anything starts."""
     from tp_runtime.config import load_tokenizer
 
-    folder = os.path.expanduser(args.tokenizer) if args.tokenizer else resolve_model_arg(args)
+    folder = resolve_tokenizer_name(args.tokenizer) if args.tokenizer else resolve_model_arg(args)
     tokenizer = load_tokenizer(folder)
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
@@ -252,7 +253,7 @@ def _check_generate(args: argparse.Namespace) -> None:
                 + f", got {args.logprobs}; ask for fewer"
                 + ("" if vocab < limit else " or raise --max-logprobs")
             )
-    if args.chat:
+    if args.chat and not torchrun_rank():  # rank 0 alone reads the tokenizer
         _check_chat_template(args)
     if args.max_num_seqs is None:
         args.max_num_seqs = max(1, min(GENERATE_MAX_NUM_SEQS, len(prompts) * args.n))

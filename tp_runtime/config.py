@@ -663,8 +663,17 @@ def _language_model_config(hf: Any) -> Any:
     """The config of the language model a checkpoint's config describes: a multimodal checkpoint's nested
     text_config (Gemma3ForConditionalGeneration's), found as transformers finds it (get_text_config); the
     config itself for a text-only model."""
+    import transformers
+
     get_text_config = getattr(hf, "get_text_config", None)
-    return hf if get_text_config is None else get_text_config(decoder=True)
+    if get_text_config is None:
+        return hf
+    try:
+        text = get_text_config(decoder=True)
+    except ValueError as exc:  # several nested configs that could be the language model's
+        raise ConfigError(f"config.json: {' '.join(str(exc).split())[:300]}") from None
+    # A text-only config may carry a stray dict under such a key: the config itself is the model's.
+    return text if isinstance(text, transformers.PretrainedConfig) else hf
 
 
 def _outer_first(outer: Any, text: Any, name: str) -> Any:

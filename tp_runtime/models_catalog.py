@@ -151,6 +151,16 @@ def models_table() -> str:
     return "\n".join(rows)
 
 
+def resolve_tokenizer_name(tokenizer: str | os.PathLike[str]) -> str:
+    """Where a tokenizer option's tokenizer loads from: a folder as it is; a built-in model name or a GGUF
+    file, the folder resolve_model_name makes of it (its tokenizer with it); else a Hub id, which
+    transformers fetches."""
+    name = os.path.expanduser(os.fspath(tokenizer))
+    if not os.path.isdir(name) and (name in _BY_NAME or name.endswith(".gguf")):
+        return resolve_model_name(name)
+    return name
+
+
 def resolve_model_name(model: str | os.PathLike[str] | None, load_format: str = "auto") -> str:
     """A checkpoint folder for ``model``: a folder, a built-in name, or None for the default model.
 

@@ -29,7 +29,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from tp_runtime.config import MAX_TIMEOUT_S, generation_config_problem
 from tp_runtime.errors import ConfigError
-from tp_runtime.models_catalog import DEFAULT_MODEL, resolve_model_name
+from tp_runtime.models_catalog import DEFAULT_MODEL, resolve_model_name, resolve_tokenizer_name
 
 # Choices of the string options. config.py keeps its own tuples for the engine's checks; a test checks that
 # they agree with these.
@@ -280,7 +280,7 @@ class EngineArgs:
         )  # fmt: skip
         return EngineConfig(
             model=model_config,
-            tokenizer=None if self.tokenizer is None else os.path.expanduser(os.fspath(self.tokenizer)),
+            tokenizer=None if self.tokenizer is None else resolve_tokenizer_name(self.tokenizer),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, executor=self.executor,
                 step_timeout_s=self.step_timeout_s, startup_timeout_s=self.startup_timeout_s,

@@ -242,7 +242,7 @@ class LLM:
         conversations = [[_template_message(m, j) for j, m in enumerate(conv)] for conv in conversations]
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
-                f"the tokenizer of {self.config.model.path} has no chat template; pass chat_template= "
+                f"the tokenizer of {self.config.tokenizer_source} has no chat template; pass chat_template= "
                 "(a Jinja template string) to LLM.chat"
             )
         with self._lock:  # the tokenizer is not safe to share between threads either

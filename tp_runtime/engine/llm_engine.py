@@ -487,8 +487,7 @@ def decode_context(
     """The prompt tokens an output is decoded after: the last DECODE_CONTEXT_TOKENS before any at the end
     whose text the output could change (TextFinality: a character they begin, U+FFFD now; with a
     byte-run probe, a run of byte tokens the output could continue, whose characters the decoder turns
-    into U+FFFDs if the output's bytes spoil it; with a cleanup of spaces, an end whose cleanup the output
-    may change, "don '" before "t"); none when no such place is near the end."""
+    into U+FFFDs if the output's bytes spoil it); none when no such place is near the end."""
     for end in range(len(prompt), max(0, len(prompt) - DECODE_CONTEXT_SEARCH), -1):
         context = list(prompt[max(0, end - DECODE_CONTEXT_TOKENS) : end])
         if finality.is_final(decode, context, decode(context)):

@@ -359,35 +359,6 @@ def test_plain_tokens_cost_two_decodes_each(name: str) -> None:
     assert len(calls) <= 2 * len(ids) + len(words), len(calls)
 
 
-@pytest.mark.parametrize(
-    "data", [("中é🥨" * 20).encode(), b"A" * 150, b"\x80" * 150, ("中" * 50).encode()[:-1] + b"\xff"]
-)
-def test_a_held_run_of_bytes_is_not_decoded_again_per_byte(data: bytes) -> None:
-    """A run of byte tokens is held back until a token that is not a byte ends it (a later byte may still
-    spoil it), but the detokenizer works out its text itself: the tokens it decodes grow with the run's
-    length, not with its square, also with the server's offsets (held_chars_kept before each token);
-    text + pending is the tokenizer's decode all along."""
-    f = FAMILIES["byte-fallback-skipTrue"]
-    word, decoded = f.words[1], []
-
-    def counting(ids: list[int]) -> str:
-        decoded.append(len(ids))
-        return f.decode(ids)
-
-    ids = [f.words[0], *f.bytes_of(data), word, *f.bytes_of(data[:9])]
-    for offsets in (False, True):
-        decoded.clear()
-        detok = IncrementalDetokenizer(counting, [1, word], f.finality)
-        for n in range(1, len(ids) + 1):
-            if offsets:
-                detok.held_chars_kept(ids[: n - 1], ids[n - 1])
-            if detok.step(ids[:n]) is not None:
-                assert detok.text + detok.pending == reference(f, word, ids[:n]), n
-            else:
-                assert reference(f, word, ids[:n]).endswith(FFFD), n
-        assert sum(decoded) <= 10 * len(ids), (offsets, sum(decoded))
-
-
 def _held_reference(f: Family, word: int | None, ids: list[int]) -> list[int]:
     """Brute force: token i starts where the text of the tokens before it stops agreeing with the whole
     text."""

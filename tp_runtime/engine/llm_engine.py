@@ -9,7 +9,6 @@ add, their logprobs; `finished` on the last), else one when it finishes, with th
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import gc
 import numbers
@@ -17,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any
 
 from tp_runtime.config import (
     EngineConfig,
@@ -42,11 +41,18 @@ def _common_prefix(a: str, b: str) -> int:
     return same
 
 
-def byte_tokens(tokenizer: Any) -> dict[int, int]:
-    """The vocabulary's byte tokens (SentencePiece-style byte fallback: `<0xE4>`), id -> byte; none where it
-    has none (a vocabulary that has them has them all)."""
+def byte_run_probe(tokenizer: Any, decode: Callable[[list[int]], str]) -> int | None:
+    """The token IncrementalDetokenizer puts after a text to learn whether a later byte token could still
+    rewrite it, for a decoder that does: SentencePiece-style byte fallback (Llama 2, Mistral: byte tokens
+    `<0xE4>`; tokenizers' ByteFallback decoder) decodes a run of consecutive byte tokens that is not valid
+    UTF-8 as one U+FFFD per byte, so the text of a run ("中" from <0xE4><0xB8><0xAD>) may change until a
+    token that is not a byte ends the run. The probe is a byte token that can never be part of a character
+    (0xFF, else the highest non-ASCII one the vocabulary has: each makes a valid run invalid). None where
+    the vocabulary has no byte tokens, or where its decoder keeps the text before such a byte (byte-level
+    BPE and SentencePiece's own decoder make only the invalid bytes U+FFFD: only an unfinished last
+    character can change, which the detokenizer's U+FFFD rule covers)."""
     if tokenizer is None or not hasattr(tokenizer, "convert_tokens_to_ids"):
-        return {}
+        return None
 
     def byte_token(byte: int) -> int | None:
         piece = f"<0x{byte:02X}>"
@@ -56,31 +62,17 @@ def byte_tokens(tokenizer: Any) -> dict[int, int]:
         return token
 
     if all(byte_token(byte) is None for byte in (0x00, 0x41, 0x80, 0xFF)):
-        return {}
-    return {token: byte for byte in range(256) if (token := byte_token(byte)) is not None}
-
-
-def byte_run_probe(tokens: dict[int, int], decode: Callable[[list[int]], str]) -> int | None:
-    """The token IncrementalDetokenizer puts after a text to learn whether a later byte token could still
-    rewrite it, for a decoder that does: SentencePiece-style byte fallback (Llama 2, Mistral: byte tokens
-    `<0xE4>`, `tokens`: byte_tokens'; tokenizers' ByteFallback decoder) decodes a run of consecutive byte
-    tokens that is not valid UTF-8 as one U+FFFD per byte, so the text of a run ("中" from
-    <0xE4><0xB8><0xAD>) may change until a token that is not a byte ends the run. The probe is a byte token
-    that can never be part of a character (0xFF, else the highest non-ASCII one the vocabulary has: each
-    makes a valid run invalid). None where the vocabulary has no byte tokens, or where its decoder keeps
-    the text before such a byte (byte-level BPE and SentencePiece's own decoder make only the invalid bytes
-    U+FFFD: only an unfinished last character can change, which the detokenizer's U+FFFD rule covers)."""
-    by_byte = {byte: token for token, byte in tokens.items()}
+        return None  # no byte tokens (a vocabulary that has them has them all)
     probe = None
     for byte in range(0xFF, 0x7F, -1):
-        token = by_byte.get(byte)
+        token = byte_token(byte)
         if token is not None and decode([token]) == "\ufffd":
             probe = token
             break
     if probe is None:
         return None
     for byte in range(0x21, 0x7F):  # a printable ASCII byte token: does the probe rewrite its text?
-        token = by_byte.get(byte)
+        token = byte_token(byte)
         if token is not None and decode([token]) == chr(byte):
             return None if decode([token, probe]) == chr(byte) + "\ufffd" else probe
     return probe  # no way to tell: probing costs a decode, never correctness
@@ -175,12 +167,8 @@ class TextFinality:
 
     probe: int | None = None
     cleanup: SpaceCleanup | None = None
-    # With a probe: the byte tokens (id -> byte), whose runs IncrementalDetokenizer follows itself.
-    bytes: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
-    # Per token id, whether the probe is to be tried after it (_may_continue_run), whether a run of bytes
-    # goes on through it (joins_run).
+    # Per token id, whether the probe is to be tried after it (_may_continue_run).
     _runs: dict[int, bool] = field(default_factory=dict, compare=False, repr=False)
-    _joins: dict[int, bool] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -189,9 +177,7 @@ class TextFinality:
         """For `decode`, the tokenizer's decode (as the engine or the server calls it: with
         `skip_special_tokens`)."""
         cleanup = space_cleanup(tokenizer, decode, skip_special_tokens)
-        tokens = byte_tokens(tokenizer)
-        probe = byte_run_probe(tokens, cleanup.raw if cleanup else decode)
-        return cls(probe, cleanup, tokens if probe is not None else {})
+        return cls(byte_run_probe(tokenizer, cleanup.raw if cleanup else decode), cleanup)
 
     def is_final(self, decode: Callable[[list[int]], str], tokens: list[int], text: str) -> bool:
         """Whether `text`, the decode of `tokens` (from the start of a text), stays the start of the decode
@@ -206,15 +192,10 @@ class TextFinality:
         is: it does not end in U+FFFD (its last bytes may begin a character that later bytes complete),
         and, for a decoder that rewrites byte runs (`probe`), the probe byte after it adds its U+FFFD and
         nothing else (not where it joins a run of bytes before it, also one whose text is empty: a space
-        byte that the decoder strips at the start). Not after a byte token: the probe joins its run, which
-        then decodes to U+FFFDs alone."""
+        byte that the decoder strips at the start)."""
         if text.endswith("\ufffd"):
             return False
-        if self.probe is None:
-            return True
-        if tokens[-1] in self.bytes:
-            return False
-        if not self._may_continue_run(decode, tokens[-1]):
+        if self.probe is None or not self._may_continue_run(decode, tokens[-1]):
             return True
         return decode([*tokens, self.probe]) == text + "\ufffd"
 
@@ -229,45 +210,8 @@ class TextFinality:
             known = self._runs[token] = decode([self.probe, token]) in ("\ufffd", "\ufffd\ufffd")
         return known
 
-    def joins_run(self, decode: Callable[[list[int]], str], token: int) -> bool:
-        """Whether bytes on both sides of `token` (not a byte token) make one run: it has no text of its own
-        and the decoder does not see it (a special token the decode skips). Decoded once per token id."""
-        known = self._joins.get(token)
-        if known is None:
-            by_byte = {byte: t for t, byte in self.bytes.items()}
-            known = self._joins[token] = decode([by_byte[0xC3], token, by_byte[0xA9]]) == "é"
-        return known
-
 
 NO_RULES = TextFinality()
-
-
-class _Run(NamedTuple):
-    """A run of byte tokens at the end of IncrementalDetokenizer's window, whose text it works out itself
-    (for a decoder with a byte-run probe: a run that is UTF-8 decodes to its characters, else to one U+FFFD
-    per byte), so that a long run costs no decode per token; the window is decoded once the run ends."""
-
-    seen: int  # tokens of context + ids taken in
-    head: str  # the window's text past the previous piece, before the run
-    text: str  # the run's characters
-    partial: bytes  # the bytes of an unfinished last character
-    size: int  # the run's bytes
-    valid: bool  # no byte so far makes it invalid
-    modeled: bool  # the decoder gave this run's text as worked out (else: decode it)
-
-    def add(self, byte: int) -> _Run:
-        if not self.valid:
-            return self._replace(size=self.size + 1)
-        data = self.partial + bytes((byte,))
-        try:
-            chars, used = codecs.utf_8_decode(data, "strict", False)  # leaves an unfinished character
-        except UnicodeDecodeError:
-            return self._replace(size=self.size + 1, valid=False)
-        return self._replace(text=self.text + chars, partial=data[used:], size=self.size + 1)
-
-    def decoded(self) -> str:
-        """The run's text as the decoder gives it."""
-        return self.text if self.valid and not self.partial else "\ufffd" * self.size
 
 
 class IncrementalDetokenizer:
@@ -282,9 +226,7 @@ class IncrementalDetokenizer:
     `text` only ever grows by text that no later token can change (`finality`, TextFinality): a window
     whose text ends in U+FFFD is held back (its last bytes may begin a character the next token completes:
     byte-level BPE splits multi-byte characters), with a byte-run probe so is one that a later byte token
-    would rewrite (a byte-fallback run of bytes, until a token that is not a byte ends it: meanwhile the
-    run's text is worked out here, _Run, not decoded again for each byte, which would cost a run of n
-    bytes n² decoded tokens; the window is decoded once the run ends). With a cleanup
+    would rewrite (a byte-fallback run of bytes, until a token that is not a byte ends it). With a cleanup
     of tokenization spaces the windows are decoded without it, and their final text is cleaned a piece at
     a time where no later text can change it (SpaceCleanup). So `text` is always a prefix of the output's
     text; only the held-back tail is missing, which the caller takes from a full decode at the end
@@ -297,8 +239,8 @@ class IncrementalDetokenizer:
     """
 
     __slots__ = (
-        "_cleanup", "_context", "_decode", "_ends", "_final", "_held", "_prefix", "_prefix_offset",
-        "_read_offset", "_run", "pending", "text",
+        "_cleanup", "_context", "_decode", "_ends", "_final", "_held", "_prefix_offset", "_read_offset",
+        "pending", "text",
     )  # fmt: skip
 
     def __init__(
@@ -324,8 +266,6 @@ class IncrementalDetokenizer:
         # Offsets into context + ids.
         self._prefix_offset = 0  # start of the previous piece's tokens
         self._read_offset = len(self._context)  # tokens already in `text` (or `_held`)
-        self._prefix: tuple[int, int, str] = (0, 0, "")  # the offsets and the previous piece's decode
-        self._run: _Run | None = None  # a run of byte tokens the window ends in (_Run)
         self.text = ""
         self.pending = ""
 
@@ -365,68 +305,18 @@ class IncrementalDetokenizer:
     def _raw_step(self, ids: list[int]) -> tuple[str, bool] | None:
         """The window's text past the previous piece, and whether it is final (then the window moves on);
         None where it adds nothing or ends in U+FFFD."""
-        end = len(self._context) + len(ids)
-        if end <= self._read_offset:
+        if len(self._context) + len(ids) <= self._read_offset:
             return None
-        if self._run is not None:
-            run = self._run = self._go_on(self._run, ids, end)
-            if run is not None and run.modeled:
-                # A run of bytes is never final (a later byte may spoil it); one that is not UTF-8 (yet)
-                # decodes to U+FFFDs.
-                piece = run.head + run.decoded()
-                return (piece, False) if piece and run.valid and not run.partial else None
         start, read = self._prefix_offset, self._read_offset
         tokens = self._tokens(ids, start)
-        prefix = self._prefix_text(tokens, start, read)
+        prefix = self._decode(tokens[: read - start]) if read > start else ""
         window = self._decode(tokens)
-        if self._run is None:
-            self._run = self._run_at_end(tokens, start, read, prefix, window)
         if len(window) <= len(prefix) or window.endswith("\ufffd"):
             return None
         final = self._final.raw_is_final(self._decode, tokens, window)
-        if final:  # (never where the window ends in a run of bytes)
-            self._prefix_offset, self._read_offset = read, end
-            self._run = None
+        if final:
+            self._prefix_offset, self._read_offset = read, len(self._context) + len(ids)
         return window[len(prefix) :], final
-
-    def _prefix_text(self, tokens: list[int], start: int, read: int) -> str:
-        """The decode of the window's tokens before `read` (the previous piece's), once per window."""
-        if self._prefix[:2] != (start, read):
-            self._prefix = (start, read, self._decode(tokens[: read - start]) if read > start else "")
-        return self._prefix[2]
-
-    def _run_at_end(self, tokens: list[int], start: int, read: int, prefix: str, window: str) -> _Run | None:
-        """The run of byte tokens the window (`tokens` from `start` on, decoded: `window`) ends in, where the
-        decoder rewrites runs (a probe); None where it ends in another token."""
-        final = self._final
-        if final.probe is None or tokens[-1] not in final.bytes:
-            return None
-        first = len(tokens) - 1  # the run's first byte: not before the previous piece's end
-        while first > read - start:
-            token = tokens[first - 1]
-            if token not in final.bytes and not final.joins_run(self._decode, token):
-                break
-            first -= 1
-        while tokens[first] not in final.bytes:  # tokens without text before the first byte
-            first += 1
-        head = prefix if first == read - start else self._decode(tokens[:first])
-        run = _Run(start + len(tokens), head[len(prefix) :], "", b"", 0, True, True)
-        for token in tokens[first:]:
-            if token in final.bytes:
-                run = run.add(final.bytes[token])
-        # The decoder may give it otherwise (a space byte the decode strips at the start): then decode.
-        return run._replace(modeled=head.startswith(prefix) and window == head + run.decoded())
-
-    def _go_on(self, run: _Run, ids: list[int], end: int) -> _Run | None:
-        """`run` with the tokens past it taken in, None where one of them ends it."""
-        final = self._final
-        for token in ids[run.seen - len(self._context) : end - len(self._context)]:
-            byte = final.bytes.get(token)
-            if byte is not None:
-                run = run.add(byte)
-            elif not final.joins_run(self._decode, token):
-                return None
-        return run._replace(seen=end)
 
     def unchanged(self, later: str) -> int:
         """How many leading characters of `text + pending` stay in `later`, a later decode of the output
@@ -443,12 +333,8 @@ class IncrementalDetokenizer:
         start, read = self._prefix_offset, self._read_offset
         if len(self._context) + len(ids) <= read:
             return 0
-        if next_id in self._final.bytes or (
-            self._run is not None and self._final.joins_run(self._decode, next_id)
-        ):
-            return 0  # the window then ends in a run of bytes, never final
         tokens = self._tokens(ids, start)
-        prefix = self._prefix_text(tokens, start, read)
+        prefix = self._decode(tokens[: read - start]) if read > start else ""
         before = self._decode(tokens)
         if self._cleanup is not None:
             held = self._cleanup.clean(self._held + before[len(prefix) :])

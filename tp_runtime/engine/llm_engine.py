@@ -84,7 +84,6 @@ CLEANUP_PASSES = (
     (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
     (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
 )  # fmt: skip
-_PATTERN_STARTS = tuple(tuple(p[:n] for n in range(1, len(p))) for p, _ in CLEANUP_PASSES)
 # Text that tells whether a decode cleans up (it holds every pattern once tokenized), and whether the
 # tokenizer's cleanup is the passes above (it holds overlapping matches too).
 _CLEANUP_PROBE = "a . b ? c ! d , e ' f n't g 'm h 's i 've j 're"
@@ -124,7 +123,7 @@ class SpaceCleanup:
         for i, (pattern, replacement) in enumerate(CLEANUP_PASSES):
             keep = len(pattern) - 1
             tail = (ends[i] if ends else "") + text[-keep:]
-            if tail.endswith(_PATTERN_STARTS[i]):
+            if any(tail.endswith(pattern[:n]) for n in range(1, len(pattern))):
                 return None
             out.append(tail[-keep:])
             text = text.replace(pattern, replacement)

@@ -90,27 +90,6 @@ def wordpiece_tokenizer(clean_up_tokenization_spaces: bool = False) -> Any:
     )  # fmt: skip
 
 
-def metaspace_tokenizer() -> Any:
-    """T5 / ALBERT-style: a Unigram model of Metaspace pieces, here with byte fallback and Llama 2's decoder;
-    transformers cleans up tokenization spaces for it (as for WordPiece; not for BPE)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "▁the", "▁a", "a", "▁x",
-              "▁.", ".", "'", "▁'", "s", "▁s", "t", "n", "▁n", "n't", "▁n't", "'t", "'s", "▁'s", "m", "'m",
-              "ve", "re", "'ve", "'re", "?", "▁?", "!", ",", "▁,", "é", "中"]  # fmt: skip
-    tok = Tokenizer(models.Unigram([(p, -1.0) for p in pieces], unk_id=0, byte_fallback=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.decoder = decoders.Sequence([
-        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)
-    ])  # fmt: skip
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        clean_up_tokenization_spaces=True,
-    )  # fmt: skip
-
-
 def sentencepiece_processor() -> Any:
     """A SentencePiece model with byte fallback, trained here; decoded by SentencePiece itself."""
     import sentencepiece as spm
@@ -142,10 +121,10 @@ class Family:
 
     def __init__(self, name: str, tokenizer: Any, decode: Callable[[list[int]], str],
                  byte: Callable[[int], int] | None, words: list[int], specials: list[int],
-                 size: int, skip: bool = True) -> None:  # fmt: skip
+                 size: int) -> None:  # fmt: skip
         self.name, self.tokenizer, self.decode, self.byte = name, tokenizer, decode, byte
         self.words, self.specials, self.size = words, specials, size
-        self.finality = TextFinality.of(tokenizer, decode, skip)
+        self.finality = TextFinality.of(tokenizer, decode)
 
     def bytes_of(self, data: bytes) -> list[int]:
         assert self.byte is not None
@@ -180,7 +159,7 @@ def hf_family(name: str, tokenizer: Any, skip: bool, byte: Callable[[int], int] 
     def decode(ids: list[int]) -> str:
         return str(tokenizer.decode(ids, skip_special_tokens=skip))
 
-    return Family(name, tokenizer, decode, byte, words, specials, len(tokenizer), skip)
+    return Family(name, tokenizer, decode, byte, words, specials, len(tokenizer))
 
 
 BYTE_LEVEL_EXTRA = [b"P\xe2\x82", b"\xe4\xb8", b"\xad ok", b" the", b"\xe2\x82\xac", b"\xb8\xad"]
@@ -308,31 +287,24 @@ def test_the_streamed_text_is_final_text(name: str) -> None:
 def test_the_probe_is_only_where_a_byte_rewrites_text() -> None:
     """Only the byte-fallback decoder (a run that is not UTF-8 decodes to one U+FFFD per byte) needs
     the probe; byte-level BPE and SentencePiece's own decoder keep the text before a stray byte, and a
-    vocabulary without byte tokens has none. Only transformers' cleanup of tokenization spaces needs a
-    cleanup, not where it is asked for a BPE tokenizer (transformers leaves those alone)."""
+    vocabulary without byte tokens has none. Only transformers' cleanup of tokenization spaces needs tails,
+    not where it is asked for a BPE tokenizer (transformers leaves those alone)."""
     probes = {name: f.finality.probe for name, f in FAMILIES.items()}
     assert probes["byte-fallback-skipTrue"] == probes["byte-fallback-skipFalse"] == 3 + 0xFF
     assert all(p is None for name, p in probes.items() if not name.startswith("byte-fallback")), probes
     f = FAMILIES["byte-fallback-skipTrue"]
     assert f.decode(f.bytes_of("中".encode())) == "中"
     assert f.decode(f.bytes_of("中".encode() + b"\xff")) == FFFD * 4  # the run's text changes
-    cleaning = {name for name, f in FAMILIES.items() if f.finality.cleanup is not None}
-    assert cleaning == {"wordpiece-cleanup"}
-    cleanup = FAMILIES["wordpiece-cleanup"].finality.cleanup
-    assert cleanup is not None and cleanup.known
-    assert cleanup.cut((), "don '") is None and cleanup.cut((), "a n") is None  # "don't", "an't" may follow
-    assert cleanup.cut((), "x ' ") is None  # cleans to "x'", but "x ' ." to "x '."
-    assert cleanup.cut((), "don't") is not None and cleanup.cut((), "x'") is not None
-    wp = FAMILIES["wordpiece-cleanup"].tokenizer
-    with pytest.raises(ValueError, match="skip_special_tokens"):  # its decode keeps special tokens
-        TextFinality.of(wp, wp.decode, skip_special_tokens=True)
+    tails = {name for name, f in FAMILIES.items() if f.finality.tails}
+    assert tails == {"wordpiece-cleanup"}
+    assert set(FAMILIES["wordpiece-cleanup"].finality.tails) >= {" ", " '", " n", " n'"}
     from transformers import PreTrainedTokenizerFast
 
     bpe = byte_level_tokenizer([])
     flagged = PreTrainedTokenizerFast(
         tokenizer_object=bpe.backend_tokenizer, unk_token="<unk>", clean_up_tokenization_spaces=True
     )
-    assert TextFinality.of(flagged, flagged.decode, skip_special_tokens=False) == TextFinality()
+    assert TextFinality.of(flagged, flagged.decode) == TextFinality()
 
 
 @pytest.mark.parametrize("name", ["byte-fallback-skipTrue", "byte-level-skipTrue"])
@@ -395,126 +367,6 @@ def test_text_offsets_follow_the_held_text(name: str) -> None:
             assert [got[i] for i in settled] == [want[i] for i in settled], (ids, got, want)
 
 
-# ------------------------------------------------------------------ cleanup of tokenization spaces
-def cleanup_families() -> dict[str, Family]:
-    wp = FAMILIES["wordpiece-cleanup"].tokenizer
-    ms = metaspace_tokenizer()
-    out = [
-        FAMILIES["wordpiece-cleanup"],
-        hf_family("wordpiece-cleanup-skipFalse", wp, False, None),
-        hf_family("metaspace-cleanup", ms, True, lambda b: 3 + b),
-    ]
-    return {f.name: f for f in out}
-
-
-CLEANUP_FAMILIES = cleanup_families()
-# Where the pieces of a cleanup pattern (" ' ", " n't", " 's", " ." ...) may meet.
-CLEANUP_PIECES = ["'", "##'", "n", "##n", "t", "##t", "s", "##s", "m", "ve", "re", ".", "?", ",", "a", "don",
-                  "▁", "▁.", "▁'", "▁s", "▁n", "n't", "▁n't", "'t", "'s", "▁'s", "'m", "'ve", "▁,", "▁a",
-                  "▁x", "▁the"]  # fmt: skip
-
-
-def shared(a: str, b: str) -> int:
-    """How many leading characters `a` and `b` share."""
-    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
-def check_cleanup_stream(f: Family, prompt: list[int], ids: list[int], nexts: list[list[int]]) -> None:
-    """After every token the streamed text begins the decode of the tokens so far, of every later prefix
-    and of every continuation in `nexts`, and text + pending is the decode of the tokens so far; the
-    server's offsets never pass the brute force's."""
-    detok, context = stream(f, prompt, ids)
-    texts = [output_text(f.decode, context, ids[:n]) for n in range(len(ids) + 1)]
-    for n in range(1, len(ids) + 1):
-        before = detok.text + detok.pending
-        changed = detok.step(ids[:n])
-        for later in texts[n:]:
-            assert later.startswith(detok.text), (prompt, ids[:n], detok.text, later)
-        for more in nexts:
-            later = output_text(f.decode, context, ids[:n] + more)
-            assert later.startswith(detok.text), (prompt, ids[:n], more, detok.text, later)
-        if changed is None:  # the tokens end inside a character, or add nothing
-            assert detok.text + detok.pending == before, (prompt, ids[:n])
-            assert texts[n].endswith(FFFD) or texts[n] == before, (prompt, ids[:n])
-        else:
-            assert detok.text + detok.pending == texts[n], (prompt, ids[:n])
-            assert before[:changed] == texts[n][:changed], (prompt, ids[:n])
-    offsets = TextOffsets(f.tokenizer, with_special_tokens=f.name.endswith("skipFalse"), prompt=prompt)
-    got = [offsets.next(t) for t in ids]
-    # Brute force: token i starts where the text of the tokens before it stops agreeing with the whole text.
-    want = [shared(t, texts[-1]) for t in texts[:-1]]
-    assert got == sorted(got) and all(g <= w for g, w in zip(got, want, strict=True)), (ids, got, want)
-
-
-def pieces(f: Family, *names: str) -> list[int]:
-    ids = f.tokenizer.convert_tokens_to_ids(list(names))
-    assert f.tokenizer.unk_token_id not in ids, names
-    return list(ids)
-
-
-# Found by a random search: each streamed text that a later token changed.
-CLEANUP_CASES = [
-    # " ' " matches pair up from the start of a run of quotes: cleaned from the second quote on, as the
-    # window after the previous piece was, "' ' ve" became "''ve", not the whole text's "a'' ve".
-    ("wordpiece-cleanup", [], ["a", "'", "'", "ve"]),
-    ("wordpiece-cleanup-skipFalse", ["[CLS]"], ["'", "'", "the"]),
-    # "the ' " cleans to "the'" (" ' " takes the space after it too), "the ' ." to "the '." (" ." first).
-    ("metaspace-cleanup", ["▁the"], ["▁'", "▁", "."]),
-    ("metaspace-cleanup", ["▁the", "▁"], ["▁'", "▁'", "▁n't"]),
-    ("metaspace-cleanup", ["▁the", "'"], ["▁", "'", "▁'", "ve"]),
-    ("metaspace-cleanup", [], ["<0xC3>", "▁'", "▁", "."]),
-]
-
-
-def test_an_unknown_cleanup_holds_the_text_to_the_end() -> None:
-    """A tokenizer whose cleanup is not transformers' own: no text is known to be final, so the stream
-    holds it all back (the final decode gives it at the end), and text + pending is still its decode."""
-    wp = FAMILIES["wordpiece-cleanup"].tokenizer
-
-    class Cleaner(type(wp)):
-        def clean_up_tokenization(self, text: str) -> str:
-            return text.replace(" t", "t")
-
-    tok = Cleaner(tokenizer_object=wp.backend_tokenizer, unk_token="[UNK]", clean_up_tokenization_spaces=True)
-    f = hf_family("custom-cleanup", tok, True, None)
-    assert f.finality.cleanup is not None and not f.finality.cleanup.known
-    ids = pieces(f, "the", "cat", "t", "a", "don", "t")
-    detok, context = stream(f, [f.words[1]], ids)
-    assert context == []
-    for n in range(1, len(ids) + 1):
-        detok.step(ids[:n])
-        assert detok.text == "" and detok.pending == f.decode(ids[:n]), ids[:n]
-    assert f.decode(ids) == "the catt a dont"
-
-
-@pytest.mark.parametrize("case", range(len(CLEANUP_CASES)))
-def test_cleanup_found_cases(case: int) -> None:
-    name, prompt, output = CLEANUP_CASES[case]
-    f = CLEANUP_FAMILIES[name]
-    nexts = [[t] for t in pieces(f, *(p for p in CLEANUP_PIECES if p in f.tokenizer.get_vocab()))]
-    check_cleanup_stream(f, pieces(f, *prompt), pieces(f, *output), nexts)
-
-
-@pytest.mark.parametrize("name", sorted(CLEANUP_FAMILIES))
-def test_cleanup_random_outputs(name: str) -> None:
-    """Brute force over random outputs dense in the pieces of cleanup patterns (quotes, "n", "t", "s",
-    punctuation, spaces), after prompts that end in them, and some of any tokens."""
-    f = CLEANUP_FAMILIES[name]
-    rng = random.Random(3)
-    alphabet = pieces(f, *(p for p in CLEANUP_PIECES if p in f.tokenizer.get_vocab())) + f.specials[:2]
-    nexts = [[t] for t in alphabet]
-    # Quotes and spaces weigh most: what a cleanup takes or leaves depends on how they follow each other.
-    quotes = [t for t in alphabet if f.tokenizer.convert_ids_to_tokens(t) in ("'", "##'", "▁'", "▁")]
-    pool = alphabet + quotes * 8
-    prompts = [[], [f.specials[0]], [f.words[1]], *([f.words[1], t] for t in alphabet[:6])]
-    for _ in range(200):
-        if rng.random() < 0.85:
-            ids = [rng.choice(pool) for _ in range(rng.randrange(2, 8))]
-        else:
-            ids = f.random_ids(rng, rng.randrange(2, 12))
-        check_cleanup_stream(f, rng.choice(prompts), ids, nexts)
-
-
 # ----------------------------------------------------------------------------------- the engine
 ENGINE_FAMILIES = ["byte-fallback-skipTrue", "byte-level-skipTrue", "wordpiece-skipTrue", "wordpiece-cleanup"]
 
@@ -547,24 +399,6 @@ def test_engine_streams_join_into_the_decoded_text(model_config: Any, name: str)
             assert token_ids == ids
             want = reference(f, word, ids)
             assert text == out[str(whole)][0].outputs[0].text == want, (prompt, ids, text, want)
-
-
-def test_engine_streams_the_cleanup_cases(model_config: Any) -> None:
-    """The cases a cleanup of tokenization spaces got wrong, through the engine: streamed pieces join into
-    the text a request that does not stream gets, the tokenizer's decode after the prompt."""
-    for name, prompt_pieces, output in CLEANUP_CASES:
-        f = CLEANUP_FAMILIES[name]
-        if not f.name.endswith("skipFalse"):  # the engine's decode skips special tokens
-            prompt = [f.specials[0], *pieces(f, *prompt_pieces)]
-            ids = pieces(f, *output)
-            engine = make_engine(model_config, f.tokenizer, ScriptedExecutor(text_script(ids, len(prompt))))
-            params = SamplingParams(temperature=0, max_tokens=len(ids), ignore_eos=True)
-            streamed = engine.add_request(prompt, params, stream=True)
-            whole = engine.add_request(prompt, params)
-            out = run_all(engine)
-            text, _ = joined(out[str(streamed)])
-            want = output_text(f.decode, decode_context(f.decode, prompt, f.finality), ids)
-            assert text == out[str(whole)][0].outputs[0].text == want, (name, output, text, want)
 
 
 def first_stop(f: Family, word: int | None, ids: list[int], stops: list[str], include: bool) -> Any:

@@ -78,121 +78,50 @@ def byte_run_probe(tokenizer: Any, decode: Callable[[list[int]], str]) -> int | 
     return probe  # no way to tell: probing costs a decode, never correctness
 
 
-# transformers' clean_up_tokenization (what a decode with clean_up_tokenization_spaces does to the whole
-# text): these str.replace passes, in this order, each over the previous one's result.
-CLEANUP_PASSES = (
-    (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
-    (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
-)  # fmt: skip
-# Text that tells whether a decode cleans up (it holds every pattern once tokenized), and whether the
-# tokenizer's cleanup is the passes above (it holds overlapping matches too).
-_CLEANUP_PROBE = "a . b ? c ! d , e ' f n't g 'm h 's i 've j 're"
-_PASSES_PROBE = " ' ' ' . ' ' x ' ' n't ' 'm 's ' 've  're , ! ? ' "
+# transformers' clean_up_tokenization (a decode with clean_up_tokenization_spaces, on the whole text): each
+# pattern loses its first space (" ' " both), so text may change where its end begins one.
+CLEANUP_PATTERNS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
 
 
-def _clean_passes(text: str) -> str:
-    for pattern, replacement in CLEANUP_PASSES:
-        text = text.replace(pattern, replacement)
-    return text
-
-
-@dataclass(frozen=True)
-class SpaceCleanup:
-    """How to stream a decode that cleans up tokenization spaces (transformers' clean_up_tokenization on the
-    whole text: WordPiece, Unigram and SentencePiece tokenizers with clean_up_tokenization_spaces).
-
-    The cleanup cannot be judged on the cleaned text: a pattern may take a space that later text decides
-    on (" ' " drops the space after it too, which " ." needs first: "x ' " cleans to "x'", "x ' ." to
-    "x '."), and the " ' " matches of a run of quotes pair up from its start, so text decoded from a later
-    token on may clean differently than in the whole text. So the detokenizer decodes without the cleanup
-    (`raw`) and cleans the final raw text a piece at a time, only where a piece ends at a `cut`: each pass
-    is a left-to-right replace, and unless its input ends in the start of its pattern (" n" for " n't")
-    no match spans that point, so what follows it never changes the text cleaned before it."""
-
-    raw: Callable[[list[int]], str]  # the decode without the cleanup
-    clean: Callable[[str], str]  # the tokenizer's cleanup
-    known: bool = True  # whether `clean` is CLEANUP_PASSES (else no text is known to be final)
-
-    def cut(self, ends: tuple[str, ...], text: str) -> tuple[str, ...] | None:
-        """Where raw `text` follows a cut whose pass inputs ended in `ends` (() at the start of the text):
-        None where a later text may change the cleanup of what comes before its end, else the ends of the
-        pass inputs there (the last characters a later match could begin in)."""
-        if not self.known:
-            return None
-        out = []
-        for i, (pattern, replacement) in enumerate(CLEANUP_PASSES):
-            keep = len(pattern) - 1
-            tail = (ends[i] if ends else "") + text[-keep:]
-            if any(tail.endswith(pattern[:n]) for n in range(1, len(pattern))):
-                return None
-            out.append(tail[-keep:])
-            text = text.replace(pattern, replacement)
-        return tuple(out)
-
-
-def space_cleanup(
-    tokenizer: Any, decode: Callable[[list[int]], str], skip_special_tokens: bool
-) -> SpaceCleanup | None:
-    """The cleanup of tokenization spaces that `decode` (the tokenizer's decode with `skip_special_tokens`)
-    applies, None where it applies none (transformers leaves BPE tokenizers alone: "a ." stays)."""
+def cleanup_tails(tokenizer: Any) -> tuple[str, ...]:
+    """The ends of a text that a later token may rewrite where the tokenizer's decode cleans up
+    tokenization spaces (WordPiece tokenizers: "don '" becomes "don't" once "t" follows): the beginnings
+    of CLEANUP_PATTERNS. None where its decode does not ("a ." stays: transformers leaves BPE alone)."""
     if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return None
-    skip = skip_special_tokens
-    raws: list[Callable[[list[int]], str]] = []
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:  # what transformers' fast decode cleans (a few times faster than decode)
-        raws.append(lambda ids: str(backend.decode(ids, skip_special_tokens=skip)))
-    raws.append(
-        lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False))
-    )
+        return ()
     try:
-        ids = [*tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False), *tokenizer.all_special_ids]
+        ids = list(tokenizer.encode("a .", add_special_tokens=False))
+        cleaned = tokenizer.decode(ids, skip_special_tokens=True)
+        raw = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     except Exception:
-        ids = []
-    text, clean = decode(ids), tokenizer.clean_up_tokenization
-    for raw in raws:
-        raw_text = raw(ids)
-        if text == raw_text and any(p in raw_text for p, _ in CLEANUP_PASSES):
-            return None  # the decode keeps the patterns
-        if text == clean(raw_text):
-            return SpaceCleanup(raw, clean, clean(_PASSES_PROBE) == _clean_passes(_PASSES_PROBE))
-    raise ValueError(f"decode is not the tokenizer's decode with skip_special_tokens={skip}")
+        cleaned, raw = "", ""
+    if cleaned == raw == "a .":
+        return ()
+    return tuple(sorted({p[:n] for p in CLEANUP_PATTERNS for n in range(1, len(p))}))
 
 
 @dataclass(frozen=True)
 class TextFinality:
     """How to tell that the decode of some tokens is final: that no tokens after them change it (a stream
-    may send it). `probe`: byte_run_probe's; `cleanup`: space_cleanup's."""
+    may send it). `probe`: byte_run_probe's; `tails`: cleanup_tails'."""
 
     probe: int | None = None
-    cleanup: SpaceCleanup | None = None
+    tails: tuple[str, ...] = ()
     # Per token id, whether the probe is to be tried after it (_may_continue_run).
     _runs: dict[int, bool] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def of(
-        cls, tokenizer: Any, decode: Callable[[list[int]], str], skip_special_tokens: bool = True
-    ) -> TextFinality:
-        """For `decode`, the tokenizer's decode (as the engine or the server calls it: with
-        `skip_special_tokens`)."""
-        cleanup = space_cleanup(tokenizer, decode, skip_special_tokens)
-        return cls(byte_run_probe(tokenizer, cleanup.raw if cleanup else decode), cleanup)
+    def of(cls, tokenizer: Any, decode: Callable[[list[int]], str]) -> TextFinality:
+        """For `decode`, the tokenizer's decode (as the engine or the server calls it)."""
+        return cls(byte_run_probe(tokenizer, decode), cleanup_tails(tokenizer))
 
     def is_final(self, decode: Callable[[list[int]], str], tokens: list[int], text: str) -> bool:
-        """Whether `text`, the decode of `tokens` (from the start of a text), stays the start of the decode
-        whatever tokens follow: `raw_is_final`, and with a cleanup, no later text changes its cleanup."""
-        if self.cleanup is None:
-            return self.raw_is_final(decode, tokens, text)
-        raw = self.cleanup.raw(tokens)
-        return self.raw_is_final(self.cleanup.raw, tokens, raw) and self.cleanup.cut((), raw) is not None
-
-    def raw_is_final(self, decode: Callable[[list[int]], str], tokens: list[int], text: str) -> bool:
-        """Whether later bytes leave `text`, the decode of `tokens` (without a cleanup of spaces), as it
-        is: it does not end in U+FFFD (its last bytes may begin a character that later bytes complete),
-        and, for a decoder that rewrites byte runs (`probe`), the probe byte after it adds its U+FFFD and
-        nothing else (not where it joins a run of bytes before it, also one whose text is empty: a space
-        byte that the decoder strips at the start)."""
-        if text.endswith("\ufffd"):
+        """Whether `text`, the decode of `tokens`, stays the start of the decode whatever tokens follow:
+        it does not end in U+FFFD (its last bytes may begin a character that later bytes complete) nor in
+        the beginning of a cleanup pattern, and, for a decoder that rewrites byte runs (`probe`), the probe
+        byte after it adds its U+FFFD and nothing else (not where it joins a run of bytes before it, also
+        one whose text is empty: a space byte that the decoder strips at the start)."""
+        if text.endswith("\ufffd") or (self.tails and text.endswith(self.tails)):
             return False
         if self.probe is None or not self._may_continue_run(decode, tokens[-1]):
             return True
@@ -225,11 +154,10 @@ class IncrementalDetokenizer:
     `text` only ever grows by text that no later token can change (`finality`, TextFinality): a window
     whose text ends in U+FFFD is held back (its last bytes may begin a character the next token completes:
     byte-level BPE splits multi-byte characters), with a byte-run probe so is one that a later byte token
-    would rewrite (a byte-fallback run of bytes, until a token that is not a byte ends it). With a cleanup
-    of tokenization spaces the windows are decoded without it, and their final text is cleaned a piece at
-    a time where no later text can change it (SpaceCleanup). So `text` is always a prefix of the output's
-    text; only the held-back tail is missing, which the caller takes from a full decode at the end
-    (`output_text`).
+    would rewrite (a byte-fallback run of bytes, until a token that is not a byte ends it), and with cleanup
+    tails one whose end a cleanup of tokenization spaces may rewrite. So `text` is always a prefix of the
+    output's text; only the held-back tail is missing, which the caller takes from a full decode at the
+    end (`output_text`).
 
     `pending` is the held-back tail as it decoded at the last step whose window did not end in U+FFFD
     (then "" once `text` takes it): `text + pending` is the text as vLLM's detokenizer makes it, which stop
@@ -237,10 +165,7 @@ class IncrementalDetokenizer:
     completes it, although those bytes' text may still change).
     """
 
-    __slots__ = (
-        "_cleanup", "_context", "_decode", "_ends", "_final", "_held", "_prefix_offset", "_read_offset",
-        "pending", "text",
-    )  # fmt: skip
+    __slots__ = ("_context", "_decode", "_final", "_prefix_offset", "_read_offset", "pending", "text")
 
     def __init__(
         self,
@@ -248,23 +173,12 @@ class IncrementalDetokenizer:
         context: Sequence[int] = (),
         finality: TextFinality = NO_RULES,
     ) -> None:
+        self._decode = decode
         self._context = list(context)
         self._final = finality
-        self._cleanup = finality.cleanup
-        # With a cleanup: the raw text that is final but not cleaned into `text` yet, and the ends of the
-        # cleanup's pass inputs where `text` ends (SpaceCleanup.cut).
-        self._held = ""
-        self._ends: tuple[str, ...] = ()
-        if self._cleanup is not None:
-            decode = self._cleanup.raw
-            ends = self._cleanup.cut((), decode(self._context)) if self._context else ()
-            if ends is None:
-                raise ValueError("the context's text may change with the output's (see decode_context)")
-            self._ends = ends
-        self._decode = decode
         # Offsets into context + ids.
         self._prefix_offset = 0  # start of the previous piece's tokens
-        self._read_offset = len(self._context)  # tokens already in `text` (or `_held`)
+        self._read_offset = len(self._context)  # tokens already in `text`
         self.text = ""
         self.pending = ""
 
@@ -278,32 +192,6 @@ class IncrementalDetokenizer:
         """Advance to the output `ids` (the previous ones plus new tokens). Returns None when the text
         `text + pending` is as before (the new tokens end inside a character), else how many of its
         leading characters this step left as they were (those past them are new or rewritten)."""
-        raw = self._raw_step(ids)
-        if raw is None:
-            return None
-        piece, final = raw
-        text, pending = self.text, self.pending
-        if self._cleanup is None:
-            if final:
-                self.text += piece
-                self.pending = ""
-            else:
-                self.pending = piece
-            return len(text) + _common_prefix(pending, piece)
-        if final:
-            self._held += piece
-            piece = ""
-            ends = self._cleanup.cut(self._ends, self._held)
-            if ends is not None:
-                self.text += self._cleanup.clean(self._held)
-                self._held, self._ends = "", ends
-        rest = self._held + piece  # cleaned alone: nothing before it changes its cleanup
-        self.pending = self._cleanup.clean(rest) if rest else ""
-        return len(text) + _common_prefix(pending, self.text[len(text) :] + self.pending)
-
-    def _raw_step(self, ids: list[int]) -> tuple[str, bool] | None:
-        """The window's text past the previous piece, and whether it is final (then the window moves on);
-        None where it adds nothing or ends in U+FFFD."""
         if len(self._context) + len(ids) <= self._read_offset:
             return None
         start, read = self._prefix_offset, self._read_offset
@@ -312,10 +200,15 @@ class IncrementalDetokenizer:
         window = self._decode(tokens)
         if len(window) <= len(prefix) or window.endswith("\ufffd"):
             return None
-        final = self._final.raw_is_final(self._decode, tokens, window)
-        if final:
+        piece = window[len(prefix) :]
+        unchanged = len(self.text) + _common_prefix(self.pending, piece)
+        if self._final.is_final(self._decode, tokens, window):
             self._prefix_offset, self._read_offset = read, len(self._context) + len(ids)
-        return window[len(prefix) :], final
+            self.text += piece
+            self.pending = ""
+        else:
+            self.pending = piece
+        return unchanged
 
     def unchanged(self, later: str) -> int:
         """How many leading characters of `text + pending` stay in `later`, a later decode of the output
@@ -327,27 +220,16 @@ class IncrementalDetokenizer:
         """Of the text held back after `ids` (past `text`), the characters that stay as they are with
         `next_id` after them, as far as is known then: not those of a character next_id completes or
         still leaves unfinished (bytes that can no longer make a character stay U+FFFD), nor, with a
-        byte-run probe or a cleanup, those that next_id leaves open to change (a run of byte tokens it
-        continues, a space a cleanup may still take)."""
+        byte-run probe or cleanup tails, those that next_id leaves open to change (a run of byte tokens it
+        continues)."""
         start, read = self._prefix_offset, self._read_offset
         if len(self._context) + len(ids) <= read:
             return 0
         tokens = self._tokens(ids, start)
         prefix = self._decode(tokens[: read - start]) if read > start else ""
         before = self._decode(tokens)
-        if self._cleanup is not None:
-            held = self._cleanup.clean(self._held + before[len(prefix) :])
-            later = self._copy()
-            later.step([*ids, next_id])
-            return _common_prefix(held, later.text[len(self.text) :])
         after = self._final_part([*tokens, next_id], prefix)
         return max(0, _common_prefix(before, after) - len(prefix))
-
-    def _copy(self) -> IncrementalDetokenizer:
-        other = object.__new__(IncrementalDetokenizer)
-        for name in self.__slots__:
-            setattr(other, name, getattr(self, name))
-        return other
 
     def _final_part(self, tokens: list[int], known_text: str) -> str:
         """The start of the decode of `tokens` (the window and one more token) that no later token changes,
@@ -357,7 +239,7 @@ class IncrementalDetokenizer:
         if self._final == NO_RULES:
             # Only an unfinished last character can change; bytes that can no longer make one stay.
             return text[:-1] if text.endswith("\ufffd") else text
-        return text if self._final.raw_is_final(self._decode, tokens, text) else known_text
+        return text if self._final.is_final(self._decode, tokens, text) else known_text
 
 
 # The prompt tokens an output's text is decoded after (IncrementalDetokenizer): vLLM's number.

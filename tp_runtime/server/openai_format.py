@@ -281,7 +281,7 @@ class TextOffsets:
         def decode(ids: list[int]) -> str:
             return str(tokenizer.decode(ids, skip_special_tokens=skip))
 
-        finality = TextFinality.of(tokenizer, decode, skip)
+        finality = TextFinality.of(tokenizer, decode)
         self._detok = IncrementalDetokenizer(decode, decode_context(decode, prompt, finality), finality)
         self._ids: list[int] = []
 

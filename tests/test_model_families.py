@@ -385,6 +385,16 @@ def test_gemma2_caps_window_and_scale_change_the_output(family_dir: Callable[[st
         assert greedy(model, PROMPTS) != want, f"{what}: the test model does not depend on it"
 
 
+def hf_argmax(model: Any, continuations: list[list[int]]) -> list[list[int]]:
+    """HF `model`'s next-token argmax along each of PROMPTS' `continuations` (one forward a prompt): what
+    its greedy tokens would be, up to where they first differ from `continuations`."""
+    with torch.no_grad():
+        return [
+            model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].argmax(-1).tolist()
+            for p, c in zip(PROMPTS, continuations, strict=True)
+        ]
+
+
 def test_gemma_norms_geglu_and_embedding_scale_change_the_output(family_dir: Callable[[str], Path]) -> None:
     """The Gemma test model is one where each of its own parts matters: with Llama's norm (w, not 1 + w),
     with SwiGLU, or without the sqrt(hidden_size) embedding scale, HF's own greedy tokens change (so the
@@ -410,11 +420,7 @@ def test_gemma_norms_geglu_and_embedding_scale_change_the_output(family_dir: Cal
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **overrides)
         with torch.no_grad():
             change(model.eval())
-            argmax = [
-                model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].argmax(-1).tolist()
-                for p, c in zip(PROMPTS, want, strict=True)
-            ]
-        assert argmax != want, f"{what}: the test model does not depend on it"
+        assert hf_argmax(model, want) != want, f"{what}: the test model does not depend on it"
 
 
 def test_granite_scalings_change_the_output(family_dir: Callable[[str], Path]) -> None:
@@ -427,12 +433,7 @@ def test_granite_scalings_change_the_output(family_dir: Callable[[str], Path]) -
         model = transformers.AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, **{name: 1.0}
         ).eval()
-        with torch.no_grad():
-            argmax = [
-                model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].argmax(-1).tolist()
-                for p, c in zip(PROMPTS, want, strict=True)
-            ]
-        assert argmax != want, f"{name}: the test model does not depend on it"
+        assert hf_argmax(model, want) != want, f"{name}: the test model does not depend on it"
 
 
 def test_olmo2_post_norms_and_whole_projection_qk_norms_change_the_output(
@@ -483,11 +484,7 @@ def test_olmo2_post_norms_and_whole_projection_qk_norms_change_the_output(
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         with torch.no_grad():
             change(model.eval())
-            argmax = [
-                model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].argmax(-1).tolist()
-                for p, c in zip(PROMPTS, want, strict=True)
-            ]
-        assert argmax != want, f"{what}: the test model does not depend on it"
+        assert hf_argmax(model, want) != want, f"{what}: the test model does not depend on it"
 
 
 def test_olmo3_windows_and_rope_per_layer_type(family_dir: Callable[[str], Path], tmp_path: Path) -> None:
@@ -521,12 +518,7 @@ def test_olmo3_windows_and_rope_per_layer_type(family_dir: Callable[[str], Path]
         model = transformers.AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, **overrides
         ).eval()
-        with torch.no_grad():
-            argmax = [
-                model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].argmax(-1).tolist()
-                for p, c in zip(PROMPTS, want, strict=True)
-            ]
-        assert argmax != want, f"{what}: the test model does not depend on it"
+        assert hf_argmax(model, want) != want, f"{what}: the test model does not depend on it"
 
     chunked = ["sliding_attention", "chunked_attention", "full_attention"]  # a kind transformers accepts
     (tmp_path / "config.json").write_text(json.dumps({**config, "layer_types": chunked}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tp_runtime.config import RopeConfig
+from tp_runtime.config import ModelConfig, RopeConfig
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -30,6 +30,28 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # index_select, not advanced indexing: the same rows, 20x faster on the CPU for a batch's positions.
         return self.cos_table.index_select(0, positions), self.sin_table.index_select(0, positions)
+
+
+class LayerRopes(nn.Module):
+    """A decoder's rotary tables: the model's rope, and the sliding-window layers' own where the config
+    gives them one (ModelConfig.local_rope: Gemma 3, OLMo 3)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.max_model_len, device)
+        self.local_rotary = (
+            None if cfg.local_rope is None else RotaryEmbedding(cfg.local_rope, cfg.max_model_len, device)
+        )
+        self.local_layers = frozenset(cfg.sliding_window_layers or ()) if cfg.local_rope else frozenset()
+        self.num_layers = cfg.num_layers
+
+    def for_layers(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (cos, sin) at `positions`, each table looked up once."""
+        cos_sin = self.rotary.cos_sin(positions)
+        if self.local_rotary is None:
+            return [cos_sin] * self.num_layers
+        local = self.local_rotary.cos_sin(positions)
+        return [local if i in self.local_layers else cos_sin for i in range(self.num_layers)]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False) -> torch.Tensor:

@@ -29,7 +29,7 @@ from tp_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_runtime.layers.linear import TritonMatmul, use_matmul
 from tp_runtime.layers.norm import GemmaRMSNorm
 from tp_runtime.layers.normed_input import NormedInput
-from tp_runtime.layers.rotary import RotaryEmbedding
+from tp_runtime.layers.rotary import LayerRopes
 from tp_runtime.models.interface import CheckpointEntry, unused_checkpoint_tensor
 from tp_runtime.models.llama import LlamaAttention, LlamaMLP, layer_windows
 
@@ -68,8 +68,6 @@ class Gemma2DecoderLayer(nn.Module):
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps, dtype, device, fused)
         self.self_attn = self.attention_cls(cfg, tp, dtype, device, fused, layer)
-        # A "sliding_attention" layer (whatever its window): Gemma 3 gives those their own rope.
-        self.sliding = layer in (cfg.sliding_window_layers or ())
         self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype, device, fused)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype, device, fused)
         self.mlp = Gemma2MLP(cfg, tp, dtype, device, fused)
@@ -126,11 +124,7 @@ class Gemma2Model(nn.Module):
             [layer_cls(cfg, tp, dtype, device, fused, i) for i in range(cfg.num_layers)]
         )
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.max_model_len, device)
-        # Gemma 3: the windowed layers rotate with their own (local) frequencies.
-        self.local_rotary = (
-            None if cfg.local_rope is None else RotaryEmbedding(cfg.local_rope, cfg.max_model_len, device)
-        )
+        self.ropes = LayerRopes(cfg, device)  # Gemma 3's windowed layers have their own
         self.register_buffer("normalizer", embedding_normalizer(cfg, dtype, device), persistent=False)
 
 
@@ -165,13 +159,10 @@ class Gemma2ForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per scheduled token."""
-        cos_sin = self.model.rotary.cos_sin(positions)
-        local = self.model.local_rotary
-        local_cos_sin = cos_sin if local is None else local.cos_sin(positions)
         hidden = self.model.embed_tokens(input_ids) * self.model.normalizer
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            cos, sin = local_cos_sin if layer.sliding else cos_sin
+        ropes = self.model.ropes.for_layers(positions)
+        for layer, kv_cache, (cos, sin) in zip(self.model.layers, kv_caches, ropes, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
         out: torch.Tensor = self.model.norm(hidden, residual)
         return out

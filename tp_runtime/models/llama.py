@@ -28,7 +28,7 @@ from tp_runtime.layers.linear import (
 from tp_runtime.layers.norm import HeadRMSNorm, RMSNorm
 from tp_runtime.layers.normed_input import NormedInput, as_tensor
 from tp_runtime.layers.quantization import linear_method
-from tp_runtime.layers.rotary import RotaryEmbedding, apply_rotary
+from tp_runtime.layers.rotary import LayerRopes, apply_rotary
 from tp_runtime.models.interface import CheckpointEntry, FeedForward, unused_checkpoint_tensor
 
 
@@ -273,12 +273,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         self.layers = nn.ModuleList(layers)
         self.norm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.max_model_len, device)
-        # OLMo 3: the windowed layers rotate with their own rope (rope_parameters per layer type).
-        self.local_rotary = (
-            None if cfg.local_rope is None else RotaryEmbedding(cfg.local_rope, cfg.max_model_len, device)
-        )
-        self.local_rope_layers = frozenset(cfg.sliding_window_layers or ()) if cfg.local_rope else frozenset()
+        self.ropes = LayerRopes(cfg, device)  # OLMo 3's windowed layers have their own
 
 
 class LlamaForCausalLM(nn.Module):
@@ -357,13 +352,10 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per scheduled token."""
-        cos_sin = self.model.rotary.cos_sin(positions)
-        local = self.model.local_rotary
-        local_cos_sin = cos_sin if local is None else local.cos_sin(positions)
         hidden = self.embed(input_ids)
         residual = None
-        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            cos, sin = local_cos_sin if i in self.model.local_rope_layers else cos_sin
+        ropes = self.model.ropes.for_layers(positions)
+        for layer, kv_cache, (cos, sin) in zip(self.model.layers, kv_caches, ropes, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
         if residual is None:  # no layers
             return self.model.norm(hidden)

@@ -140,6 +140,15 @@ def build_checkpoint(
     return out
 
 
+def with_chat_template(source: Path, out: Path, template: str) -> Path:
+    """A copy of checkpoint folder `source` at `out` whose tokenizer has `template` as its chat template."""
+    shutil.copytree(source, out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    tok.chat_template = template
+    tok.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("checkpoints")

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import hf_greedy
+from conftest import hf_greedy, with_chat_template
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.errors import InvalidRequestError
@@ -40,12 +40,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 @pytest.fixture(scope="module")
 def model_dir(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny checkpoint whose tokenizer carries TEMPLATE as its chat template."""
-    out = tmp_path_factory.mktemp("chat") / "model"
-    shutil.copytree(make_checkpoint(seed=6), out)
-    tok = transformers.AutoTokenizer.from_pretrained(out)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(out)
-    return out
+    return with_chat_template(make_checkpoint(seed=6), tmp_path_factory.mktemp("chat") / "model", TEMPLATE)
 
 
 @pytest.fixture(scope="module")

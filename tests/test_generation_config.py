@@ -24,7 +24,7 @@ import httpx
 import pytest
 import torch
 import transformers
-from conftest import hf_greedy
+from conftest import hf_greedy, with_chat_template
 from test_cli_args import _cli, _one_error_line
 from test_server import InProcess, Server, start_server
 from test_streaming_engine import ScriptedExecutor, closed_form
@@ -62,12 +62,8 @@ def plain_dir(make_checkpoint: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def model_dir(plain_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same weights, with GENERATION as generation_config.json and TEMPLATE as the chat template."""
-    out = tmp_path_factory.mktemp("gencfg") / "model"
-    shutil.copytree(plain_dir, out)
+    out = with_chat_template(plain_dir, tmp_path_factory.mktemp("gencfg") / "model", TEMPLATE)
     _write_generation_config(out, GENERATION)
-    tok = transformers.AutoTokenizer.from_pretrained(out)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(out)
     return out
 
 

@@ -65,6 +65,12 @@ def test_parsers() -> None:
     assert llama is not None and [n for n, _ in llama.calls] == ["weather", "time"]
     assert json.loads(llama.calls[0][1]) == {"city": "Rome"}
     assert parse_llama3_json("The answer is 4.") is None and parse_llama3_json('{"x": 1}') is None
+    # A ";" inside a call's JSON (SQL, shell) is no separator between calls.
+    sql = parse_llama3_json('{"name": "query", "parameters": {"sql": "SELECT 1; SELECT 2;"}};'
+                            '{"name": "time"}')  # fmt: skip
+    assert sql is not None and [(n, json.loads(a)) for n, a in sql.calls] == [
+        ("query", {"sql": "SELECT 1; SELECT 2;"}), ("time", {})]  # fmt: skip
+    assert parse_llama3_json('{"name": "time", "parameters": {}} and then some text') is None
     # A message's earlier call goes to the template with its arguments as an object.
     call = {"id": "c1", "type": "function", "function": {"name": "time", "arguments": '{"tz": "UTC"}'}}
     assert template_tool_call(call)["function"]["arguments"] == {"tz": "UTC"}

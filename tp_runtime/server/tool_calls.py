@@ -193,20 +193,34 @@ def parse_hermes(text: str) -> ParsedCalls | None:
     return ParsedCalls(content or None, calls) if calls else None
 
 
+_JSON = json.JSONDecoder()
+
+
 def parse_llama3_json(text: str) -> ParsedCalls | None:
     body = text.strip().removeprefix(_PYTHON_TAG).strip()
     if not body.startswith("{"):
         return None
-    calls = []
-    for part in body.split(";"):
+    # Each call is read as one JSON value up to its end, so a ";" inside its arguments (SQL, a shell
+    # command) does not split it; calls are separated by ";".
+    calls, at = [], 0
+    while True:
         try:
-            call = _call(json.loads(part), "parameters")
+            obj, at = _JSON.raw_decode(body, at)
         except (ValueError, RecursionError):
             return None
+        call = _call(obj, "parameters")
         if call is None:
             return None
         calls.append(call)
-    return ParsedCalls(None, calls)
+        rest = body[at:].lstrip()
+        if not rest:
+            return ParsedCalls(None, calls)
+        if not rest.startswith(";"):
+            return None  # text after a call: the whole output stays content
+        rest = rest[1:].lstrip()
+        if not rest:  # a trailing ";"
+            return ParsedCalls(None, calls)
+        at = len(body) - len(rest)
 
 
 def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:

@@ -1407,3 +1407,31 @@ def test_process_age_matches_the_process_start_time() -> None:
         child_now - after,
         child_now - before,
     )
+
+
+def test_an_echoed_prompt_cut_short_by_a_drain_says_abort(scripted_config: Any, byte_tokenizer: Any) -> None:
+    """echo with max_tokens 0 (the prompt alone) reports "length" for the one token the engine makes and
+    the response leaves out; a drain that ends it first is "abort", as for any other request (it was
+    "length": a finished choice, though its prompt was never computed)."""
+    gate = threading.Semaphore(0)
+    executor = ScriptedExecutor(closed_form, gate)
+    # 100 prompt tokens are 4 steps of prefill (32 tokens a step): the drain ends it midway.
+    request = {"prompt": list(range(3, 103)), "echo": True, "max_tokens": 0}
+
+    async def main(served: InProcess) -> dict[str, Any]:
+        async with served.client() as client:
+            pending = asyncio.ensure_future(client.post("/v1/completions", json=request))
+            deadline = time.monotonic() + 60
+            while executor.requests_seen == 0:  # its first step waits at the gate
+                assert time.monotonic() < deadline, "the request never reached the engine"
+                await asyncio.sleep(0.01)
+            served.begin_drain(0.0)
+            gate.release(1000)
+            response = await pending
+            assert response.status_code == 200, response.text
+            return dict(response.json()["choices"][0])
+
+    with InProcess(scripted_config, byte_tokenizer, executor) as served:
+        choice = asyncio.run(main(served))
+        assert dict(served.engine.stats.finished) == {"abort": 1}
+    assert choice["finish_reason"] == "abort", choice

@@ -547,7 +547,8 @@ class _Run:
         async for index, out in self.stream:
             c = out.outputs[0]
             if self.fmt.prompt_only:
-                finish = None if c.finish_reason is None else "length"
+                # Its one token ends it ("length"), whatever it was; an abort (a drain) stays one.
+                finish = c.finish_reason if c.finish_reason in (None, "abort") else "length"
                 c = replace(c, text="", token_ids=[], logprobs=None, finish_reason=finish, stop_reason=None)
             self.observe(index, c, out.finished, out.metrics)
             self.cached_tokens[index] = out.num_cached_tokens

@@ -6,15 +6,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
+import shutil
 import subprocess
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tp_runtime import LLM, cli
+from tp_runtime import LLM, SamplingParams, cli
 from tp_runtime.config import (
     ALL_REDUCE_STRATEGIES,
     ATTENTION_BACKENDS,
@@ -138,6 +141,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("all_reduce", "mpi", "one of auto, nccl, symm_mem"),
     ("async_scheduling", 1, "True or False"),
     ("enforce_eager", "yes", "True or False"),
+    ("trust_remote_code", "yes", "True or False"),
     ("cuda_graphs", "on", "one of auto, off, padded"),
     ("attention_backend", "flash", "one of auto, torch, triton, triton_one_split"),
     ("fused_kernels", "cuda", "one of auto, torch, triton"),
@@ -209,3 +213,42 @@ def test_run_torchrun_worker_outside_torchrun_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="for ranks > 0 of a torchrun job"):
         run_torchrun_worker("tiny-llama", device="cpu")
+
+
+SHOUT_TOKENIZER = '''
+from transformers import PreTrainedTokenizerFast
+
+
+class ShoutTokenizer(PreTrainedTokenizerFast):
+    """The folder's own tokenizer class: decodes upper-cased."""
+
+    def decode(self, *args, **kwargs):
+        return super().decode(*args, **kwargs).upper()
+'''
+
+
+def test_trust_remote_code_runs_the_tokenizer_class_a_folder_ships(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """As vLLM's trust_remote_code: without it a folder whose tokenizer is its own code is refused with what
+    to change; with it that class loads, and the model's tokens are those of the folder without it."""
+    plain = make_checkpoint()
+    folder = tmp_path / "shout"
+    shutil.copytree(plain, folder)
+    (folder / "tokenization_shout.py").write_text(SHOUT_TOKENIZER)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    own_class = {"AutoTokenizer": [None, "tokenization_shout.ShoutTokenizer"]}
+    settings.update(tokenizer_class="ShoutTokenizer", auto_map=own_class)
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ConfigError, match="trust_remote_code=True"):
+        LLM(str(folder))
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    prompt = {"prompt_token_ids": [5, 9, 13, 2, 7]}
+    with LLM(str(plain)) as llm:
+        want = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    with LLM(str(folder), trust_remote_code=True) as llm:
+        assert type(llm.get_tokenizer()).__name__ == "ShoutTokenizer"
+        got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    shout = llm.get_tokenizer().decode(got.token_ids)
+    assert shout == shout.upper() != shout.lower()

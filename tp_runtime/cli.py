@@ -232,7 +232,7 @@ def _check_chat_template(args: argparse.Namespace) -> None:
     from tp_runtime.config import load_tokenizer
 
     folder = resolve_tokenizer_name(args.tokenizer) if args.tokenizer else resolve_model_arg(args)
-    tokenizer = load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder, args.trust_remote_code)
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
             f"argument --chat: the model {args.model or folder} has no chat template (its tokenizer in "

@@ -439,6 +439,8 @@ class EngineConfig:
     model: ModelConfig
     # A tokenizer folder or Hub id other than the model's (vLLM's `tokenizer`); None: the model's folder.
     tokenizer: str | None = None
+    # transformers may run the Python a checkpoint or tokenizer folder ships (vLLM's trust_remote_code).
+    trust_remote_code: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -501,14 +503,28 @@ class EngineConfig:
         return self.tokenizer if self.tokenizer is not None else self.model.path
 
 
-def load_tokenizer(source: str | os.PathLike[str]) -> Any:
-    """The Hugging Face tokenizer of a folder or Hub id; a ConfigError that names it when none loads."""
+def load_tokenizer(source: str | os.PathLike[str], trust_remote_code: bool = False) -> Any:
+    """The Hugging Face tokenizer of a folder or Hub id; a ConfigError that names it when none loads.
+    `trust_remote_code`: transformers may run a tokenizer class the folder ships."""
     import transformers
 
     try:
-        return transformers.AutoTokenizer.from_pretrained(os.fspath(source))
+        return transformers.AutoTokenizer.from_pretrained(
+            os.fspath(source), trust_remote_code=trust_remote_code
+        )
     except Exception as exc:
-        raise ConfigError(f"could not load a tokenizer from {os.fspath(source)}: {exc}") from exc
+        hint = _remote_code_hint(exc, trust_remote_code)
+        raise ConfigError(f"could not load a tokenizer from {os.fspath(source)}: {exc}{hint}") from exc
+
+
+def _remote_code_hint(exc: BaseException, trust_remote_code: bool) -> str:
+    """What to change when transformers refused to run a folder's own code."""
+    if trust_remote_code or "trust_remote_code" not in str(exc):
+        return ""
+    return (
+        "; the folder ships its own code for this: pass trust_remote_code=True (--trust-remote-code) if "
+        "you trust it"
+    )
 
 
 @dataclass(frozen=True)
@@ -684,7 +700,7 @@ def _outer_first(outer: Any, text: Any, name: str) -> Any:
     return value if value is not None else getattr(text, name, None)
 
 
-def _load_hf_config(path: str) -> Any:
+def _load_hf_config(path: str, trust_remote_code: bool = False) -> Any:
     import transformers
 
     # transformers 5's configs validate their fields' types (huggingface_hub's strict dataclasses).
@@ -696,12 +712,13 @@ def _load_hf_config(path: str) -> Any:
     except ImportError:  # an older huggingface_hub: no such validation
         pass
     try:
-        return transformers.AutoConfig.from_pretrained(path)
+        return transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except invalid as exc:
         detail = " ".join(str(exc).split())[:300] or repr(exc)
         raise ConfigError(
             f"could not read {path}/config.json as a Hugging Face config ({type(exc).__name__}: {detail}); "
             "check that the file is a valid config of a supported architecture"
+            + _remote_code_hint(exc, trust_remote_code)
         ) from None
 
 
@@ -886,12 +903,14 @@ def build_model_config(
     load_format: str = "auto",
     quantization: str | None = None,
     generation_config: str | os.PathLike[str] = "auto",
+    trust_remote_code: bool = False,
 ) -> ModelConfig:
     """Read and check a Hugging Face checkpoint folder's config. `quantization`: LLM(quantization=...)
     (see quant_config). `generation_config`: LLM(generation_config=...), where the generation config (its
     EOS ids and its default sampling parameters) comes from: "auto", the checkpoint's
     generation_config.json; "vllm", the checkpoint's for its EOS ids but no default sampling parameters;
-    a folder, its generation_config.json for both (as vLLM reads them)."""
+    a folder, its generation_config.json for both (as vLLM reads them). `trust_remote_code`: transformers may
+    run a config class the folder ships."""
     path = str(path)
     if not os.path.isdir(path):
         raise ConfigError(
@@ -906,7 +925,7 @@ def build_model_config(
     problem = generation_config_problem(generation_config)
     if problem is not None:
         raise ConfigError(f"generation_config {problem}")
-    checkpoint_hf = _load_hf_config(path)
+    checkpoint_hf = _load_hf_config(path, trust_remote_code)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from tp_runtime.models.registry import ARCHITECTURES  # imports torch and the models: only when needed

@@ -92,6 +92,14 @@ class EngineArgs:
             default_help="the model's",
         ),
     )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata=meta(
+            help="let transformers run the Python code a checkpoint or tokenizer folder ships for its config "
+            "or tokenizer (auto_map), as vLLM's --trust-remote-code; the model itself always runs this "
+            "runtime's own implementation"
+        ),
+    )
     tensor_parallel_size: int = field(
         default=1, metadata=meta(help="ranks the model is split across", aliases=("-tp",), at_least=1)
     )
@@ -276,11 +284,12 @@ class EngineArgs:
         model_config = build_model_config(
             model, dtype=self.dtype, device=device, max_model_len=self.max_model_len,
             load_format=self.load_format, quantization=self.quantization,
-            generation_config=self.generation_config,
+            generation_config=self.generation_config, trust_remote_code=self.trust_remote_code,
         )  # fmt: skip
         return EngineConfig(
             model=model_config,
             tokenizer=None if self.tokenizer is None else resolve_tokenizer_name(self.tokenizer),
+            trust_remote_code=self.trust_remote_code,
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, executor=self.executor,
                 step_timeout_s=self.step_timeout_s, startup_timeout_s=self.startup_timeout_s,

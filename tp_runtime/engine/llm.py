@@ -110,7 +110,7 @@ class LLM:
 
     def _start(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.tokenizer_source)
+        self.tokenizer = load_tokenizer(config.tokenizer_source, config.trust_remote_code)
         self.engine = LLMEngine(self.config, self.tokenizer)
         self._lock = threading.RLock()  # serializes generate/chat callers (see the class doc)
         self._closed = False

@@ -179,7 +179,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, signals: _Signals) -> 
     engine = AsyncLLMEngine(llm.engine, shutdown_engine=llm.shutdown)
     try:
         config = llm.engine.config
-        tokenizer = load_tokenizer(config.tokenizer_source)
+        tokenizer = load_tokenizer(config.tokenizer_source, config.trust_remote_code)
         if args.chat_template is not None:  # check_serve read and parsed it
             tokenizer.chat_template = args.chat_template
         model_name = args.served_model_name or _model_name(args.model)

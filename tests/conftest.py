@@ -51,6 +51,8 @@ ARCH_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
     "Qwen3ForCausalLM": transformers.Qwen3Config,
     "MixtralForCausalLM": transformers.MixtralConfig,
     "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+    "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
+    "SmolLM3ForCausalLM": transformers.SmolLM3Config,
     "GemmaForCausalLM": transformers.GemmaConfig,
     "GraniteForCausalLM": transformers.GraniteConfig,
     "Gemma2ForCausalLM": transformers.Gemma2Config,

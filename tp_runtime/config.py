@@ -304,6 +304,11 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # each expert's FFN width
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    # Qwen2-MoE: the width of the dense expert every token of a sparse layer also goes through, its output
+    # scaled by a sigmoid gate per token (0: none).
+    shared_expert_intermediate_size: int = 0
+    # The layers whose attention applies no rotary embedding (SmolLM3's NoPE layers).
+    nope_layers: tuple[int, ...] = ()
     # The layers that attend within sliding_window; None: every layer (when sliding_window is set).
     # sliding_window is the window whenever any layer has one (the runner then keeps fresh prompts' block
     # tables); layer_window(i) is layer i's own.

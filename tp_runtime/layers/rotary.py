@@ -34,7 +34,9 @@ class RotaryEmbedding(nn.Module):
 
 class LayerRopes(nn.Module):
     """A decoder's rotary tables: the model's rope, and the sliding-window layers' own where the config
-    gives them one (ModelConfig.local_rope: Gemma 3, OLMo 3)."""
+    gives them one (ModelConfig.local_rope: Gemma 3, OLMo 3). A layer without rotary embedding
+    (ModelConfig.nope_layers: SmolLM3) gets cos 1 and sin 0, a rotation that leaves q and k exactly as they
+    are, so the attention layers (and their fused rotary + cache-write kernel) need no other path."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
         super().__init__()
@@ -43,15 +45,21 @@ class LayerRopes(nn.Module):
             None if cfg.local_rope is None else RotaryEmbedding(cfg.local_rope, cfg.max_model_len, device)
         )
         self.local_layers = frozenset(cfg.sliding_window_layers or ()) if cfg.local_rope else frozenset()
+        self.nope_layers = frozenset(cfg.nope_layers)
         self.num_layers = cfg.num_layers
 
     def for_layers(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (cos, sin) at `positions`, each table looked up once."""
         cos_sin = self.rotary.cos_sin(positions)
-        if self.local_rotary is None:
+        if self.local_rotary is None and not self.nope_layers:
             return [cos_sin] * self.num_layers
-        local = self.local_rotary.cos_sin(positions)
-        return [local if i in self.local_layers else cos_sin for i in range(self.num_layers)]
+        local = cos_sin if self.local_rotary is None else self.local_rotary.cos_sin(positions)
+        # x * 1 + rotate_half(x) * 0 is x, bit for bit (in any dtype).
+        identity = (torch.ones_like(cos_sin[0]), torch.zeros_like(cos_sin[1]))
+        return [
+            identity if i in self.nope_layers else local if i in self.local_layers else cos_sin
+            for i in range(self.num_layers)
+        ]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The Llama architecture family (Llama, Mistral, Qwen2, Granite) written with tensor-parallel layers, and the
-decoder skeleton the other families extend (models/qwen3.py, mixtral.py, qwen3_moe.py, phi3.py, gemma.py).
+"""The Llama architecture family (Llama, Mistral, Qwen2, Granite, SmolLM3) written with tensor-parallel layers,
+and the decoder skeleton the other families extend (models/qwen3.py, mixtral.py, qwen3_moe.py, qwen2_moe.py,
+phi3.py, gemma.py).
 
 At TP=1 every collective is a no-op, so one code path serves every TP size.
 """
@@ -328,6 +329,7 @@ class LlamaForCausalLM(nn.Module):
         """Decoder layer `layer`: Llama's, of `attention_cls`, `make_mlp` and `norm_cls`."""
         cfg = self.config
         attention = self.attention_cls(cfg, tp, dtype, device, fused)
+        attention.window = cfg.layer_window(layer)  # SmolLM3 and Qwen2-MoE may window some layers only
         mlp = self.make_mlp(layer, tp, dtype, device, fused)
         return LlamaDecoderLayer(cfg, attention, mlp, dtype, device, fused, tp, self.norm_cls)
 
@@ -454,6 +456,28 @@ def qwen2_config(hf: Any) -> dict[str, Any]:
     return {"qkv_bias": True, "o_proj_bias": False, "sliding_window": uniform_sliding_window(hf)}
 
 
+def smollm3_config(hf: Any) -> dict[str, Any]:
+    """SmolLM3: Llama (attention_bias on q/k/v and o, mlp_bias) whose layers `no_rope_layers` marks 0 use
+    no rotary embedding (NoPE), and whose layers `layer_types` marks sliding attend within sliding_window
+    (transformers' default: the NoPE layers, with use_sliding_window)."""
+    num_layers = int(hf.num_hidden_layers)
+    flags = getattr(hf, "no_rope_layers", None)
+    if (
+        not isinstance(flags, (list, tuple))
+        or len(flags) < num_layers
+        or any(type(f) not in (int, bool) or f not in (0, 1) for f in flags[:num_layers])
+    ):
+        raise ConfigError(
+            f"SmolLM3 no_rope_layers {flags!r} must give 1 (rotary) or 0 (no rotary) for each of the "
+            f"{num_layers} layers; fix it in config.json, or remove it to get no_rope_layer_interval's"
+        )
+    return {
+        **llama_config(hf),
+        **windowed_layers(hf, "SmolLM3"),
+        "nope_layers": tuple(i for i in range(num_layers) if not flags[i]),
+    }
+
+
 def layer_windows(hf: Any, family: str) -> dict[str, Any]:
     """ModelConfig's sliding_window and sliding_window_layers from transformers' `layer_types` (Gemma 2
     and 3, OLMo 3): the layers it marks "sliding_attention" attend within sliding_window, the others to
@@ -469,3 +493,17 @@ def layer_windows(hf: Any, family: str) -> dict[str, Any]:
     windowed = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
     # ModelConfig.sliding_window: the window whenever any layer has one.
     return {"sliding_window": window if window and windowed else None, "sliding_window_layers": windowed}
+
+
+def windowed_layers(hf: Any, family: str) -> dict[str, Any]:
+    """layer_windows for the families whose transformers class windows the layers `layer_types` marks
+    sliding by sliding_window whatever use_sliding_window says (SmolLM3, Qwen2-MoE: their masks and caches
+    follow layer_types); a sliding layer with no window (transformers fails on it) is a ConfigError."""
+    windows = layer_windows(hf, family)
+    if windows["sliding_window_layers"] and not windows["sliding_window"]:
+        raise ConfigError(
+            f"{family} layer_types marks layers {list(windows['sliding_window_layers'])} sliding_attention but "
+            f"sliding_window is {getattr(hf, 'sliding_window', None)!r}; set sliding_window (with "
+            "use_sliding_window true) or mark those layers full_attention"
+        )
+    return windows

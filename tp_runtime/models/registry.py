@@ -19,6 +19,7 @@ from tp_runtime.models.llama import (
     llama_config,
     mistral_config,
     qwen2_config,
+    smollm3_config,
 )
 from tp_runtime.models.mixtral import MixtralForCausalLM, mixtral_config
 from tp_runtime.models.olmo2 import Olmo2ForCausalLM, olmo2_config, olmo3_config
@@ -53,13 +54,14 @@ GEMMA3_MULTIMODAL_NAMES = CheckpointNames(
 )
 
 
-# Mistral, Qwen2 and Granite differ from Llama only in config (sliding window, q/k/v bias, Granite's
-# scalings), which ModelConfig holds.
+# Mistral, Qwen2, Granite and SmolLM3 differ from Llama only in config (sliding window, q/k/v bias,
+# Granite's scalings, SmolLM3's layers without rotary embedding), which ModelConfig holds.
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture(LlamaForCausalLM, llama_config),
     "MistralForCausalLM": Architecture(LlamaForCausalLM, mistral_config),
     "Qwen2ForCausalLM": Architecture(LlamaForCausalLM, qwen2_config),
     "GraniteForCausalLM": Architecture(LlamaForCausalLM, granite_config),
+    "SmolLM3ForCausalLM": Architecture(LlamaForCausalLM, smollm3_config),
     "Qwen3ForCausalLM": Architecture(Qwen3ForCausalLM, qwen3_config),
     "MixtralForCausalLM": Architecture(MixtralForCausalLM, mixtral_config),
     "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, qwen3_moe_config),

@@ -297,8 +297,8 @@ class ModelConfig:
     # generation_config.json says eos_token_id: [] (no EOS): with eos_token_ids empty, generation then
     # stops at no EOS, not even the tokenizer's (which ends it where the configs name none).
     no_eos: bool = False
-    # Sparse mixture-of-experts feed-forward (Mixtral, Qwen3-MoE) on the layers in moe_layers; the others
-    # (all, for dense families) have a dense MLP of intermediate_size.
+    # Sparse mixture-of-experts feed-forward (Mixtral, Qwen3-MoE, Qwen2-MoE) on the layers in moe_layers;
+    # the others (all, for dense families) have a dense MLP of intermediate_size.
     moe_layers: tuple[int, ...] = ()
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -541,6 +541,7 @@ class TPShape:
     num_kv_heads: int
     dense_intermediate_size: int | None  # None: every layer's feed-forward is sparse MoE
     moe_intermediate_size: int | None  # None: no MoE layers
+    shared_expert_intermediate_size: int | None = None  # None: no shared expert (Qwen2-MoE's)
 
     @classmethod
     def of_model(cls, model: ModelConfig) -> TPShape:
@@ -551,6 +552,11 @@ class TPShape:
                 model.intermediate_size if len(model.moe_layers) < model.num_layers else None
             ),
             moe_intermediate_size=model.moe_intermediate_size if model.moe_layers else None,
+            shared_expert_intermediate_size=(
+                model.shared_expert_intermediate_size
+                if model.moe_layers and model.shared_expert_intermediate_size
+                else None
+            ),
         )
 
     @classmethod
@@ -567,11 +573,15 @@ class TPShape:
         width = int(config.get("intermediate_size", 0))
         # transformers writes Qwen3-MoE's expert count as num_experts or as num_local_experts (its alias).
         experts = config.get("num_experts") or config.get("num_local_experts")
-        if experts and config.get("moe_intermediate_size"):  # Qwen3-MoE: some layers may stay dense
+        if experts and config.get("moe_intermediate_size"):  # Qwen2/3-MoE: some layers may stay dense
             only_dense = set(config.get("mlp_only_layers") or [])
             step = int(config.get("decoder_sparse_step", 1) or 1)
-            dense = any(i in only_dense or (i + 1) % step for i in range(layers))
-            return cls(heads, kv_heads, width if dense else None, int(config["moe_intermediate_size"]))
+            dense = [i in only_dense or bool((i + 1) % step) for i in range(layers)]
+            if all(dense):
+                return cls(heads, kv_heads, width, None)
+            shared = int(config.get("shared_expert_intermediate_size") or 0) or None
+            moe = int(config["moe_intermediate_size"])
+            return cls(heads, kv_heads, width if any(dense) else None, moe, shared)
         if experts:  # Mixtral: every layer sparse, each expert intermediate_size wide
             return cls(heads, kv_heads, None, width)
         return cls(heads, kv_heads, width, None)
@@ -586,6 +596,9 @@ class TPShape:
             return f"does not divide the model's MLP width intermediate_size={self.dense_intermediate_size}"
         if self.moe_intermediate_size is not None and self.moe_intermediate_size % tp:
             return f"does not divide the experts' intermediate size {self.moe_intermediate_size}"
+        shared = self.shared_expert_intermediate_size
+        if shared is not None and shared % tp:
+            return f"does not divide the shared expert's shared_expert_intermediate_size={shared}"
         return None
 
     def sizes(self) -> list[int]:
@@ -621,6 +634,10 @@ def _fp8_block_problem(model: ModelConfig, tp: int) -> str | None:
     if len(model.moe_layers) < model.num_layers:
         mlp = model.intermediate_size // tp
         cuts.update({"gate_proj/up_proj rows": (mlp, block_n), "down_proj columns": (mlp, block_k)})
+    if model.moe_layers and model.shared_expert_intermediate_size:
+        shared = model.shared_expert_intermediate_size // tp
+        cuts.update({"shared_expert gate_proj/up_proj rows": (shared, block_n),
+                     "shared_expert down_proj columns": (shared, block_k)})  # fmt: skip
     for what, (size, block) in cuts.items():
         if size % block:
             return (

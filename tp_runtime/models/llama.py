@@ -142,13 +142,22 @@ class HeadNormedAttention(LlamaAttention):
 
 
 class LlamaMLP(nn.Module):
+    """The SiLU-gated MLP, intermediate_size wide unless `intermediate_size` says otherwise (Qwen2-MoE's
+    shared expert)."""
+
     def __init__(
-        self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
+        self,
+        cfg: ModelConfig,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+        fused: bool,
+        intermediate_size: int | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
         self.fused = fused
-        size = cfg.intermediate_size
+        self.intermediate_size = size = intermediate_size or cfg.intermediate_size
         method = linear_method(cfg.quantization, device)
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [size, size], cfg.mlp_bias, tp, dtype, device, method
@@ -159,7 +168,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.gate_up_proj(x), reduce, silu_mul=True)
 
     def checkpoint_entries(self, prefix: str) -> Iterator[CheckpointEntry]:
-        h, i = self.config.hidden_size, self.config.intermediate_size
+        h, i = self.config.hidden_size, self.intermediate_size
         for shard, proj in enumerate(("gate_proj", "up_proj")):
             yield f"{prefix}{proj}.weight", (i, h), self.gate_up_proj.weight, shard
             if self.gate_up_proj.bias is not None:

@@ -1,5 +1,5 @@
 """Qwen3-MoE: Qwen3 attention (per-head q/k norms) with many small routed experts, and dense MLPs on the
-layers `mlp_only_layers` and `decoder_sparse_step` name."""
+layers `mlp_only_layers` and `decoder_sparse_step` name (the rule Qwen2-MoE shares: `moe_fields`)."""
 
 from __future__ import annotations
 
@@ -38,23 +38,30 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         )
 
 
-def qwen3_moe_config(hf: Any) -> dict[str, Any]:
+def moe_fields(hf: Any) -> dict[str, Any]:
+    """The experts' ModelConfig fields of a Qwen2-MoE or Qwen3-MoE config, whose transformers decoder layers
+    are sparse unless listed in mlp_only_layers or off the sparse step."""
     experts = int(hf.num_experts)
     dense = set(getattr(hf, "mlp_only_layers", None) or [])
     step = int(getattr(hf, "decoder_sparse_step", 1))
     if step < 1:  # a ZeroDivisionError below (transformers fails on it too)
         raise ConfigError(f"decoder_sparse_step must be >= 1 (every step-th layer is sparse), got {step}")
-    # transformers' Qwen3MoeDecoderLayer: sparse unless listed in mlp_only_layers or off the sparse step.
     sparse = tuple(
         i for i in range(int(hf.num_hidden_layers)) if i not in dense and experts > 0 and (i + 1) % step == 0
     )
     return {
-        **qwen3_config(hf),
-        # Unlike Qwen3, transformers' Qwen3-MoE windows every layer when use_sliding_window is set.
-        "sliding_window": getattr(hf, "sliding_window", None),
         "moe_layers": sparse,
         "num_experts": experts,
         "num_experts_per_tok": int(hf.num_experts_per_tok),
         "moe_intermediate_size": int(hf.moe_intermediate_size),
         "norm_topk_prob": bool(hf.norm_topk_prob),
+    }
+
+
+def qwen3_moe_config(hf: Any) -> dict[str, Any]:
+    return {
+        **qwen3_config(hf),
+        # Unlike Qwen3, transformers' Qwen3-MoE windows every layer when use_sliding_window is set.
+        "sliding_window": getattr(hf, "sliding_window", None),
+        **moe_fields(hf),
     }

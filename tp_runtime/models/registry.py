@@ -24,6 +24,7 @@ from tp_runtime.models.llama import (
 from tp_runtime.models.mixtral import MixtralForCausalLM, mixtral_config
 from tp_runtime.models.olmo2 import Olmo2ForCausalLM, olmo2_config, olmo3_config
 from tp_runtime.models.phi3 import Phi3ForCausalLM, phi3_config
+from tp_runtime.models.qwen2_moe import Qwen2MoeForCausalLM, qwen2_moe_config
 from tp_runtime.models.qwen3 import Qwen3ForCausalLM, qwen3_config
 from tp_runtime.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_config
 
@@ -65,6 +66,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture(Qwen3ForCausalLM, qwen3_config),
     "MixtralForCausalLM": Architecture(MixtralForCausalLM, mixtral_config),
     "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, qwen3_moe_config),
+    "Qwen2MoeForCausalLM": Architecture(Qwen2MoeForCausalLM, qwen2_moe_config),
     "GemmaForCausalLM": Architecture(GemmaForCausalLM, gemma_config),
     "Gemma2ForCausalLM": Architecture(Gemma2ForCausalLM, gemma2_config),
     "Gemma3ForCausalLM": Architecture(Gemma3ForCausalLM, gemma3_config),

@@ -1,13 +1,13 @@
-"""Qwen3, Mixtral, Qwen3-MoE, the Gemmas (Gemma 3 text and multimodal checkpoints), Phi-3, Granite and
-OLMo 2 / 3 against HF transformers (fp32, CPU) on tiny random checkpoints.
+"""Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE, the Gemmas (Gemma 3 text and multimodal checkpoints), Phi-3, Granite,
+OLMo 2 / 3 and SmolLM3 against HF transformers (fp32, CPU) on tiny random checkpoints.
 
 - Greedy tokens equal HF's and logprobs are within 1e-4 at TP=1, 2 and (Mixtral, Gemma 2, OLMo 2) 4,
   through chunked prefill and preemption by recompute.
 - Decode steps where most experts get no token: the CPU loop skips them and the output still equals HF.
 - The CUDA expert paths ("grouped": torch._grouped_mm, "dense": every expert on every token) run on CPU
   too and equal the loop, alone and end to end in padded (decode-graph shaped) steps.
-- Every rank's shards (q/k norms, router, stacked experts) equal slices cut by hand from the checkpoint, and
-  each rank reads about 1/TP of the file.
+- Every rank's shards (q/k norms, router, stacked experts, Qwen2-MoE's shared expert and its gate) equal
+  slices cut by hand from the checkpoint, and each rank reads about 1/TP of the file.
 
 Every RMSNorm weight, q_norm and k_norm included, is random here (HF initialises them to ones), so a norm
 applied to the wrong heads or not at all would show.
@@ -87,6 +87,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "decoder_sparse_step": 2,
         },
     ),
+    # Qwen2-MoE (as Qwen1.5-MoE-A2.7B): q/k/v biases, top-2 of 8 experts without renormalisation beside a
+    # gated shared expert of its own width (48: neither the experts' 32 nor the dense 128), layer 0 dense.
+    "qwen2-moe": (
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [0],
+        },
+    ),
     # Gemma: Llama's layers with (1 + w) norms, GeGLU and the sqrt(hidden) embedding scale; head_dim 32
     # with 4 heads (q width 128, not hidden_size 64); tied embeddings.
     "gemma": ("GemmaForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
@@ -150,11 +163,25 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256},
         },
     ),
+    # SmolLM3: layer 1 without rotary embedding (NoPE) and windowed (6 tokens, as transformers windows the
+    # NoPE layers with use_sliding_window), layers 0 and 2 rotary and global; tied embeddings.
+    "smollm3": (
+        "SmolLM3ForCausalLM",
+        {
+            "num_hidden_layers": 3,
+            "no_rope_layers": [1, 0, 1],
+            "use_sliding_window": True,
+            "sliding_window": 6,
+            "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 # Expert projection names (gate, up, down) and the feed-forward's checkpoint name, per architecture.
 EXPERT_NAMES = {
     "MixtralForCausalLM": (("w1", "w3", "w2"), "block_sparse_moe"),
     "Qwen3MoeForCausalLM": (("gate_proj", "up_proj", "down_proj"), "mlp"),
+    "Qwen2MoeForCausalLM": (("gate_proj", "up_proj", "down_proj"), "mlp"),
 }
 
 # A small token budget (prompts of 17 and 20 tokens prefill in chunks) and few KV blocks (requests are
@@ -275,6 +302,8 @@ CASES = [
     ("qwen3-moe", 1),
     ("qwen3-moe", 2),
     ("qwen3-moe-step2", 1),
+    ("qwen2-moe", 1),
+    ("qwen2-moe", 2),
     ("gemma", 1),
     ("gemma", 2),
     ("gemma2", 1),
@@ -292,6 +321,8 @@ CASES = [
     ("olmo2", 2),  # one KV head a rank: the k norm's mean square is summed over the ranks
     ("olmo2", 4),  # 2 KV heads replicated over 4 ranks: each counted once in the k norm
     ("olmo3", 1),
+    ("smollm3", 1),
+    ("smollm3", 2),
 ]
 
 
@@ -532,6 +563,180 @@ def test_olmo3_windows_and_rope_per_layer_type(family_dir: Callable[[str], Path]
         olmo3_config(v4)
     unscaled = SimpleNamespace(**{**vars(v4), "rope_scaling": None})
     assert olmo3_config(unscaled)["sliding_window_layers"] == (0,)
+
+
+def test_smollm3_nope_layers_and_window_change_the_output(
+    family_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """SmolLM3's layers without rotary embedding and its windowed layer reach ModelConfig (from
+    no_rope_layer_interval too, where the config leaves no_rope_layers out), and each matters to HF's own
+    greedy tokens (rotary on every layer, or no window: checked as the Gemma test above is). A no_rope_layers
+    that does not give 0 or 1 for each layer, or a sliding layer without a window, is a ConfigError."""
+    model_dir = family_dir("smollm3")
+    cfg = build_model_config(model_dir, device="cpu")
+    assert cfg.nope_layers == (1,) and cfg.sliding_window_layers == (1,) and cfg.local_rope is None
+    assert [cfg.layer_window(i) for i in range(3)] == [None, 6, None]
+    assert cfg.tie_word_embeddings and not cfg.qkv_bias and not cfg.mlp_bias
+
+    want = hf_reference(model_dir)
+    variants: dict[str, dict[str, Any]] = {
+        "rotary on every layer": {"no_rope_layers": [1, 1, 1]},
+        "no window": {"layer_types": ["full_attention"] * 3},
+    }
+    for what, overrides in variants.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, **overrides
+        ).eval()
+        assert hf_argmax(model, want) != want, f"{what}: the test model does not depend on it"
+
+    config = json.loads((model_dir / "config.json").read_text())
+    by_interval = {k: v for k, v in config.items() if k not in ("no_rope_layers", "layer_types")}
+    cases: dict[str, tuple[dict[str, Any], str | None]] = {
+        # transformers: every 2nd layer NoPE, and (use_sliding_window) windowed.
+        "interval": ({**by_interval, "num_hidden_layers": 4, "no_rope_layer_interval": 2}, None),
+        "short": ({**config, "no_rope_layers": [1, 0]}, r"no_rope_layers \[1, 0\] must give 1 .* 3 layers"),
+        "not a flag": ({**config, "no_rope_layers": [1, 2, 1]}, r"no_rope_layers \[1, 2, 1\] must give 1"),
+        "no window": (
+            {**config, "sliding_window": None},
+            r"SmolLM3 layer_types marks layers \[1\] sliding_attention but sliding_window is None",
+        ),
+    }
+    for what, (changed, error) in cases.items():
+        folder = tmp_path / what.replace(" ", "-")
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(changed))
+        if error is not None:
+            with pytest.raises(ConfigError, match=error):
+                build_model_config(folder, device="cpu")
+            continue
+        interval = build_model_config(folder, device="cpu")
+        assert interval.nope_layers == (1, 3) and interval.sliding_window_layers == (1, 3), what
+
+
+def test_qwen2_moe_shared_expert_gate_and_biases_change_the_output(family_dir: Callable[[str], Path]) -> None:
+    """The Qwen2-MoE test model is one where its own parts matter: without the shared expert, with it
+    ungated (a gate of 1), or without the q/k/v biases, HF's own greedy tokens change (so the tokens equal
+    to HF's above show each is applied). Checked as the Gemma test above is."""
+    model_dir = family_dir("qwen2-moe")
+    want = hf_reference(model_dir)
+
+    class Saturated(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.full((*x.shape[:-1], 1), 50.0)  # sigmoid(50) is 1 in float32
+
+    def sparse_blocks(model: Any) -> list[Any]:
+        blocks = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "shared_expert")]
+        assert len(blocks) == 1
+        return blocks
+
+    def no_shared_expert(model: Any) -> None:
+        for block in sparse_blocks(model):
+            block.shared_expert.down_proj.weight.zero_()
+
+    def ungated(model: Any) -> None:
+        for block in sparse_blocks(model):
+            block.shared_expert_gate = Saturated()
+
+    def no_bias(model: Any) -> None:
+        for layer in model.model.layers:
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                getattr(layer.self_attn, proj).bias.zero_()
+
+    variants: dict[str, Callable[[Any], None]] = {
+        "no shared expert": no_shared_expert,
+        "ungated shared expert": ungated,
+        "no q/k/v bias": no_bias,
+    }
+    for what, change in variants.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            change(model.eval())
+        assert hf_argmax(model, want) != want, f"{what}: the test model does not depend on it"
+
+
+def test_qwen2_moe_config_fields_and_bad_settings(family_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """Qwen2-MoE's fields reach ModelConfig: sparse layers from mlp_only_layers and decoder_sparse_step, the
+    shared expert's width, q/k/v (not o) biases, the windows transformers gives layer_types from
+    use_sliding_window and max_window_layers. A TP size that does not divide the shared expert's width
+    (read from config.json too), a shared expert of no width, and sliding layers without a window are
+    ConfigErrors."""
+    from tp_runtime.config import TPShape, read_config_json
+
+    model_dir = family_dir("qwen2-moe")
+    cfg = build_model_config(model_dir, device="cpu")
+    assert cfg.moe_layers == (1,) and cfg.shared_expert_intermediate_size == 48 and not cfg.norm_topk_prob
+    assert cfg.qkv_bias and not cfg.o_proj_bias and cfg.sliding_window is None
+    config = json.loads((model_dir / "config.json").read_text())
+    del config["layer_types"]  # transformers makes them from use_sliding_window and max_window_layers
+    cases: dict[str, tuple[dict[str, Any], str | None]] = {
+        "step and windows": (
+            {
+                "num_hidden_layers": 4,
+                "mlp_only_layers": [],
+                "decoder_sparse_step": 2,
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "max_window_layers": 3,
+            },
+            None,
+        ),
+        "narrow shared expert": ({"shared_expert_intermediate_size": 30}, "tensor_parallel_size=4"),
+        "no shared expert": (
+            {"shared_expert_intermediate_size": 0},
+            "Qwen2-MoE shared_expert_intermediate_size must be a positive int",
+        ),
+        "sliding without a window": (
+            {"layer_types": ["sliding_attention", "full_attention"]},
+            r"Qwen2-MoE layer_types marks layers \[0\] sliding_attention but sliding_window is 0",
+        ),
+    }
+    for what, (change, error) in cases.items():
+        folder = tmp_path / what.replace(" ", "-")
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**config, **change}))
+        if error is not None and not error.startswith("tensor_parallel_size"):
+            with pytest.raises(ConfigError, match=error):
+                build_model_config(folder, device="cpu")
+            continue
+        changed = build_model_config(folder, device="cpu")
+        shape = TPShape.of_config_json(read_config_json(folder))
+        assert shape == TPShape.of_model(changed), what
+        if error is not None:  # 30 rows split in 2, not in 4
+            assert shape.sizes() == [1, 2]
+            with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 does not divide the shared"):
+                shape.check(4)
+            continue
+        assert changed.moe_layers == (1, 3) and changed.sliding_window == 8
+        assert [changed.layer_window(i) for i in range(4)] == [8, None, 8, None]
+
+
+@pytest.mark.parametrize("family", ["qwen2-moe", "smollm3"])
+def test_online_fp8_with_prefix_caching_matches_hf(
+    family: str, family_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Online FP8 (every linear layer per output channel, Qwen2-MoE's shared expert too; its router and
+    shared expert gate stay in the model dtype) with prefix caching: HF's greedy tokens on the weights FP8
+    makes of them, and the second pass finds the prompts' blocks cached."""
+    from test_fp8 import online_fp8_reference
+
+    model_dir = family_dir(family)
+    ref = online_fp8_reference(model_dir, tmp_path / "ref")
+    stem = PROMPTS[2]
+    prompts = [stem[:12] + PROMPTS[1], stem, stem[:16]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with make_llm(model_dir, 1, quantization="fp8", block_size=4, max_num_seqs=2) as llm:
+        passes = [llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        passes.append(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+        layers = llm.engine.executor.worker.runner.model.model.layers
+    if family == "qwen2-moe":
+        moe_block = layers[1].mlp
+        assert moe_block.shared_expert.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+        assert moe_block.w13.dtype == torch.float8_e4m3fn
+        assert moe_block.shared_expert_gate.dtype == moe_block.router.dtype == torch.float32
+    want = hf_greedy(ref, prompts, 6)
+    for outs in passes:
+        assert_same_tokens([o.outputs[0].token_ids for o in outs], want, prompts)
+    assert all(o.num_cached_tokens >= 12 for o in passes[1])
 
 
 def test_granite_config_fields_and_bad_scalings(family_dir: Callable[[str], Path], tmp_path: Path) -> None:
@@ -848,6 +1053,8 @@ def _expected(
         )
     if layer.endswith(("o_proj", "down_proj")):
         return cols(hf[name])
+    if leaf == "shared_expert_gate":
+        return hf[f"{layer}.shared_expert_gate.weight"]  # replicated, as the router
     if leaf in ("router", "w13", "w2"):
         (gate, up, down), ffn = EXPERT_NAMES[arch]
         ffn = layer.removesuffix("mlp") + ffn
@@ -878,6 +1085,7 @@ def _expected(
 SHARD_CASES = [
     ("qwen3", 2), ("qwen3", 4), ("mixtral", 2), ("mixtral", 4), ("qwen3-moe", 2),
     ("gemma", 2), ("gemma2", 2), ("gemma2", 4), ("gemma2-global", 2), ("olmo2", 2), ("olmo2", 4),
+    ("qwen2-moe", 2), ("qwen2-moe", 4),
 ]  # fmt: skip
 
 
@@ -1165,7 +1373,8 @@ def test_which_safetensors_files_are_read(make_checkpoint: Callable[..., Path], 
 
 
 def test_dummy_weights_load_for_every_family(family_dir: Callable[[str], Path]) -> None:
-    for family in ("qwen3", "mixtral", "qwen3-moe", "gemma", "gemma2", "olmo2", "olmo3"):
+    families = ("qwen3", "mixtral", "qwen3-moe", "qwen2-moe", "gemma", "gemma2", "olmo2", "olmo3", "smollm3")
+    for family in families:
         cfg = build_model_config(family_dir(family), dtype="float32", device="cpu", load_format="dummy")
         model = model_class(cfg.architecture)(cfg, TPGroup(0, 1), torch.float32, torch.device("cpu"))
         loader.init_dummy_weights(model, 0, torch.float32, torch.device("cpu"))

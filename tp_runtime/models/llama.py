@@ -1,6 +1,6 @@
-"""The Llama architecture family (Llama, Mistral, Qwen2, Granite, SmolLM3) written with tensor-parallel layers,
-and the decoder skeleton the other families extend (models/qwen3.py, mixtral.py, qwen3_moe.py, qwen2_moe.py,
-phi3.py, gemma.py).
+"""The Llama architecture family (Llama, Mistral, Qwen2, Granite, SmolLM3) written with tensor-parallel
+layers, and the decoder skeleton the other families extend (models/qwen3.py, mixtral.py, qwen3_moe.py,
+qwen2_moe.py, phi3.py, gemma.py).
 
 At TP=1 every collective is a no-op, so one code path serves every TP size.
 """
@@ -511,8 +511,8 @@ def windowed_layers(hf: Any, family: str) -> dict[str, Any]:
     windows = layer_windows(hf, family)
     if windows["sliding_window_layers"] and not windows["sliding_window"]:
         raise ConfigError(
-            f"{family} layer_types marks layers {list(windows['sliding_window_layers'])} sliding_attention but "
-            f"sliding_window is {getattr(hf, 'sliding_window', None)!r}; set sliding_window (with "
+            f"{family} layer_types marks layers {list(windows['sliding_window_layers'])} sliding_attention "
+            f"but sliding_window is {getattr(hf, 'sliding_window', None)!r}; set sliding_window (with "
             "use_sliding_window true) or mark those layers full_attention"
         )
     return windows

@@ -1,17 +1,18 @@
-"""Greedy tokens of the non-Llama families (Qwen3, Mixtral, Qwen3-MoE, Gemma, Gemma 2, Gemma 3, Phi-3,
-Granite, OLMo 2, OLMo 3) at several TP sizes, against each other and against HF transformers, on small
-random checkpoints built here.
+"""Greedy tokens of the non-Llama families (Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE, Gemma, Gemma 2, Gemma 3,
+Phi-3, Granite, OLMo 2, OLMo 3, SmolLM3) at several TP sizes, against each other and against HF
+transformers, on small random checkpoints built here.
 
     python scripts/check_families.py --device cuda --tp-sizes 1 2 --output-json families.json
 
 Each family gets a seeded random float32 checkpoint (transformers' own `from_config` + `save_pretrained`,
-safetensors, with the preset BPE tokenizer) in a temporary folder: hidden 256, 4 layers, 8 heads / 4 KV
-heads (so TP 2 and 4 work); Mixtral 8 experts and Qwen3-MoE 8 experts (layer 0 dense), top-2; Gemma 2 with
-a 16-token window on layers 0 and 2 (shorter than most prompts) and both soft-caps on (the attention cap,
-the window and query_pre_attn_scalar each change HF's greedy tokens on every prompt; the final cap is
-monotone, so it cannot change greedy tokens). Weights are drawn larger than HF's init and every norm weight
-is perturbed, so logits are peaked (greedy near-ties are rare) and a norm applied wrongly would show; the
-table's "HF min margin" is the smallest top-1/top-2 logit gap along HF's own continuations.
+safetensors, with the preset BPE tokenizer) in a temporary folder: hidden 256, 4 layers, 8 heads / 4 KV heads
+(so TP 2 and 4 work); Mixtral 8 experts, Qwen3-MoE and Qwen2-MoE 8 experts (layer 0 dense; Qwen2-MoE's with
+its gated shared expert), top-2; SmolLM3 with every other layer NoPE and windowed (16 tokens); Gemma 2 with a
+16-token window on layers 0 and 2 (shorter than most prompts) and both soft-caps on (the attention cap, the
+window and query_pre_attn_scalar each change HF's greedy tokens on every prompt; the final cap is monotone, so
+it cannot change greedy tokens). Weights are drawn larger than HF's init and every norm weight is perturbed,
+so logits are peaked (greedy near-ties are rare) and a norm applied wrongly would show; the table's "HF min
+margin" is the smallest top-1/top-2 logit gap along HF's own continuations.
 
 tp_runtime runs each TP size in float32 on --device (temperature 0, ignore_eos) on token-id prompts of
 several lengths; the reference is HF's greedy `generate` on the same device in float32 (Gemma 2 with eager
@@ -67,6 +68,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 128,
             "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+        },
+    ),
+    # Qwen2-MoE: q/k/v biases, 8 small experts, top-2 without renormalisation, beside a sigmoid-gated shared
+    # expert as wide as the dense MLP; layer 0 dense (mlp_only_layers).
+    "qwen2-moe": (
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 128,
+            "shared_expert_intermediate_size": 512,
+            "norm_topk_prob": False,
             "mlp_only_layers": [0],
         },
     ),
@@ -126,6 +140,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "sliding_window": 16,
             "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
             "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256},
+        },
+    ),
+    # SmolLM3: layers 1 and 3 without rotary embedding (no_rope_layer_interval 2) and, as transformers makes
+    # layer_types with use_sliding_window, windowed (16 tokens); tied embeddings.
+    "smollm3": (
+        "SmolLM3ForCausalLM",
+        {
+            "no_rope_layer_interval": 2,
+            "use_sliding_window": True,
+            "sliding_window": 16,
+            "tie_word_embeddings": True,
         },
     ),
 }

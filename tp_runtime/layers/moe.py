@@ -1,4 +1,5 @@
-"""Sparse mixture-of-experts feed-forward (Mixtral, Qwen3-MoE), tensor-parallel.
+"""Sparse mixture-of-experts feed-forward (Mixtral, Qwen3-MoE; Qwen2-MoE's, with its shared expert, in
+models/qwen2_moe.py), tensor-parallel.
 
 Every rank holds every expert, each cut like a dense MLP: gate/up column-parallel (rows of the expert's
 intermediate dimension), down row-parallel. The down projection is linear, so a rank can sum its experts'

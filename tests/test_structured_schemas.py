@@ -255,6 +255,26 @@ def test_keywords_xgrammar_would_drop_are_clear_errors_and_the_batch_serves_on(l
         llm.engine.grammars.compile(_spec(json=schema))
 
 
+# Invalid schemas that xgrammar compiled all the same, into grammars that break them: an empty anyOf or
+# oneOf (no value is valid) came out as an empty value ("", `{"a": }`, `[,]`), maxLength -1 as no limit,
+# and `"type": []` (no value is valid) as any value.
+INVALID: list[Any] = [
+    {"anyOf": []},
+    {"type": "object", "properties": {"a": {"oneOf": []}}, "required": ["a"]},
+    {"$defs": {"n": {"anyOf": []}}, "type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 1},
+    {"type": "string", "maxLength": -1},
+    {"type": "object", "properties": {"a": {"type": "array", "minItems": -1}}},
+    {"type": []},
+]  # fmt: skip
+
+
+def test_invalid_schemas_xgrammar_would_take_are_clear_errors(llm: LLM) -> None:
+    for schema in INVALID:
+        with pytest.raises(InvalidRequestError, match="JSON schema is not valid") as info:
+            llm.engine.grammars.compile(_spec(json=schema))
+        assert info.value.field == "json"
+
+
 def test_constraints_that_allow_no_output_are_refused_up_front(llm: LLM) -> None:
     """Before: such a request entered the engine, sampled a token its grammar refused, and was aborted."""
     for constraint, field in (({"regex": r"[^\s\S]"}, "regex"),

@@ -53,6 +53,7 @@ _MAX_INTEGER_STEP = 1024  # the largest multipleOf xgrammar enforces on integers
 # (arrays) or properties/additionalProperties (objects).
 _ARRAY_KEYWORDS = ("minItems", "maxItems")
 _OBJECT_KEYWORDS = ("minProperties", "maxProperties", "patternProperties", "propertyNames")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems",
                "unevaluatedItems", "propertyNames")  # fmt: skip
@@ -84,10 +85,25 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
             "json",
         )
 
+    def invalid(why: str) -> InvalidRequestError:
+        return InvalidRequestError(f"the JSON schema is not valid: {why} at {path}", "json")
+
     out = dict(schema)
     for key in _UNENFORCED:
         if key in schema:
             raise refuse(f"{key!r}")
+    # Invalid values that xgrammar takes without a word, into a grammar that breaks the schema: an empty
+    # anyOf or oneOf (no value is valid) gave an empty value ("", `{"a": }`), maxLength -1 no limit at all,
+    # `"type": []` (no value is valid) any value.
+    for key in ("anyOf", "oneOf"):
+        if schema.get(key) == []:
+            raise invalid(f"{key!r} must be a non-empty array")
+    for key in _COUNTS:
+        count = schema.get(key)
+        if isinstance(count, int) and not isinstance(count, bool) and count < 0:
+            raise invalid(f"{key!r} must be a non-negative integer, got {count}")
+    if schema.get("type") == []:
+        raise invalid("'type' must name at least one type")
     ref = schema.get("$ref")
     if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
         # xgrammar resolves JSON pointers into this schema only, and takes any other $ref (another

@@ -226,6 +226,17 @@ def test_bad_constraints_are_clear_errors_and_the_engine_serves_on(llm: LLM) -> 
     assert (text, reason) == ("fine", "stop")
 
 
+def test_escapes_xgrammar_reads_as_letters_are_refused(llm: LLM) -> None:
+    """xgrammar matched an escape it does not know as the letter itself: `[0-9]+\\Z` (Python's end of the
+    text) gave "12Z", which the regex does not match."""
+    for regex in (r"[0-9]+\Z", r"\Aab", r"x[\z]"):
+        with pytest.raises(InvalidRequestError, match="not supported") as info:
+            llm.engine.grammars.compile(StructuredOutputsParams(regex=regex))
+        assert info.value.field == "regex"
+    text, reason = _texts(llm, [_params(2, regex=r"\\Z[0-9]")])[0]  # an escaped backslash, then Z
+    assert reason == "stop" and re.fullmatch(r"\\Z[0-9]", text), text
+
+
 def test_choices_beyond_ascii(llm: LLM) -> None:
     choices = ["😀 yes", "no 😀", "café"]
     for text, reason in _texts(llm, [_params(s, choice=choices) for s in range(4)]):

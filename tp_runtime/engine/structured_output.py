@@ -247,6 +247,10 @@ def _range_has_decimals(schema: dict[str, Any]) -> bool:
 # In a JSON schema's pattern: an escape, a character class, or a lookahead / negative lookahead.
 _PATTERN_TOKEN = re.compile(r"\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)|\[\^?|\]|\(\?[=!]|.", re.S)
 _QUOTE_OR_BACKSLASH = frozenset({'"', "\\"})
+# The letters whose escape xgrammar does not know: it matches the letter itself, with a warning (`\Z`, the
+# end of the text in Python, matched "Z"). Python refuses all of them but \A, \Z, \N and \U, and so do
+# JSON Schema's ECMA-262 regexes (with the u flag).
+_LITERAL_ESCAPES = frozenset("ghijlmoqyzACEFGHIJKLMNOQRTUVXYZ")
 _UNESCAPED = "that names a '\"' or a backslash (xgrammar would write it unescaped: invalid JSON)"
 
 
@@ -257,6 +261,9 @@ def _pattern_problem(pattern: str) -> str | None:
     the pattern names outside a character class (or as a class of its own) came out unescaped, an invalid
     JSON string (`a"b` gave `"a"b"`). It drops a lookahead with a warning (`^(?=.*[A-Z]).{3}$` gave "abc").
     A class that names them beside other characters is fine: xgrammar leaves them out of it."""
+    literal = _regex_problem(pattern)
+    if literal:
+        return literal
     in_class, negated, members = False, False, list[str]()
     for match in _PATTERN_TOKEN.finditer(pattern):
         token = match.group()
@@ -278,6 +285,15 @@ def _pattern_problem(pattern: str) -> str | None:
             return "with a lookahead (xgrammar ignores it)"
         elif char in _QUOTE_OR_BACKSLASH:
             return _UNESCAPED
+    return None
+
+
+def _regex_problem(regex: str) -> str | None:
+    """Why xgrammar would not enforce `regex` as written (an escape it reads as a letter), else None."""
+    for match in _PATTERN_TOKEN.finditer(regex):
+        token = match.group()
+        if len(token) == 2 and token[0] == "\\" and token[1] in _LITERAL_ESCAPES:
+            return f"with the escape '{token}', which xgrammar would match as the letter '{token[1]}'"
     return None
 
 
@@ -417,6 +433,9 @@ class GrammarCompiler:
                 )
             if spec.regex is not None:
                 field, what = "regex", "the regex"
+                problem = _regex_problem(spec.regex)
+                if problem:
+                    raise InvalidRequestError(f"the regex is not supported: {problem}", "regex")
                 return compiler.compile_regex(spec.regex)
             if spec.choice is not None:
                 field, what = "choice", "the choices"

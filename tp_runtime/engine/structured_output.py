@@ -263,7 +263,7 @@ def _pattern_problem(pattern: str) -> str | None:
     A class that names them beside other characters is fine: xgrammar leaves them out of it."""
     literal = _regex_problem(pattern)
     if literal:
-        return literal
+        return f"with {literal}"
     in_class, negated, members = False, False, list[str]()
     for match in _PATTERN_TOKEN.finditer(pattern):
         token = match.group()
@@ -293,7 +293,7 @@ def _regex_problem(regex: str) -> str | None:
     for match in _PATTERN_TOKEN.finditer(regex):
         token = match.group()
         if len(token) == 2 and token[0] == "\\" and token[1] in _LITERAL_ESCAPES:
-            return f"with the escape '{token}', which xgrammar would match as the letter '{token[1]}'"
+            return f"the escape '{token}', which xgrammar would match as the letter '{token[1]}'"
     return None
 
 

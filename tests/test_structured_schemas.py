@@ -210,6 +210,11 @@ UNENFORCEABLE: list[Any] = [
     {"type": "object", "required": ["xy"], "propertyNames": {"pattern": "^a"}},
     {"type": "object", "properties": {"a": {"type": "integer"}}, "propertyNames": {"format": "email"}},
     {"type": "integer", "multipleOf": 2048},  # xgrammar drops a multipleOf past 1024
+    # xgrammar enforces an integer multipleOf with both bounds at most 9999 apart, or none: it dropped it
+    # beside one bound (this one gave 2004) and between bounds further apart.
+    {"type": "integer", "multipleOf": 5, "minimum": 3},
+    {"type": ["integer", "null"], "multipleOf": 4, "exclusiveMaximum": -3},
+    {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 10000},
     {"type": ["integer", "null"], "multipleOf": 1e30},
     # A pattern that names a quote or a backslash: xgrammar wrote it unescaped, invalid JSON (`a"b` gave
     # `"a"b"`, a Windows path `"C:\x"`); one with a lookahead: xgrammar ignored it (this one gave "abc").
@@ -253,6 +258,7 @@ def test_keywords_xgrammar_would_drop_are_clear_errors_and_the_batch_serves_on(l
          "propertyNames": {"pattern": "^[a-c]+$"}},
         {"$defs": {"s": {"type": "boolean"}}, "$ref": "#/$defs/s", "description": "d", "title": "t"},
         {"anyOf": [{"type": "boolean"}, {"type": "null"}], "default": None, "title": "x"},
+        {"type": "integer", "multipleOf": 5, "exclusiveMinimum": -1, "exclusiveMaximum": 10000},
     ):
         llm.engine.grammars.compile(_spec(json=schema))
 

@@ -49,6 +49,9 @@ _UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchem
 _NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 _STRING_KEYWORDS = ("minLength", "maxLength", "pattern", "format")
 _MAX_INTEGER_STEP = 1024  # the largest multipleOf xgrammar enforces on integers (it drops larger ones)
+# The widest range (largest - least allowed integer) whose multipleOf xgrammar enforces; it drops one between
+# bounds further apart, and one beside a single bound.
+_MAX_STEPPED_WIDTH = 9999
 # Likewise for arrays and objects, unless xgrammar takes the schema as one from items/prefixItems
 # (arrays) or properties/additionalProperties (objects).
 _ARRAY_KEYWORDS = ("minItems", "maxItems")
@@ -160,6 +163,15 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
             out.pop("multipleOf")
         else:
             out["multipleOf"] = whole
+            low, high = _integer_bounds(schema)
+            if (low is None) != (high is None):
+                # ({"minimum": 3, "multipleOf": 5} gave 2004)
+                raise refuse(f"'multipleOf' {step} on integers beside one bound only (xgrammar drops it)")
+            if low is not None and high is not None and high - low > _MAX_STEPPED_WIDTH:
+                raise refuse(
+                    f"'multipleOf' {step} on integers between bounds more than {_MAX_STEPPED_WIDTH} apart "
+                    "(xgrammar drops it)"
+                )
     if "number" in kinds and not _range_has_decimals(schema):
         # xgrammar writes a number range with at most 6 decimals, and one that holds none as the empty
         # output: {"minimum": 1e-7, "maximum": 2e-7} finished ("stop") with "" (nested: `{"x": }`).
@@ -242,6 +254,23 @@ def _range_has_decimals(schema: dict[str, Any]) -> bool:
             high = math.ceil(at) - 1 if key == "exclusiveMaximum" else math.floor(at)
             last = high if last is None else min(last, high)
     return first is None or last is None or first <= last
+
+
+def _integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The least and the greatest integer the bounds of an integer schema allow (None: unbounded there)."""
+    low, high = None, None
+    for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        bound = schema.get(key)
+        if not isinstance(bound, (int, float)) or isinstance(bound, bool) or not math.isfinite(bound):
+            continue
+        at = Fraction(bound)
+        if key.endswith("inimum"):
+            least = math.floor(at) + 1 if key == "exclusiveMinimum" else math.ceil(at)
+            low = least if low is None else max(low, least)
+        else:
+            greatest = math.ceil(at) - 1 if key == "exclusiveMaximum" else math.floor(at)
+            high = greatest if high is None else min(high, greatest)
+    return low, high
 
 
 # In a JSON schema's pattern: an escape, a character class, or a lookahead / negative lookahead.

@@ -237,6 +237,22 @@ def test_escapes_xgrammar_reads_as_letters_are_refused(llm: LLM) -> None:
     assert reason == "stop" and re.fullmatch(r"\\Z[0-9]", text), text
 
 
+def test_a_regex_dot_takes_no_newline(llm: LLM) -> None:
+    """xgrammar's `.` took a newline, Python's (and ECMA-262's) does not: `..`, with the newline's logit
+    raised, finished "stop" with "\\n\\n"."""
+    (newline,) = llm.get_tokenizer().encode("\n", add_special_tokens=False)
+    for regex in ("..", r"a|.+", r".\.[.]"):  # an escaped dot and a dot in a class stay dots
+        params = SamplingParams(max_tokens=8, seed=0, logit_bias={newline: 100},
+                                structured_outputs=StructuredOutputsParams(regex=regex))  # fmt: skip
+        out = llm.generate(["x"], params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "length" or re.fullmatch(regex, out.text), (regex, out.text)
+    # a newline the regex names is still taken
+    params = SamplingParams(max_tokens=8, logit_bias={newline: 100},
+                            structured_outputs=StructuredOutputsParams(regex=r"[a-z\n]{3}"))  # fmt: skip
+    out = llm.generate(["x"], params, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason) == ("\n\n\n", "stop")
+
+
 def test_choices_beyond_ascii(llm: LLM) -> None:
     choices = ["😀 yes", "no 😀", "café"]
     for text, reason in _texts(llm, [_params(s, choice=choices) for s in range(4)]):

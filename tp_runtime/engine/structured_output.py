@@ -326,6 +326,22 @@ def _regex_problem(regex: str) -> str | None:
     return None
 
 
+def _dot_without_newline(regex: str) -> str:
+    """`regex` with each `.` outside a class written `[^\\n]`: xgrammar's `.` takes a newline too, Python's
+    and ECMA-262's do not (`..` gave "\\n\\n"). Classes end where xgrammar ends them, at the first `]`."""
+    out, in_class = [], False
+    for match in _PATTERN_TOKEN.finditer(regex):
+        token = match.group()
+        if in_class:
+            in_class = token != "]"
+        elif token.startswith("["):
+            in_class = True
+        elif token == ".":
+            token = "[^\\n]"
+        out.append(token)
+    return "".join(out)
+
+
 def _name_fits(name: str, names_schema: dict[str, Any]) -> bool:
     """Whether property name `name` is valid under a propertyNames schema of string keywords; False for a
     schema with any other keyword (not checked here)."""
@@ -465,7 +481,12 @@ class GrammarCompiler:
                 problem = _regex_problem(spec.regex)
                 if problem:
                     raise InvalidRequestError(f"the regex is not supported: {problem}", "regex")
-                return compiler.compile_regex(spec.regex)
+                written = _dot_without_newline(spec.regex)
+                if written != spec.regex:
+                    import xgrammar
+
+                    xgrammar.Grammar.from_regex(spec.regex)  # its errors name places in the regex as given
+                return compiler.compile_regex(written)
             if spec.choice is not None:
                 field, what = "choice", "the choices"
                 return compiler.compile_grammar(_choice_grammar(list(spec.choice)))

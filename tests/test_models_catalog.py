@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +46,25 @@ def test_a_missing_gguf_file_is_a_config_error(tmp_path: Path) -> None:
     missing = tmp_path / "models" / "model.Q4_K_M.gguf"
     with pytest.raises(ConfigError, match=f"GGUF file {missing} does not exist"):
         resolve_model_name(missing)
+
+
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate")),
+    reason="needs gguf and accelerate (scripts/setup.sh installs them)",
+)
+def test_a_cut_or_corrupt_gguf_header_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GGUF file cut short in its metadata, or with a string length past any file, failed inside
+    transformers' GGUF reader with a bare struct.error or OverflowError traceback."""
+    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path / "cache"))
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1)  # version 3, no tensors, one metadata key
+    bodies = {"cut": struct.pack("<Q", 100) + b"general", "huge": struct.pack("<Q", 1 << 63)}
+    for name, body in bodies.items():
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(header + body)
+        with pytest.raises(ConfigError, match=rf"{name}\.gguf could not be read as a GGUF model"):
+            resolve_model_name(path)
 
 
 def test_shape_without_weights_needs_dummy() -> None:

@@ -41,8 +41,11 @@ def convert_gguf(gguf: Path, out: Path, edit_config: Callable[[Any], None] | Non
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except (ValueError, KeyError, OSError, RuntimeError) as exc:
-        raise ConfigError(f"{gguf} could not be read as a GGUF model by transformers: {exc}") from None
+    except Exception as exc:
+        # Whatever fails here is the file's: transformers' reader raises struct.error on a file cut short,
+        # OverflowError on a length past any file, the tokenizer a bare Exception on a broken vocabulary.
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise ConfigError(f"{gguf} could not be read as a GGUF model by transformers: {reason}") from None
     architecture = type(model).__name__
     if architecture not in ARCHITECTURES:
         raise ConfigError(

@@ -454,3 +454,26 @@ def test_bad_pytorch_bin_files_are_config_errors(
         with pytest.raises(ConfigError, match=message):
             LLM(model=model_dir, device="cpu", dtype="float32")
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+def test_a_single_weight_file_wins_over_an_index_beside_it(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, kind: str
+) -> None:
+    """transformers reads model.safetensors before model.safetensors.index.json, and pytorch_model.bin
+    before pytorch_model.bin.index.json; the loader read the index's shards, so a folder holding both
+    (one left over from an earlier save) gave other weights than HF's, or failed on a stale index."""
+    single, other = make_checkpoint(seed=1), make_checkpoint(seed=2)
+    model_dir = tmp_path / kind
+    if kind == "safetensors":
+        sharded(other, model_dir)
+        shutil.copy(single / "model.safetensors", model_dir / "model.safetensors")
+    else:
+        as_pytorch_bin(other, model_dir, shards=2)
+        torch.save(load_file(str(single / "model.safetensors")), model_dir / "pytorch_model.bin")
+    want = load_file(str(single / "model.safetensors"))["lm_head.weight"]
+    assert torch.equal(transformers.AutoModelForCausalLM.from_pretrained(model_dir).lm_head.weight, want)
+    cfg = build_model_config(model_dir, dtype="float32", device="cpu")
+    model = LlamaForCausalLM(cfg, TPGroup(0, 1), torch.float32, torch.device("cpu"))
+    loader.load_weights(model, str(model_dir), torch.float32)
+    assert torch.equal(model.lm_head.weight[: want.shape[0]], want)

@@ -1351,8 +1351,8 @@ def test_weights_that_do_not_fit_the_config_are_config_errors(
 
 
 def test_which_safetensors_files_are_read(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
-    """As transformers: model.safetensors alone when there is no index (a stray consolidated copy beside
-    it is not read); the index's files otherwise, all of which must be there."""
+    """As transformers: model.safetensors alone (a stray consolidated copy beside it is not read, nor an
+    index); the index's files otherwise, all of which must be there."""
     model_dir = tmp_path / "model"
     shutil.copytree(make_checkpoint(seed=4), model_dir)
     stray = {"layers.0.attention.wq.weight": torch.zeros(2, 2)}
@@ -1360,6 +1360,8 @@ def test_which_safetensors_files_are_read(make_checkpoint: Callable[..., Path], 
     assert loader.safetensors_files(str(model_dir)) == [str(model_dir / "model.safetensors")]
     index = {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}
     (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert loader.safetensors_files(str(model_dir)) == [str(model_dir / "model.safetensors")]
+    (model_dir / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match=r"names weight files that are not in .*model-00001-of-00002"):
         loader.safetensors_files(str(model_dir))
     # A cut or malformed index: a ConfigError that names it, not a JSON or KeyError traceback.

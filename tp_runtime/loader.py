@@ -364,15 +364,9 @@ def _split_fused(model: CausalLM, path: str, name: str, tensor: CheckpointTensor
 
 
 def safetensors_files(model_dir: str) -> list[str]:
-    """The weight files transformers reads: the index's (in its order, the later file's tensor winning
-    where two hold one), else model.safetensors, else every *.safetensors."""
-    weight_map = _weight_map(model_dir)
-    if weight_map is not None:
-        return _indexed_files(model_dir, _SAFETENSORS_INDEX, weight_map)
-    single = Path(model_dir) / "model.safetensors"
-    if single.is_file():  # as transformers: other *.safetensors beside it (a consolidated copy) are not read
-        return [str(single)]
-    files = sorted(str(p) for p in Path(model_dir).glob("*.safetensors"))
+    """The safetensors files transformers reads: model.safetensors, else the index's (in its order, the
+    later file's tensor winning where two hold one), else every *.safetensors."""
+    files, _ = _safetensors_source(model_dir)
     if not files:
         raise ConfigError(
             f"no *.safetensors weights in {model_dir}; convert the checkpoint to safetensors "
@@ -381,20 +375,39 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
+def _safetensors_source(model_dir: str) -> tuple[list[str], str | None]:
+    """safetensors_files' files ([] where there are none) and the index they come from (None: none)."""
+    folder = Path(model_dir)
+    # As transformers: model.safetensors before an index beside it (one left from an earlier save), and
+    # other *.safetensors beside it (a consolidated copy) are not read.
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [str(single)], None
+    weight_map = _weight_map(model_dir)
+    if weight_map is not None:
+        return _indexed_files(model_dir, _SAFETENSORS_INDEX, weight_map), _SAFETENSORS_INDEX
+    return sorted(str(p) for p in folder.glob("*.safetensors")), None
+
+
 def weight_files(model_dir: str) -> list[str]:
-    """The weight files, in transformers' order of preference: the safetensors index's, model.safetensors,
-    the PyTorch index's (pytorch_model.bin.index.json), pytorch_model.bin, else every *.safetensors (so a
+    """The weight files, in transformers' order of preference: model.safetensors, the safetensors index's,
+    pytorch_model.bin, the PyTorch index's (pytorch_model.bin.index.json), else every *.safetensors (so a
     stray adapter_model.safetensors beside pytorch_model.bin is not taken for the weights)."""
+    return _weight_source(model_dir)[0]
+
+
+def _weight_source(model_dir: str) -> tuple[list[str], str | None]:
+    """weight_files' files and the index that lists them (None: they come from no index)."""
     folder = Path(model_dir)
     if (folder / _SAFETENSORS_INDEX).is_file() or (folder / "model.safetensors").is_file():
-        return safetensors_files(model_dir)
+        return _safetensors_source(model_dir)
+    if (folder / "pytorch_model.bin").is_file():  # before an index beside it, as in transformers
+        return [str(folder / "pytorch_model.bin")], None
     weight_map = _weight_map(model_dir, _BIN_INDEX)
     if weight_map is not None:
-        return _indexed_files(model_dir, _BIN_INDEX, weight_map)
-    if (folder / "pytorch_model.bin").is_file():
-        return [str(folder / "pytorch_model.bin")]
+        return _indexed_files(model_dir, _BIN_INDEX, weight_map), _BIN_INDEX
     if any(folder.glob("*.safetensors")):
-        return safetensors_files(model_dir)
+        return _safetensors_source(model_dir)
     raise ConfigError(
         f"no weights in {model_dir}: neither *.safetensors nor pytorch_model.bin; download the checkpoint's "
         "weights, or use load_format='dummy' for random weights"
@@ -498,7 +511,8 @@ def load_weights(
     missing = dict(expected)
     tied = model.tied_checkpoint_names()
     tied_found: dict[str, tuple[str, str]] = {}  # a tied name the checkpoint holds -> its file, name there
-    for path in weight_files(model_dir):
+    files, index_name = _weight_source(model_dir)
+    for path in files:
         with open_weight_file(path) as handle:
             for stored in handle.keys():  # noqa: SIM118 - not a dict
                 # `stored`: the tensor's name in the file (what is read); `name`: the model's name of it.
@@ -544,9 +558,9 @@ def load_weights(
             else ""
         )
         # Where the index puts a missing tensor in a file: that file lacks it (a bad or mixed download).
-        index_name = _BIN_INDEX if weight_files(model_dir)[0].endswith(".bin") else _SAFETENSORS_INDEX
-        weight_map = _model_names(_weight_map(model_dir, index_name) or {}, checkpoint_names)
-        placed = [f"{n!r} in {weight_map[n]}" for n in names if n in weight_map][:4]
+        weight_map = _weight_map(model_dir, index_name) if index_name is not None else None
+        by_model_name = _model_names(weight_map or {}, checkpoint_names)
+        placed = [f"{n!r} in {by_model_name[n]}" for n in names if n in by_model_name][:4]
         if placed:
             hint += (
                 f"; {index_name} puts {', '.join(placed)}, which does not hold it: download the checkpoint "

@@ -224,6 +224,30 @@ def test_kv_heads_that_do_not_divide_the_heads_and_no_layers_are_config_errors(
         build_model_config(no_layers, device="cpu")
 
 
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"intermediate_size": -1}, r"intermediate_size must be >= 1, got -1"),
+        ({"vocab_size": -1}, r"vocab_size must be >= 1, got -1"),
+        ({"head_dim": -8}, r"head_dim must be >= 1, got -8"),
+        ({"num_attention_heads": 0}, r"could not read .*config.json .*ZeroDivisionError"),
+        ({"dtype": "float33"}, r"could not read .*config.json .*AttributeError"),
+    ],
+    ids=["intermediate", "vocab", "head-dim", "no-heads", "dtype"],
+)
+def test_sizes_and_values_no_model_can_have_are_config_errors(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, changes: dict[str, object], message: str
+) -> None:
+    """A negative width failed while the model was built ("Trying to create tensor with negative
+    dimension", a rope arange error), zero heads as a ZeroDivisionError and an unknown dtype as an
+    AttributeError from inside transformers' config classes; each is a config.json mistake."""
+    model_dir = tmp_path / "bad"
+    shutil.copytree(make_checkpoint(), model_dir)
+    edit_config(model_dir, **changes)
+    with pytest.raises(ConfigError, match=message):
+        build_model_config(model_dir, device="cpu")
+
+
 def test_tied_checkpoint_under_an_untied_config(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
     """A tied model's checkpoint (no lm_head.weight) with tie_word_embeddings false: transformers gives
     its LM head random weights; the loader refuses it, saying which setting to change."""

@@ -726,7 +726,11 @@ def _load_hf_config(path: str, trust_remote_code: bool = False) -> Any:
     import transformers
 
     # transformers 5's configs validate their fields' types (huggingface_hub's strict dataclasses).
-    invalid: tuple[type[Exception], ...] = (OSError, ValueError, KeyError, TypeError)
+    # Its validators and dtype reading fail on some values with ArithmeticError (zero heads),
+    # AttributeError (an unknown dtype name) or IndexError as well.
+    invalid: tuple[type[Exception], ...] = (
+        OSError, ValueError, KeyError, TypeError, ArithmeticError, AttributeError, IndexError,
+    )  # fmt: skip
     try:
         from huggingface_hub.errors import StrictDataclassError
 
@@ -979,6 +983,13 @@ def build_model_config(
     if int(hf.num_hidden_layers) < 1:
         raise ConfigError(f"num_hidden_layers must be >= 1, got {hf.num_hidden_layers}; check config.json")
     head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // num_heads)
+    # Else a negative one failed deep in torch while the model was built (or its rope table computed).
+    for name, size in (
+        ("hidden_size", hf.hidden_size), ("intermediate_size", hf.intermediate_size),
+        ("vocab_size", hf.vocab_size), ("head_dim", head_dim),
+    ):  # fmt: skip
+        if int(size) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {size}; check config.json")
     # What the architecture decides (biases, sliding window, experts, activation, soft-capping), over
     # these defaults.
     adapted = ARCHITECTURES[arch].config(hf)

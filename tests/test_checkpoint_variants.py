@@ -501,3 +501,16 @@ def test_a_single_weight_file_wins_over_an_index_beside_it(
     model = LlamaForCausalLM(cfg, TPGroup(0, 1), torch.float32, torch.device("cpu"))
     loader.load_weights(model, str(model_dir), torch.float32)
     assert torch.equal(model.lm_head.weight[: want.shape[0]], want)
+
+
+def test_a_dangling_weight_file_link_is_a_config_error(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A model.safetensors link whose target is gone (the Hugging Face cache after an interrupted download
+    links to blobs) was a FileNotFoundError traceback from the loader's open()."""
+    model_dir = tmp_path / "dangling"
+    shutil.copytree(make_checkpoint(), model_dir)
+    (model_dir / "model.safetensors").unlink()
+    (model_dir / "model.safetensors").symlink_to(tmp_path / "gone" / "blob")
+    with pytest.raises(ConfigError, match=r"could not open .*model\.safetensors .*download the checkpoint"):
+        LLM(model=model_dir, device="cpu", dtype="float32")

@@ -66,7 +66,12 @@ class SafetensorsFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._file: IO[bytes] = open(path, "rb")  # noqa: SIM115 - closed by close() / the with block
+        try:
+            self._file: IO[bytes] = open(path, "rb")  # noqa: SIM115 - closed by close() / the with block
+        except OSError as exc:  # a link to a blob an interrupted download never wrote, a folder, ...
+            raise ConfigError(
+                f"could not open {path} ({exc.strerror or exc}); download the checkpoint again"
+            ) from None
         try:
             self._entries = self._read_header()
         except BaseException:

@@ -13,7 +13,9 @@ safetensors dtype the loader does not read (a ConfigError naming the tensor and 
 inv_freq buffers older checkpoints carry, skipped by every family (Gemma 2 refused them); and sharded
 checkpoints: a tensor two shards hold and a stray *.safetensors the index does not list, read as
 transformers reads them, and an index that does not match its shards (a ConfigError naming the tensor
-and the file).
+and the file); a single weight file read before an index beside it, as transformers reads it; negative
+sizes, zero heads or an unknown dtype name in config.json, and a dangling weight file link, as
+ConfigErrors.
 """
 
 from __future__ import annotations

@@ -21,10 +21,9 @@ from tp_runtime.errors import ConfigError
 from tp_runtime.layers.linear import TensorSource, _copy_checked, _param
 from tp_runtime.layers.moe import SparseMoE
 from tp_runtime.layers.normed_input import NormedInput, as_tensor
-from tp_runtime.layers.quantization import linear_method
 from tp_runtime.models.interface import FeedForward
 from tp_runtime.models.llama import LlamaForCausalLM, LlamaMLP, windowed_layers
-from tp_runtime.models.qwen3_moe import moe_fields
+from tp_runtime.models.qwen3_moe import moe_fields, sparse_moe_options
 
 if TYPE_CHECKING:
     from torch import nn
@@ -38,20 +37,7 @@ class SharedExpertMoE(SparseMoE):
     def __init__(
         self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
     ) -> None:
-        super().__init__(
-            cfg.hidden_size,
-            cfg.moe_intermediate_size,
-            cfg.num_experts,
-            cfg.num_experts_per_tok,
-            renormalize=cfg.norm_topk_prob,
-            fp32_weights=False,  # transformers casts the routing weights to the model dtype first
-            expert_names=("gate_proj", "up_proj", "down_proj"),
-            tp=tp,
-            dtype=dtype,
-            device=device,
-            fused=fused,
-            method=linear_method(cfg.quantization, device),
-        )
+        super().__init__(**sparse_moe_options(cfg, tp, dtype, device, fused))
         self.shared_expert = LlamaMLP(cfg, tp, dtype, device, fused, cfg.shared_expert_intermediate_size)
         # [1, hidden]: one logit per token, replicated (as the router; too small to quantize).
         self.shared_expert_gate = _param((1, cfg.hidden_size), dtype, device)

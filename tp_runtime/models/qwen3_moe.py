@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from tp_runtime.config import ModelConfig
 from tp_runtime.distributed import TPGroup
 from tp_runtime.errors import ConfigError
 from tp_runtime.layers.moe import SparseMoE
@@ -22,20 +23,27 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         c = self.config
         if layer not in c.moe_layers:
             return super().make_mlp(layer, tp, dtype, device, fused)  # of intermediate_size
-        return SparseMoE(
-            c.hidden_size,
-            c.moe_intermediate_size,
-            c.num_experts,
-            c.num_experts_per_tok,
-            renormalize=c.norm_topk_prob,
-            fp32_weights=False,  # transformers casts the routing weights to the model dtype first
-            expert_names=("gate_proj", "up_proj", "down_proj"),
-            tp=tp,
-            dtype=dtype,
-            device=device,
-            fused=fused,
-            method=linear_method(c.quantization, device),
-        )
+        return SparseMoE(**sparse_moe_options(c, tp, dtype, device, fused))
+
+
+def sparse_moe_options(
+    c: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device, fused: bool
+) -> dict[str, Any]:
+    """SparseMoE's arguments for a Qwen2-MoE or Qwen3-MoE layer's routed experts."""
+    return dict(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.moe_intermediate_size,
+        num_experts=c.num_experts,
+        top_k=c.num_experts_per_tok,
+        renormalize=c.norm_topk_prob,
+        fp32_weights=False,  # transformers casts the routing weights to the model dtype first
+        expert_names=("gate_proj", "up_proj", "down_proj"),
+        tp=tp,
+        dtype=dtype,
+        device=device,
+        fused=fused,
+        method=linear_method(c.quantization, device),
+    )
 
 
 def moe_fields(hf: Any) -> dict[str, Any]:

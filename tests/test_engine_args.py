@@ -252,3 +252,34 @@ def test_trust_remote_code_runs_the_tokenizer_class_a_folder_ships(
     assert got.token_ids == want.token_ids
     shout = llm.get_tokenizer().decode(got.token_ids)
     assert shout == shout.upper() != shout.lower()
+
+
+CUSTOM_CONFIG = '''
+from transformers import LlamaConfig
+
+
+class CustomLlamaConfig(LlamaConfig):
+    """The folder's own config class: Llama's, under a model_type transformers does not know."""
+
+    model_type = "custom_llama"
+'''
+
+
+def test_trust_remote_code_on_the_command_line_reads_a_config_class_the_folder_ships(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The command line's model check (before anything starts, on every torchrun rank) reads config.json
+    as the engine will: with --trust-remote-code, a config class the folder ships loads; without it the
+    error says to pass it."""
+    folder = tmp_path / "custom-config"
+    shutil.copytree(make_checkpoint(), folder)
+    (folder / "configuration_custom.py").write_text(CUSTOM_CONFIG)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="custom_llama", auto_map={"AutoConfig": "configuration_custom.CustomLlamaConfig"})
+    (folder / "config.json").write_text(json.dumps(config))
+    argv = ["generate", "--model", str(folder), "--device", "cpu"]
+    with pytest.raises(ConfigError, match=r"pass trust_remote_code=True \(--trust-remote-code\)"):
+        cli.check_args(cli.build_parser().parse_args(argv), under_torchrun=False)
+    args = cli.build_parser().parse_args([*argv, "--trust-remote-code"])
+    cli.check_args(args, under_torchrun=False)
+    assert args.model_config.architecture == "LlamaForCausalLM"

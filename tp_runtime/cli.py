@@ -184,6 +184,7 @@ def check_model(args: argparse.Namespace) -> Any:
         load_format=args.load_format,
         quantization=getattr(args, "quantization", None),
         generation_config=getattr(args, "generation_config", "auto"),
+        trust_remote_code=getattr(args, "trust_remote_code", False),
     )
     validate_tensor_parallel(model_config, args.tensor_parallel_size)
     return model_config

@@ -283,3 +283,33 @@ def test_trust_remote_code_on_the_command_line_reads_a_config_class_the_folder_s
     args = cli.build_parser().parse_args([*argv, "--trust-remote-code"])
     cli.check_args(args, under_torchrun=False)
     assert args.model_config.architecture == "LlamaForCausalLM"
+
+
+def test_trust_remote_code_with_a_hub_id_fetches_the_code_the_repository_ships(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Hub id's snapshot holds the Python files of the repository's top level too: with
+    trust_remote_code, the tokenizer class the repository ships loads (as from a local folder)."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    repo = tmp_path / "repo"
+    shutil.copytree(make_checkpoint(), repo)
+    (repo / "tokenization_shout.py").write_text(SHOUT_TOKENIZER)
+    settings = json.loads((repo / "tokenizer_config.json").read_text())
+    own_class = {"AutoTokenizer": [None, "tokenization_shout.ShoutTokenizer"]}
+    settings.update(tokenizer_class="ShoutTokenizer", auto_map=own_class)
+    (repo / "tokenizer_config.json").write_text(json.dumps(settings))
+    snapshot = tmp_path / "snapshot"
+
+    def fake_download(repo_id: str, allow_patterns: list[str], ignore_patterns: list[str]) -> str:
+        """The Hub's snapshot_download of `repo`: the files the patterns select."""
+        names = [p.name for p in repo.iterdir()]
+        for name in filter_repo_objects(names, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns):
+            snapshot.mkdir(exist_ok=True)
+            shutil.copy(repo / name, snapshot / name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    with LLM("some-org/shout-model", trust_remote_code=True, device="cpu") as llm:
+        assert type(llm.get_tokenizer()).__name__ == "ShoutTokenizer"

@@ -60,9 +60,10 @@ _BY_NAME = {m.name: m for m in BUILTIN_MODELS}
 
 # A Hugging Face Hub model id, "org/name" (the Hub's own rule for each part).
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
-# What a checkpoint needs from a Hub repository: configs, weights, tokenizer and chat template files, at
-# its top level (fnmatch's * spans folders); a consolidated copy of the weights (Mistral's) is not read.
-_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+# What a checkpoint needs from a Hub repository: configs, weights, tokenizer and chat template files, and
+# the Python of a config or tokenizer class it ships (run only with trust_remote_code), at its top level
+# (fnmatch's * spans folders); a consolidated copy of the weights (Mistral's) is not read.
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
 _HUB_SKIPPED = ["*/*", "consolidated*"]
 # transformers' fallback weights, fetched only for a repository without safetensors ones.
 _HUB_BIN_FILES = ["pytorch_model*.bin"]

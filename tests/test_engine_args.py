@@ -313,3 +313,18 @@ def test_trust_remote_code_with_a_hub_id_fetches_the_code_the_repository_ships(
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
     with LLM("some-org/shout-model", trust_remote_code=True, device="cpu") as llm:
         assert type(llm.get_tokenizer()).__name__ == "ShoutTokenizer"
+
+
+def test_a_config_class_whose_package_is_missing_is_a_config_error(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """With trust_remote_code, a config class that imports a package this environment lacks is a
+    ConfigError naming the package (it was transformers' ImportError traceback; the tokenizer's was one)."""
+    folder = tmp_path / "needs-package"
+    shutil.copytree(make_checkpoint(), folder)
+    (folder / "configuration_custom.py").write_text("import no_such_package_xyz\n" + CUSTOM_CONFIG)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="custom_llama", auto_map={"AutoConfig": "configuration_custom.CustomLlamaConfig"})
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"could not read .*config\.json .*ImportError: .*no_such_package_xyz"):
+        LLM(str(folder), trust_remote_code=True, device="cpu")

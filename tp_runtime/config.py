@@ -727,9 +727,10 @@ def _load_hf_config(path: str, trust_remote_code: bool = False) -> Any:
 
     # transformers 5's configs validate their fields' types (huggingface_hub's strict dataclasses).
     # Its validators and dtype reading fail on some values with ArithmeticError (zero heads),
-    # AttributeError (an unknown dtype name) or IndexError as well.
+    # AttributeError (an unknown dtype name) or IndexError as well; a config class the folder ships
+    # (trust_remote_code) with ImportError where it needs a package this environment lacks.
     invalid: tuple[type[Exception], ...] = (
-        OSError, ValueError, KeyError, TypeError, ArithmeticError, AttributeError, IndexError,
+        OSError, ValueError, KeyError, TypeError, ArithmeticError, AttributeError, IndexError, ImportError,
     )  # fmt: skip
     try:
         from huggingface_hub.errors import StrictDataclassError

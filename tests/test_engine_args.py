@@ -275,7 +275,8 @@ def test_trust_remote_code_on_the_command_line_reads_a_config_class_the_folder_s
     shutil.copytree(make_checkpoint(), folder)
     (folder / "configuration_custom.py").write_text(CUSTOM_CONFIG)
     config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="custom_llama", auto_map={"AutoConfig": "configuration_custom.CustomLlamaConfig"})
+    own_class = {"AutoConfig": "configuration_custom.CustomLlamaConfig"}
+    config.update(model_type="custom_llama", auto_map=own_class)
     (folder / "config.json").write_text(json.dumps(config))
     argv = ["generate", "--model", str(folder), "--device", "cpu"]
     with pytest.raises(ConfigError, match=r"pass trust_remote_code=True \(--trust-remote-code\)"):
@@ -305,7 +306,8 @@ def test_trust_remote_code_with_a_hub_id_fetches_the_code_the_repository_ships(
     def fake_download(repo_id: str, allow_patterns: list[str], ignore_patterns: list[str]) -> str:
         """The Hub's snapshot_download of `repo`: the files the patterns select."""
         names = [p.name for p in repo.iterdir()]
-        for name in filter_repo_objects(names, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns):
+        chosen = filter_repo_objects(names, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns)
+        for name in chosen:
             snapshot.mkdir(exist_ok=True)
             shutil.copy(repo / name, snapshot / name)
         return str(snapshot)
@@ -324,7 +326,9 @@ def test_a_config_class_whose_package_is_missing_is_a_config_error(
     shutil.copytree(make_checkpoint(), folder)
     (folder / "configuration_custom.py").write_text("import no_such_package_xyz\n" + CUSTOM_CONFIG)
     config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="custom_llama", auto_map={"AutoConfig": "configuration_custom.CustomLlamaConfig"})
+    own_class = {"AutoConfig": "configuration_custom.CustomLlamaConfig"}
+    config.update(model_type="custom_llama", auto_map=own_class)
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match=r"could not read .*config\.json .*ImportError: .*no_such_package_xyz"):
+    refused = r"could not read .*config\.json .*ImportError: .*no_such_package_xyz"
+    with pytest.raises(ConfigError, match=refused):
         LLM(str(folder), trust_remote_code=True, device="cpu")

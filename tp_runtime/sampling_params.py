@@ -72,7 +72,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: disabled
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # None (or -1, as in vLLM): unseeded
     max_tokens: int | None = 16  # None: until max_model_len
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
@@ -126,6 +126,9 @@ class SamplingParams:
             raise bad(
                 f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
             )
+        if is_int(self.seed) and self.seed == -1:
+            # vLLM's convention (and many UIs'): -1 asks for no seed, not for the seed -1.
+            object.__setattr__(self, "seed", None)
         if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             raise bad(f"seed must be None or an int that fits in 64 bits (signed), got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -294,7 +294,7 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     logprobs = params.logprobs
     if params.best_of is not None and logprobs is None:
         logprobs = 0
-    return replace(
+    child = replace(
         params,
         seed=seed,
         n=1,
@@ -302,6 +302,9 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
         logprobs=logprobs,
         prompt_logprobs=params.prompt_logprobs if index == 0 else None,
     )
+    if seed == -1:  # a child's seed -1 is the seed -1: replace() read it as SamplingParams(seed=-1), unseeded
+        object.__setattr__(child, "seed", seed)
+    return child
 
 
 def best_samples(params: SamplingParams, samples: list[CompletionOutput]) -> list[CompletionOutput]:

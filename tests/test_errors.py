@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tp_runtime import LLM, SamplingParams
-from tp_runtime.errors import ConfigError, InvalidRequestError
+from tp_runtime.errors import ConfigError, EngineClosedError, InvalidRequestError
 
 VOCAB = 300  # conftest's BASE_CONFIG
 MAX_MODEL_LEN = 32
@@ -396,3 +396,14 @@ def test_sampling_params_count_mismatch(llm: LLM) -> None:
 def test_sampling_params_of_wrong_type(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="SamplingParams"):
         llm.generate(PROBE, {"temperature": 0.0}, use_tqdm=False)  # type: ignore[arg-type]
+
+
+def test_calls_after_shutdown_raise_engine_closed_error(checkpoint: Path) -> None:
+    """A shut-down LLM (also one left by its `with` block) raises EngineClosedError, as one whose engine
+    died does: callers catch one exception for a closed engine."""
+    with LLM(checkpoint, device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN) as llm:
+        pass
+    with pytest.raises(EngineClosedError, match="shut down"):
+        llm.generate(PROBE, GREEDY4, use_tqdm=False)
+    with pytest.raises(EngineClosedError, match="shut down"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY4, use_tqdm=False, chat_template="{{ 'a' }}")

@@ -14,7 +14,7 @@ from typing import Any
 from tp_runtime.config import EngineConfig, load_tokenizer
 from tp_runtime.engine.args import EngineArgs
 from tp_runtime.engine.llm_engine import LLMEngine, best_samples, child_params
-from tp_runtime.errors import ConfigError, InvalidRequestError
+from tp_runtime.errors import ConfigError, EngineClosedError, InvalidRequestError
 from tp_runtime.outputs import RequestOutput
 from tp_runtime.sampling_params import SamplingParams
 from tp_runtime.server.tool_calls import template_tool_call
@@ -270,8 +270,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        if self._closed:
-            raise RuntimeError("this LLM has been shut down; create a new one")
+        if self._closed:  # the error a call to an engine that died raises too
+            raise EngineClosedError("this LLM has been shut down; create a new one")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):

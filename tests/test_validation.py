@@ -71,10 +71,10 @@ def test_seed_minus_one_means_unseeded_as_in_vllm(llm: LLM) -> None:
     """vLLM reads seed=-1 as no seed: two such requests draw differently. Sample j of an n > 1 request is
     still seeded with seed + j, also where that is -1."""
     assert SamplingParams(seed=-1).seed is None
-    params = SamplingParams(temperature=1.0, seed=-1, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, seed=-1, max_tokens=4, ignore_eos=True)
     first, second = llm.generate([PROBE, PROBE], params, use_tqdm=False)
     assert first.outputs[0].token_ids != second.outputs[0].token_ids
-    pair = SamplingParams(temperature=1.0, seed=-2, n=2, max_tokens=8, ignore_eos=True)
+    pair = SamplingParams(temperature=1.0, seed=-2, n=2, max_tokens=4, ignore_eos=True)
     assert ids(llm, pair) == ids(llm, pair)
 
 

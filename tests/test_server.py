@@ -947,6 +947,17 @@ def test_worker_traceback_stays_in_the_server_log(
 
     caplog.set_level(logging.ERROR)
     with InProcess(scripted_config, byte_tokenizer, executor) as served:
+        added = []
+        add = served.engine.add
+
+        def counting_add(requests: Any) -> Any:
+            stream = add(requests)
+            added.append(stream)
+            return stream
+
+        served.engine.add = counting_add  # type: ignore[method-assign]
+        # Neither request may finish (50 tokens take a few ms) before the other one is in.
+        executor.hold_until = lambda: len(added) == 2
         asyncio.run(main(served))
     logged = [r for r in caplog.records if "secret detail" in r.getMessage()]
     assert len(logged) == 1, [r.getMessage() for r in caplog.records]

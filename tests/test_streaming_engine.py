@@ -13,6 +13,7 @@ import itertools
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,10 @@ class ScriptedExecutor:
     worker's view of its live requests (a freed request is never scheduled again, nor a request twice).
     With `gate`, each step waits until the test releases it (one `release()` per step). From step
     `fail_at_step` on, a step raises `failure`, once `fail_after_requests` requests have arrived (a
-    failure that waits for an observed event, not for the engine thread to lose a race); `check_alive`
-    (what an idle engine thread calls) raises `dead` once set, and calls `on_check_alive` first."""
+    failure that waits for an observed event, not for the engine thread to lose a race). With `hold_until`,
+    the first output waits until that predicate holds (e.g. every request of a test was added), so no
+    request can finish before the others arrive. `check_alive` (what an idle engine thread calls) raises
+    `dead` once set, and calls `on_check_alive` first."""
 
     def __init__(self, script: Callable[[int, int], int], gate: threading.Semaphore | None = None) -> None:
         self.script = script
@@ -52,6 +55,7 @@ class ScriptedExecutor:
         self.fail_at_step: int | None = None
         self.fail_after_requests = 0
         self.requests_seen = 0
+        self.hold_until: Callable[[], bool] | None = None
         self.failure: BaseException = WorkerDiedError(1, "killed by the test")
         self.dead: BaseException | None = None
         self.on_check_alive: Callable[[], None] | None = None
@@ -86,6 +90,12 @@ class ScriptedExecutor:
     def wait_output(self, step_id: int) -> ModelRunnerOutput:
         if self.gate is not None:
             self.gate.acquire()
+        if self.hold_until is not None:
+            deadline = time.monotonic() + 60  # a guard against a test that never adds them: fail, not hang
+            while not self.hold_until():
+                assert time.monotonic() < deadline, "hold_until never held"
+                time.sleep(0.001)
+            self.hold_until = None
         self.steps += 1
         failing = self.fail_at_step is not None and self.steps >= self.fail_at_step
         if failing and self.requests_seen >= self.fail_after_requests:
@@ -535,12 +545,15 @@ def test_engine_thread_surfaces_a_dead_engine(model_config: Any, tokenizer: Any)
     executor = ScriptedExecutor(closed_form)
     executor.fail_at_step = 3
     executor.fail_after_requests = 3  # all three streams are in before the engine dies
+    streams: list[Any] = []
+    executor.hold_until = lambda: len(streams) == 3  # and none has finished before the last is added
     async_engine = AsyncLLMEngine(make_engine(model_config, tokenizer, executor))
     async_engine.start()
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
 
     async def main() -> list[BaseException]:
-        streams = [async_engine.add([(PROMPT, params)]) for _ in range(3)]
+        for _ in range(3):
+            streams.append(async_engine.add([(PROMPT, params)]))
         errors = []
         for stream in streams:
             with pytest.raises(EngineClosedError) as info:

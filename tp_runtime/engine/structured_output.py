@@ -240,8 +240,19 @@ _RANGE_DECIMALS = 6  # the decimals xgrammar writes the numbers of a bounded 'nu
 def _range_has_decimals(schema: dict[str, Any]) -> bool:
     """Whether the bounds of a 'number' schema hold a number of at most _RANGE_DECIMALS decimals (each bound
     read as written: 1e-7 is 1/10**7)."""
-    scale = 10**_RANGE_DECIMALS
-    first, last = None, None  # the least and the greatest multiple of 1/scale the bounds allow
+    first, last = _scaled_bounds(schema, 10**_RANGE_DECIMALS)
+    return first is None or last is None or first <= last
+
+
+def _integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The least and the greatest integer the bounds of an integer schema allow (None: unbounded there)."""
+    return _scaled_bounds(schema, 1)
+
+
+def _scaled_bounds(schema: dict[str, Any], scale: int) -> tuple[int | None, int | None]:
+    """The least and the greatest multiple of 1/scale the schema's bounds allow, times scale (None:
+    unbounded there); each bound read as written (its repr), so 0.1 is 1/10."""
+    first, last = None, None
     for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
         bound = schema.get(key)
         if not isinstance(bound, (int, float)) or isinstance(bound, bool) or not math.isfinite(bound):
@@ -253,24 +264,7 @@ def _range_has_decimals(schema: dict[str, Any]) -> bool:
         else:
             high = math.ceil(at) - 1 if key == "exclusiveMaximum" else math.floor(at)
             last = high if last is None else min(last, high)
-    return first is None or last is None or first <= last
-
-
-def _integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
-    """The least and the greatest integer the bounds of an integer schema allow (None: unbounded there)."""
-    low, high = None, None
-    for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
-        bound = schema.get(key)
-        if not isinstance(bound, (int, float)) or isinstance(bound, bool) or not math.isfinite(bound):
-            continue
-        at = Fraction(bound)
-        if key.endswith("inimum"):
-            least = math.floor(at) + 1 if key == "exclusiveMinimum" else math.ceil(at)
-            low = least if low is None else max(low, least)
-        else:
-            greatest = math.ceil(at) - 1 if key == "exclusiveMaximum" else math.floor(at)
-            high = greatest if high is None else min(high, greatest)
-    return low, high
+    return first, last
 
 
 # In a JSON schema's pattern: an escape, a character class, or a lookahead / negative lookahead.

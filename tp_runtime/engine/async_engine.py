@@ -6,7 +6,9 @@ ends only put commands on a thread-safe queue (`add`, `abort`) and read each req
 all the streams of one event loop. With no request in the engine the thread blocks on the queue, waking
 every `idle_check_s` (1 s) only to ask the executor whether every worker is still alive
 (`engine.check_alive()`, which sends nothing): an idle engine costs next to no CPU, and a worker that dies
-while no request runs is still noticed within a second.
+while no request runs is still noticed within a second. While a decode step runs with nothing waiting, the
+thread waits on the queue until shortly before that step ends (`engine.step_hold_s()`, engine/pacing.py),
+so a request arriving meanwhile joins the next step rather than the one after.
 
 A failure in a step or in that check (a dead or failing worker, a step timeout) is fatal: the thread logs
 it once, in full (a worker's traceback included), records it, ends every open stream with an
@@ -224,7 +226,11 @@ class AsyncLLMEngine:
         try:
             while True:
                 idle = not engine.has_unfinished_requests() and self._drain_deadline is None
-                commands = self._take(block=idle)
+                if idle:
+                    commands = self._take(self.idle_check_s)
+                else:
+                    # A request that comes while the device still runs a decode step joins the next one.
+                    commands = self._take(engine.step_hold_s() if self._drain_deadline is None else 0.0)
                 if idle and not commands:  # nothing to do for idle_check_s: are the workers alive?
                     engine.check_alive()
                 for command in commands:
@@ -247,12 +253,12 @@ class AsyncLLMEngine:
                 logger.exception("shutting the engine down failed")
             self._publish_stats()
 
-    def _take(self, block: bool) -> list[_Command]:
-        """The commands queued; with `block`, waits up to idle_check_s for one ([] if none came)."""
+    def _take(self, timeout: float) -> list[_Command]:
+        """The commands queued, waiting up to `timeout` seconds for the first ([] if none came)."""
         commands = []
-        if block:
+        if timeout > 0:
             try:
-                commands.append(self._commands.get(timeout=self.idle_check_s))
+                commands.append(self._commands.get(timeout=timeout))
             except queue.Empty:
                 return []
         while True:
@@ -330,7 +336,7 @@ class AsyncLLMEngine:
             self._error = exc
             self._accepting = False
         streams = {stream for stream, _ in self._owners.values()}
-        for command in self._take(block=False):  # requests queued before the engine stopped accepting
+        for command in self._take(0.0):  # requests queued before the engine stopped accepting
             if isinstance(command, _Add):
                 streams.add(command.stream)
         self._owners.clear()

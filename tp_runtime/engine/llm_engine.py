@@ -21,6 +21,7 @@ from typing import Any
 from tp_runtime.config import (
     EngineConfig,
 )
+from tp_runtime.engine.pacing import StepPacer
 from tp_runtime.engine.scheduler import Request, Scheduler
 from tp_runtime.engine.structured_output import GrammarCompiler, pack_bitmasks
 from tp_runtime.errors import ConfigError, InvalidRequestError
@@ -381,6 +382,8 @@ class LLMEngine:
         self._in_flight: SchedulerOutput | None = None
         # Timings: when the interval that produces the next output began (the last output's arrival).
         self._interval_start: float | None = None
+        # How long a streaming driver may hold the next step for new requests (engine/pacing.py).
+        self._pacer = StepPacer()
         if config.device == "cuda":
             # The driver's start-up heap (tokenizer, executor, an in-process worker's model and graphs) out
             # of the cyclic collector's sight, as the workers do (worker.freeze_start_up_objects says why).
@@ -537,6 +540,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def step_hold_s(self) -> float:
+        """How long the next `step()` may wait for new requests without leaving the device idle: with async
+        scheduling, nothing waiting and a decode-only step running, until shortly before that step ends
+        (engine/pacing.py); else 0. Streaming front ends wait that long for requests (AsyncLLMEngine)."""
+        running = self._in_flight
+        if running is None or self.scheduler.waiting or any(n != 1 for n in running.num_scheduled_tokens):
+            return 0.0
+        return self._pacer.hold_s(time.perf_counter())
+
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs it gave: for each streamed request that got a token, its
         delta, and for each other request that finished, its whole output.
@@ -619,6 +631,10 @@ class LLMEngine:
         """Wait for step `done`'s output and apply it: tokens, stops, the outputs to report."""
         output = self.executor.wait_output(done.step_id)
         t3 = time.perf_counter()
+        if self.async_scheduling:
+            self._pacer.output_arrived(t3, t3 - t2, all(n == 1 for n in done.num_scheduled_tokens))
+            if self._in_flight is None:
+                self._pacer.reset()
         outputs = []
         updated = self.scheduler.update(output)
         self.num_output_tokens += len(updated)

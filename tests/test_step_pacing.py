@@ -1,0 +1,185 @@
+"""Holding the next step for requests still to come (engine/pacing.py): the pacer's arithmetic against
+hand-computed times, when the engine offers a hold, and that the engine thread's hold admits a request
+into the very next step and ends as soon as a command comes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_streaming_engine import PROMPT, VOCAB, ScriptedExecutor, closed_form, collect, make_engine
+
+from tp_runtime import SamplingParams
+from tp_runtime.config import build_model_config
+from tp_runtime.engine.async_engine import AsyncLLMEngine
+from tp_runtime.engine.pacing import StepPacer
+from tp_runtime.messages import ModelRunnerOutput, SchedulerOutput
+from tp_runtime.presets import build_preset_tokenizer
+
+MS = 1e-3
+
+
+@pytest.fixture(scope="module")
+def model_config(make_checkpoint: Callable[..., Path]) -> Any:
+    return build_model_config(make_checkpoint(seed=3), max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return build_preset_tokenizer(VOCAB)
+
+
+def feed(pacer: StepPacer, arrivals: list[float], waited: float = 1 * MS, decode_only: bool = True) -> None:
+    for t in arrivals:
+        pacer.output_arrived(t, waited, decode_only)
+
+
+def test_the_hold_ends_a_margin_before_the_running_step_ends() -> None:
+    pacer = StepPacer(margin_s=1.5 * MS, margin_share=0.25)
+    feed(pacer, [0.0, 5 * MS, 10 * MS, 15 * MS])  # three 5 ms steps (the first arrival starts the chain)
+    assert pacer.step_estimate() == pytest.approx(5 * MS)
+    # The running step began at the last arrival (15 ms) and ends at 20 ms: send by 18.5 ms.
+    assert pacer.hold_s(15 * MS) == pytest.approx(3.5 * MS)
+    assert pacer.hold_s(18 * MS) == pytest.approx(0.5 * MS)
+    assert pacer.hold_s(19 * MS) == 0.0
+    # A long step: the margin is a quarter of it.
+    slow = StepPacer(margin_s=1.5 * MS, margin_share=0.25)
+    feed(slow, [0.0, 0.02, 0.04, 0.06])
+    assert slow.hold_s(0.06) == pytest.approx(0.015)
+
+
+def test_only_enough_decode_steps_make_an_estimate_and_it_is_their_median() -> None:
+    pacer = StepPacer(min_samples=3)
+    feed(pacer, [0.0, 5 * MS, 10 * MS])
+    assert pacer.step_estimate() is None and pacer.hold_s(10 * MS) == 0.0
+    feed(pacer, [30 * MS], decode_only=False)  # a prefill step's 20 ms is no decode step's duration
+    assert pacer.step_estimate() is None
+    feed(pacer, [35 * MS, 75 * MS, 80 * MS])  # 5, 40 (one slow step), 5 ms
+    assert pacer.step_estimate() == pytest.approx(5 * MS)
+    feed(pacer, [120 * MS, 160 * MS, 200 * MS, 240 * MS])  # four more slow ones: most of the window of 8
+    assert pacer.step_estimate() == pytest.approx(40 * MS)
+
+
+def test_an_output_ready_when_asked_for_drops_the_estimates() -> None:
+    """The device may have idled before it (a host slower than the device, or a hold too long): its
+    interval is no step's duration, and no step is held until three new ones are measured."""
+    pacer = StepPacer(min_samples=3, blocked_s=0.2 * MS)
+    feed(pacer, [0.0, 5 * MS, 10 * MS, 15 * MS])
+    assert pacer.hold_s(15 * MS) > 0
+    pacer.output_arrived(21 * MS, 0.05 * MS, True)
+    assert pacer.step_estimate() is None and pacer.hold_s(21 * MS) == 0.0
+    feed(pacer, [26 * MS, 31 * MS])
+    assert pacer.hold_s(31 * MS) == 0.0
+    feed(pacer, [36 * MS])
+    assert pacer.hold_s(36 * MS) == pytest.approx(3.5 * MS)
+    # A pipeline that emptied starts a new chain: the first output after it measures nothing.
+    pacer.reset()
+    feed(pacer, [500 * MS])
+    assert pacer.step_estimate() == pytest.approx(5 * MS)
+    assert pacer.hold_s(500 * MS) == pytest.approx(3.5 * MS)
+    with pytest.raises(ValueError, match="min_samples"):
+        StepPacer(window=2, min_samples=3)
+
+
+class SlowDevice(ScriptedExecutor):
+    """A step's output comes `step_s` after it is asked for, as from a device still running it."""
+
+    step_s = 0.05
+
+    def wait_output(self, step_id: int) -> ModelRunnerOutput:
+        time.sleep(self.step_s)
+        return super().wait_output(step_id)
+
+
+def test_the_engine_holds_only_while_a_decode_step_runs_with_nothing_waiting(
+    model_config: Any, tokenizer: Any
+) -> None:
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    engine = make_engine(model_config, tokenizer, SlowDevice(closed_form))
+    engine.add_request(PROMPT, params)
+    holds = []
+    for _ in range(8):
+        engine.step()
+        holds.append(engine.step_hold_s())
+    # The prompt's step, then three decode steps to measure: no hold before that.
+    assert holds[:4] == [0.0] * 4, holds
+    step = engine._pacer.step_estimate()
+    assert step is not None and step >= SlowDevice.step_s
+    assert all(0 < h <= step - 0.25 * step for h in holds[4:]), (holds, step)
+    # A request waits: it goes into the next step at once.
+    engine.add_request(PROMPT, params)
+    assert engine.step_hold_s() == 0.0
+    engine.step()  # sends the newcomer's prompt: the step now running is no decode step
+    assert engine.step_hold_s() == 0.0
+    engine.step()
+    # Without async scheduling every step waits for its own output: nothing runs to hold behind.
+    sync = make_engine(model_config, tokenizer, SlowDevice(closed_form), async_scheduling=False)
+    sync.add_request(PROMPT, params)
+    for _ in range(6):
+        sync.step()
+        assert sync.step_hold_s() == 0.0
+
+
+class RecordingExecutor(ScriptedExecutor):
+    def __init__(self) -> None:
+        super().__init__(closed_form)
+        self.new_per_step: list[list[int]] = []  # the new requests of each step sent, in order
+
+    def submit(self, so: SchedulerOutput) -> None:
+        self.new_per_step.append([new.req_id for new in so.new_requests])
+        super().submit(so)
+
+
+def test_a_request_that_comes_during_the_hold_joins_the_next_step(model_config: Any, tokenizer: Any) -> None:
+    """The hold is the engine's to time (tested above); here it is long and begins at a chosen step, so
+    each check follows an observed event: the engine thread holding."""
+    executor = RecordingExecutor()
+    engine = make_engine(model_config, tokenizer, executor)
+    held_at: list[int] = []
+    holding = threading.Event()
+
+    def step_hold_s() -> float:  # on the engine thread, once before each step it sends
+        sent = len(executor.new_per_step)
+        # Hold after the 4th step, and 6 steps after the first hold (the newcomer has finished by then).
+        if sent == 4 or (held_at and sent == held_at[0] + 6):
+            held_at.append(sent)
+            holding.set()
+            return 60.0
+        return 0.0
+
+    engine.step_hold_s = step_hold_s  # type: ignore[method-assign]
+    async_engine = AsyncLLMEngine(engine)
+    async_engine.start()
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        first = async_engine.add([(PROMPT, long)])
+        assert await loop.run_in_executor(None, holding.wait, 30)
+        holding.clear()
+        added = time.monotonic()
+        second = async_engine.add([(PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))])
+        got = await collect(second)
+        assert time.monotonic() - added < 30, "the request did not end the hold"
+        [req_id] = {int(out.request_id) for out in got[0]}
+        # Sent in the step right after the hold, where without it two steps would have gone out meanwhile.
+        assert executor.new_per_step[held_at[0]] == [req_id], (executor.new_per_step, held_at)
+        assert [t for out in got[0] for t in out.outputs[0].token_ids] == [
+            closed_form(req_id, len(PROMPT) + i) for i in range(3)
+        ]
+        # A shutdown during a hold ends it too.
+        assert await loop.run_in_executor(None, holding.wait, 30)
+        assert len(held_at) == 2
+        stopping = time.monotonic()
+        await loop.run_in_executor(None, async_engine.shutdown, 0.0)
+        assert time.monotonic() - stopping < 30, "shutdown did not end the hold"
+        rest = await collect(first)
+        assert rest[0][-1].finished and rest[0][-1].outputs[0].finish_reason == "abort"
+
+    asyncio.run(main())
+    assert executor.shut_down

@@ -12,14 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from test_streaming_engine import PROMPT, VOCAB, ScriptedExecutor, closed_form, collect, make_engine
 
-from tp_runtime import SamplingParams
+from tp_runtime import LLM, SamplingParams
 from tp_runtime.config import build_model_config
 from tp_runtime.engine.async_engine import AsyncLLMEngine
 from tp_runtime.engine.pacing import StepPacer
 from tp_runtime.messages import ModelRunnerOutput, SchedulerOutput
 from tp_runtime.presets import build_preset_tokenizer
+from tp_runtime.worker.outputs import HostTransfer, PendingOutput
 
 MS = 1e-3
 
@@ -34,9 +36,10 @@ def tokenizer() -> Any:
     return build_preset_tokenizer(VOCAB)
 
 
-def feed(pacer: StepPacer, arrivals: list[float], waited: float = 1 * MS, decode_only: bool = True) -> None:
+def feed(pacer: StepPacer, arrivals: list[float], decode_only: bool = True) -> None:
+    """Outputs that arrive at `arrivals`, each asked for while its step still ran."""
     for t in arrivals:
-        pacer.output_arrived(t, waited, decode_only)
+        pacer.output_arrived(t, False, decode_only)
 
 
 def test_the_hold_ends_a_margin_before_the_running_step_ends() -> None:
@@ -53,7 +56,7 @@ def test_the_hold_ends_a_margin_before_the_running_step_ends() -> None:
     assert slow.hold_s(0.06) == pytest.approx(0.015)
 
 
-def test_only_enough_decode_steps_make_an_estimate_and_it_is_their_median() -> None:
+def test_only_enough_decode_steps_make_an_estimate_the_median_or_a_shorter_last() -> None:
     pacer = StepPacer(min_samples=3)
     feed(pacer, [0.0, 5 * MS, 10 * MS])
     assert pacer.step_estimate() is None and pacer.hold_s(10 * MS) == 0.0
@@ -63,27 +66,58 @@ def test_only_enough_decode_steps_make_an_estimate_and_it_is_their_median() -> N
     assert pacer.step_estimate() == pytest.approx(5 * MS)
     feed(pacer, [120 * MS, 160 * MS, 200 * MS, 240 * MS])  # four more slow ones: most of the window of 8
     assert pacer.step_estimate() == pytest.approx(40 * MS)
+    feed(pacer, [243 * MS])  # the batch shrank: its first short step is the estimate at once
+    assert pacer.step_estimate() == pytest.approx(3 * MS)
 
 
-def test_an_output_ready_when_asked_for_drops_the_estimates() -> None:
-    """The device may have idled before it (a host slower than the device, or a hold too long): its
-    interval is no step's duration, and no step is held until three new ones are measured."""
-    pacer = StepPacer(min_samples=3, blocked_s=0.2 * MS)
+def test_an_output_ready_before_it_was_asked_for_drops_the_estimates_and_widens_the_margin() -> None:
+    """The device may have idled before the next step (a host slower than the device, a hold too long):
+    that interval is no step's duration, no step is held until three new ones are measured, and then the
+    hold ends earlier, by a margin that shrinks back while outputs keep coming after they are asked for."""
+    pacer = StepPacer(min_samples=3, margin_s=1.5 * MS, margin_share=0.25)
     feed(pacer, [0.0, 5 * MS, 10 * MS, 15 * MS])
-    assert pacer.hold_s(15 * MS) > 0
-    pacer.output_arrived(21 * MS, 0.05 * MS, True)
+    assert pacer.hold_s(15 * MS) == pytest.approx(3.5 * MS)
+    pacer.output_arrived(21 * MS, True, True)
     assert pacer.step_estimate() is None and pacer.hold_s(21 * MS) == 0.0
     feed(pacer, [26 * MS, 31 * MS])
     assert pacer.hold_s(31 * MS) == 0.0
     feed(pacer, [36 * MS])
-    assert pacer.hold_s(36 * MS) == pytest.approx(3.5 * MS)
+    extra = 1.5 * MS * 0.9**3  # the added margin after three outputs in time
+    assert pacer.margin(5 * MS) == pytest.approx(1.5 * MS + extra)
+    assert pacer.hold_s(36 * MS) == pytest.approx(3.5 * MS - extra)
+    # Late again: the added margin grows (2 x + 1.5 ms), up to half a step.
+    for t in (41, 46, 51, 56):
+        pacer.output_arrived(t * MS, True, True)
+        feed(pacer, [(t + 1) * MS, (t + 2) * MS, (t + 3) * MS])  # 1 ms steps: half of one is 0.5 ms
+    assert pacer.margin(1 * MS) == pytest.approx(1.5 * MS + 0.5 * MS * 0.9**3)
     # A pipeline that emptied starts a new chain: the first output after it measures nothing.
     pacer.reset()
     feed(pacer, [500 * MS])
-    assert pacer.step_estimate() == pytest.approx(5 * MS)
-    assert pacer.hold_s(500 * MS) == pytest.approx(3.5 * MS)
+    assert pacer.step_estimate() == pytest.approx(1 * MS)
     with pytest.raises(ValueError, match="min_samples"):
         StepPacer(window=2, min_samples=3)
+
+
+def test_an_output_says_whether_it_was_ready_before_it_was_asked_for() -> None:
+    class Event:  # a CUDA event's query() and synchronize(), without a GPU
+        def __init__(self, done: bool) -> None:
+            self.done = done
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            self.done = True
+
+    for done in (False, True):
+        transfer = HostTransfer(host=torch.tensor([7]), done=Event(done), num_logprobs=0)  # type: ignore[arg-type]
+        output = PendingOutput(step_id=3, req_ids=[1], transfer=transfer, num_sampled=1).resolve()
+        assert output.sampled_token_ids == [7] and output.ready_before_asked is done
+    # Sampled on the CPU, whose forward runs before the next step is sent: always ready.
+    cpu = PendingOutput(
+        step_id=4, req_ids=[1], transfer=HostTransfer(torch.tensor([5]), None, 0), num_sampled=1
+    )
+    assert cpu.resolve().ready_before_asked
 
 
 class SlowDevice(ScriptedExecutor):
@@ -123,6 +157,21 @@ def test_the_engine_holds_only_while_a_decode_step_runs_with_nothing_waiting(
     for _ in range(6):
         sync.step()
         assert sync.step_hold_s() == 0.0
+
+
+def test_an_engine_whose_forward_runs_on_the_host_never_holds() -> None:
+    """On the CPU each step's forward runs when it is sent, so every output is ready before it is asked
+    for: there is no device time to hold behind."""
+    with LLM("tiny-llama-tp", device="cpu", max_model_len=64, max_num_seqs=2) as llm:
+        engine = llm.engine
+        assert engine.async_scheduling
+        engine.add_request([1, 15, 27, 300], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        holds = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            holds.append(engine.step_hold_s())
+        assert len(holds) >= 12 and set(holds) == {0.0}
+        assert engine._pacer.step_estimate() is None
 
 
 class RecordingExecutor(ScriptedExecutor):

@@ -107,6 +107,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     timings: dict[str, float] | None = None
     # Only for requests that asked for prompt_logprobs, in steps that computed some of their prompt.
     prompt_logprobs: list[PromptLogprobs] | None = None
+    # The step had finished when its output was first asked for, which rank 0 does once the next step is
+    # queued: the device may have run out of work in between (engine/pacing.py).
+    ready_before_asked: bool = False
 
 
 # Driver -> workers (broadcast).

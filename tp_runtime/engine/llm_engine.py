@@ -632,9 +632,8 @@ class LLMEngine:
         output = self.executor.wait_output(done.step_id)
         t3 = time.perf_counter()
         if self.async_scheduling:
-            self._pacer.output_arrived(t3, t3 - t2, all(n == 1 for n in done.num_scheduled_tokens))
-            if self._in_flight is None:
-                self._pacer.reset()
+            decode_only = all(n == 1 for n in done.num_scheduled_tokens)
+            self._pacer.output_arrived(t3, output.ready_before_asked, decode_only)
         outputs = []
         updated = self.scheduler.update(output)
         self.num_output_tokens += len(updated)
@@ -665,6 +664,8 @@ class LLMEngine:
             started = t0 if self._interval_start is None else self._interval_start
             self._record_timings(done, output, t0, t1, t2, t3, t4, started, idle)
         self._interval_start = t4 if self.scheduler.has_unfinished else None
+        if self._in_flight is None or not self.scheduler.has_unfinished:
+            self._pacer.reset()  # the device will idle until the next request
         return outputs
 
     # ----------------------------------------------------------------- outputs

@@ -6,13 +6,16 @@ N and then the whole of step N+1 (~5 ms for an 8B model's decode step) before it
 device needs step N+1 only when step N ends, so a driver with nothing waiting may hold N+1 back until
 shortly before then, taking requests as they come; one that comes in that time joins step N+1.
 
-The hold ends a margin (`margin_s`, or `margin_share` of the step, whichever is longer) before the
-running step's end, estimated as the median of the last decode-only steps' durations. A step's duration
-is the time between its output's arrival and its predecessor's: the device starts a step when the one
-before ends, as it is queued before the driver asks for that one's output. That holds only when the driver
-had to wait for the output (the device was still busy); an output that was ready when asked for means the
-device may have sat idle (a host slower than the device, or a hold that was too long), so the estimates
-are dropped and no step is held until new ones come in. A host-bound engine therefore never holds.
+The hold ends a margin before the running step's estimated end: `margin_s` or `margin_share` of the step,
+whichever is longer, plus whatever late sends have added. The estimate is the shorter of the last
+decode-only step's duration and the median of the recent ones (robust to one slow step, quick to follow a
+batch that shrank). A step's duration is the time between its output's arrival and its predecessor's:
+the device starts a step when the one before it ends, as it is queued before that one's output is asked
+for. That holds only while the device is kept busy. An output that was ready before it was asked for
+(`ModelRunnerOutput.ready_before_asked`: rank 0 asks once the next step is queued) means the device may
+have sat idle in between (a host slower than the device, a thread that woke late, a batch that shrank):
+its interval is no step's duration, the estimates are dropped, and the margin grows (up to half a step;
+it shrinks back while sends are in time). So a host-bound engine never holds.
 """
 
 from __future__ import annotations
@@ -30,26 +33,28 @@ class StepPacer:
         min_samples: int = 3,
         margin_s: float = 1.5e-3,
         margin_share: float = 0.25,
-        blocked_s: float = 2e-4,
     ) -> None:
-        """`window` durations are kept, `min_samples` needed before any hold; an output the driver waited
-        less than `blocked_s` for counts as ready when asked for."""
+        """`window` durations are kept, `min_samples` needed before any hold."""
         if not 1 <= min_samples <= window:
             raise ValueError(f"need 1 <= min_samples <= window, got {min_samples} and {window}")
         self.min_samples = min_samples
         self.margin_s = margin_s
         self.margin_share = margin_share
-        self.blocked_s = blocked_s
         self._durations: deque[float] = deque(maxlen=window)
         self._last_arrival: float | None = None
+        self._late_margin = 0.0  # added after outputs that were ready before they were asked for
 
-    def output_arrived(self, arrived: float, waited: float, decode_only: bool) -> None:
-        """A step's output came in at `arrived` after the driver waited `waited` seconds for it (the next
-        step already sent); `decode_only`: that step computed one token per request."""
-        if waited < self.blocked_s:
+    def output_arrived(self, arrived: float, ready_before_asked: bool, decode_only: bool) -> None:
+        """A step's output came in at `arrived`; `decode_only`: that step computed one token per request."""
+        if ready_before_asked:
+            if self._durations:  # holds were on: leave the device more time from now on
+                step = statistics.median(self._durations)
+                self._late_margin = min(2 * self._late_margin + self.margin_s, step / 2)
             self._durations.clear()
-        elif decode_only and self._last_arrival is not None:
-            self._durations.append(arrived - self._last_arrival)
+        else:
+            self._late_margin *= 0.9
+            if decode_only and self._last_arrival is not None:
+                self._durations.append(arrived - self._last_arrival)
         self._last_arrival = arrived
 
     def reset(self) -> None:
@@ -59,12 +64,14 @@ class StepPacer:
     def step_estimate(self) -> float | None:
         if len(self._durations) < self.min_samples:
             return None
-        return statistics.median(self._durations)
+        return min(self._durations[-1], statistics.median(self._durations))
+
+    def margin(self, step: float) -> float:
+        return max(self.margin_s, self.margin_share * step) + self._late_margin
 
     def hold_s(self, now: float) -> float:
         """How long from `now` the next step may wait, if the step running now is a decode-only one."""
         step = self.step_estimate()
         if step is None or self._last_arrival is None:
             return 0.0
-        send_by = self._last_arrival + step - max(self.margin_s, self.margin_share * step)
-        return max(0.0, send_by - now)
+        return max(0.0, self._last_arrival + step - self.margin(step) - now)

@@ -141,7 +141,9 @@ class PendingOutput:
         return self.transfer is None or self.transfer.ready()
 
     def resolve(self) -> ModelRunnerOutput:
+        """With async scheduling rank 0 calls it once the next step is queued (or none will come)."""
         t0 = time.perf_counter()
+        ready_before_asked = self.ready()
         prompt_logprobs = None
         if self.transfer is None:
             if self.num_sampled:
@@ -162,6 +164,7 @@ class PendingOutput:
             logprobs=logprobs,
             timings=timings,
             prompt_logprobs=prompt_logprobs,
+            ready_before_asked=ready_before_asked,
         )
 
     def _device_timings(self, timings: dict[str, float]) -> None:

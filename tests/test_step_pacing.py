@@ -19,9 +19,10 @@ from tp_runtime import LLM, SamplingParams
 from tp_runtime.config import build_model_config
 from tp_runtime.engine.async_engine import AsyncLLMEngine
 from tp_runtime.engine.pacing import StepPacer
-from tp_runtime.messages import ModelRunnerOutput, SchedulerOutput
+from tp_runtime.messages import ModelRunnerOutput, SchedulerOutput, WorkerReply
 from tp_runtime.presets import build_preset_tokenizer
 from tp_runtime.worker.outputs import HostTransfer, PendingOutput
+from tp_runtime.worker.worker import _Replies
 
 MS = 1e-3
 
@@ -72,28 +73,39 @@ def test_only_enough_decode_steps_make_an_estimate_the_median_or_a_shorter_last(
 
 def test_an_output_ready_before_it_was_asked_for_drops_the_estimates_and_widens_the_margin() -> None:
     """The device may have idled before the next step (a host slower than the device, a hold too long):
-    that interval is no step's duration, no step is held until three new ones are measured, and then the
-    hold ends earlier, by a margin that shrinks back while outputs keep coming after they are asked for."""
+    that interval is no step's duration, and no step is held until three new ones are measured. If that
+    step was held, later holds end earlier, by a margin that shrinks back while held steps go out in time."""
     pacer = StepPacer(min_samples=3, margin_s=1.5 * MS, margin_share=0.25)
     feed(pacer, [0.0, 5 * MS, 10 * MS, 15 * MS])
     assert pacer.hold_s(15 * MS) == pytest.approx(3.5 * MS)
-    pacer.output_arrived(21 * MS, True, True)
+    pacer.output_arrived(21 * MS, True, True)  # held, and too long
     assert pacer.step_estimate() is None and pacer.hold_s(21 * MS) == 0.0
     feed(pacer, [26 * MS, 31 * MS])
     assert pacer.hold_s(31 * MS) == 0.0
     feed(pacer, [36 * MS])
-    extra = 1.5 * MS * 0.9**3  # the added margin after three outputs in time
-    assert pacer.margin(5 * MS) == pytest.approx(1.5 * MS + extra)
-    assert pacer.hold_s(36 * MS) == pytest.approx(3.5 * MS - extra)
-    # Late again: the added margin grows (2 x + 1.5 ms), up to half a step.
-    for t in (41, 46, 51, 56):
-        pacer.output_arrived(t * MS, True, True)
-        feed(pacer, [(t + 1) * MS, (t + 2) * MS, (t + 3) * MS])  # 1 ms steps: half of one is 0.5 ms
-    assert pacer.margin(1 * MS) == pytest.approx(1.5 * MS + 0.5 * MS * 0.9**3)
+    assert pacer.margin(5 * MS) == pytest.approx(3.0 * MS)  # 1.5 ms more
+    assert pacer.hold_s(36 * MS) == pytest.approx(2.0 * MS)
+    pacer.output_arrived(41 * MS, False, True)  # held, in time: the added margin shrinks by a tenth
+    assert pacer.hold_s(41 * MS) == pytest.approx((5 - 1.5 - 1.35) * MS)
+    pacer.output_arrived(46 * MS, False, True)
+    # Ready early after a step that was not held (the host alone was late): no wider margin.
+    pacer.output_arrived(52 * MS, True, True)
+    assert pacer.step_estimate() is None
+    assert pacer.margin(5 * MS) == pytest.approx((1.5 + 1.215) * MS)
+    # Held and late, again and again: the added margin doubles (plus 1.5 ms) up to half a step.
+    feed(pacer, [60 * MS, 70 * MS, 80 * MS, 90 * MS])  # 8, 10, 10, 10 ms
+    assert pacer.step_estimate() == pytest.approx(10 * MS)
+    extras = []
+    for t in (90, 131, 172):  # each the last output's arrival
+        assert pacer.hold_s(t * MS) > 0
+        pacer.output_arrived((t + 11) * MS, True, True)
+        feed(pacer, [(t + 21) * MS, (t + 31) * MS, (t + 41) * MS])
+        extras.append(pacer.margin(10 * MS) - 2.5 * MS)
+    assert extras == pytest.approx([3.93 * MS, 5 * MS, 5 * MS])
     # A pipeline that emptied starts a new chain: the first output after it measures nothing.
     pacer.reset()
     feed(pacer, [500 * MS])
-    assert pacer.step_estimate() == pytest.approx(1 * MS)
+    assert pacer.step_estimate() == pytest.approx(10 * MS)
     with pytest.raises(ValueError, match="min_samples"):
         StepPacer(window=2, min_samples=3)
 
@@ -136,15 +148,16 @@ def test_the_engine_holds_only_while_a_decode_step_runs_with_nothing_waiting(
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     engine = make_engine(model_config, tokenizer, SlowDevice(closed_form))
     engine.add_request(PROMPT, params)
-    holds = []
+    holds, estimates = [], []
     for _ in range(8):
         engine.step()
         holds.append(engine.step_hold_s())
+        estimates.append(engine._pacer.step_estimate())
     # The prompt's step, then three decode steps to measure: no hold before that.
     assert holds[:4] == [0.0] * 4, holds
-    step = engine._pacer.step_estimate()
-    assert step is not None and step >= SlowDevice.step_s
-    assert all(0 < h <= step - 0.25 * step for h in holds[4:]), (holds, step)
+    for hold, step in zip(holds[4:], estimates[4:], strict=True):
+        assert step is not None and step >= SlowDevice.step_s
+        assert 0 < hold <= 0.75 * step, (holds, estimates)
     # A request waits: it goes into the next step at once.
     engine.add_request(PROMPT, params)
     assert engine.step_hold_s() == 0.0
@@ -157,6 +170,50 @@ def test_the_engine_holds_only_while_a_decode_step_runs_with_nothing_waiting(
     for _ in range(6):
         sync.step()
         assert sync.step_hold_s() == 0.0
+
+
+def test_rank_0_flags_a_held_step_that_finished_before_the_next_one_arrived() -> None:
+    """The multiprocess executor's rank 0 answers a step only once the next one is queued: the flag says
+    whether the step had finished by then, through that hold-back."""
+
+    class Event:
+        def __init__(self) -> None:
+            self.done = False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            self.done = True
+
+    class Sent:  # the push socket and the frame writer: keep each reply as it is
+        def __init__(self) -> None:
+            self.replies: list[WorkerReply] = []
+
+        def encode(self, reply: WorkerReply) -> WorkerReply:
+            return reply
+
+        def send(self, reply: WorkerReply) -> None:
+            self.replies.append(reply)
+
+    sent = Sent()
+    replies = _Replies(sent, sent, rank=0, hold_back=True)  # type: ignore[arg-type]
+    events = [Event() for _ in range(3)]
+    steps = [
+        PendingOutput(step_id=i, req_ids=[1], transfer=HostTransfer(torch.tensor([i]), e, 0), num_sampled=1)  # type: ignore[arg-type]
+        for i, e in enumerate(events)
+    ]
+    replies.step(steps[0])
+    assert sent.replies == []  # held: its ids are not on the host yet
+    replies.step(steps[1])  # step 0 still runs as step 1 is queued
+    events[1].done = True  # step 1 ends before step 2 arrives: the device waited
+    replies.step(steps[2])
+    replies.answer_held()  # a Flush
+    assert [(r.call_id, r.output.ready_before_asked) for r in sent.replies if r.output] == [
+        (0, False),
+        (1, True),
+        (2, False),
+    ]
 
 
 def test_an_engine_whose_forward_runs_on_the_host_never_holds() -> None:

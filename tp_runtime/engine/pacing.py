@@ -14,8 +14,9 @@ the device starts a step when the one before it ends, as it is queued before tha
 for. That holds only while the device is kept busy. An output that was ready before it was asked for
 (`ModelRunnerOutput.ready_before_asked`: rank 0 asks once the next step is queued) means the device may
 have sat idle in between (a host slower than the device, a thread that woke late, a batch that shrank):
-its interval is no step's duration, the estimates are dropped, and the margin grows (up to half a step;
-it shrinks back while sends are in time). So a host-bound engine never holds.
+its interval is no step's duration and the estimates are dropped; if the step before it was held, the
+margin grows too (up to half a step; it shrinks back while held steps are sent in time). So a host-bound
+engine never holds.
 """
 
 from __future__ import annotations
@@ -42,17 +43,21 @@ class StepPacer:
         self.margin_share = margin_share
         self._durations: deque[float] = deque(maxlen=window)
         self._last_arrival: float | None = None
-        self._late_margin = 0.0  # added after outputs that were ready before they were asked for
+        self._late_margin = 0.0  # added after holds that ended too late
+        self._held = False  # hold_s offered a hold before the step now being sent
 
     def output_arrived(self, arrived: float, ready_before_asked: bool, decode_only: bool) -> None:
-        """A step's output came in at `arrived`; `decode_only`: that step computed one token per request."""
+        """A step's output came in at `arrived` (its successor already sent); `decode_only`: that step
+        computed one token per request."""
+        held, self._held = self._held, False
         if ready_before_asked:
-            if self._durations:  # holds were on: leave the device more time from now on
+            if held and self._durations:  # the hold ended too late: leave the device more time
                 step = statistics.median(self._durations)
                 self._late_margin = min(2 * self._late_margin + self.margin_s, step / 2)
             self._durations.clear()
         else:
-            self._late_margin *= 0.9
+            if held:
+                self._late_margin *= 0.9
             if decode_only and self._last_arrival is not None:
                 self._durations.append(arrived - self._last_arrival)
         self._last_arrival = arrived
@@ -74,4 +79,6 @@ class StepPacer:
         step = self.step_estimate()
         if step is None or self._last_arrival is None:
             return 0.0
-        return max(0.0, self._last_arrival + step - self.margin(step) - now)
+        hold = max(0.0, self._last_arrival + step - self.margin(step) - now)
+        self._held = hold > 0
+        return hold

@@ -7,34 +7,26 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
+import test_streaming_engine
 import torch
-from test_streaming_engine import PROMPT, VOCAB, ScriptedExecutor, closed_form, collect, make_engine
+from test_streaming_engine import PROMPT, ScriptedExecutor, closed_form, collect, make_engine
 
 from tp_runtime import LLM, SamplingParams
-from tp_runtime.config import build_model_config
 from tp_runtime.engine.async_engine import AsyncLLMEngine
 from tp_runtime.engine.pacing import StepPacer
 from tp_runtime.messages import ModelRunnerOutput, SchedulerOutput, WorkerReply
-from tp_runtime.presets import build_preset_tokenizer
 from tp_runtime.worker.outputs import HostTransfer, PendingOutput
 from tp_runtime.worker.worker import _Replies
 
 MS = 1e-3
 
 
-@pytest.fixture(scope="module")
-def model_config(make_checkpoint: Callable[..., Path]) -> Any:
-    return build_model_config(make_checkpoint(seed=3), max_model_len=128)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return build_preset_tokenizer(VOCAB)
+# The scripted engine's checkpoint and byte-level tokenizer (module-scoped fixtures of that file).
+model_config = test_streaming_engine.model_config
+tokenizer = test_streaming_engine.tokenizer
 
 
 def feed(pacer: StepPacer, arrivals: list[float], decode_only: bool = True) -> None:

@@ -119,9 +119,7 @@ class EngineArgs:
         default=None,
         metadata=meta(
             # 2: a one-token prompt and the token it generates
-            help="longest sequence, prompt and output",
-            default_help="the model's own limit",
-            at_least=2,
+            help="longest sequence, prompt and output", default_help="the model's own limit", at_least=2
         ),
     )
     max_num_seqs: int = field(default=256, metadata=meta(help="sequences run at once", at_least=1))
@@ -281,7 +279,6 @@ class EngineArgs:
             build_model_config,
             resolve_device,
         )
-
         model = resolve_model_name(self.model, self.load_format)
         device = resolve_device(self.device)
         model_config = build_model_config(

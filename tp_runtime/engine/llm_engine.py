@@ -322,6 +322,11 @@ def best_samples(params: SamplingParams, samples: list[CompletionOutput]) -> lis
     return ranked
 
 
+def _decode_only(so: SchedulerOutput) -> bool:
+    """Every request of the step computes one token (no prompt chunk)."""
+    return all(n == 1 for n in so.num_scheduled_tokens)
+
+
 def _make_decode(tokenizer: Any) -> Callable[[list[int]], str]:
     """How the engine turns output ids into text: the tokenizer's decode without special tokens (its Rust
     backend directly when that gives the same text, a few times faster: streaming decodes every token)."""
@@ -545,7 +550,7 @@ class LLMEngine:
         scheduling, nothing waiting and a decode-only step running, until shortly before that step ends
         (engine/pacing.py); else 0. Streaming front ends wait that long for requests (AsyncLLMEngine)."""
         running = self._in_flight
-        if running is None or self.scheduler.waiting or any(n != 1 for n in running.num_scheduled_tokens):
+        if running is None or self.scheduler.waiting or not _decode_only(running):
             return 0.0
         return self._pacer.hold_s(time.perf_counter())
 
@@ -632,8 +637,7 @@ class LLMEngine:
         output = self.executor.wait_output(done.step_id)
         t3 = time.perf_counter()
         if self.async_scheduling:
-            decode_only = all(n == 1 for n in done.num_scheduled_tokens)
-            self._pacer.output_arrived(t3, output.ready_before_asked, decode_only)
+            self._pacer.output_arrived(t3, output.ready_before_asked, _decode_only(done))
         outputs = []
         updated = self.scheduler.update(output)
         self.num_output_tokens += len(updated)
@@ -780,7 +784,7 @@ class LLMEngine:
             "step_total": t4 - interval_start,
         }
         entry["num_scheduled_tokens"] = float(sum(so.num_scheduled_tokens))
-        entry["decode_only"] = float(all(n == 1 for n in so.num_scheduled_tokens))
+        entry["decode_only"] = float(_decode_only(so))
         entry["async_scheduling"] = float(self.async_scheduling)
         # Async scheduling's last call of a batch sends nothing and only reads the last output: not a step.
         entry["drain"] = float(drain and self.async_scheduling)

@@ -43,13 +43,20 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--rows", type=int, default=12, help="kernels listed")
+    parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
     args = parser.parse_args()
 
     from tp_runtime import LLM, SamplingParams
     from tp_runtime.models_catalog import resolve_model_name
 
     folder = resolve_model_name(args.model, "dummy")
-    llm = LLM(folder, load_format="dummy", dtype="bfloat16", enable_prefix_caching=False)
+    llm = LLM(
+        folder,
+        load_format="dummy",
+        dtype="bfloat16",
+        enable_prefix_caching=False,
+        quantization=args.quantization,
+    )
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
     def prompts(seed: int) -> list[dict[str, list[int]]]:
@@ -73,7 +80,7 @@ def main() -> None:
     names: collections.Counter[str] = collections.Counter()
     for e in kernels:
         name = e.name.lower()
-        matmul = any(s in name for s in ("gemm", "cutlass", "xmma", "nvjet"))
+        matmul = any(s in name for s in ("gemm", "cutlass", "xmma", "nvjet", "fp8_gemm"))
         groups["matmuls" if matmul else "triton" if name.startswith("_") else "other"] += e.device_time
         names[e.name[:80]] += e.device_time
     print(f"device busy {busy / 1e3:.2f} ms in {len(kernels)} kernels")

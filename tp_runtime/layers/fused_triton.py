@@ -18,9 +18,12 @@ from tp_runtime.layers.kv_fp8 import f32_reciprocal
 
 
 @triton.jit
-def fp8_quotient(v, scale, FP8_MAX: tl.constexpr):
-    """v / scale correctly rounded, clamped to the e4m3 range; NaN kept (CUDA's plain max/min drop it)."""
-    q = tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+def fp8_scaled(v, inverse_scale, FP8_MAX: tl.constexpr):
+    """v * inverse_scale (FP8_MAX / amax, one correctly rounded division a row or group) clamped to the
+    e4m3 range; NaN kept (CUDA's plain max/min drop it). A correctly rounded division per element instead
+    took a SiLU-mul quantization of 32 x 14,336 values 6.3 µs against 3.6 µs (H100); the product is
+    within an ulp of float32 of the quotient, far below e4m3's step."""
+    q = tl.maximum(v * inverse_scale, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     return tl.minimum(q, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
 
 
@@ -54,9 +57,9 @@ def _add_rms_norm_row(
         row_max = tl.maximum(tl.max(tl.abs(v), axis=0), MIN_AMAX)
         # NaN propagates, as in activation_quant_triton (tl.max drops it).
         row_max = tl.where(tl.sum((v != v).to(tl.int32), axis=0) > 0, float("nan"), row_max)
-        scale = tl.math.div_rn(row_max, FP8_MAX)
-        tl.store(scale_ptr + scale_index, scale)
-        tl.store(out_row + cols, fp8_quotient(v, scale, FP8_MAX).to(out_row.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + scale_index, tl.math.div_rn(row_max, FP8_MAX))
+        q = fp8_scaled(v, tl.math.div_rn(FP8_MAX, row_max), FP8_MAX)
+        tl.store(out_row + cols, q.to(out_row.dtype.element_ty), mask=mask)
     else:
         tl.store(out_row + cols, out, mask=mask)
 

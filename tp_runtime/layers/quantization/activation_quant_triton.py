@@ -5,12 +5,17 @@
 - per token and group of columns (`quantize_groups_fp8`, DeepSeek-V3's 1x128 activation blocks): one
   scale per row and `group` columns, for block-scaled weights, whose scale blocks the groups match.
 
-amax is at least 1e-12; x is divided by its scale, clamped to ±448 and rounded to e4m3, both divisions
-correctly rounded float32 ones (`quantize_rows_fp8_reference` is the same arithmetic in torch). The
+amax is at least 1e-12; x is multiplied by 448 / amax, clamped to ±448 and rounded to e4m3; the scale
+and that inverse are correctly rounded float32 quotients, one a row or group (`quantize_rows_fp8_reference`
+is the same arithmetic in torch). The
 torch expression the per-token kernel replaced was five elementwise kernels and a reduction, each a pass
 over x: about 25 µs a Llama-3-8B linear layer at 32 rows on an H200, more than the FP8 matmul saved
-there. Here x is read once from memory and written once as e4m3; a row is split over programs of 2,048
-columns below 128 rows (one program per row took 7.5 µs for a 14,336-wide row: one SM's latency).
+there. Here x is read once from memory and written once as e4m3. A program holds its whole row (up to
+32,768 columns) in registers, so the row is loaded, and the SiLU-mul computed, once for both its amax and
+its quantized values; wider rows are read twice, split over programs of 2,048 columns below 128 rows.
+On an H100 a 32 x 14,336 SiLU-mul quantization takes 4.2 µs so, against 6.9 µs split over programs
+that each read the whole row for its amax and divided by the scale, and 8,192 rows 205 against 309 µs
+(BENCHMARKS.md, "GPU: FP8").
 
 `silu_mul=True` quantizes silu(gate) * up of the merged [gate | up] projection output, rounded to its
 dtype as the separate SiLU-mul kernel rounds (fused_triton.silu_mul_value): the down projection's input
@@ -25,13 +30,15 @@ import triton.language as tl
 
 from tp_runtime.config import FP8_E4M3_MAX
 from tp_runtime.layers import fused_triton
-from tp_runtime.layers.fused_triton import fp8_quotient, silu_mul_value
+from tp_runtime.layers.fused_triton import fp8_scaled, silu_mul_value
 
 # Columns one program quantizes (one iteration) and scans per iteration for the row's amax.
 _SLICE = 2048
 _AMAX_BLOCK = 8192
 # From this many rows a row is one program's: enough programs without re-reading rows for their amax.
 _ROWS_ONE_PROGRAM = 128
+# The widest row such a program holds in registers (at most 32 values a thread, up to 32 warps).
+_WHOLE_ROW_MAX = 32768
 _MIN_AMAX = 1e-12
 
 
@@ -48,14 +55,25 @@ def _load_values(x_row, k, mask, K, SILU_MUL: tl.constexpr):
 def _quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, K, SLICE, x_stride, q_stride,
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, AMAX_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-    SILU_MUL: tl.constexpr,
+    SILU_MUL: tl.constexpr, WHOLE_ROW: tl.constexpr,
 ):  # fmt: skip
     """One program per (row, SLICE columns): each reads the whole row for its amax (from L2 but for the
-    first) and quantizes its slice, so a few wide rows still spread over many SMs."""
+    first) and quantizes its slice, so a few wide rows still spread over many SMs. WHOLE_ROW: one
+    program per row, the row one block of AMAX_BLOCK >= K columns, quantized from the registers that
+    held it for its amax."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     x_row = x_ptr + row * x_stride
     q_row = q_ptr + row * q_stride
+    if WHOLE_ROW:
+        k = tl.arange(0, AMAX_BLOCK)
+        v = _load_values(x_row, k, k < K, K, SILU_MUL)
+        row_max = tl.maximum(tl.max(tl.abs(v), axis=0), MIN_AMAX)
+        row_max = tl.where(tl.sum((v != v).to(tl.int32), axis=0) > 0, float("nan"), row_max)
+        tl.store(scale_ptr + row, tl.math.div_rn(row_max, FP8_MAX))
+        q = fp8_scaled(v, tl.math.div_rn(FP8_MAX, row_max), FP8_MAX)
+        tl.store(q_row + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+        return
     # NaN propagates, as in torch: a row holding one gets a NaN scale and NaN values, never finite ones
     # (CUDA's plain max/min return the operand that is not NaN).
     amax = tl.zeros([AMAX_BLOCK], dtype=tl.float32)
@@ -65,14 +83,15 @@ def _quantize_rows_kernel(
         amax = tl.maximum(amax, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)
     row_max = tl.maximum(tl.max(amax, axis=0), MIN_AMAX)
     row_max = tl.where(tl.sum((amax != amax).to(tl.int32), axis=0) > 0, float("nan"), row_max)
-    scale = tl.math.div_rn(row_max, FP8_MAX)
     if part == 0:
-        tl.store(scale_ptr + row, scale)
+        tl.store(scale_ptr + row, tl.math.div_rn(row_max, FP8_MAX))
+    inverse_scale = tl.math.div_rn(FP8_MAX, row_max)
     first = part * SLICE
     for k_start in range(first, tl.minimum(first + SLICE, K), BLOCK_K):
         k = k_start + tl.arange(0, BLOCK_K)
         v = _load_values(x_row, k, k < K, K, SILU_MUL)
-        tl.store(q_row + k, fp8_quotient(v, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=k < K)
+        q = fp8_scaled(v, inverse_scale, FP8_MAX)
+        tl.store(q_row + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
 
 
 @triton.jit
@@ -88,9 +107,9 @@ def _quantize_groups_kernel(
     v = _load_values(x_ptr + row * x_stride, k, k < K, K, SILU_MUL)
     group_max = tl.maximum(tl.max(tl.abs(v), axis=1), MIN_AMAX)
     has_nan = tl.sum((v != v).to(tl.int32), axis=1) > 0  # tl.max would drop a NaN
-    scale = tl.math.div_rn(tl.where(has_nan, float("nan"), group_max), FP8_MAX)
-    tl.store(scale_ptr + row * scale_stride + g, scale, mask=g < NUM_GROUPS)
-    q = fp8_quotient(v, scale[:, None], FP8_MAX)
+    group_max = tl.where(has_nan, float("nan"), group_max)
+    tl.store(scale_ptr + row * scale_stride + g, tl.math.div_rn(group_max, FP8_MAX), mask=g < NUM_GROUPS)
+    q = fp8_scaled(v, tl.math.div_rn(FP8_MAX, group_max)[:, None], FP8_MAX)
     tl.store(q_ptr + row * q_stride + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
 
 
@@ -115,17 +134,27 @@ def quantize_rows_fp8(x: torch.Tensor, silu_mul: bool = False) -> tuple[torch.Te
 
 
 def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, silu_mul: bool = False) -> None:
-    """The kernel into `q` (e4m3; or float32, the quotients before their rounding to e4m3, which the
+    """The kernel into `q` (e4m3; or float32, the values before their rounding to e4m3, which the
     tests read in Triton's interpreter: its e4m3 rounding is not CUDA's) and `scale`."""
     m, k = q.shape
     if m and k:
-        block_k = min(_SLICE, triton.next_power_of_2(k))
-        amax_block = min(_AMAX_BLOCK, triton.next_power_of_2(k))
+        width = triton.next_power_of_2(k)
+        if width <= _WHOLE_ROW_MAX:
+            # Few rows: many warps a row, to spread its arithmetic; many rows: fewer, for occupancy.
+            per_warp = 1024 if m >= _ROWS_ONE_PROGRAM else 256
+            _quantize_rows_kernel[(m, 1)](
+                x, q, scale, k, k, x.stride(0), q.stride(0),
+                FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX, AMAX_BLOCK=width, BLOCK_K=width,
+                SILU_MUL=silu_mul, WHOLE_ROW=True, num_warps=min(32, max(4, width // per_warp)),
+            )  # fmt: skip
+            return
+        block_k = min(_SLICE, width)
+        amax_block = min(_AMAX_BLOCK, width)
         slice_k = triton.cdiv(k, block_k) * block_k if m >= _ROWS_ONE_PROGRAM else block_k
         _quantize_rows_kernel[(m, triton.cdiv(k, slice_k))](
             x, q, scale, k, slice_k, x.stride(0), q.stride(0),
             FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX, AMAX_BLOCK=amax_block, BLOCK_K=block_k,
-            SILU_MUL=silu_mul, num_warps=8 if amax_block >= 4096 else 4,
+            SILU_MUL=silu_mul, WHOLE_ROW=False, num_warps=8 if amax_block >= 4096 else 4,
         )  # fmt: skip
     elif m:
         scale.fill_(_MIN_AMAX / FP8_E4M3_MAX)
@@ -155,7 +184,7 @@ def _launch_norm(
     q: torch.Tensor,
     scale: torch.Tensor,
 ) -> None:
-    """The norm's kernel into `q` (e4m3, or float32 quotients for the interpreter's tests, as _launch)."""
+    """The norm's kernel into `q` (e4m3, or float32 values for the interpreter's tests, as _launch)."""
     fused_triton.launch_add_rms_norm(
         x, weight, eps, residual, unit_offset, q, fp8_scale=scale, fp8_max=FP8_E4M3_MAX, min_amax=_MIN_AMAX
     )
@@ -193,21 +222,29 @@ def _launch_groups(
 def quantize_rows_fp8_reference(
     x: torch.Tensor, group: int | None = None, silu_mul: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' arithmetic in torch, equal on every device: each division in float64 rounded once to
-    float32, which is the correctly rounded float32 quotient (torch's own division by a scalar on CUDA
-    multiplies by the reciprocal instead). `group`: one scale per row and `group` columns, else per row.
-    `silu_mul`: x is [gate | up], and F.silu(gate) * up (each rounded to x's dtype) is quantized."""
+    """The kernels' arithmetic in torch, equal on every device. `group`: one scale per row and `group`
+    columns, else per row. `silu_mul`: x is [gate | up], and F.silu(gate) * up (each rounded to x's
+    dtype) is quantized."""
     if silu_mul:
         gate, up = x.chunk(2, dim=-1)
         x = torch.nn.functional.silu(gate) * up
+    scaled, scale = fp8_scaled_reference(x, group)
+    return scaled.to(torch.float8_e4m3fn), scale
+
+
+def fp8_scaled_reference(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x * FP8_MAX / amax clamped to ±FP8_MAX in float32, before its rounding to e4m3; the scales
+    amax / FP8_MAX). Each division is done in float64 and rounded once to float32, which is the correctly
+    rounded float32 quotient (torch's own division by a scalar on CUDA multiplies by the reciprocal), and
+    so is the float64 product of two float32 values rounded once."""
     m, k = x.shape
     group = group or max(k, 1)
     num_groups = -(-k // group)
     padded = torch.zeros((m, num_groups * group), dtype=x.dtype, device=x.device)
     padded[:, :k] = x
     groups = padded.view(m, num_groups, group)
-    amax = groups.abs().amax(dim=2).to(torch.float32).clamp_(min=_MIN_AMAX)
-    scale = (amax.double() / FP8_E4M3_MAX).float()
-    quotient = (groups.double() / scale.double()[:, :, None]).float().reshape(m, -1)[:, :k]
-    q = quotient.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+    amax = groups.abs().amax(dim=2).to(torch.float32).clamp_(min=_MIN_AMAX).double()
+    scale = (amax / FP8_E4M3_MAX).float()
+    inverse_scale = (FP8_E4M3_MAX / amax).float().double()
+    scaled = (groups.double() * inverse_scale[:, :, None]).float().reshape(m, -1)[:, :k]
+    return scaled.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX), scale

@@ -174,7 +174,7 @@ def fp8_checks() -> list[dict[str, Any]]:
     results = []
     gen = torch.Generator().manual_seed(0)
     shapes = ((1, 4096), (1, 28672), (32, 14336), (130, 4096), (512, 4096), (7, 100), (256, 14336))
-    shapes += ((128, 40000),)  # wider than a program holds: read twice
+    shapes += ((128, 40000), (4, 40000))  # wider than a program holds: looped over, split over programs
     for rows, k in shapes:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             x = (torch.randn(rows, k, generator=gen) * torch.logspace(-4, 3, rows)[:, None]).to(dtype).cuda()

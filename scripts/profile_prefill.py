@@ -80,7 +80,7 @@ def main() -> None:
     names: collections.Counter[str] = collections.Counter()
     for e in kernels:
         name = e.name.lower()
-        matmul = any(s in name for s in ("gemm", "cutlass", "xmma", "nvjet", "fp8_gemm"))
+        matmul = any(s in name for s in ("gemm", "cutlass", "xmma", "nvjet"))
         groups["matmuls" if matmul else "triton" if name.startswith("_") else "other"] += e.device_time
         names[e.name[:80]] += e.device_time
     print(f"device busy {busy / 1e3:.2f} ms in {len(kernels)} kernels")

@@ -349,18 +349,17 @@ from tp_runtime.layers.quantization import activation_quant_triton as aq
 torch.manual_seed(0)
 checked = 0
 # Rows of very different magnitudes (one all zero), K that the block divides and that it does not, a
-# row stride wider than K, rows split over several programs (wider than 2,048) and 128 rows or more
-# (a program each, holding its row in registers up to 32,768 columns, looping over it past them). The
-# interpreter rounds to e4m3 unlike CUDA, so the kernel writes its float32
-# values here: they and the scales must be the correctly rounded ones bit for bit (scripts/gpu_check.py
-# checks the e4m3 bytes on a GPU).
+# row stride wider than K; a program holds a row up to 32,768 columns, and past that splits it over
+# programs of 2,048 columns (below 128 rows) or loops over it (from 128 rows). The interpreter rounds to
+# e4m3 unlike CUDA, so the kernel writes its float32 values here: they and the scales must be the
+# correctly rounded ones bit for bit (scripts/gpu_check.py checks the e4m3 bytes on a GPU).
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
     for rows, k, width in (
         (1, 4096, 4096), (3, 100, 100), (32, 1500, 1500), (5, 1, 1), (4, 2048, 2100), (3, 9000, 9001),
-        (130, 40, 40), (128, 1500, 1600), (128, 33000, 33000),
+        (130, 40, 40), (128, 1500, 1600), (3, 33000, 33001), (128, 33000, 33000),
     ):  # fmt: skip
         if k > 32768 and dtype != torch.bfloat16:
-            continue  # the looping path once is enough
+            continue  # the split and looping paths once are enough
         x = (torch.randn(rows, width) * torch.logspace(-6, 3, rows)[:, None]).to(dtype)[:, :k]
         if rows > 2:
             x[1] = 0
@@ -375,7 +374,9 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
 # test_triton_decode.py) would have written, bit for bit, from a row stride wider than 2K too.
 from tp_runtime.layers.fused_triton import silu_and_mul
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
-    for rows, k in ((1, 4096), (3, 100), (32, 1500), (4, 2500), (130, 40), (128, 2500)):
+    for rows, k in ((1, 4096), (3, 100), (32, 1500), (4, 2500), (130, 40), (128, 2500), (2, 33000)):
+        if k > 32768 and dtype != torch.bfloat16:
+            continue
         gate_up = torch.randn(rows, 2 * k + 6) * torch.logspace(-3, 1.5, rows)[:, None]
         gate_up = gate_up.to(dtype)[:, : 2 * k]
         h = silu_and_mul(gate_up)
@@ -387,10 +388,10 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         checked += 1
 # NaN and infinities propagate as in torch: a row holding one gets a NaN or infinite scale, NaN values,
 # in every program of the row (a NaN in the row's last slice reaches its first).
-for rows in (4, 128):  # rows split over programs, and a program a row
-    x = torch.randn(rows, 5000)
-    x[0, 4900], x[1, 3], x[2, 5] = float("nan"), float("inf"), -float("inf")
-    q32, scale = torch.empty(rows, 5000), torch.empty(rows, 1)
+for rows, k in ((4, 5000), (4, 40000)):  # a row in one program, and split over programs
+    x = torch.randn(rows, k)
+    x[0, k - 100], x[1, 3], x[2, 5] = float("nan"), float("inf"), -float("inf")
+    q32, scale = torch.empty(rows, k), torch.empty(rows, 1)
     aq._launch(x, q32, scale)
     q_ref, scale_ref = aq.quantize_rows_fp8_reference(x)
     torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0, equal_nan=True)
@@ -541,7 +542,7 @@ def test_group_activation_quantization_matches_torch() -> None:
 
 def test_activation_quantization_matches_torch() -> None:
     status, checked = run_interpreted(ACTIVATION_QUANT_VS_TORCH).split()
-    assert status == "OK" and int(checked) == 3 * 9 - 2 + 3 * 6
+    assert status == "OK" and int(checked) == 3 * 10 - 4 + 3 * 7 - 2
 
 
 NORM_QUANT_VS_UNFUSED = """

@@ -307,6 +307,38 @@ def test_logit_bias_and_allowed_token_ids(served: tuple[Server, LLM]) -> None:
         assert fragment in error["message"], (body, error)
 
 
+def test_skip_special_tokens_false_keeps_their_text(server1: Server, llm1: LLM) -> None:
+    """vLLM's skip_special_tokens=false: the special tokens of the output (forced by allowed_token_ids) stay
+    in its text, as LLM.generate gives it, streamed or not; logprobs' text offsets count their text."""
+    client = server1.client()
+    tok = llm1.get_tokenizer()
+    bos = tok.bos_token_id
+    allowed = [bos, 57, 201, 33]
+    for bias in (0.0, 1.0, 2.0, 3.0, 4.0, 6.0):  # the first that mixes special tokens with others
+        params = greedy(16, allowed_token_ids=allowed, logit_bias={bos: bias}, skip_special_tokens=False,
+                        ignore_eos=True)  # fmt: skip
+        ref = llm1.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+        if bos in ref.token_ids and set(ref.token_ids) - {bos}:
+            break
+    assert bos in ref.token_ids and set(ref.token_ids) - {bos}, ref.token_ids
+    assert ref.text == tok.decode(ref.token_ids, skip_special_tokens=False)
+    bos_text = tok.decode([bos], skip_special_tokens=False)
+    extra = {"allowed_token_ids": allowed, "skip_special_tokens": False, "ignore_eos": True}
+    biases = {str(bos): bias}
+    kwargs: dict[str, Any] = dict(
+        model=NAME, prompt=PROMPTS[1], max_tokens=16, temperature=0, extra_body=extra, logit_bias=biases
+    )
+    out = client.completions.create(logprobs=1, **kwargs)
+    assert out.choices[0].text == ref.text
+    offsets = out.choices[0].logprobs.text_offset  # type: ignore[union-attr]
+    starts = [o - offsets[0] for o, t in zip(offsets, ref.token_ids, strict=True) if t == bos]
+    assert starts and all(ref.text[i : i + len(bos_text)] == bos_text for i in starts), (starts, ref.text)
+    chunks = client.completions.create(stream=True, **kwargs)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    plain = client.completions.create(**{**kwargs, "extra_body": {**extra, "skip_special_tokens": True}})
+    assert plain.choices[0].text == tok.decode(ref.token_ids, skip_special_tokens=True) != ref.text
+
+
 def test_chat_matches_llm_chat(served: tuple[Server, LLM]) -> None:
     server, llm = served
     client = server.client()
@@ -617,7 +649,6 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
         ({"model": NAME, "prompt": "hi", "prompt_logprobs": -1}, "prompt_logprobs must be"),
         ({"model": NAME, "prompt": "hi", "prompt_logprobs": -1, "echo": True, "logprobs": 3}, "must be"),
         ({"model": NAME, "prompt": "hi", "echo": True, "max_tokens": 0, "min_tokens": 2}, "must be 0"),
-        ({"model": NAME, "prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens is not"),
         # Structured outputs that cannot be compiled, or more than one constraint.
         ({"model": NAME, "prompt": "hi", "guided_regex": "(ab"}, "the regex is not valid"),
         ({"model": NAME, "prompt": "hi", "structured_outputs": {"json": {}, "regex": "a"}}, "exactly one of"),

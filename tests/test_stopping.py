@@ -196,3 +196,42 @@ def test_n_samples_are_seeded_children(llm: LLM) -> None:
     single = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=12)
     alone = llm.generate({"prompt_token_ids": PROMPT}, single, use_tqdm=False)[0].outputs[0]
     assert alone.token_ids == first.outputs[1].token_ids  # child j uses seed + j
+
+
+def test_skip_special_tokens(llm: LLM, model_dir: Path) -> None:
+    """Special tokens in the output (forced by allowed_token_ids) are left out of the text by default and
+    kept with skip_special_tokens=False: the tokenizer's own decode of the same ids, also through the
+    incremental detokenizer (a stop string that never matches), where the text of a special token is a
+    stop string only when it is kept; the EOS that ends an output stays out of either text unless
+    include_stop_str_in_output, as in vLLM."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    allowed = [bos, 57, 201, 33]
+    outs = {}
+    for skip in (True, False):
+        for stop in (None, ["never appears"]):
+            out = _greedy(
+                llm, ignore_eos=True, allowed_token_ids=allowed, skip_special_tokens=skip, stop=stop
+            )
+            ids = out.token_ids  # type: ignore[attr-defined]
+            assert out.text == tok.decode(ids, skip_special_tokens=skip), (skip, stop)  # type: ignore[attr-defined]
+            outs[skip] = ids
+    ids = outs[True]
+    assert outs[False] == ids and bos in ids and set(ids) - {bos}, ids  # both kinds: else it proves nothing
+    bos_text = tok.decode([bos], skip_special_tokens=False)
+    kept = _greedy(
+        llm, ignore_eos=True, allowed_token_ids=allowed, skip_special_tokens=False, stop=[bos_text]
+    )
+    cut = ids.index(bos)
+    assert kept.token_ids == ids[: cut + 1] and kept.stop_reason == bos_text  # type: ignore[attr-defined]
+    assert kept.text == tok.decode(ids[:cut], skip_special_tokens=False)  # type: ignore[attr-defined]
+    skipped = _greedy(llm, ignore_eos=True, allowed_token_ids=allowed, stop=[bos_text])
+    assert skipped.token_ids == ids and skipped.finish_reason == "length"  # type: ignore[attr-defined]
+    # An output that ends on EOS.
+    for include in (False, True):
+        out = _greedy(llm, allowed_token_ids=[eos, *allowed], skip_special_tokens=False,
+                      include_stop_str_in_output=include)  # fmt: skip
+        ids = out.token_ids  # type: ignore[attr-defined]
+        assert out.finish_reason == "stop" and ids[-1] == eos, ids  # type: ignore[attr-defined]
+        want = tok.decode(ids if include else ids[:-1], skip_special_tokens=False)
+        assert out.text == want, (include, out.text, want)  # type: ignore[attr-defined]

@@ -90,6 +90,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the text
+    skip_special_tokens: bool = True  # the text leaves special tokens out (<|im_end|>, </s>), as vLLM's
     prompt_logprobs: int | None = None  # top logprobs per prompt position (the first is None), as vLLM
     # A grammar the output must follow (JSON schema, regex, choice, EBNF); None: unconstrained.
     structured_outputs: StructuredOutputsParams | None = None
@@ -153,7 +154,7 @@ class SamplingParams:
         # Workers hold it as float32: it must stay a positive finite number there too.
         if not is_real(rep) or not _FLOAT32_TINY <= rep <= _FLOAT32_MAX:
             raise bad(f"repetition_penalty must be a number > 0 (1 disables it), got {rep!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.stop_token_ids is not None and (

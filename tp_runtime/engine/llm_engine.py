@@ -327,15 +327,31 @@ def _decode_only(so: SchedulerOutput) -> bool:
     return all(n == 1 for n in so.num_scheduled_tokens)
 
 
-def _make_decode(tokenizer: Any) -> Callable[[list[int]], str]:
-    """How the engine turns output ids into text: the tokenizer's decode without special tokens (its Rust
-    backend directly when that gives the same text, a few times faster: streaming decodes every token)."""
+def _make_decode(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """How the engine turns output ids into text: the tokenizer's decode, with or without special tokens
+    (its Rust backend directly when that gives the same text, a few times faster: streaming decodes every
+    token)."""
     if tokenizer is None:  # tests drive the engine with token ids only
         return lambda ids: ""
+    skip = skip_special_tokens
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return lambda ids: str(backend.decode(ids, skip_special_tokens=True))
-    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
+        return lambda ids: str(backend.decode(ids, skip_special_tokens=skip))
+    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip))
+
+
+@dataclass(frozen=True)
+class _TextCodec:
+    """How a request's output becomes text: the decode (SamplingParams.skip_special_tokens picks one) and
+    how to tell that its decode of some tokens is final."""
+
+    decode: Callable[[list[int]], str]
+    finality: TextFinality
+
+    @classmethod
+    def of(cls, tokenizer: Any, skip_special_tokens: bool) -> _TextCodec:
+        decode = _make_decode(tokenizer, skip_special_tokens)
+        return cls(decode, TextFinality.of(tokenizer, decode))
 
 
 class LLMEngine:
@@ -372,8 +388,8 @@ class LLMEngine:
             # where they say there is none (eos_token_id: []), as in transformers' generate.
             self.eos_token_ids.add(tokenizer_eos)
         self._next_req_id = 0
-        self._decode = _make_decode(tokenizer)
-        self._finality = TextFinality.of(tokenizer, self._decode)
+        # By skip_special_tokens; the other one is made when a request first asks for it.
+        self._text_codecs = {True: _TextCodec.of(tokenizer, True)}
         self._text_states: dict[int, _TextState] = {}
         self.num_output_tokens = 0  # generated so far, over the engine's life (progress bars read it)
         # Per-step timings (seconds) of the driver's own phases, when enabled (benchmarks).
@@ -480,7 +496,8 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * (len(prompt_ids) - 1)
         request.stop_ids = frozenset(stop_ids)
-        request.decode_context = decode_context(self._decode, prompt_ids, self._finality)
+        codec = self._text_codec(params)
+        request.decode_context = decode_context(codec.decode, prompt_ids, codec.finality)
         if params.structured_outputs is not None:
             request.grammar = self.grammars.matcher(grammar)
             self._constrained.add(req_id)
@@ -488,7 +505,7 @@ class LLMEngine:
         if stream or params.stop_strings:
             stops = params.stop_strings
             self._text_states[req_id] = _TextState(
-                IncrementalDetokenizer(self._decode, request.decode_context, self._finality),
+                IncrementalDetokenizer(codec.decode, request.decode_context, codec.finality),
                 stream=stream,
                 stop_strings=stops,
                 hold=max(map(len, stops)) - 1 if stops else 0,
@@ -673,13 +690,21 @@ class LLMEngine:
         return outputs
 
     # ----------------------------------------------------------------- outputs
+    def _text_codec(self, params: SamplingParams) -> _TextCodec:
+        codec = self._text_codecs.get(params.skip_special_tokens)
+        if codec is None:
+            codec = self._text_codecs[params.skip_special_tokens] = _TextCodec.of(
+                self.tokenizer, params.skip_special_tokens
+            )
+        return codec
+
     def _final_text(self, req: Request) -> str:
         if req.stop_text is not None:
             return req.stop_text
         ids = req.output_token_ids
         if req.finish_reason == "stop" and not req.params.include_stop_str_in_output:
             ids = ids[:-1]  # a stop token (EOS or stop_token_ids): its text is left out, as vLLM does
-        return output_text(self._decode, req.decode_context, ids)
+        return output_text(self._text_codec(req.params).decode, req.decode_context, ids)
 
     def _final_output(self, req: Request) -> RequestOutput:
         """A finished request's whole output (the request was not streamed)."""
@@ -814,7 +839,7 @@ class LLMEngine:
             # A stop string that the incremental text held back (its last token also begins a character)
             # came first: the stop token's text is not part of the output either way.
             if state is not None:
-                text = output_text(self._decode, req.decode_context, ids[:-1])
+                text = output_text(self._text_codec(params).decode, req.decode_context, ids[:-1])
                 if self._find_stop_string(req, state, text, state.detok.unchanged(text)):
                     return "stop"
             if params.stop_token_ids and token in params.stop_token_ids:
@@ -831,7 +856,7 @@ class LLMEngine:
         if num_out >= req.max_tokens or num_known >= self.config.model.max_model_len:
             # The text the detokenizer still holds back is final now: it may complete a stop string.
             if state is not None and searching:
-                text = output_text(self._decode, req.decode_context, ids)
+                text = output_text(self._text_codec(params).decode, req.decode_context, ids)
                 if self._find_stop_string(req, state, text, state.detok.unchanged(text)):
                     return "stop"
             return "length"

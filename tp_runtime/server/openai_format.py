@@ -182,6 +182,7 @@ def sampling_params(
             stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             presence_penalty=given(body.presence_penalty, 0.0),
@@ -448,7 +449,10 @@ class CompletionFormat(Format):
         self._echoes = echoes
         self._echoed = [False] * num_choices
         asked = num_choices if body.logprobs is not None else 0
-        self._offsets = [TextOffsets(tokenizer, prompt=prompts[i]) for i in range(asked)]
+        special = not body.skip_special_tokens
+        self._offsets = [
+            TextOffsets(tokenizer, with_special_tokens=special, prompt=prompts[i]) for i in range(asked)
+        ]
         # Per choice, its tokens' entries (token, logprob, offset, top) not sent yet.
         self._held: list[list[_Entry]] = [[] for _ in range(asked)]
         self._emitted = [0] * num_choices  # length of each choice's text so far

@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI API (completions, chat completions, models, errors), as
 pydantic models. Requests take OpenAI's fields plus vLLM's sampling extensions (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, prompt_logprobs,
-allowed_token_ids, structured_outputs);
+allowed_token_ids, skip_special_tokens, structured_outputs);
 unknown fields are ignored, as OpenAI does. Fields the server cannot honour are declared so that it can
 refuse them with a 400 rather than ignore them (see `unsupported`)."""
 
@@ -123,7 +123,7 @@ class SamplingFields(_Request):
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
     use_beam_search: bool = False
-    skip_special_tokens: bool = True  # the text always leaves special tokens out
+    skip_special_tokens: bool = True  # the text leaves special tokens out
     return_tokens_as_token_ids: bool = False  # vLLM's "token_id:N" logprob tokens: refused when true
 
     def constraint_field(self) -> str | None:
@@ -193,7 +193,7 @@ class SamplingFields(_Request):
             return "use_beam_search"
         if self.return_tokens_as_token_ids:
             return "return_tokens_as_token_ids"
-        return None if self.skip_special_tokens else "skip_special_tokens"
+        return None
 
 
 class CompletionRequest(SamplingFields):

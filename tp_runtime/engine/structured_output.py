@@ -379,7 +379,8 @@ def _literals_of(branches: Any, kinds: set[Any]) -> bool:
 
 
 def _hidden_token_ids(tokenizer: Any, vocab_size: int) -> set[int]:
-    """The ids whose text the engine's output leaves out (it decodes with skip_special_tokens)."""
+    """The special ids whose text a decode with skip_special_tokens leaves out: grammars never allow them,
+    whatever a request's skip_special_tokens (xgrammar would read their literal text)."""
     ids = set(getattr(tokenizer, "all_special_ids", None) or ())
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     ids |= {i for i, token in added.items() if getattr(token, "special", False)}

@@ -119,11 +119,11 @@ class SamplingFields(_Request):
     guided_grammar: Any = None
     guided_whitespace_pattern: Any = None  # refused: xgrammar takes no whitespace pattern
     response_format: dict[str, Any] | None = None
+    skip_special_tokens: bool = True  # the text leaves special tokens out, unless false
     # vLLM extensions this server does not serve: refused when given, rather than silently ignored.
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
     use_beam_search: bool = False
-    skip_special_tokens: bool = True  # the text leaves special tokens out
     return_tokens_as_token_ids: bool = False  # vLLM's "token_id:N" logprob tokens: refused when true
 
     def constraint_field(self) -> str | None:

@@ -374,7 +374,9 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
 # test_triton_decode.py) would have written, bit for bit, from a row stride wider than 2K too.
 from tp_runtime.layers.fused_triton import silu_and_mul
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
-    for rows, k in ((1, 4096), (3, 100), (32, 1500), (4, 2500), (130, 40), (128, 2500), (2, 33000)):
+    # (2, 20000): held whole in 16-bit, split over programs in float32 (registers).
+    shapes = ((1, 4096), (3, 100), (32, 1500), (4, 2500), (130, 40), (128, 2500), (2, 20000), (2, 33000))
+    for rows, k in shapes:
         if k > 32768 and dtype != torch.bfloat16:
             continue
         gate_up = torch.randn(rows, 2 * k + 6) * torch.logspace(-3, 1.5, rows)[:, None]
@@ -542,7 +544,7 @@ def test_group_activation_quantization_matches_torch() -> None:
 
 def test_activation_quantization_matches_torch() -> None:
     status, checked = run_interpreted(ACTIVATION_QUANT_VS_TORCH).split()
-    assert status == "OK" and int(checked) == 3 * 10 - 4 + 3 * 7 - 2
+    assert status == "OK" and int(checked) == 3 * 10 - 4 + 3 * 8 - 2
 
 
 NORM_QUANT_VS_UNFUSED = """

@@ -139,7 +139,9 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, silu_mul: boo
     m, k = q.shape
     if m and k:
         width = triton.next_power_of_2(k)
-        if width <= _WHOLE_ROW_MAX:
+        # float32 [gate | up] rows past half that spill registers at 32 warps: split instead.
+        whole_row_max = _WHOLE_ROW_MAX // 2 if silu_mul and x.element_size() > 2 else _WHOLE_ROW_MAX
+        if width <= whole_row_max:
             # Few rows: many warps a row, to spread its arithmetic; many rows: fewer, for occupancy.
             per_warp = 1024 if m >= _ROWS_ONE_PROGRAM else 256
             _quantize_rows_kernel[(m, 1)](

@@ -78,8 +78,8 @@ PERPLEXITY_TEXT = (
 )
 
 
-def _perplexity(smollm2_dir: Path, **options: object) -> float:
-    """exp of the mean negative log-likelihood of the text's tokens after the first (prompt_logprobs)."""
+def _token_nll(smollm2_dir: Path, **options: object) -> list[float]:
+    """The negative log-likelihood of each of the text's tokens after the first (prompt_logprobs)."""
     with LLM(smollm2_dir, dtype="float32", device="cpu", max_model_len=512, **options) as llm:
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
         out = llm.generate([PERPLEXITY_TEXT], params, use_tqdm=False)[0]
@@ -87,13 +87,24 @@ def _perplexity(smollm2_dir: Path, **options: object) -> float:
     pairs = zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True)
     nll = [-entry[token].logprob for token, entry in pairs if entry is not None]
     assert len(nll) == len(out.prompt_token_ids) - 1 > 50
+    return nll
+
+
+def _perplexity(smollm2_dir: Path, **options: object) -> float:
+    """exp of the mean negative log-likelihood of the text's tokens after the first."""
+    nll = _token_nll(smollm2_dir, **options)
     return math.exp(sum(nll) / len(nll))
 
 
 @pytest.fixture(scope="module")
-def base_perplexity(smollm2_dir: Path) -> float:
-    """The unquantized model's, with its full-precision cache: both tests below compare against it."""
-    return _perplexity(smollm2_dir)
+def base_nll(smollm2_dir: Path) -> list[float]:
+    """The unquantized model's, with its full-precision cache: the tests below compare against it."""
+    return _token_nll(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def base_perplexity(base_nll: list[float]) -> float:
+    return math.exp(sum(base_nll) / len(base_nll))
 
 
 def test_online_fp8_perplexity_within_3_percent(smollm2_dir: Path, base_perplexity: float) -> None:
@@ -105,17 +116,30 @@ def test_online_fp8_perplexity_within_3_percent(smollm2_dir: Path, base_perplexi
     assert abs(fp8 / base - 1) < 0.03, (base, fp8)
 
 
-def test_fp8_kv_cache_perplexity_within_3_percent(smollm2_dir: Path, base_perplexity: float) -> None:
+def test_fp8_kv_cache_perplexity_within_3_percent(smollm2_dir: Path, base_nll: list[float]) -> None:
     """kv_cache_dtype="fp8" (e4m3 keys and values, scale 1: this checkpoint has none) on the real model:
     within 3 % of the full-precision cache's perplexity, whether the text's attention reads its own keys
     (one step) or, in chunks of 32 tokens, the earlier chunks' keys from the cache."""
-    base = base_perplexity
-    whole = _perplexity(smollm2_dir, kv_cache_dtype="fp8")
-    chunked = _perplexity(smollm2_dir, kv_cache_dtype="fp8", max_num_batched_tokens=32)
+    whole_nll = _token_nll(smollm2_dir, kv_cache_dtype="fp8")
+    chunked_nll = _token_nll(smollm2_dir, kv_cache_dtype="fp8", max_num_batched_tokens=32)
+
+    def perplexity(nll: list[float]) -> float:
+        return math.exp(sum(nll) / len(nll))
+
+    def mean_gap(a: list[float], b: list[float]) -> float:
+        return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a)
+
+    base, whole, chunked = perplexity(base_nll), perplexity(whole_nll), perplexity(chunked_nll)
     assert whole != base  # the cache is FP8
-    assert abs(whole / base - 1) < 0.03, (base, whole)
-    # The same keys either way (a key one float32 step apart may round to the other e4m3 neighbour).
-    assert abs(chunked / whole - 1) < 3e-4, (whole, chunked)
+    assert abs(whole / base - 1) < 0.03 and abs(chunked / base - 1) < 0.03, (base, whole, chunked)
+    # The same FP8 keys either way. Not bit for bit: a matmul over another number of rows may sum in another
+    # order (this varies with the CPU), and a key a few float32 steps apart may round to the other e4m3
+    # neighbour; so per token the two differ by a fraction of what FP8 itself changes (on one CPU 0.018
+    # against 0.081 nats), where keys read unrounded from either path would differ by all of it.
+    assert mean_gap(chunked_nll, whole_nll) < 0.5 * mean_gap(whole_nll, base_nll), (
+        mean_gap(chunked_nll, whole_nll),
+        mean_gap(whole_nll, base_nll),
+    )
 
 
 def test_a_gguf_file_as_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

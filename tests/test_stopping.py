@@ -13,6 +13,7 @@ import transformers
 from conftest import hf_greedy, hf_logprobs
 
 from tp_runtime import LLM, SamplingParams
+from tp_runtime.errors import InvalidRequestError
 
 PROMPT = [1, 57, 201, 33, 90, 14]
 N = 24
@@ -204,6 +205,8 @@ def test_skip_special_tokens(llm: LLM, model_dir: Path) -> None:
     incremental detokenizer (a stop string that never matches), where the text of a special token is a
     stop string only when it is kept; the EOS that ends an output stays out of either text unless
     include_stop_str_in_output, as in vLLM."""
+    with pytest.raises(InvalidRequestError, match="skip_special_tokens must be True or False, got 'no'"):
+        SamplingParams(skip_special_tokens="no")  # type: ignore[arg-type]
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     bos, eos = tok.bos_token_id, tok.eos_token_id
     allowed = [bos, 57, 201, 33]

@@ -105,3 +105,23 @@ def test_concurrent_callers_each_get_their_own_outputs(llm: LLM) -> None:
     # The engine still serves.
     assert _same(_summary(jobs[0](llm)), alone[0])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_tp1_engine_leaves_the_host_programs_process_group(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A TP=1 engine joins no process group, so shutting it down must not tear down one the program made
+    for its own use (nor need one: the engine runs with or without it)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        engine = LLM(make_checkpoint(seed=8), dtype="float32", device="cpu", max_num_seqs=2)
+        out = engine.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=3,
+                              ignore_eos=True), use_tqdm=False)  # fmt: skip
+        engine.shutdown()
+        assert len(out[0].outputs[0].token_ids) == 3
+        assert dist.is_initialized(), "the engine's shutdown destroyed the program's own process group"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -181,7 +181,13 @@ class LLM:
                 "serves text-only models)"
             )
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), prompt["prompt_token_ids"]
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise InvalidRequestError(
+                    "a token-id prompt's 'prompt' (its text, kept for the output) must be a str or None, "
+                    f"got {type(text).__name__}"
+                )
+            return text, prompt["prompt_token_ids"]
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
             return self._prompt_ids(prompt["prompt"])
         got = type(prompt).__name__

@@ -275,7 +275,8 @@ class Worker:
             gc.collect()  # the runner and its CUDA graphs reference each other
             torch.cuda.empty_cache()
         self.tp.strategy.close()
-        distributed.destroy_process_group()
+        if self.world_size > 1:  # the group this worker joined; at TP 1 any group is the host program's
+            distributed.destroy_process_group()
 
 
 def measure_copy_bandwidth(device: torch.device) -> float:

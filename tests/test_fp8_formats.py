@@ -314,3 +314,37 @@ def test_static_block_checkpoint_with_activation_scales_at_tp2(make_checkpoint: 
                         ignore=("model.layers.1.mlp",),
                         extra=lambda m: {f"{m}.activation_scale": torch.tensor(0.02)})  # fmt: skip
     assert_matches_hf(out, 2)
+
+
+def test_ignored_module_prefixes_stop_at_a_module_boundary(make_checkpoint: Any, tmp_path: Path) -> None:
+    """`modules_to_not_convert: ["model.layers.1"]` leaves layer 1 unquantized and not layers 10 and 11,
+    as transformers reads the list; the checkpoint quantizes those."""
+    src = make_checkpoint("LlamaForCausalLM", seed=5, num_hidden_layers=12)
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16],
+          "modules_to_not_convert": ["lm_head", "model.layers.1"]}  # fmt: skip
+    out = write_variant(src, tmp_path, qc, "block", scale_name="weight_scale_inv", ignore=("model.layers.1",))
+    assert_matches_hf(out, 1)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["lm_head", "model.layers.1", "model.layers.1.mlp", "mlp.gate", "model.layers.3.mlp.gate", "gate",
+     r"model\.layers\.\d+\.mlp", "model.layers.*.self_attn", "proj", "layers.1(", "model.layers.1."],
+)  # fmt: skip
+def test_ignore_list_matching_follows_transformers(pattern: str) -> None:
+    """QuantConfig.is_ignored against transformers' own rule for `modules_to_not_convert`, over module
+    names where prefixes, suffixes and module boundaries differ."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    from tp_runtime.config import QuantConfig
+
+    quant = QuantConfig("fp8", "block", (16, 16), ignore=(pattern,), ignore_like_transformers=True)
+    names = ["lm_head", "model.layers.1.mlp.down_proj", "model.layers.10.mlp.down_proj",
+             "model.layers.11.self_attn.q_proj", "model.layers.3.mlp.gate", "model.layers.3.mlp.gate_proj",
+             "model.layers.1.self_attn.o_proj", "model.layers.21.mlp.up_proj"]  # fmt: skip
+    for name in names:
+        try:
+            want = not should_convert_module(name, [pattern])
+        except Exception:  # transformers raises on a pattern that is no regex; the engine takes it literally
+            want = name.endswith(pattern) or name.startswith(pattern.rstrip(".") + ".") or name == pattern
+        assert quant.is_ignored(name) == want, (pattern, name)

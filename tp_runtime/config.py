@@ -93,13 +93,13 @@ class QuantConfig:
     for blocks, `*.weight_scale` per tensor) or "online" (a 16/32-bit checkpoint quantized at load with
     per-channel scales, amax / 448).
     ignore: the checkpoint's modules that stay unquantized; compressed-tensors names them exactly (or
-    with "re:" regexes), transformers' FP8 by substring (`ignore_substrings`)."""
+    with "re:" regexes), transformers' FP8 by its own rule (`ignore_like_transformers`, see is_ignored)."""
 
     checkpoint_format: str
     weight_scales: str
     block_size: tuple[int, int] | None = None
     ignore: tuple[str, ...] = ()
-    ignore_substrings: bool = False
+    ignore_like_transformers: bool = False
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in ("compressed-tensors", "fp8", "online"):
@@ -137,8 +137,11 @@ class QuantConfig:
     def is_ignored(self, module: str) -> bool:
         """Whether checkpoint module `module` (e.g. "model.layers.0.self_attn.q_proj") stays unquantized."""
         for entry in self.ignore:
-            if self.ignore_substrings:
-                if entry in module:
+            if self.ignore_like_transformers:
+                # transformers' `modules_to_not_convert`: a regex matched from the start up to a module
+                # boundary ("model.layers.1" takes "model.layers.1.mlp", not "model.layers.10.mlp", nor
+                # "model.layers.3.mlp.gate" its "gate_proj"), or a plain suffix ("lm_head").
+                if module.endswith(entry) or _matches_to_boundary(entry, module):
                     return True
             elif entry.startswith("re:"):
                 if re.match(entry[3:], module):
@@ -146,6 +149,15 @@ class QuantConfig:
             elif module == entry or module.endswith("." + entry):
                 return True
         return False
+
+
+def _matches_to_boundary(pattern: str, module: str) -> bool:
+    """`pattern` (a regex; taken literally where it is not one) matches `module` from its start up to a dot
+    or its end."""
+    try:
+        return re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", module) is not None
+    except re.error:
+        return re.match(rf"{re.escape(pattern)}(?=\.|$)", module) is not None
 
 
 def quant_config(hf_quantization: Any, requested: str | None) -> QuantConfig | None:
@@ -173,7 +185,7 @@ def quant_config(hf_quantization: Any, requested: str | None) -> QuantConfig | N
             block_size=_block_size(block) if block else None,
             # `ignored_layers`: AutoFP8's name of the list (transformers and vLLM read it too).
             ignore=tuple(hq.get("modules_to_not_convert") or hq.get("ignored_layers") or ()),
-            ignore_substrings=True,
+            ignore_like_transformers=True,
         )
     if method == "compressed-tensors":
         # None: only the KV cache (or attention) is quantized; the linear weights are 16/32-bit

@@ -74,9 +74,9 @@ def test_streamed_content_before_a_hermes_call_is_sent_once(url: str) -> None:
     named = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
     assert named == [("f", {"a": 1})]
     assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
-    # The whole response says the same.
+    # The whole response says the same, its content byte for byte as streamed.
     message = _post(url, "/v1/chat/completions", body).json()["choices"][0]["message"]
-    assert message["content"] == "Sure" and len(message["tool_calls"]) == 1
+    assert message["content"] == "Sure " and len(message["tool_calls"]) == 1
 
 
 def test_an_empty_model_name_means_the_served_model(url: str) -> None:
@@ -119,6 +119,7 @@ def test_continuous_usage_stats_put_each_choices_usage_in_its_chunks(url: str, p
         assert usage is not None and usage["prompt_tokens"] == prompt_lengths[i], (chunk, prompt_lengths)
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"], chunk
         assert usage["completion_tokens"] >= so_far[i], (chunk, so_far)
+        assert isinstance(usage["prompt_tokens_details"]["cached_tokens"], int), chunk  # as the last chunk's
         so_far[i] = usage["completion_tokens"]
     assert so_far == [3] * len(prompt_lengths), so_far
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3 * len(prompt_lengths), last

@@ -54,7 +54,7 @@ def test_parsers() -> None:
     text = 'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n' \
            '<tool_call>{"name": "time", "arguments": {}}</tool_call>'  # fmt: skip
     parsed = parse_hermes(text)
-    assert parsed is not None and parsed.content == "Let me look."
+    assert parsed is not None and parsed.content == "Let me look.\n"  # as a stream sends it
     assert [(n, json.loads(a)) for n, a in parsed.calls] == [("weather", {"city": "Oslo"}), ("time", {})]
     assert parse_hermes("no calls here") is None
     assert parse_hermes("<tool_call>{not json}</tool_call>") is None
@@ -89,17 +89,18 @@ def _piece(text: str, finished: bool = False) -> Piece:
 
 def test_auto_hermes_stream_sends_content_then_the_calls_and_the_response_matches() -> None:
     fmt = _format("auto", "hermes")
-    parts = ["Checking", " now.<tool", '_call>{"name": "weather", ', '"arguments": {"city": "Oslo"}}',
+    parts = ["Checking", " now. <tool", '_call>{"name": "weather", ', '"arguments": {"city": "Oslo"}}',
              "</tool_call>"]
     deltas = [fmt.delta(_piece(p, i == len(parts) - 1)).model_dump() for i, p in enumerate(parts)]
     content = "".join(d["delta"].get("content") or "" for d in deltas)
-    assert content == "Checking now."  # "<tool" was held back: it could begin a call
+    assert content == "Checking now. "  # "<tool" was held back: it could begin a call
     assert all("tool_calls" not in d["delta"] for d in deltas[:-1])
     (call,) = deltas[-1]["delta"]["tool_calls"]
     assert call["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'} and call["id"]
     assert deltas[-1]["finish_reason"] == "tool_calls"
     choice = _format("auto", "hermes").choice(0, [_piece("".join(parts), True)]).model_dump()
-    assert choice["message"]["content"] == "Checking now." and choice["finish_reason"] == "tool_calls"
+    # The response's content is what the stream sent, byte for byte.
+    assert choice["message"]["content"] == content and choice["finish_reason"] == "tool_calls"
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "weather"
     plain = _format("auto", "hermes").choice(0, [_piece("Just text.", True)]).model_dump()
     assert plain["message"] == {"role": "assistant", "content": "Just text.", "tool_calls": []}

@@ -586,7 +586,10 @@ class _Run:
         """Choice `index`'s usage so far: its prompt's tokens and its own (continuous_usage_stats, as vLLM
         counts them)."""
         prompt, completion = self.prompt_lengths[index], self.tokens[index]
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return UsageInfo(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens[index]),
+        )  # fmt: skip
 
     def usage(self) -> UsageInfo:
         completion = sum(self.tokens)

@@ -189,7 +189,8 @@ def parse_hermes(text: str) -> ParsedCalls | None:
         if call is None:
             return None  # a malformed call: the text stays content
         calls.append(call)
-    content = text[:start].strip()
+    # The text before the calls as it is, as a stream sends it (and as vLLM's parser leaves it).
+    content = text[:start]
     return ParsedCalls(content or None, calls) if calls else None
 
 

@@ -41,6 +41,7 @@ CLOSE_SLACK_S = 5.0  # how late past the header timeout a close may be observed 
 ALLOWED = "http://a.example"
 OTHER_ALLOWED = "https://b.example:8443"
 COMPLETION = {"model": MODEL, "prompt": "Hello, my name is", "max_tokens": 2, "temperature": 0}
+PROXIED_HOST = "api.proxy.example"  # a name the "cors" server is told to answer to (--allowed-hosts)
 
 
 @dataclass
@@ -100,7 +101,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     tmp = tmp_path_factory.mktemp("hardening")
     started = {
         "default": _launch(tmp, "default", "--timeout-headers", str(HEADER_TIMEOUT_S)),
-        "cors": _launch(tmp, "cors", "--allowed-origins", f"{ALLOWED}, {OTHER_ALLOWED}"),
+        "cors": _launch(tmp, "cors", "--allowed-origins", f"{ALLOWED}, {OTHER_ALLOWED}", "--allowed-hosts",
+                        PROXIED_HOST),
         "capped": _launch(tmp, "capped", "--max-connections", "3", "--timeout-headers", "60"),
     }
     try:
@@ -224,6 +226,33 @@ def test_allowed_origins_get_cors_headers_and_others_none(servers: dict[str, Ser
         response = httpx.get(f"{server.url}/v1/models", headers={"Origin": origin})
         assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
         assert "access-control-allow-origin" not in _preflight(server, origin).headers
+
+
+# ------------------------------------------------------------------------------------------ Host names
+def _with_host(server: Server, host: str, method: str, path: str) -> httpx.Response:
+    """A request to `server` whose Host header says `host` (as a page reached by DNS rebinding sends)."""
+    port = server.address[1]
+    headers = {"Host": host.replace("PORT", str(port)), "Origin": f"http://{host.replace('PORT', str(port))}"}
+    body = COMPLETION if method == "POST" else None
+    return httpx.request(method, f"{server.url}{path}", json=body, headers=headers)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize"])
+def test_a_domain_in_the_host_header_gets_400_on_loopback(servers: dict[str, Server], path: str) -> None:
+    """A loopback server answers to IP addresses and dotless names only, unless --allowed-hosts names a
+    domain: what a page of attacker.example re-pointed at 127.0.0.1 sends is refused, on every route."""
+    method = "GET" if path in ("/v1/models", "/health", "/metrics") else "POST"
+    for server in servers.values():
+        for host in ("attacker.example:PORT", "ATTACKER.example.", "127.0.0.1.nip.io:PORT", PROXIED_HOST):
+            if server is servers["cors"] and host == PROXIED_HOST:
+                continue
+            error = _error(_with_host(server, host, method, path), 400)
+            assert "--allowed-hosts" in error["message"] and "DNS rebinding" in error["message"], error
+        for host in ("127.0.0.1:PORT", "localhost:PORT", "localhost", "[::1]:PORT", "app.localhost", "x"):
+            response = _with_host(server, host, method, path)
+            assert response.status_code == 200, (host, response.text)
+    response = _with_host(servers["cors"], f"{PROXIED_HOST}:PORT", method, path)
+    assert response.status_code == 200, response.text
 
 
 # ------------------------------------------------------------------------------------- header timeout
@@ -404,6 +433,10 @@ def test_serve_refuses_two_different_models(capsys: pytest.CaptureFixture[str]) 
         ("--allowed-origins", '["http://a.example", 3]', "must hold strings only"),
         ("--allowed-origins", "[http://a.example]", "not a valid JSON list"),
         ("--allowed-origins", " , ", "names no origin"),
+        ("--allowed-hosts", "http://a.example", "is not a host name"),
+        ("--allowed-hosts", "a.example:8000", "is not a host name"),
+        ("--allowed-hosts", '["a.example", null]', "must hold strings only"),
+        ("--allowed-hosts", ",", "names no host"),
         ("--chat-template", "no-such-template.jinja", "no file 'no-such-template.jinja', and not a template"),
         ("--chat-template", "{% for m in messages %}{{ m.content }}", "not a valid Jinja template (line 1"),
     ],
@@ -423,6 +456,21 @@ def test_allowed_origins_take_json_or_commas() -> None:
     args = _serve_args("--port", "0")
     serve_cli.check_serve(args)
     assert args.allowed_origins is None
+
+
+def test_allowed_hosts_by_listening_address() -> None:
+    """Loopback: dotless names, addresses and --allowed-hosts only; elsewhere any, unless the flag names
+    them."""
+    from tp_runtime.server.runner import host_names_taken
+
+    args = _serve_args("--allowed-hosts", '["a.example", "b.example."]', "--port", "0")
+    serve_cli.check_serve(args)
+    assert args.allowed_hosts == ["a.example", "b.example."]
+    assert host_names_taken("127.0.0.1", None) == [] and host_names_taken("::1", None) == []
+    assert host_names_taken("0.0.0.0", None) is None and host_names_taken("192.168.1.5", None) is None
+    assert host_names_taken("127.0.0.1", ["a.example"]) == ["a.example"]
+    assert host_names_taken("0.0.0.0", ["a.example"]) == ["a.example"]
+    assert host_names_taken("127.0.0.1", ["*"]) is None
 
 
 def test_chat_template_takes_a_file_or_the_template(tmp_path: Path) -> None:

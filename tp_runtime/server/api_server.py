@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import functools
 import hmac
+import ipaddress
 import json
 import logging
 import time
@@ -762,6 +763,57 @@ class _JSONBodiesOnly:
         await self.app(scope, receive, send)
 
 
+def host_name(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The name a request's Host header gives (its port and an IPv6 literal's brackets taken off, lower
+    case, no trailing dot); None without one."""
+    for name, value in headers:
+        if name.lower() == b"host":
+            text = value.decode("latin-1").strip().lower()
+            if text.startswith("["):
+                return text[1:].partition("]")[0]
+            return text.rpartition(":")[0].rstrip(".") if ":" in text else text.rstrip(".")
+    return None
+
+
+def beyond_rebinding(host: str) -> bool:
+    """Whether a Host name is one DNS rebinding cannot bring to this server: an IP address, a name under
+    `.localhost` (browsers resolve those to loopback themselves), or one without a dot (`localhost`, a
+    machine's own name: the rebinding page's name is a domain its author registered)."""
+    if "." not in host or host.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class _KnownHostsOnly:
+    """A request whose Host header names a domain (see beyond_rebinding) other than `names` gets 400
+    before anything else runs. The defence of a server on loopback against DNS rebinding: a page of
+    attacker.example whose name is re-pointed at 127.0.0.1 is the server's own origin to the browser (no
+    CORS, JSON bodies sent, answers read), but its requests still say `Host: attacker.example`."""
+
+    def __init__(self, app: ASGIApp, names: Sequence[str]) -> None:
+        self.app = app
+        self.names = frozenset(n.lower().rstrip(".") for n in names)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = host_name(scope["headers"])
+            if host is not None and not beyond_rebinding(host) and host not in self.names:
+                message = (
+                    f"this server does not answer to the host name {host[:100]!r} (a web page reached "
+                    "through DNS rebinding would send it); reach it by localhost or an IP address, or "
+                    "start it with --allowed-hosts naming this host"
+                )
+                await _error_json(400, ErrorInfo(message=message, type="invalid_request_error"))(
+                    scope, receive, send
+                )
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(
     engine: AsyncLLMEngine,
     tokenizer: Any,
@@ -771,13 +823,16 @@ def build_app(
     on_ready: Callable[[], None] | None = None,
     max_body_bytes: int | None = None,
     allowed_origins: Sequence[str] | None = None,
+    allowed_hosts: Sequence[str] | None = None,
     tool_call_parser: str | None = None,
     trust_request_chat_template: bool = False,
 ) -> tuple[FastAPI, Callable[[float], None]]:
     """The FastAPI app serving `engine` (started by the caller) under `model_name`. `tokenizer`: the front
     end's own (the engine thread decodes with the engine's). `max_body_bytes`: the largest request body
     taken (default `default_max_body_bytes`). `allowed_origins`: the web origins that get CORS headers
-    ("*": any; default none: no CORS headers, and a preflight gets 405). `trust_request_chat_template`:
+    ("*": any; default none: no CORS headers, and a preflight gets 405). `allowed_hosts`: the domain names
+    that requests may carry in their Host header besides IP addresses and dotless names such as localhost
+    (None: any; see _KnownHostsOnly). `trust_request_chat_template`:
     take a request's own chat_template (else it is a 400). Returns the app and
     `begin_drain(grace_s)`, to call on the event loop when the server begins to shut down: new requests get
     503 (and /health 503), and the engine lets the requests in flight run for up to `grace_s` seconds, then
@@ -799,13 +854,16 @@ def build_app(
         yield
 
     app = FastAPI(title="tp_runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    # The last one added runs first: CORS (its headers on every answer, 415s included), then the check.
+    # The last one added runs first: the Host check, CORS (its headers on every answer, 415s included),
+    # then the Content-Type check.
     app.add_middleware(_JSONBodiesOnly)
     if allowed_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
             allow_headers=["*"],
         )  # fmt: skip
+    if allowed_hosts is not None:
+        app.add_middleware(_KnownHostsOnly, names=allowed_hosts)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

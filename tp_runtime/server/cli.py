@@ -13,6 +13,7 @@ import errno
 import json
 import math
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -119,6 +120,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "any origin (default: none, no CORS headers at all)",
     )
     group.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="HOSTS",
+        help="the domain names requests may give in their Host header besides IP addresses and dotless "
+        "names such as localhost, comma-separated or as a JSON list (e.g. the name a reverse proxy passes "
+        'on); "*": any (default: on a loopback --host none, a 400 for any other, which keeps web pages from '
+        "reaching the server by DNS rebinding; on any other --host, any)",
+    )
+    group.add_argument(
         "--timeout-headers",
         type=float,
         default=DEFAULT_TIMEOUT_HEADERS_S,
@@ -170,6 +180,8 @@ def check_serve(args: argparse.Namespace) -> None:
         raise ConfigError(f"argument MODEL: {_conflict(tag, args.model)}")
     if isinstance(args.allowed_origins, str):
         args.allowed_origins = parse_origins(args.allowed_origins)
+    if isinstance(args.allowed_hosts, str):
+        args.allowed_hosts = parse_hosts(args.allowed_hosts)
     if not (math.isfinite(args.timeout_headers) and args.timeout_headers > 0):
         raise ConfigError(
             f"argument --timeout-headers: must be more than 0 seconds, got {args.timeout_headers:g}"
@@ -219,19 +231,7 @@ def parse_origins(value: str) -> list[str]:
     from tp_runtime.errors import ConfigError
 
     flag = "argument --allowed-origins"
-    if value.lstrip().startswith("["):
-        try:
-            origins = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{flag}: not a valid JSON list ({exc.msg}): {value!r}") from None
-        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
-            raise ConfigError(f"{flag}: a JSON list must hold strings only, got {value!r}")
-        origins = [o.strip() for o in origins]
-    else:
-        origins = [o.strip() for o in value.split(",")]
-    origins = [o for o in origins if o]
-    if not origins:
-        raise ConfigError(f"{flag}: names no origin; leave the flag out for none")
+    origins = _list_value(flag, value, "origin")
     for origin in origins:
         if origin != "*" and not _is_origin(origin):
             raise ConfigError(
@@ -239,6 +239,46 @@ def parse_origins(value: str) -> list[str]:
                 "(e.g. http://localhost:3000: no path, no trailing /), or *"
             )
     return origins
+
+
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
+
+
+def parse_hosts(value: str) -> list[str]:
+    """--allowed-hosts: a JSON list of strings, or names separated by commas; each `*` or a host name
+    (letters, digits, '-', '.', no port)."""
+    from tp_runtime.errors import ConfigError
+
+    flag = "argument --allowed-hosts"
+    names = _list_value(flag, value, "host")
+    for name in names:
+        if name != "*" and not _HOST_NAME.fullmatch(name):
+            raise ConfigError(
+                f"{flag}: {name!r} is not a host name; give names such as api.example.com (no scheme, no "
+                "port), or *"
+            )
+    return names
+
+
+def _list_value(flag: str, value: str, item: str) -> list[str]:
+    """A flag's list of `item`s: JSON (of strings) or comma-separated; stripped, empty ones left out, at
+    least one."""
+    from tp_runtime.errors import ConfigError
+
+    if value.lstrip().startswith("["):
+        try:
+            items = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{flag}: not a valid JSON list ({exc.msg}): {value!r}") from None
+        if not isinstance(items, list) or not all(isinstance(o, str) for o in items):
+            raise ConfigError(f"{flag}: a JSON list must hold strings only, got {value!r}")
+    else:
+        items = value.split(",")
+    items = [o.strip() for o in items if o.strip()]
+    if not items:
+        raise ConfigError(f"{flag}: names no {item}; leave the flag out for the default")
+    return items
 
 
 def _is_origin(text: str) -> bool:

@@ -40,6 +40,16 @@ from tp_runtime.server.connections import guarded_protocol
 DRAIN_MARGIN_S = 5.0
 
 
+def host_names_taken(listening: str, allowed: list[str] | None) -> list[str] | None:
+    """The domain names a server listening on address `listening` answers to besides IP addresses and
+    dotless names such as localhost (build_app's `allowed_hosts`; None: any): on loopback only `allowed`'s
+    (--allowed-hosts), so that no page can reach it by DNS rebinding; elsewhere any, unless
+    --allowed-hosts names them."""
+    if allowed is not None:
+        return None if "*" in allowed else allowed
+    return [] if ipaddress.ip_address(listening).is_loopback else None
+
+
 def _listen(host: str, port: int) -> socket.socket:
     """Bind and listen before the model loads, so a taken port fails at once; port 0 picks a free one."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -211,6 +221,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, signals: _Signals) -> 
         app, begin_drain = build_app(
             engine, tokenizer, model_name=model_name, api_key=api_key, on_ready=ready,
             allowed_origins=args.allowed_origins, tool_call_parser=args.tool_call_parser,
+            allowed_hosts=host_names_taken(host, args.allowed_hosts),
             trust_request_chat_template=args.trust_request_chat_template,
         )  # fmt: skip
         # h11, with the header timeout and the connection cap uvicorn lacks (server.connections); the

@@ -6,6 +6,8 @@ strict mode would refuse compile; a constraint that allows no first token is ref
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import json
 import re
 from collections.abc import Iterator
@@ -29,6 +31,33 @@ def _is_type(value: Any, kind: str) -> bool:
         "array": isinstance(value, list),
         "object": isinstance(value, dict),
     }[kind]
+
+
+def _parses(parse: Any, value: str) -> bool:
+    try:
+        parse(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _hostname(value: str) -> bool:
+    """RFC 1123: dot-separated labels of 1-63 letters, digits and inner hyphens, 253 characters at most."""
+    label = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?")
+    return len(value) <= 253 and all(len(p) <= 63 and label.fullmatch(p) for p in value.split("."))
+
+
+# The formats the schemas below use, by independent parsers (RFC 3339's date-time as Python reads ISO 8601,
+# with its T and an offset or Z required).
+_FORMATS: dict[str, Any] = {
+    "ipv4": lambda v: _parses(ipaddress.IPv4Address, v),
+    "hostname": _hostname,
+    "date": lambda v: bool(re.fullmatch(r"\d{4}-\d\d-\d\d", v)) and _parses(datetime.date.fromisoformat, v),
+    "date-time": lambda v: (
+        re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)", v) is not None
+        and _parses(lambda t: datetime.datetime.fromisoformat(t.replace("Z", "+00:00")), v)
+    ),
+}
 
 
 def validate(value: Any, schema: Any, root: Any = None) -> bool:
@@ -72,6 +101,8 @@ def validate(value: Any, schema: Any, root: Any = None) -> bool:
             return False
     if isinstance(value, str):
         if not schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value)):
+            return False
+        if "format" in schema and not _FORMATS.get(schema["format"], lambda v: True)(value):
             return False
         if "pattern" in schema and not re.search(schema["pattern"], value):
             return False
@@ -150,6 +181,24 @@ SCHEMAS: list[Any] = [
     {"type": "number", "minimum": 0, "maximum": 1e-6},  # (0 and 0.000001 fit, at 6 decimals)
     {"type": "object", "propertyNames": {"pattern": '^[^"\\\\]{1,3}$'},
      "additionalProperties": {"type": "null"}, "maxProperties": 2},
+    # formats whose xgrammar rules let invalid strings out ("004.163.088.191", 277-character labels,
+    # "2023-02-29"): written as patterns of valid ones
+    {"type": "array", "items": {"type": "string", "format": "ipv4"}, "minItems": 2, "maxItems": 2},
+    {"type": ["string", "null"], "format": "hostname"},
+    {"type": "object", "properties": {"d": {"type": "string", "format": "date"},
+                                      "t": {"type": "string", "format": "date-time"}},
+     "required": ["d", "t"], "additionalProperties": False},
+    # oneOf whose branches no value can match together: by type, by literal, by a required const (the
+    # discriminated union pydantic writes)
+    {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 2},
+               {"const": None}]},
+    {"$defs": {"Cat": {"type": "object", "required": ["kind", "lives"], "additionalProperties": False,
+                       "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}}},
+               "Dog": {"type": "object", "required": ["kind"], "additionalProperties": False,
+                       "properties": {"kind": {"enum": ["dog"]}, "good": {"type": "boolean"}}}},
+     "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+     "discriminator": {"propertyName": "kind"}},
+    {"type": "string", "pattern": "^ab$|^c+$"},  # anchors at each alternative's ends
 ]  # fmt: skip
 
 
@@ -234,6 +283,17 @@ UNENFORCEABLE: list[Any] = [
     {"$defs": {"a": {"$anchor": "A", "type": "null"}}, "$ref": "#A"},
     {"type": "object", "properties": {"x": {"type": ["number", "null"], "exclusiveMinimum": 0,
                                             "exclusiveMaximum": 1e-6}}, "required": ["x"]},
+    # oneOf whose branches a value can match together: xgrammar takes it as anyOf (the first gave 2004,
+    # the second 6, both valid under both branches)
+    {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+    {"type": "object", "properties": {"v": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9},
+                                                      {"type": "integer", "minimum": 5, "maximum": 20}]}}},
+    {"oneOf": [{"type": "object", "properties": {"a": {"const": 1}}}, {"type": "object"}]},
+    {"oneOf": [{"enum": [1, 2]}, {"const": 2.0}]},
+    # an anchor inside a pattern: xgrammar ignores it ("a$b", which nothing matches, gave "ab")
+    {"type": "string", "pattern": "a$b"},
+    {"type": "string", "pattern": "^x(^y)"},
+    {"type": "string", "format": "ipv4", "pattern": "^1"},  # (the format is written as a pattern)
 ]  # fmt: skip
 
 
@@ -318,3 +378,45 @@ def test_special_tokens_are_never_text_to_a_grammar(llm: LLM) -> None:
     for out in llm.generate(["Answer:"] * len(params), params, use_tqdm=False):
         sample = out.outputs[0]
         assert sample.finish_reason == "length" or re.fullmatch("<.{1,5}>", sample.text, re.S), sample.text
+
+
+def _takes(llm: LLM, spec: StructuredOutputsParams, text: str) -> bool:
+    """Whether the compiled constraint takes `text` as a whole output (its tokens, then EOS)."""
+    grammars, tokenizer = llm.engine.grammars, llm.get_tokenizer()
+    state = grammars.matcher(grammars.compile(spec))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return all(state.accept(i) for i in ids) and state.accept(tokenizer.eos_token_id) and state.finished
+
+
+@pytest.mark.parametrize(
+    ("schema", "valid", "invalid"),
+    [
+        # xgrammar read an optional group ending in a repeat as if its start were optional too
+        ({"type": "string", "pattern": "^a(x[0-9]{1,3})?b$"}, ["ab", "ax12b"], ["a1b", "axb"]),
+        ({"type": "string", "pattern": "^v(-rc[0-9]+)?$"}, ["v", "v-rc12"], ["v12", "vrc1"]),
+        ({"type": "string", "format": "ipv4"}, ["10.0.0.1", "255.255.255.255"], ["010.0.0.1", "1.2.3.256"]),
+        ({"type": "string", "format": "hostname"}, ["a.example", "x-1"], ["a" * 64 + ".com", "-a.com"]),
+        ({"type": "string", "format": "date"}, ["2024-02-29", "2000-02-29"], ["2023-02-29", "2023-04-31"]),
+        ({"type": "string", "format": "date-time"}, ["2024-01-01T00:00:00.5Z", "2024-02-29T23:59:59+05:30"],
+         ["2024-01-01T00:00:005Z", "1900-02-29T00:00:00Z"]),
+    ],
+)  # fmt: skip
+def test_patterns_and_formats_take_exactly_their_strings(
+    llm: LLM, schema: dict[str, Any], valid: list[str], invalid: list[str]
+) -> None:
+    """Each valid string (checked by Python's re, ipaddress, datetime first) is a complete output; no
+    invalid one is."""
+    for text in valid:
+        assert validate(text, schema) and _takes(llm, _spec(json=schema), json.dumps(text)), text
+    for text in invalid:
+        assert not validate(text, schema) and not _takes(llm, _spec(json=schema), json.dumps(text)), text
+
+
+@pytest.mark.parametrize("regex", ["a$b", "a^b", "(a$)b", "x(^y)", "a*^b"])
+def test_an_anchor_inside_a_regex_is_refused(llm: LLM, regex: str) -> None:
+    """xgrammar ignores anchors inside a regex: "a$b", which nothing matches, finished "stop" with "ab"."""
+    with pytest.raises(InvalidRequestError, match=r"not supported: .*anchors inside a regex") as info:
+        llm.engine.grammars.compile(_spec(regex=regex))
+    assert info.value.field == "regex"
+    for fine in ("^ab$", "^(a|b)+$", "^a$|^b$", "[$^]x"):
+        llm.engine.grammars.compile(_spec(regex=fine))

@@ -22,6 +22,7 @@ import math
 import re
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -48,6 +49,25 @@ _UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchem
 # ignores them (any JSON value may come out).
 _NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 _STRING_KEYWORDS = ("minLength", "maxLength", "pattern", "format")
+# Formats whose xgrammar rule lets out invalid strings, as patterns that hold only valid ones: ipv4 took
+# leading zeros ("004.163.088.191"), hostname labels past 63 characters and names past 253, date (and
+# date-time) days a month does not have ("2023-02-29"). The hostname pattern takes up to four labels (the
+# last at most 61 characters, so no name passes 253), date-time an upper-case T and Z, no leap second.
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_LAST_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,59}[A-Za-z0-9])?"
+_LEAP_YEAR = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DATE = (
+    r"([0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])|[0-9]{4}-(0[13-9]|1[0-2])-(29|30)"
+    rf"|[0-9]{{4}}-(0[13578]|1[02])-31|{_LEAP_YEAR}-02-29)"
+)
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_FORMAT_PATTERNS = {
+    "ipv4": rf"^{_OCTET}(\.{_OCTET}){{3}}$",
+    "hostname": rf"^({_LABEL}\.){{0,3}}{_LAST_LABEL}$",
+    "date": rf"^{_DATE}$",
+    "date-time": rf"^{_DATE}T{_TIME}$",
+}
 _MAX_INTEGER_STEP = 1024  # the largest multipleOf xgrammar enforces on integers (it drops larger ones)
 # The widest range (largest - least allowed integer) whose multipleOf xgrammar enforces; it drops one between
 # bounds further apart, and one beside a single bound.
@@ -73,14 +93,16 @@ _JSON_TYPES: dict[str, Any] = {
 }
 
 
-def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
+def _schema_for_xgrammar(schema: Any, path: str = "#", root: Any = None) -> Any:
     """`schema` (parsed JSON) as xgrammar should compile it: InvalidRequestError for a keyword, or a
     combination, that xgrammar would silently drop (its outputs could then break the schema), and with what
     xgrammar's strict mode (no properties or items beyond those the schema names) would make unsatisfiable
     opened again: an object's minProperties beyond its properties, an array's minItems beyond its
-    prefixItems, where the schema leaves additional ones unsaid (JSON Schema then allows any)."""
+    prefixItems, where the schema leaves additional ones unsaid (JSON Schema then allows any). `root`: the
+    whole schema, which `$ref`s point into (default: `schema`)."""
     if not isinstance(schema, dict):
         return schema  # booleans, and what xgrammar refuses itself
+    root = schema if root is None else root
 
     def refuse(why: str) -> InvalidRequestError:
         return InvalidRequestError(
@@ -107,6 +129,15 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
             raise invalid(f"{key!r} must be a non-negative integer, got {count}")
     if schema.get("type") == []:
         raise invalid("'type' must name at least one type")
+    branches = schema.get("oneOf")
+    if isinstance(branches, list) and not _apart(branches, root):
+        # xgrammar takes oneOf as anyOf: an output matching two branches would break it
+        # ({"oneOf": [{"type": "integer"}, {"type": "number"}]} gave 2004).
+        raise refuse(
+            "'oneOf' whose branches a value could match together (structured outputs take it as anyOf); "
+            "use anyOf, or branches of different types, of different literal values, or objects told apart "
+            "by a required property's const"
+        )
     ref = schema.get("$ref")
     if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
         # xgrammar resolves JSON pointers into this schema only, and takes any other $ref (another
@@ -187,6 +218,18 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
     for key in ("pattern", "format"):
         if key in schema and lengths and "string" in kinds:
             raise refuse(f"{key!r} beside {lengths}")
+    written = _FORMAT_PATTERNS.get(schema["format"]) if isinstance(schema.get("format"), str) else None
+    if written is not None and "string" in kinds:
+        if "pattern" in schema:
+            raise refuse(f"'format' {schema['format']!r} beside 'pattern'")
+        out.pop("format")
+        out["pattern"] = written
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = _optional_groups_counted(out["pattern"])
+    if isinstance(out.get("patternProperties"), dict):
+        out["patternProperties"] = {
+            _optional_groups_counted(str(name)): sub for name, sub in out["patternProperties"].items()
+        }
     # Strict mode: what the schema leaves unsaid is not allowed, unless that leaves nothing.
     min_props, props = schema.get("minProperties"), schema.get("properties", {})
     if (
@@ -219,7 +262,8 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {
-                name: _schema_for_xgrammar(sub, f"{path}/{key}/{name}") for name, sub in out[key].items()
+                name: _schema_for_xgrammar(sub, f"{path}/{key}/{name}", root)
+                for name, sub in out[key].items()
             }
     for key in _SUBSCHEMAS:
         if key in schema:
@@ -227,10 +271,10 @@ def _schema_for_xgrammar(schema: Any, path: str = "#") -> Any:
             if key == "propertyNames" and isinstance(sub, dict) and "type" not in sub:
                 # a name is a string: its string keywords need no type (xgrammar enforces them there)
                 sub = {**sub, "type": "string"} if any(k in sub for k in _STRING_KEYWORDS) else sub
-            out[key] = _schema_for_xgrammar(sub, f"{path}/{key}")
+            out[key] = _schema_for_xgrammar(sub, f"{path}/{key}", root)
     for key in ("prefixItems", "anyOf", "oneOf", "allOf"):
         if isinstance(schema.get(key), list):
-            out[key] = [_schema_for_xgrammar(s, f"{path}/{key}/{i}") for i, s in enumerate(schema[key])]
+            out[key] = [_schema_for_xgrammar(s, f"{path}/{key}/{i}", root) for i, s in enumerate(schema[key])]
     return out
 
 
@@ -312,12 +356,95 @@ def _pattern_problem(pattern: str) -> str | None:
 
 
 def _regex_problem(regex: str) -> str | None:
-    """Why xgrammar would not enforce `regex` as written (an escape it reads as a letter), else None."""
+    """Why xgrammar would not enforce `regex` as written (an escape it reads as a letter, an anchor inside
+    it), else None."""
     for match in _PATTERN_TOKEN.finditer(regex):
         token = match.group()
         if len(token) == 2 and token[0] == "\\" and token[1] in _LITERAL_ESCAPES:
             return f"the escape '{token}', which xgrammar would match as the letter '{token[1]}'"
+    return _anchor_problem(regex)
+
+
+_GROUP_PREFIX = re.compile(r"\?(?::|P?<[A-Za-z_][A-Za-z0-9_]*>|<?[=!])")  # after "(": (?:, (?P<n>, (?=, (?<!
+_QUANTIFIER = re.compile(r"[*+?]\??|\{\d*(?:,\d*)?\}\??")
+
+
+@dataclass
+class _Alternative:
+    """Where a scan of a regex stands in the current alternative of a group: whether the group can only
+    begin at the text's start, whether the alternative matched a character yet, whether it passed a `$`;
+    and whether any of the group's alternatives did the last two (for what follows the group)."""
+
+    at_start: bool
+    consumed: bool = False
+    ended: bool = False
+    any_consumed: bool = False
+    any_ended: bool = False
+
+
+def _anchor_problem(regex: str) -> str | None:
+    """A `^` after what can match a character, or a `$` before it: xgrammar ignores anchors (it matches
+    whole texts), so `a$b` let "ab" out where nothing can match. Anchors where they mean nothing more than
+    the text's ends, as in `^(a|b)$` or `^a$|^b$`, are fine."""
+    frames = [_Alternative(at_start=True)]
+    pos, in_class = 0, False
+    while pos < len(regex):
+        match = _PATTERN_TOKEN.match(regex, pos)
+        assert match is not None  # the pattern takes any character
+        token, pos = match.group(), match.end()
+        top = frames[-1]
+        if in_class:
+            in_class = token != "]"
+            continue
+        if token in ("(", "(?=", "(?!"):
+            if token == "(" and (prefix := _GROUP_PREFIX.match(regex, pos)):
+                pos = prefix.end()
+            frames.append(_Alternative(at_start=top.at_start and not top.consumed, ended=top.ended))
+            continue
+        if token == ")" and len(frames) > 1:
+            done = frames.pop()
+            frames[-1].consumed |= done.any_consumed or done.consumed
+            frames[-1].ended |= done.any_ended or done.ended
+            continue
+        if token == "|":
+            top.any_consumed |= top.consumed
+            top.any_ended |= top.ended
+            outer_ended = frames[-2].ended if len(frames) > 1 else False
+            top.consumed, top.ended = False, outer_ended
+            continue
+        if token == "^":
+            if not top.at_start or top.consumed:
+                return "a '^' after what matches a character (xgrammar ignores anchors inside a regex)"
+            continue
+        if token == "$":
+            top.ended = True
+            continue
+        if quantifier := _QUANTIFIER.match(regex, match.start()):
+            pos = quantifier.end()
+            continue
+        if top.ended:
+            return "a '$' before what matches a character (xgrammar ignores anchors inside a regex)"
+        top.consumed = True
+        in_class = token.startswith("[")
     return None
+
+
+def _optional_groups_counted(pattern: str) -> str:
+    """`pattern` with each optional group `(...)?` written `(...){0,1}`: xgrammar's JSON-schema patterns
+    read an optional group that ends in a repeat as if its start were optional too (`^a(xy+)?b$` took
+    "ayb", the date-time fraction `(\\.[0-9]{1,9})?` took digits without their dot); counted, it is right."""
+    out: list[str] = []
+    in_class = False
+    for match in _PATTERN_TOKEN.finditer(pattern):
+        token = match.group()
+        if in_class:
+            in_class = token != "]"
+        elif token.startswith("["):
+            in_class = True
+        elif token == "?" and out and out[-1] == ")":
+            token = "{0,1}"
+        out.append(token)
+    return "".join(out)
 
 
 def _dot_without_newline(regex: str) -> str:
@@ -356,6 +483,101 @@ def _name_fits(name: str, names_schema: dict[str, Any]) -> bool:
         return pattern is None or re.search(pattern, name) is not None
     except (re.error, TypeError):
         return False
+
+
+def _resolved(schema: Any, root: Any) -> Any:
+    """`schema` with its `$ref` (a JSON pointer into `root`) followed, through chains; None where a pointer
+    leads nowhere or the chain loops."""
+    for _ in range(32):
+        if not (isinstance(schema, dict) and isinstance(schema.get("$ref"), str)):
+            return schema
+        target = root
+        for part in schema["$ref"].removeprefix("#").split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                return None
+        schema = target
+    return None
+
+
+def _literal_values(schema: dict[str, Any]) -> list[Any] | None:
+    """The values a `const` or `enum` schema allows (None: not such a schema)."""
+    if "const" in schema:
+        return [schema["const"]]
+    values = schema.get("enum")
+    return values if isinstance(values, list) else None
+
+
+def _types(schema: dict[str, Any]) -> set[str] | None:
+    """The JSON types a schema's values can have, "integer" counted as "number" (None: it does not say)."""
+    values = _literal_values(schema)
+    if values is not None:
+        order = ("null", "boolean", "string", "array", "object", "number")
+        named: list[Any] = [next((k for k in order if _JSON_TYPES[k](v)), None) for v in values]
+    else:
+        kind = schema.get("type")
+        named = kind if isinstance(kind, list) else [kind]
+    if not named or not all(isinstance(k, str) and k in _JSON_TYPES for k in named):
+        return None
+    return {"number" if k == "integer" else str(k) for k in named}
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """JSON equality: 1 and 1.0 are the same number, true is not 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    return type(a) is type(b) and bool(a == b)
+
+
+def _disjoint_values(a: list[Any], b: list[Any]) -> bool:
+    return not any(_same_value(x, y) for x in a for y in b)
+
+
+def _discriminated(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two object schemas both require a property whose literal values differ between them."""
+    props_a, props_b = a.get("properties"), b.get("properties")
+    required_a, required_b = a.get("required"), b.get("required")
+    if not (isinstance(props_a, dict) and isinstance(props_b, dict)):
+        return False
+    if not (isinstance(required_a, list) and isinstance(required_b, list)):
+        return False
+    for name in set(map(str, required_a)) & set(map(str, required_b)):
+        sub_a, sub_b = props_a.get(name), props_b.get(name)
+        values_a = _literal_values(sub_a) if isinstance(sub_a, dict) else None
+        values_b = _literal_values(sub_b) if isinstance(sub_b, dict) else None
+        if values_a is not None and values_b is not None and _disjoint_values(values_a, values_b):
+            return True
+    return False
+
+
+def _apart(branches: list[Any], root: Any) -> bool:
+    """Whether no JSON value can match two of `branches` (oneOf's promise), as far as their types, their
+    literal values, or a required property with literal values tell them apart."""
+    schemas = [_resolved(b, root) for b in branches]
+    if not all(isinstance(s, dict) for s in schemas):
+        return len(schemas) == 1 and schemas[0] is not None
+    for i, a in enumerate(schemas):
+        for b in schemas[i + 1 :]:
+            types_a, types_b = _types(a), _types(b)
+            if types_a is not None and types_b is not None and not types_a & types_b:
+                continue
+            values_a, values_b = _literal_values(a), _literal_values(b)
+            if values_a is not None and values_b is not None and _disjoint_values(values_a, values_b):
+                continue
+            if _discriminated(a, b):
+                continue
+            return False
+    return True
 
 
 def _literals_of(branches: Any, kinds: set[Any]) -> bool:

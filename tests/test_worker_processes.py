@@ -20,7 +20,10 @@ import pytest
 from conftest import hf_greedy
 from test_faults import alive, wait_gone
 
+from tp_runtime import LLM
 from tp_runtime.config import CacheConfig, EngineConfig, ParallelConfig, build_model_config
+from tp_runtime.errors import WorkerDiedError
+from tp_runtime.messages import PROTOCOL
 from tp_runtime.worker.process import SpawnArgs, encode_spawn_args, read_spawn_args
 
 pytestmark = pytest.mark.slow
@@ -171,6 +174,7 @@ def test_spawn_args_round_trip(checkpoint: Path) -> None:
     args = SpawnArgs(
         config=config, rank=1, local_rank=1, broadcast="ipc:///tmp/x/b", results="ipc:///tmp/x/r",
         heartbeat=None, max_broadcast_bytes=1 << 20, key=os.urandom(32), init_method="file:///tmp/x/s",
+        protocol=PROTOCOL,
     )  # fmt: skip
     frame = encode_spawn_args(args)
     r, w = os.pipe()
@@ -186,3 +190,16 @@ def test_spawn_args_round_trip(checkpoint: Path) -> None:
     assert isinstance(decoded.config.model.rope.inv_freq, tuple)
     assert decoded.config.model.rope == model.rope
     assert isinstance(decoded.config.model.eos_token_ids, tuple)
+
+
+def test_a_worker_of_other_code_is_refused_at_start(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers whose messages' layout differs from their driver's (another version of the package, or files
+    changed since the driver started) exit at once, and LLM() says why, rather than reading every field of
+    the driver's msgpack arrays wrongly. The driver here claims another layout; the workers compute theirs."""
+    from tp_runtime.executor import multiproc
+
+    monkeypatch.setattr(multiproc, "PROTOCOL", "0" * len(PROTOCOL))
+    with pytest.raises(WorkerDiedError, match="driver-worker messages differ from the driver's"):
+        LLM(str(checkpoint), tensor_parallel_size=2, device="cpu", dtype="float32")

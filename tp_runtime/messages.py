@@ -7,6 +7,7 @@ the sampled tokens themselves, on the device (every rank samples the same tokens
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Literal
 
 import msgspec
@@ -163,3 +164,14 @@ class WorkerReply(msgspec.Struct, array_like=True):
     error: str | None = None
     # A ConfigError's message (a checkpoint or config the user must fix): the driver raises it as one.
     config_error: str | None = None
+
+
+def _layout_digest() -> str:
+    """A digest of the layout of every message above (each field, its type and place): msgpack arrays carry
+    no field names, so a driver and a worker of different code would read each other's fields wrongly
+    without a word. They compare it at start-up (SpawnArgs, and under torchrun across the ranks)."""
+    _, components = msgspec.json.schema_components((DriverMessage, WorkerReply))
+    return hashlib.sha256(msgspec.json.encode(components, order="sorted")).hexdigest()[:16]
+
+
+PROTOCOL = _layout_digest()

@@ -29,6 +29,7 @@ from tp_runtime.executor.base import T, size_kv_cache
 from tp_runtime.executor.remote import INTERRUPTED_MESSAGE, RemoteWorkers
 from tp_runtime.ipc import DriverChannel, ipc_channel, message_limits
 from tp_runtime.messages import (
+    PROTOCOL,
     ControlCall,
     ExecuteModel,
     Flush,
@@ -37,7 +38,12 @@ from tp_runtime.messages import (
     SchedulerOutput,
     Shutdown,
 )
-from tp_runtime.worker.process import SpawnArgs, encode_spawn_args
+from tp_runtime.worker.process import (
+    PROTOCOL_MISMATCH,
+    PROTOCOL_MISMATCH_EXIT,
+    SpawnArgs,
+    encode_spawn_args,
+)
 
 
 def _process_state(pid: int | None) -> str | None:
@@ -97,7 +103,7 @@ class _SpawnedWorkers(RemoteWorkers):
                     config=self.config, rank=rank, local_rank=rank, broadcast=channel.broadcast_addr,
                     results=channel.results_addr, heartbeat=channel.watchdog.address,
                     max_broadcast_bytes=message_limits(self.config)[0], key=channel.key,
-                    init_method=init_method, die_with_parent=die_with_parent,
+                    init_method=init_method, die_with_parent=die_with_parent, protocol=PROTOCOL,
                 )
             )  # fmt: skip
             # A session of its own: a Ctrl-C at the terminal (SIGINT to the foreground process group)
@@ -119,6 +125,8 @@ class _SpawnedWorkers(RemoteWorkers):
         while True:
             for rank, proc in enumerate(self.procs):
                 code = proc.poll()
+                if code == PROTOCOL_MISMATCH_EXIT:
+                    raise WorkerDiedError(rank, f"it {PROTOCOL_MISMATCH}")
                 if code is not None:
                     detail = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
                     raise WorkerDiedError(rank, f"{detail}; the engine is shutting the other workers down")

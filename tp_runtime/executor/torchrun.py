@@ -35,6 +35,7 @@ from tp_runtime.executor.base import PendingSteps, T, size_kv_cache
 from tp_runtime.executor.remote import INTERRUPTED_MESSAGE, RemoteWorkers
 from tp_runtime.ipc import QUIET_S, DriverChannel, ipc_channel, message_limits
 from tp_runtime.messages import (
+    PROTOCOL,
     ControlCall,
     ExecuteModel,
     GrammarMask,
@@ -333,6 +334,13 @@ def _agree_and_load(
     broadcast_addr, results_addr, heartbeat_addr, nonce_hex, check_hex = (
         worker.tp.broadcast_bytes(payload, worker.device).decode().split("\n")
     )
+    # Every rank must speak rank 0's messages: msgpack arrays of another layout decode into wrong fields.
+    rank0_protocol = worker.tp.broadcast_bytes(PROTOCOL.encode(), worker.device).decode()
+    if worker.tp.all_reduce_min_int(int(rank0_protocol == PROTOCOL), worker.device) == 0:
+        raise ConfigError(
+            "the ranks of this torchrun job run tp_runtime code whose driver-worker messages differ (another "
+            "version of the package on some node); install the same version on every node"
+        )
     # Every rank must run the engine rank 0's driver schedules for: other engine arguments on one rank
     # (a seed, a dtype, a block size) would give wrong tokens or a hang, never an error.
     differs = _differing_settings(config, worker)

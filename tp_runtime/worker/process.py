@@ -26,6 +26,7 @@ import threading
 import msgspec
 
 from tp_runtime.config import EngineConfig
+from tp_runtime.messages import PROTOCOL
 
 _LENGTH = struct.Struct(">I")
 # Far above any config (the largest part is the rope frequencies); a bound so a bad length cannot make the
@@ -46,6 +47,23 @@ class SpawnArgs(msgspec.Struct, frozen=True):
     # The driver's pid when it spawned the worker from its main thread (which lives as long as the
     # driver): the worker then asks the kernel for a signal when its parent dies. None: not asked.
     die_with_parent: int | None = None
+    # The driver's messages.PROTOCOL: a worker whose own differs exits with PROTOCOL_MISMATCH_EXIT.
+    protocol: str = ""
+
+
+class _Protocol(msgspec.Struct):
+    """The one field of a start-up frame read before the rest, whatever else the frame's layout holds."""
+
+    protocol: str = ""
+
+
+# A worker's exit status when its messages' layout differs from its driver's (another version of the code).
+PROTOCOL_MISMATCH_EXIT = 3
+PROTOCOL_MISMATCH = (
+    "runs tp_runtime code whose driver-worker messages differ from the driver's (another version of the "
+    "package, or its files changed since the driver started); restart the program so that both load the "
+    "same code"
+)
 
 
 def encode_spawn_args(args: SpawnArgs) -> bytes:
@@ -70,7 +88,14 @@ def read_spawn_args(fd: int) -> SpawnArgs:
     (length,) = _LENGTH.unpack(_read_exactly(fd, _LENGTH.size))
     if length > _MAX_FRAME_BYTES:
         raise ValueError(f"spawn frame of {length} bytes (at most {_MAX_FRAME_BYTES})")
-    return msgspec.msgpack.decode(_read_exactly(fd, length), type=SpawnArgs)
+    body = _read_exactly(fd, length)
+    if msgspec.msgpack.decode(body, type=_Protocol).protocol != PROTOCOL:
+        raise ProtocolMismatch
+    return msgspec.msgpack.decode(body, type=SpawnArgs)
+
+
+class ProtocolMismatch(Exception):
+    """The driver's messages.PROTOCOL is not this worker's."""
 
 
 def _ipc_folder(address: str) -> str | None:
@@ -116,6 +141,9 @@ def main() -> None:
     stdin = sys.stdin.fileno()
     try:
         args = read_spawn_args(stdin)
+    except ProtocolMismatch:
+        print(f"tp-runtime worker: this worker {PROTOCOL_MISMATCH}", file=sys.stderr, flush=True)
+        os._exit(PROTOCOL_MISMATCH_EXIT)
     except (EOFError, OSError, ValueError, msgspec.DecodeError) as exc:
         print(f"tp-runtime worker: bad start-up frame from the driver: {exc}", file=sys.stderr, flush=True)
         os._exit(1)

@@ -247,8 +247,10 @@ class DriverChannel:
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.MAXMSGSIZE, max_reply_bytes + FRAME_OVERHEAD)
         # Few messages queued per connection (libzmq's default is 1000 of up to MAXMSGSIZE each): a peer
-        # that floods the socket holds little memory, and a rank's sends wait instead (it has at most a
-        # few replies out: two steps in flight, a control call, an error).
+        # that floods the socket holds at most _REPLIES_QUEUED frames, and a rank's sends wait instead (it
+        # has at most a few replies out: two steps in flight, a control call, an error). The bound is per
+        # connection, and libzmq caps no count of them: on ipc only this user's processes can connect
+        # (the folder is 0700), over TCP only holders of the job's key (CurveZMQ refuses others).
         self.pull.setsockopt(zmq.RCVHWM, _REPLIES_QUEUED)
         secure_server(self.pub, broadcast_addr, key)
         secure_server(self.pull, results_addr, key)

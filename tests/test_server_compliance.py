@@ -154,3 +154,25 @@ def test_a_text_part_without_its_text_is_named_as_such(url: str, part: dict[str,
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "messages" and "text content part needs its text" in error["message"], error
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(url: str) -> None:
+    """vLLM's truncate_prompt_tokens: the completion of the last k prompt tokens, counted as k prompt tokens,
+    echoed as the model read them; -1 is max_model_len; more is a 400 naming the field."""
+    ids = [5, 6, 7, 8, 9, 10, 11]
+    base = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    echo = {**base, "echo": True}
+    cut = _post(url, "/v1/completions", {**echo, "prompt": ids, "truncate_prompt_tokens": 3}).json()
+    alone = _post(url, "/v1/completions", {**echo, "prompt": ids[-3:]}).json()
+    assert cut["usage"]["prompt_tokens"] == 3 and cut["choices"][0]["text"] == alone["choices"][0]["text"]
+    whole = _post(url, "/v1/completions", {**base, "prompt": ids, "truncate_prompt_tokens": -1}).json()
+    assert whole["usage"]["prompt_tokens"] == len(ids)
+    chat = _post(url, "/v1/chat/completions", {**base, "messages": MESSAGES}).json()
+    n = chat["usage"]["prompt_tokens"]
+    chat_body = {**base, "messages": MESSAGES, "truncate_prompt_tokens": n - 1}
+    short = _post(url, "/v1/chat/completions", chat_body)
+    assert short.json()["usage"]["prompt_tokens"] == n - 1, short.text
+    for keep, status in ((257, 400), (0, 400), (1.5, 400)):
+        response = _post(url, "/v1/completions", {**base, "prompt": ids, "truncate_prompt_tokens": keep})
+        assert response.status_code == status, response.text
+        assert response.json()["error"]["param"] == "truncate_prompt_tokens", response.text

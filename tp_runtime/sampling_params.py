@@ -99,6 +99,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: only these token ids may be sampled (None: any).
     allowed_token_ids: list[int] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: max_model_len of them); None: the whole prompt.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -190,6 +192,12 @@ class SamplingParams:
                 raise bad(
                     f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {wrong!r}"
                 )
+        k = self.truncate_prompt_tokens
+        if k is not None and (not is_int(k) or not (k >= 1 or k == -1)):
+            raise bad(
+                f"truncate_prompt_tokens must be None, -1 (max_model_len) or an int >= 1 (the prompt's last "
+                f"tokens to keep), got {k!r}"
+            )
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
@@ -209,3 +217,20 @@ class SamplingParams:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def truncated_prompt(prompt_ids: Any, keep: int | None, max_model_len: int) -> Any:
+    """`prompt_ids` as `truncate_prompt_tokens=keep` asks (vLLM's): its last `keep` tokens, -1 meaning
+    max_model_len of them, None all; InvalidRequestError when keep passes max_model_len (as vLLM says it).
+    Anything but a list or tuple is returned as it is, for the prompt's own checks to name."""
+    if keep is None:
+        return prompt_ids
+    if keep == -1:
+        keep = max_model_len
+    if keep > max_model_len:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_model_len}). Please, "
+            "select a smaller truncation size.",
+            "truncate_prompt_tokens",
+        )
+    return prompt_ids[-keep:] if isinstance(prompt_ids, (list, tuple)) else prompt_ids

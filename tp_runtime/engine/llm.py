@@ -16,7 +16,7 @@ from tp_runtime.engine.args import EngineArgs
 from tp_runtime.engine.llm_engine import LLMEngine, best_samples, child_params
 from tp_runtime.errors import ConfigError, EngineClosedError, InvalidRequestError
 from tp_runtime.outputs import RequestOutput
-from tp_runtime.sampling_params import SamplingParams
+from tp_runtime.sampling_params import SamplingParams, truncated_prompt
 from tp_runtime.server.tool_calls import template_tool_call
 
 PromptType = str | dict[str, Any]
@@ -314,6 +314,8 @@ class LLM:
                 if not shared:
                     self.engine.validate_params(params)
                 text, ids = self._prompt_ids(prompt)
+                max_len = self.engine.config.model.max_model_len
+                ids = truncated_prompt(ids, params.truncate_prompt_tokens, max_len)
                 encoded.append((text, self.engine._validate_prompt(ids)))
             except InvalidRequestError as exc:
                 if len(prompts) == 1:

@@ -28,7 +28,7 @@ from tp_runtime.errors import ConfigError, InvalidRequestError
 from tp_runtime.executor.base import Executor, make_executor
 from tp_runtime.messages import GrammarMask, ModelRunnerOutput, RequestSampling, SchedulerOutput
 from tp_runtime.outputs import CompletionOutput, Logprob, RequestOutput
-from tp_runtime.sampling_params import SamplingParams
+from tp_runtime.sampling_params import SamplingParams, truncated_prompt
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -445,7 +445,10 @@ class LLMEngine:
 
     def check_request(self, prompt_ids: Any, params: Any) -> list[int]:
         """The checks `add_request` makes, without adding anything (they read only the configuration, so
-        any thread may call this); returns the prompt ids as a list. Raises InvalidRequestError."""
+        any thread may call this); returns the prompt ids as a list, truncated as the request's
+        truncate_prompt_tokens asks. Raises InvalidRequestError."""
+        keep = getattr(params, "truncate_prompt_tokens", None)
+        prompt_ids = truncated_prompt(prompt_ids, keep, self.config.model.max_model_len)
         prompt_ids = self._validate_prompt(prompt_ids)
         self.validate_params(params)
         if params.samples != 1:

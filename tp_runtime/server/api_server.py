@@ -55,7 +55,7 @@ from tp_runtime.engine.llm import template_variables
 from tp_runtime.engine.llm_engine import child_params
 from tp_runtime.errors import EngineClosedError, InvalidRequestError, TPRuntimeError
 from tp_runtime.outputs import CompletionOutput, RequestMetrics
-from tp_runtime.sampling_params import SamplingParams, StructuredOutputsParams
+from tp_runtime.sampling_params import SamplingParams, StructuredOutputsParams, truncated_prompt
 from tp_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from tp_runtime.server.openai_format import (
     DONE,
@@ -357,6 +357,19 @@ class _Context:
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.field) from None
 
+    def truncated(self, body: SamplingFields, ids: list[int]) -> list[int]:
+        """The prompt as the request's truncate_prompt_tokens (vLLM's) leaves it: its last tokens."""
+        keep = body.truncate_prompt_tokens
+        if keep is not None and not (keep >= 1 or keep == -1):
+            raise bad_request(
+                f"truncate_prompt_tokens must be -1 (max_model_len) or an int >= 1, got {keep}",
+                "truncate_prompt_tokens",
+            )
+        try:
+            return list(truncated_prompt(ids, keep, self.max_model_len))
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), "truncate_prompt_tokens") from None
+
     def max_tokens(self, requested: int | None, prompt_len: int, param: str, prompt_param: str) -> int:
         """The output budget, with vLLM's messages for a request that does not fit the context: the request's
         (None: the rest of the context), at most the model's default max_tokens (its generation config's
@@ -437,7 +450,8 @@ class _Context:
         # Before any prompt is tokenized: a request for too many choices is refused at no cost.
         many = isinstance(body.prompt, list) and not all(isinstance(p, int) for p in body.prompt)
         check_choices(len(body.prompt) if many else 1, body.n)
-        prompts = self.completion_prompts(body.prompt, body.add_special_tokens)
+        whole = self.completion_prompts(body.prompt, body.add_special_tokens)
+        prompts = [self.truncated(body, ids) for ids in whole]
         # echo with max_tokens 0 (the prompt alone, as vLLM serves it): the engine makes one token that the
         # response leaves out (CompletionFormat.prompt_only).
         prompt_only = body.echo and body.max_tokens == 0
@@ -460,10 +474,14 @@ class _Context:
         echoes = None
         if body.echo:
             given = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+            # A text prompt echoes as given (unless truncate_prompt_tokens cut it: then as the model read it).
             per_prompt = [
-                Echo(text, self.added_in_front if body.add_special_tokens else 0) if isinstance(text, str)
+                Echo(text, self.added_in_front if body.add_special_tokens else 0)
+                if isinstance(text, str) and len(ids) == len(full)
                 else Echo(self.tokenizer.decode(ids, skip_special_tokens=False), 0)
-                for text, ids in zip(given if len(given) == len(prompts) else [None], prompts, strict=True)
+                for text, ids, full in zip(
+                    given if len(given) == len(prompts) else [None], prompts, whole, strict=True
+                )
             ]  # fmt: skip
             echoes = [per_prompt[k // body.n] for k in range(len(requests))]
         return body, requests, sum(map(len, prompts)), echoes
@@ -484,6 +502,7 @@ class _Context:
         plan = self.tool_plan(body)
         # No plan (no tools, or `tools: []`): the tools as given, as /tokenize and vLLM pass them.
         ids = self.chat_prompt(body, body.tools if plan is None else plan.template_tools(body.tools or []))
+        ids = self.truncated(body, ids)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -190,6 +190,7 @@ def sampling_params(
             repetition_penalty=given(body.repetition_penalty, 1.0, "repetition_penalty"),
             logit_bias=bias,
             allowed_token_ids=list(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
     except InvalidRequestError as exc:
         message = str(exc).removeprefix("invalid SamplingParams: ")

@@ -333,11 +333,22 @@ def test_bad_prompt_in_a_batch_rejects_the_whole_batch_up_front(llm: LLM) -> Non
         llm.generate([PROBE, {"prompt_token_ids": [1, VOCAB]}], GREEDY4, use_tqdm=False)
 
 
-@pytest.mark.parametrize("prompt", ["", {"prompt_token_ids": []}], ids=["empty_str", "empty_ids"])
-def test_empty_prompt(llm: LLM, prompt: Any) -> None:
+def test_empty_prompt(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="empty") as info:
-        llm.generate(prompt, GREEDY4, use_tqdm=False)
+        llm.generate({"prompt_token_ids": []}, GREEDY4, use_tqdm=False)
     assert "at least one" in str(info.value)
+
+
+def test_an_empty_text_is_the_tokenizers_bos(llm: LLM) -> None:
+    """As in vLLM, "" is the prompt its encoding gives (a BOS here), not an error; an output with request
+    ids unique over the LLM's life (vLLM's), and finished() as vLLM's CompletionOutput has it."""
+    bos = llm.get_tokenizer()("")["input_ids"]
+    assert bos, "this test needs a tokenizer that puts a BOS in front"
+    first, again = (llm.generate(["", PROBE], GREEDY4, use_tqdm=False) for _ in range(2))
+    assert first[0].prompt_token_ids == bos and len(first[0].outputs[0].token_ids) == 4
+    assert first[0].outputs[0].finished() and again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    ids = [out.request_id for out in first + again]
+    assert len(set(ids)) == 4, ids
 
 
 @pytest.mark.parametrize("bad", [1.5, "a", True, None, [3]], ids=repr)

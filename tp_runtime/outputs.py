@@ -27,6 +27,9 @@ class CompletionOutput:
     # One dict per generated token: token id -> Logprob (the sampled token plus the top `logprobs`).
     logprobs: list[dict[int, Logprob]] | None = None
 
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestMetrics:

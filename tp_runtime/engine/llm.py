@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import os
 import threading
 import time
@@ -114,6 +115,7 @@ class LLM:
         self.engine = LLMEngine(self.config, self.tokenizer)
         self._lock = threading.RLock()  # serializes generate/chat callers (see the class doc)
         self._closed = False
+        self._request_ids = itertools.count()  # RequestOutput.request_id: unique over this LLM's life
         # Shut the workers down at interpreter exit even if the user never calls shutdown().
         # A process forked from this one inherits this object, its exit hook and its finalizer: the
         # engine and its socket folder are not the child's to shut down (see shutdown).
@@ -171,9 +173,10 @@ class LLM:
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            if not prompt:
+            ids = self._encode(prompt)
+            if not ids:  # "" is a prompt where the tokenizer puts a BOS in front, as in vLLM
                 raise InvalidRequestError("the prompt is empty; give at least one character or token")
-            return prompt, self._encode(prompt)
+            return prompt, ids
         if isinstance(prompt, dict) and (unserved := sorted(map(str, prompt.keys() - _PROMPT_KEYS))):
             # vLLM's multi_modal_data and the like: refused, rather than generating as if they were not there.
             raise InvalidRequestError(
@@ -331,9 +334,10 @@ class LLM:
             self.engine.abort_all()
             raise
         results = [
-            RequestOutput(request_id=str(i), prompt=text, prompt_token_ids=list(ids), outputs=[])
-            for i, (text, ids) in enumerate(encoded)
-        ]
+            RequestOutput(request_id=str(next(self._request_ids)), prompt=text, prompt_token_ids=list(ids),
+                          outputs=[])
+            for text, ids in encoded
+        ]  # fmt: skip
         # Each engine request is one sample: its output goes into its prompt's, as sample j.
         for out in sorted(finished, key=lambda o: owners[o.request_id]):
             i, j = owners[out.request_id]

@@ -294,6 +294,19 @@ UNENFORCEABLE: list[Any] = [
     {"type": "string", "pattern": "a$b"},
     {"type": "string", "pattern": "^x(^y)"},
     {"type": "string", "format": "ipv4", "pattern": "^1"},  # (the format is written as a pattern)
+    # oneOf branches told apart by a const only where both are objects: null matched both of these
+    {"oneOf": [{"type": ["object", "null"], "properties": {"k": {"const": 1}}, "required": ["k"]},
+               {"type": ["object", "null"], "properties": {"k": {"const": 2}}, "required": ["k"]}]},
+    # what xgrammar misreads in a pattern: a control character (written raw: invalid JSON), a possessive
+    # quantifier, a class that begins with "]", an octal escape, an anchor in a repeated group, a
+    # character past U+FFFF
+    {"type": "string", "pattern": "^a\\nb$"},
+    {"type": "string", "pattern": "^[\\x00-\\x1f]$"},
+    {"type": "string", "pattern": "1*+1"},
+    {"type": "string", "pattern": "^[]a]$"},
+    {"type": "string", "pattern": "^\\01$"},
+    {"type": "string", "pattern": "^(a$)*$"},
+    {"type": "string", "pattern": "^\U0001F600$"},
 ]  # fmt: skip
 
 
@@ -381,7 +394,8 @@ def test_special_tokens_are_never_text_to_a_grammar(llm: LLM) -> None:
 
 
 def _takes(llm: LLM, spec: StructuredOutputsParams, text: str) -> bool:
-    """Whether the compiled constraint takes `text` as a whole output (its tokens, then EOS)."""
+    """Whether the compiled constraint takes `text` (a JSON text with its characters past ASCII as they are:
+    the grammar writes them so) as a whole output (its tokens, then EOS)."""
     grammars, tokenizer = llm.engine.grammars, llm.get_tokenizer()
     state = grammars.matcher(grammars.compile(spec))
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -399,6 +413,11 @@ def _takes(llm: LLM, spec: StructuredOutputsParams, text: str) -> bool:
         ({"type": "string", "format": "date"}, ["2024-02-29", "2000-02-29"], ["2023-02-29", "2023-04-31"]),
         ({"type": "string", "format": "date-time"}, ["2024-01-01T00:00:00.5Z", "2024-02-29T23:59:59+05:30"],
          ["2024-01-01T00:00:005Z", "1900-02-29T00:00:00Z"]),
+        # ECMA-262 reads "{ 1}" as text (xgrammar read it as a count); characters past ASCII and a "]"
+        # outside a class as themselves
+        ({"type": "string", "pattern": "^a{ 1}$"}, ["a{ 1}"], ["a"]),
+        ({"type": "string", "pattern": "^é[^é]]$"}, ["éa]", "éb]"], ["éé]", "a]"]),
+        ({"type": "string", "pattern": "^[А-Я]+$"}, ["АБ"], ["аб", "A"]),
     ],
 )  # fmt: skip
 def test_patterns_and_formats_take_exactly_their_strings(
@@ -407,16 +426,35 @@ def test_patterns_and_formats_take_exactly_their_strings(
     """Each valid string (checked by Python's re, ipaddress, datetime first) is a complete output; no
     invalid one is."""
     for text in valid:
-        assert validate(text, schema) and _takes(llm, _spec(json=schema), json.dumps(text)), text
+        assert validate(text, schema), text
+        assert _takes(llm, _spec(json=schema), json.dumps(text, ensure_ascii=False)), text
     for text in invalid:
-        assert not validate(text, schema) and not _takes(llm, _spec(json=schema), json.dumps(text)), text
+        assert not validate(text, schema), text
+        assert not _takes(llm, _spec(json=schema), json.dumps(text, ensure_ascii=False)), text
 
 
-@pytest.mark.parametrize("regex", ["a$b", "a^b", "(a$)b", "x(^y)", "a*^b"])
+@pytest.mark.parametrize("pattern", ["^é.$", ".]", "^[^é]$", '^["é]$', "^[^a]{2}$"])
+def test_a_pattern_never_lets_out_invalid_json(llm: LLM, pattern: str) -> None:
+    """A character past ASCII or a "]" in a pattern turned off xgrammar's JSON escaping for the whole
+    string: `^é.$` took a raw quote, `.]` a raw tab. No JSON string may hold a raw quote, backslash or
+    control character."""
+    spec = _spec(json={"type": "string", "pattern": pattern})
+    for inner in ('é"', "é\\", "é\t", '"]', "\t]", '"', "\\", '""', "\n\n"):
+        assert not _takes(llm, spec, f'"{inner}"'), (pattern, inner)
+
+
+@pytest.mark.parametrize("regex", ["a$b", "a^b", "(a$)b", "x(^y)", "a*^b", "(a$)*", "(^a)+", "(a$){2}"])
 def test_an_anchor_inside_a_regex_is_refused(llm: LLM, regex: str) -> None:
     """xgrammar ignores anchors inside a regex: "a$b", which nothing matches, finished "stop" with "ab"."""
     with pytest.raises(InvalidRequestError, match=r"not supported: .*anchors inside a regex") as info:
         llm.engine.grammars.compile(_spec(regex=regex))
     assert info.value.field == "regex"
-    for fine in ("^ab$", "^(a|b)+$", "^a$|^b$", "[$^]x"):
+    for fine in ("^ab$", "^(a|b)+$", "^a$|^b$", "[$^]x", "(^a)?b", "(a$){1}"):
         llm.engine.grammars.compile(_spec(regex=fine))
+
+
+def test_a_regex_class_that_begins_with_an_escaped_caret_is_refused(llm: LLM) -> None:
+    """xgrammar negated `[\\^a]` (it took "x" and refused "a"); `[a^]` means the same and is taken."""
+    with pytest.raises(InvalidRequestError, match="begins with an escaped"):
+        llm.engine.grammars.compile(_spec(regex="[\\^a]"))
+    assert _takes(llm, _spec(regex="[a^]"), "^") and not _takes(llm, _spec(regex="[a^]"), "x")

@@ -203,3 +203,30 @@ def test_a_worker_of_other_code_is_refused_at_start(
     monkeypatch.setattr(multiproc, "PROTOCOL", "0" * len(PROTOCOL))
     with pytest.raises(WorkerDiedError, match="driver-worker messages differ from the driver's"):
         LLM(str(checkpoint), tensor_parallel_size=2, device="cpu", dtype="float32")
+
+
+def test_the_layout_digest_sees_swapped_fields_and_not_docstrings(tmp_path: Path) -> None:
+    """messages.PROTOCOL changes when two fields of one type trade places (what decodes silently wrong),
+    and not under `python -OO` (docstrings gone) nor with another hash seed."""
+    import importlib.util
+
+    source = (Path(__file__).parents[1] / "tp_runtime" / "messages.py").read_text()
+    pair = "    temperature: float\n", "    top_p: float\n"
+    swapped = source.replace(pair[0] + pair[1], pair[1] + pair[0])
+    assert swapped != source
+    copy = tmp_path / "swapped_messages.py"
+    copy.write_text(swapped)
+    spec = importlib.util.spec_from_file_location("swapped_messages", copy)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["swapped_messages"] = module  # msgspec resolves the annotations through it
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["swapped_messages"]
+    assert module.PROTOCOL != PROTOCOL
+    code = "from tp_runtime.messages import PROTOCOL; print(PROTOCOL)"
+    for flags, seed in ((["-OO"], "0"), ([], "12345")):
+        out = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed})  # fmt: skip
+        assert out.stdout.strip() == PROTOCOL, (flags, seed)

@@ -11,6 +11,7 @@ import hashlib
 from typing import Any, Literal
 
 import msgspec
+import msgspec.inspect
 
 
 def first_outside(values: list[int], low: int, end: int) -> int | None:
@@ -170,8 +171,10 @@ def _layout_digest() -> str:
     """A digest of the layout of every message above (each field, its type and place): msgpack arrays carry
     no field names, so a driver and a worker of different code would read each other's fields wrongly
     without a word. They compare it at start-up (SpawnArgs, and under torchrun across the ranks)."""
-    _, components = msgspec.json.schema_components((DriverMessage, WorkerReply))
-    return hashlib.sha256(msgspec.json.encode(components, order="sorted")).hexdigest()[:16]
+    # msgspec's own description of the types: each struct's name, its fields' names, types, defaults and
+    # order, its tag and encoding (docstrings left out, so `python -OO` gives the same digest).
+    layout = repr(msgspec.inspect.multi_type_info([DriverMessage, WorkerReply]))
+    return hashlib.sha256(layout.encode()).hexdigest()[:16]
 
 
 PROTOCOL = _layout_digest()

@@ -225,10 +225,10 @@ def _schema_for_xgrammar(schema: Any, path: str = "#", root: Any = None) -> Any:
         out.pop("format")
         out["pattern"] = written
     if isinstance(out.get("pattern"), str):
-        out["pattern"] = _optional_groups_counted(out["pattern"])
+        out["pattern"] = _json_pattern_for_xgrammar(out["pattern"])
     if isinstance(out.get("patternProperties"), dict):
         out["patternProperties"] = {
-            _optional_groups_counted(str(name)): sub for name, sub in out["patternProperties"].items()
+            _json_pattern_for_xgrammar(str(name)): sub for name, sub in out["patternProperties"].items()
         }
     # Strict mode: what the schema leaves unsaid is not allowed, unless that leaves nothing.
     min_props, props = schema.get("minProperties"), schema.get("properties", {})
@@ -319,6 +319,8 @@ _QUOTE_OR_BACKSLASH = frozenset({'"', "\\"})
 # JSON Schema's ECMA-262 regexes (with the u flag).
 _LITERAL_ESCAPES = frozenset("ghijlmoqyzACEFGHIJKLMNOQRTUVXYZ")
 _UNESCAPED = "that names a '\"' or a backslash (xgrammar would write it unescaped: invalid JSON)"
+_RAW_CONTROL = "that names a control character (xgrammar would write it unescaped: invalid JSON)"
+_CONTROL_ESCAPES = frozenset({"\\n", "\\r", "\\t", "\\v", "\\f", "\\0", "\\c", "\\a"})
 
 
 def _pattern_problem(pattern: str) -> str | None:
@@ -328,7 +330,7 @@ def _pattern_problem(pattern: str) -> str | None:
     the pattern names outside a character class (or as a class of its own) came out unescaped, an invalid
     JSON string (`a"b` gave `"a"b"`). It drops a lookahead with a warning (`^(?=.*[A-Z]).{3}$` gave "abc").
     A class that names them beside other characters is fine: xgrammar leaves them out of it."""
-    literal = _regex_problem(pattern)
+    literal = _regex_problem(pattern, json_pattern=True)
     if literal:
         return f"with {literal}"
     in_class, negated, members = False, False, list[str]()
@@ -339,6 +341,14 @@ def _pattern_problem(pattern: str) -> str | None:
             char = chr(int(token[2:], 16))
         elif token.startswith("\\"):
             char = token[1] if token[1] in _QUOTE_OR_BACKSLASH else token
+        control = len(char) == 1 and ord(char) < 0x20
+        if control or token in _CONTROL_ESCAPES or (in_class and token == "\\b"):
+            return _RAW_CONTROL
+        if len(char) == 1 and ord(char) > 0xFFFF:
+            return f"with the character {char!r}, beyond U+FFFF (xgrammar cannot take it in a pattern)"
+        quantifier = None if in_class else _QUANTIFIER.match(pattern, match.start())
+        if quantifier and pattern.startswith("+", quantifier.end()):
+            return "with a possessive quantifier (JSON Schema's regexes have none)"
         if in_class:
             if token == "]":
                 in_class = False
@@ -355,13 +365,23 @@ def _pattern_problem(pattern: str) -> str | None:
     return None
 
 
-def _regex_problem(regex: str) -> str | None:
-    """Why xgrammar would not enforce `regex` as written (an escape it reads as a letter, an anchor inside
-    it), else None."""
-    for match in _PATTERN_TOKEN.finditer(regex):
-        token = match.group()
+def _regex_problem(regex: str, json_pattern: bool = False) -> str | None:
+    """Why xgrammar would not enforce `regex` (the `regex` field's, else a JSON schema's `pattern`) as
+    written: an escape it reads as a letter, an octal escape (`\\01` it read as NUL and "1"), a class
+    that begins with `]` (Python's literal, ECMA-262's empty class: xgrammar ends the class there), in the
+    `regex` field a class that begins with an escaped `^` (xgrammar negated `[\\^a]`), an anchor inside
+    it; else None."""
+    tokens = [m.group() for m in _PATTERN_TOKEN.finditer(regex)]
+    for i, token in enumerate(tokens):
+        after = tokens[i + 1] if i + 1 < len(tokens) else ""
         if len(token) == 2 and token[0] == "\\" and token[1] in _LITERAL_ESCAPES:
             return f"the escape '{token}', which xgrammar would match as the letter '{token[1]}'"
+        if token == "\\0" and after.isdigit():
+            return f"the octal escape '{token}{after}' (xgrammar reads it as NUL and a digit)"
+        if token.startswith("[") and after == "]":
+            return "a character class that begins with ']' (write it '\\]')"
+        if not json_pattern and token == "[" and after in ("\\^", "\\x5e", "\\u005e"):
+            return "a character class that begins with an escaped '^' (xgrammar negates it; put it later)"
     return _anchor_problem(regex)
 
 
@@ -380,6 +400,17 @@ class _Alternative:
     ended: bool = False
     any_consumed: bool = False
     any_ended: bool = False
+    anchored: bool = False  # a `^` or `$` anywhere in the group
+
+
+def _repeats(quantifier: str) -> bool:
+    """Whether a quantifier lets its atom match more than once."""
+    if not quantifier.startswith("{"):
+        return quantifier[0] in "*+"
+    low, comma, high = quantifier.strip("{}?").partition(",")
+    if not comma:
+        return int(low or 0) > 1
+    return not high or int(high) > 1
 
 
 def _anchor_problem(regex: str) -> str | None:
@@ -387,12 +418,13 @@ def _anchor_problem(regex: str) -> str | None:
     whole texts), so `a$b` let "ab" out where nothing can match. Anchors where they mean nothing more than
     the text's ends, as in `^(a|b)$` or `^a$|^b$`, are fine."""
     frames = [_Alternative(at_start=True)]
-    pos, in_class = 0, False
+    pos, in_class, closed_anchored = 0, False, False
     while pos < len(regex):
         match = _PATTERN_TOKEN.match(regex, pos)
         assert match is not None  # the pattern takes any character
         token, pos = match.group(), match.end()
         top = frames[-1]
+        group_before, closed_anchored = closed_anchored, False
         if in_class:
             in_class = token != "]"
             continue
@@ -405,6 +437,8 @@ def _anchor_problem(regex: str) -> str | None:
             done = frames.pop()
             frames[-1].consumed |= done.any_consumed or done.consumed
             frames[-1].ended |= done.any_ended or done.ended
+            frames[-1].anchored |= done.anchored
+            closed_anchored = done.anchored
             continue
         if token == "|":
             top.any_consumed |= top.consumed
@@ -415,11 +449,14 @@ def _anchor_problem(regex: str) -> str | None:
         if token == "^":
             if not top.at_start or top.consumed:
                 return "a '^' after what matches a character (xgrammar ignores anchors inside a regex)"
+            top.anchored = True
             continue
         if token == "$":
-            top.ended = True
+            top.ended = top.anchored = True
             continue
         if quantifier := _QUANTIFIER.match(regex, match.start()):
+            if group_before and _repeats(quantifier.group()):
+                return "an anchor inside a repeated group (xgrammar ignores anchors inside a regex)"
             pos = quantifier.end()
             continue
         if top.ended:
@@ -429,18 +466,30 @@ def _anchor_problem(regex: str) -> str | None:
     return None
 
 
-def _optional_groups_counted(pattern: str) -> str:
-    """`pattern` with each optional group `(...)?` written `(...){0,1}`: xgrammar's JSON-schema patterns
-    read an optional group that ends in a repeat as if its start were optional too (`^a(xy+)?b$` took
-    "ayb", the date-time fraction `(\\.[0-9]{1,9})?` took digits without their dot); counted, it is right."""
+_COUNT = re.compile(r"\{\d+(?:,\d*)?\}")
+
+
+def _json_pattern_for_xgrammar(pattern: str) -> str:
+    """A JSON schema's `pattern` (checked by _pattern_problem) written so that xgrammar reads it as
+    ECMA-262 does: each optional group `(...)?` as `(...){0,1}` (xgrammar made the start of an optional
+    group that ends in a repeat optional too: `^a(xy+)?b$` took "ayb"); each character past ASCII as
+    `\\uXXXX` and a `]` outside a class as `\\]` (either one, as written, turned off xgrammar's JSON
+    escaping for the whole pattern: `^é.$` let a raw `"` out); a `{` that begins no count as `\\{` (a
+    literal in ECMA-262: xgrammar read `a{ 1}` as `a`)."""
     out: list[str] = []
     in_class = False
     for match in _PATTERN_TOKEN.finditer(pattern):
         token = match.group()
-        if in_class:
+        if len(token) == 1 and ord(token) > 0x7F:
+            token = f"\\u{ord(token):04x}"
+        elif in_class:
             in_class = token != "]"
         elif token.startswith("["):
             in_class = True
+        elif token == "]":
+            token = "\\]"
+        elif token == "{" and not _COUNT.match(pattern, match.start()):
+            token = "\\{"
         elif token == "?" and out and out[-1] == ")":
             token = "{0,1}"
         out.append(token)
@@ -574,7 +623,7 @@ def _apart(branches: list[Any], root: Any) -> bool:
             values_a, values_b = _literal_values(a), _literal_values(b)
             if values_a is not None and values_b is not None and _disjoint_values(values_a, values_b):
                 continue
-            if _discriminated(a, b):
+            if types_a == types_b == {"object"} and _discriminated(a, b):
                 continue
             return False
     return True

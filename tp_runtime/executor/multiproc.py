@@ -82,6 +82,7 @@ class _SpawnedWorkers(RemoteWorkers):
         )
         self.config = config
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.ready = False  # every rank answered READY (a rank exits PROTOCOL_MISMATCH_EXIT only before)
 
     def start(self, init_method: str | None) -> None:
         channel = self.channel
@@ -125,7 +126,7 @@ class _SpawnedWorkers(RemoteWorkers):
         while True:
             for rank, proc in enumerate(self.procs):
                 code = proc.poll()
-                if code == PROTOCOL_MISMATCH_EXIT:
+                if code == PROTOCOL_MISMATCH_EXIT and not self.ready:
                     raise WorkerDiedError(rank, f"it {PROTOCOL_MISMATCH}")
                 if code is not None:
                     detail = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
@@ -133,6 +134,11 @@ class _SpawnedWorkers(RemoteWorkers):
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.02)
+
+    def wait_ready(self, timeout_s: float) -> dict[int, Any]:
+        answers = super().wait_ready(timeout_s)
+        self.ready = True
+        return answers
 
     def _stopped(self, rank: int) -> bool:
         return rank < len(self.procs) and _process_state(self.procs[rank].pid) in ("T", "t")

@@ -161,10 +161,12 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(url: str) -> None:
     echoed as the model read them; -1 is max_model_len; more is a 400 naming the field."""
     ids = [5, 6, 7, 8, 9, 10, 11]
     base = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    echo = {**base, "echo": True}
+    # Echoed with logprobs and their offsets, two seeded samples: as the last 3 tokens sent alone.
+    echo = {**base, "echo": True, "logprobs": 1, "n": 2, "seed": 3, "temperature": 1.0}
     cut = _post(url, "/v1/completions", {**echo, "prompt": ids, "truncate_prompt_tokens": 3}).json()
     alone = _post(url, "/v1/completions", {**echo, "prompt": ids[-3:]}).json()
-    assert cut["usage"]["prompt_tokens"] == 3 and cut["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert cut["usage"] == alone["usage"] and cut["usage"]["prompt_tokens"] == 3, cut["usage"]
+    assert cut["choices"] == alone["choices"]
     whole = _post(url, "/v1/completions", {**base, "prompt": ids, "truncate_prompt_tokens": -1}).json()
     assert whole["usage"]["prompt_tokens"] == len(ids)
     chat = _post(url, "/v1/chat/completions", {**base, "messages": MESSAGES}).json()

@@ -227,9 +227,10 @@ def _schema_for_xgrammar(schema: Any, path: str = "#", root: Any = None) -> Any:
     if isinstance(out.get("pattern"), str):
         out["pattern"] = _json_pattern_for_xgrammar(out["pattern"])
     if isinstance(out.get("patternProperties"), dict):
-        out["patternProperties"] = {
-            _json_pattern_for_xgrammar(str(name)): sub for name, sub in out["patternProperties"].items()
-        }
+        given = out["patternProperties"]
+        out["patternProperties"] = {_json_pattern_for_xgrammar(str(name)): sub for name, sub in given.items()}
+        if len(out["patternProperties"]) < len(given):
+            raise refuse("'patternProperties' keys that are the same pattern written two ways")
     # Strict mode: what the schema leaves unsaid is not allowed, unless that leaves nothing.
     min_props, props = schema.get("minProperties"), schema.get("properties", {})
     if (

@@ -22,6 +22,7 @@ import math
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -470,6 +471,19 @@ def _anchor_problem(regex: str) -> str | None:
 _COUNT = re.compile(r"\{\d+(?:,\d*)?\}")
 
 
+def _classified(regex: str) -> Iterator[tuple[re.Match[str], bool]]:
+    """Each token of `regex` and whether it lies inside a character class (its closing `]` too, its `[`
+    not). A class ends at its first `]`, where xgrammar ends it."""
+    in_class = False
+    for match in _PATTERN_TOKEN.finditer(regex):
+        inside = in_class
+        if in_class:
+            in_class = match.group() != "]"
+        elif match.group().startswith("["):
+            in_class = True
+        yield match, inside
+
+
 def _json_pattern_for_xgrammar(pattern: str) -> str:
     """A JSON schema's `pattern` (checked by _pattern_problem) written so that xgrammar reads it as
     ECMA-262 does: each optional group `(...)?` as `(...){0,1}` (xgrammar made the start of an optional
@@ -478,15 +492,12 @@ def _json_pattern_for_xgrammar(pattern: str) -> str:
     escaping for the whole pattern: `^é.$` let a raw `"` out); a `{` that begins no count as `\\{` (a
     literal in ECMA-262: xgrammar read `a{ 1}` as `a`)."""
     out: list[str] = []
-    in_class = False
-    for match in _PATTERN_TOKEN.finditer(pattern):
+    for match, inside in _classified(pattern):
         token = match.group()
         if len(token) == 1 and ord(token) > 0x7F:
             token = f"\\u{ord(token):04x}"
-        elif in_class:
-            in_class = token != "]"
-        elif token.startswith("["):
-            in_class = True
+        elif inside:
+            pass  # (a class's members are as ECMA-262 reads them)
         elif token == "]":
             token = "\\]"
         elif token == "{" and not _COUNT.match(pattern, match.start()):
@@ -500,17 +511,8 @@ def _json_pattern_for_xgrammar(pattern: str) -> str:
 def _dot_without_newline(regex: str) -> str:
     """`regex` with each `.` outside a class written `[^\\n]`: xgrammar's `.` takes a newline too, Python's
     and ECMA-262's do not (`..` gave "\\n\\n"). Classes end where xgrammar ends them, at the first `]`."""
-    out, in_class = [], False
-    for match in _PATTERN_TOKEN.finditer(regex):
-        token = match.group()
-        if in_class:
-            in_class = token != "]"
-        elif token.startswith("["):
-            in_class = True
-        elif token == ".":
-            token = "[^\\n]"
-        out.append(token)
-    return "".join(out)
+    tokens = [(match.group(), inside) for match, inside in _classified(regex)]
+    return "".join("[^\\n]" if token == "." and not inside else token for token, inside in tokens)
 
 
 def _name_fits(name: str, names_schema: dict[str, Any]) -> bool:

@@ -137,8 +137,18 @@ def build_checkpoint(
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0.0, 0.15 if p.dim() > 1 else 0.05)
-    model.save_pretrained(out, safe_serialization=True)
-    build_preset_tokenizer(kwargs["vocab_size"]).save_pretrained(out)
+    # Written whole into a scratch folder, then renamed: a build that fails half-way (a tokenizer that
+    # refuses the vocabulary size) leaves no folder that a later call would take as ready.
+    scratch = root / f".{out.name}-{os.getpid()}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    model.save_pretrained(scratch, safe_serialization=True)
+    build_preset_tokenizer(kwargs["vocab_size"]).save_pretrained(scratch)
+    try:
+        scratch.rename(out)
+    except OSError:  # another process built it meanwhile
+        if not (out / "config.json").is_file():
+            raise
+        shutil.rmtree(scratch, ignore_errors=True)
     return out
 
 

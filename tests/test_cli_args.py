@@ -57,6 +57,7 @@ BAD_ARGUMENTS = [
     (["generate", "--max-model-len", "0"], ["--max-model-len"]),
     (["generate", "--max-num-batched-tokens", "0"], ["--max-num-batched-tokens"]),
     (["generate", "--cpu-kv-cache-gib", "0"], ["--cpu-kv-cache-gib", "more than 0"]),
+    (["generate", "--cpu-kv-cache-gib", "inf"], ["--cpu-kv-cache-gib", "must be a finite number, got inf"]),
     (["generate", "--gpu-memory-utilization", "1.5"], ["--gpu-memory-utilization"]),
     (["generate", "--step-timeout", "0"], ["--step-timeout"]),
     (["generate", "--temperature", "-1"], ["--temperature"]),
@@ -72,6 +73,8 @@ BAD_ARGUMENTS = [
     (["generate", "--model", "tiny-llama", "--chat"], ["--chat", "no chat template"]),
     (["generate", ""], ["prompt 1 is empty"]),
     (["generate", "--output-json", "/nonexistent-folder/out.json"], ["--output-json", "does not exist"]),
+    # a folder that exists but takes no new file: refused before the run, not after it
+    (["generate", "--output-json", "/proc/out.json"], ["--output-json", "cannot write /proc/out.json"]),
     (["generate", "--model", "no-such-model"], ["'no-such-model'", *known_names()]),
     (["generate", "--model", "llama-3-8b"], ["--load-format dummy"]),
     (["generate", "--model", "tiny-llama", "-tp", "3"], ["tensor_parallel_size=3", "4 attention heads"]),
@@ -233,3 +236,33 @@ def test_a_ctrl_c_during_the_torch_import_is_held_until_it_ends() -> None:
             time.sleep(0.05)  # the handler has run by now (signals are handled between bytecodes)
             reached_end = True
     assert reached_end and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_output_json_check_leaves_the_file_as_it_was(tmp_path: Path) -> None:
+    """The check opens the file as the command will write it, and leaves no trace: an existing file keeps
+    its contents, a new one is not left behind."""
+    kept = tmp_path / "kept.json"
+    kept.write_text('{"earlier": 1}')
+    assert cli.check_output_json(str(kept)) == str(kept) and kept.read_text() == '{"earlier": 1}'
+    fresh = tmp_path / "fresh.json"
+    assert cli.check_output_json(str(fresh)) == str(fresh) and not fresh.exists()
+
+
+def test_a_torchrun_rank_above_0_names_itself_in_its_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its arguments were checked on its own node: its error must reach the user, not be left to rank 0."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as info:
+        cli.fail("argument --output-json: folder /x does not exist")
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "tp-runtime: error: rank 1: argument --output-json: folder /x does not exist\n", err
+
+
+def test_an_unbounded_drain_gives_torchrun_a_finite_shutdown_timeout() -> None:
+    from tp_runtime.launch import shutdown_timeout_s
+
+    assert shutdown_timeout_s(30.0) == 45 and shutdown_timeout_s(0.5) == 16
+    assert 365 * 24 * 3600 < shutdown_timeout_s(float("inf")) < 366 * 24 * 3600

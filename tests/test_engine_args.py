@@ -133,6 +133,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("gpu_memory_utilization", 0.0, "in (0, 1]"),
     ("cpu_kv_cache_gib", 0.0, "more than 0"),
     ("cpu_kv_cache_gib", float("nan"), "nan"),
+    ("cpu_kv_cache_gib", float("inf"), "must be a finite number, got inf"),
     ("step_timeout_s", -1.0, "must be in (0, 3.1536e+07]"),
     ("step_timeout_s", float("inf"), "must be in (0, 3.1536e+07], got inf"),
     ("step_timeout_s", "300", "must be a number"),

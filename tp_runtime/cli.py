@@ -57,9 +57,12 @@ def _quiet() -> bool:
 
 
 def fail(message: str, status: int = EXIT_USAGE) -> NoReturn:
-    """Print `tp-runtime: error: message` (rank 0 only under torchrun) and exit with `status`."""
-    if not _quiet():
-        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    """Print `tp-runtime: error: message` and exit with `status`. A rank > 0 of a torchrun job names itself:
+    its arguments were checked on its own node (a folder or file only that node lacks), and its error
+    would otherwise reach no one."""
+    rank = torchrun_rank()
+    where = f"rank {rank}: " if rank else ""
+    print(f"{PROG}: error: {where}{message}", file=sys.stderr, flush=True)
     raise SystemExit(status)
 
 
@@ -151,6 +154,14 @@ def check_output_json(value: str) -> str:
         )
     if not path.parent.is_dir():
         raise ConfigError(f"argument --output-json: folder {path.parent} does not exist")
+    existed = path.exists()
+    try:  # opened as the command will write it (append: nothing there is lost by the check)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"argument --output-json: cannot write {path}: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink(missing_ok=True)
     return str(expanded)
 
 

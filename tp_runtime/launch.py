@@ -26,6 +26,7 @@ import tempfile
 from typing import Any
 
 from tp_runtime import cli
+from tp_runtime.config import MAX_TIMEOUT_S
 
 _QUIET_STATUSES = (cli.EXIT_USAGE, cli.EXIT_INTERRUPTED)
 # Past serve's drain, before torchrun's SIGKILL: time for the server to shut its workers down and exit.
@@ -149,6 +150,13 @@ def _drain_s(command: Any) -> float | None:
     return float(command.shutdown_grace) + DRAIN_MARGIN_S
 
 
+def shutdown_timeout_s(drain_s: float) -> int:
+    """torchrun's --shutdown-timeout for `serve --shutdown-grace drain_s`: torchrun SIGKILLs the ranks this
+    long after passing a SIGTERM on (30 s by default), so `serve` is given its drain and then the time to
+    shut its workers down (an unbounded drain: as long as a timeout may be)."""
+    return math.ceil(min(drain_s, MAX_TIMEOUT_S)) + _SHUTDOWN_SLACK_S
+
+
 def _run_torchrun(
     torchrun_argv: list[str], command_argv: list[str], interrupts: _Interrupts, drain_s: float | None
 ) -> int:
@@ -162,46 +170,45 @@ def _run_torchrun(
     ):
         logging.getLogger(name).addFilter(_QuietFailures())
     log_dir = None
-    if not any(a == "--log-dir" or a.startswith(("--log-dir=", "--log_dir")) for a in torchrun_argv):
-        log_dir = tempfile.mkdtemp(prefix="tp-runtime-torchrun-")
-        interrupts.torchrun_log_dir = log_dir
-        torchrun_argv = [*torchrun_argv, "--log-dir", log_dir]
-    # The command's own arguments bypass torchrun's parser, which would take `--n` for an abbreviation of
-    # one of its flags (argparse matches prefixes anywhere in the argument list).
-    args = parse_args([*torchrun_argv, "--no-python", sys.executable, "-u", "-c", _RANK_MAIN])
-    args.training_script_args = [*args.training_script_args, *command_argv]
-    timeout_given = args.shutdown_timeout is not None or "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ
-    if drain_s is not None and not timeout_given:
-        # torchrun SIGKILLs the ranks this long after passing a SIGTERM on (30 s by default): `serve` must
-        # be given its drain, and then the time to shut its workers down.
-        args.shutdown_timeout = math.ceil(drain_s) + _SHUTDOWN_SLACK_S
-    nproc = str(args.nproc_per_node)
-    if "OMP_NUM_THREADS" not in os.environ and nproc.isdigit() and int(nproc) > 1:
-        # What torchrun does then, without its banner about it.
-        os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ[cli.LAUNCHED_ENV] = "1"  # the ranks leave Ctrl-C to this process
-    _stop_ranks_with_sigterm_on_ctrl_c(interrupts)
-    interrupts.in_torchrun = True
     try:
-        run(args)
-        return 0
-    except SignalException as exc:
-        return cli.EXIT_INTERRUPTED if interrupts.seen else 128 + int(exc.sigval)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        status = failure.exitcode
-        if status in _QUIET_STATUSES:
-            return status
-        if status < 0:
-            try:
-                how = f"was killed by {signal.Signals(-status).name}"
-            except ValueError:
-                how = f"was killed by signal {-status}"
-            status = 128 - status
-        else:
-            how = f"exited with status {status}"
-        print(f"{cli.PROG}: error: rank {rank} {how}", file=sys.stderr, flush=True)
-        return status or 1
+        if not any(a == "--log-dir" or a.startswith(("--log-dir=", "--log_dir")) for a in torchrun_argv):
+            log_dir = tempfile.mkdtemp(prefix="tp-runtime-torchrun-")
+            interrupts.torchrun_log_dir = log_dir
+            torchrun_argv = [*torchrun_argv, "--log-dir", log_dir]
+        # The command's own arguments bypass torchrun's parser, which would take `--n` for an abbreviation of
+        # one of its flags (argparse matches prefixes anywhere in the argument list).
+        args = parse_args([*torchrun_argv, "--no-python", sys.executable, "-u", "-c", _RANK_MAIN])
+        args.training_script_args = [*args.training_script_args, *command_argv]
+        timeout_given = args.shutdown_timeout is not None or "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ
+        if drain_s is not None and not timeout_given:
+            args.shutdown_timeout = shutdown_timeout_s(drain_s)
+        nproc = str(args.nproc_per_node)
+        if "OMP_NUM_THREADS" not in os.environ and nproc.isdigit() and int(nproc) > 1:
+            # What torchrun does then, without its banner about it.
+            os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ[cli.LAUNCHED_ENV] = "1"  # the ranks leave Ctrl-C to this process
+        _stop_ranks_with_sigterm_on_ctrl_c(interrupts)
+        interrupts.in_torchrun = True
+        try:
+            run(args)
+            return 0
+        except SignalException as exc:
+            return cli.EXIT_INTERRUPTED if interrupts.seen else 128 + int(exc.sigval)
+        except ChildFailedError as exc:
+            rank, failure = exc.get_first_failure()
+            status = failure.exitcode
+            if status in _QUIET_STATUSES:
+                return status
+            if status < 0:
+                try:
+                    how = f"was killed by {signal.Signals(-status).name}"
+                except ValueError:
+                    how = f"was killed by signal {-status}"
+                status = 128 - status
+            else:
+                how = f"exited with status {status}"
+            print(f"{cli.PROG}: error: rank {rank} {how}", file=sys.stderr, flush=True)
+            return status or 1
     finally:
         if log_dir is not None:
             shutil.rmtree(log_dir, ignore_errors=True)

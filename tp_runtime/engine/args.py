@@ -474,6 +474,8 @@ def _problem(name: str, value: Any) -> str | None:
             return f"must be a number, got {value!r} ({type(value).__name__})"
         if math.isnan(value):
             return "must be a number, got nan"
+        if math.isinf(value) and meta["at_most"] is None:  # (a bounded one says its bounds below)
+            return f"must be a finite number, got {value}"
     if base is str and not isinstance(value, (str, os.PathLike)):
         return f"must be a str or a path, got {value!r} ({type(value).__name__})"
     if base is str and not os.fspath(value):

@@ -193,7 +193,9 @@ class Worker:
         else:
             # What every sequence at full length needs, capped by the size asked for or a share of the RAM.
             if cache.cpu_kv_cache_gib is not None:
-                available, share, ranks = int(cache.cpu_kv_cache_gib * (1 << 30)), 1.0, 1
+                # (a size past all memory is capped below anyway; held finite before the conversion)
+                asked = min(cache.cpu_kv_cache_gib, float(1 << 40))
+                available, share, ranks = int(asked * (1 << 30)), 1.0, 1
             else:
                 available, share = available_memory_bytes(), CPU_KV_CACHE_RAM_SHARE
                 ranks = self.config.parallel.tensor_parallel_size

@@ -266,3 +266,11 @@ def test_an_unbounded_drain_gives_torchrun_a_finite_shutdown_timeout() -> None:
 
     assert shutdown_timeout_s(30.0) == 45 and shutdown_timeout_s(0.5) == 16
     assert 365 * 24 * 3600 < shutdown_timeout_s(float("inf")) < 366 * 24 * 3600
+
+
+def test_output_json_check_opens_no_fifo_nor_device(tmp_path: Path) -> None:
+    """A FIFO (opening it for writing would wait for a reader) and /dev/stdout pass as they are."""
+    fifo = tmp_path / "results.fifo"
+    os.mkfifo(fifo)
+    assert cli.check_output_json(str(fifo)) == str(fifo)
+    assert cli.check_output_json("/dev/stdout") == "/dev/stdout"

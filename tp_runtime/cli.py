@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import sys
 import threading
 from pathlib import Path
@@ -154,14 +155,20 @@ def check_output_json(value: str) -> str:
         )
     if not path.parent.is_dir():
         raise ConfigError(f"argument --output-json: folder {path.parent} does not exist")
-    existed = path.exists()
-    try:  # opened as the command will write it (append: nothing there is lost by the check)
-        with open(path, "a"):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"argument --output-json: cannot write {path}: {exc.strerror or exc}") from None
-    if not existed:
-        path.unlink(missing_ok=True)
+    try:
+        mode: int | None = os.stat(expanded).st_mode
+    except OSError:
+        mode = None
+    # A new or plain file is opened as the command will write it (append: nothing there is lost by the
+    # check); a FIFO or a device (/dev/stdout) is left alone: opening one may block, or be its only use.
+    if mode is None or stat.S_ISREG(mode):
+        try:
+            with open(expanded, "a"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"argument --output-json: cannot write {path}: {exc.strerror or exc}") from None
+        if mode is None:
+            expanded.unlink(missing_ok=True)
     return str(expanded)
 
 

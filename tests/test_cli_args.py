@@ -274,3 +274,11 @@ def test_output_json_check_opens_no_fifo_nor_device(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     assert cli.check_output_json(str(fifo)) == str(fifo)
     assert cli.check_output_json("/dev/stdout") == "/dev/stdout"
+
+
+def test_output_json_check_through_a_dangling_symlink_leaves_it_be(tmp_path: Path) -> None:
+    """A symlink to a file not made yet stays a symlink, and nothing is made at its target by the check."""
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "target.json")
+    assert cli.check_output_json(str(link)) == str(link)
+    assert link.is_symlink() and not (tmp_path / "target.json").exists()

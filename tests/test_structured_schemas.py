@@ -307,6 +307,16 @@ UNENFORCEABLE: list[Any] = [
     {"type": "string", "pattern": "^\\01$"},
     {"type": "string", "pattern": "^(a$)*$"},
     {"type": "string", "pattern": "^\U0001F600$"},
+    # ... an escaped character past ASCII, half an escape, an escaped surrogate pair (xgrammar matched
+    # its CESU-8 bytes), \p in a class (read as its letters), Python's {,n}, a control escape, a class of
+    # control characters only (xgrammar wrote them raw)
+    {"type": "string", "pattern": "^\\é.$"},
+    {"type": "string", "pattern": "^\\x.$"},
+    {"type": "string", "pattern": "^\\ud83d\\ude00$"},
+    {"type": "string", "pattern": "^[\\p{L} ]+$"},
+    {"type": "string", "pattern": "^x{,3}$"},
+    {"type": "string", "pattern": "^\\cJ$"},
+    {"type": "string", "pattern": "^[\\x00-\\x1f]$"},
 ]  # fmt: skip
 
 
@@ -418,6 +428,9 @@ def _takes(llm: LLM, spec: StructuredOutputsParams, text: str) -> bool:
         ({"type": "string", "pattern": "^a{ 1}$"}, ["a{ 1}"], ["a"]),
         ({"type": "string", "pattern": "^é[^é]]$"}, ["éa]", "éb]"], ["éé]", "a]"]),
         ({"type": "string", "pattern": "^[А-Я]+$"}, ["АБ"], ["аб", "A"]),
+        # classes that leave control characters out, as they should be (they were refused)
+        ({"type": "string", "pattern": "^[^\\r\\n]+$"}, ["a b"], ["a\nb"]),
+        ({"type": "string", "pattern": "^[\\t a-z]+$"}, ["a b"], ["a-b"]),
     ],
 )  # fmt: skip
 def test_patterns_and_formats_take_exactly_their_strings(
@@ -433,7 +446,7 @@ def test_patterns_and_formats_take_exactly_their_strings(
         assert not _takes(llm, _spec(json=schema), json.dumps(text, ensure_ascii=False)), text
 
 
-@pytest.mark.parametrize("pattern", ["^é.$", ".]", "^[^é]$", '^["é]$', "^[^a]{2}$"])
+@pytest.mark.parametrize("pattern", ["^é.$", ".]", "^[^é]$", '^["é]$', "^[^a]{2}$", "^\x7f.$", "^[^\\n]+$"])
 def test_a_pattern_never_lets_out_invalid_json(llm: LLM, pattern: str) -> None:
     """A character past ASCII or a "]" in a pattern turned off xgrammar's JSON escaping for the whole
     string: `^é.$` took a raw quote, `.]` a raw tab. No JSON string may hold a raw quote, backslash or

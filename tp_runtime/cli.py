@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import stat
 import sys
 import threading
 from pathlib import Path
@@ -135,7 +134,7 @@ def check_ranges(args: argparse.Namespace) -> None:
     if min_p is not None and min_p > 1.0:
         raise ConfigError(f"argument --min-p: must be at most 1, got {min_p:g}")
     output_json = values.get("output_json")
-    if output_json:
+    if output_json and not _quiet():  # (a torchrun rank above 0 writes no results: its node need not)
         # The commands open the path as given; a `~` the shell left alone (`--output-json=~/x.json`) is
         # the home folder here, as the check reads it, not a folder named `~` that does not exist.
         args.output_json = check_output_json(output_json)
@@ -155,20 +154,24 @@ def check_output_json(value: str) -> str:
         )
     if not path.parent.is_dir():
         raise ConfigError(f"argument --output-json: folder {path.parent} does not exist")
+    # A new file is made and removed again (O_EXCL: not through a symlink), a plain one opened to append
+    # (nothing in it is lost); a FIFO, a device (/dev/stdout) or a dangling symlink is left alone: opening
+    # one may block, be its only use, or make a file the check could not tell apart from the user's.
     try:
-        mode: int | None = os.stat(expanded).st_mode
-    except OSError:
-        mode = None
-    # A new or plain file is opened as the command will write it (append: nothing there is lost by the
-    # check); a FIFO or a device (/dev/stdout) is left alone: opening one may block, or be its only use.
-    if mode is None or stat.S_ISREG(mode):
-        try:
-            with open(expanded, "a"):
-                pass
-        except OSError as exc:
-            raise ConfigError(f"argument --output-json: cannot write {path}: {exc.strerror or exc}") from None
-        if mode is None:
-            expanded.unlink(missing_ok=True)
+        os.lstat(expanded)
+        exists = True
+    except FileNotFoundError:
+        exists = False
+    except OSError as exc:
+        raise ConfigError(f"argument --output-json: cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        if not exists:
+            os.close(os.open(expanded, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            os.unlink(expanded)
+        elif path.is_file():
+            os.close(os.open(expanded, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+    except OSError as exc:
+        raise ConfigError(f"argument --output-json: cannot write {path}: {exc.strerror or exc}") from None
     return str(expanded)
 
 

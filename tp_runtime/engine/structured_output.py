@@ -321,8 +321,12 @@ _QUOTE_OR_BACKSLASH = frozenset({'"', "\\"})
 # JSON Schema's ECMA-262 regexes (with the u flag).
 _LITERAL_ESCAPES = frozenset("ghijlmoqyzACEFGHIJKLMNOQRTUVXYZ")
 _UNESCAPED = "that names a '\"' or a backslash (xgrammar would write it unescaped: invalid JSON)"
+_CLASS_OF_UNESCAPED = (
+    "with a class of only quotes, backslashes or control characters (xgrammar would write them unescaped: "
+    "invalid JSON)"
+)
 _RAW_CONTROL = "that names a control character (xgrammar would write it unescaped: invalid JSON)"
-_CONTROL_ESCAPES = frozenset({"\\n", "\\r", "\\t", "\\v", "\\f", "\\0", "\\c", "\\a"})
+_CONTROL_ESCAPES = {"\\n": "\n", "\\r": "\r", "\\t": "\t", "\\v": "\v", "\\f": "\f", "\\0": "\0", "\\a": "\a"}
 
 
 def _pattern_problem(pattern: str) -> str | None:
@@ -341,23 +345,35 @@ def _pattern_problem(pattern: str) -> str | None:
         char = token
         if token.startswith("\\") and len(token) > 2:  # \xHH, \uHHHH
             char = chr(int(token[2:], 16))
+        elif token in _CONTROL_ESCAPES or (in_class and token == "\\b"):
+            char = _CONTROL_ESCAPES.get(token, "\b")
         elif token.startswith("\\"):
             char = token[1] if token[1] in _QUOTE_OR_BACKSLASH else token
-        control = len(char) == 1 and ord(char) < 0x20
-        if control or token in _CONTROL_ESCAPES or (in_class and token == "\\b"):
+        code = ord(char) if len(char) == 1 else None
+        if token == "\\c":
             return _RAW_CONTROL
-        if len(char) == 1 and ord(char) > 0xFFFF:
-            return f"with the character {char!r}, beyond U+FFFF (xgrammar cannot take it in a pattern)"
+        if token in ("\\x", "\\u"):  # (the token pattern takes only whole \xHH and \uHHHH escapes)
+            return f"with an escape {token!r} not followed by its hex digits"
+        if len(token) == 2 and token[0] == "\\" and ord(token[1]) > 0x7E:
+            return f"with the escape {token!r} (write the character without its backslash)"
+        if code is not None and (code > 0xFFFF or 0xD800 <= code <= 0xDFFF):
+            return f"with the character {char!r}, past U+FFFF or half of one (xgrammar cannot take it)"
+        if not in_class and code is not None and code < 0x20:
+            return _RAW_CONTROL
+        if in_class and token in ("\\p", "\\P"):
+            return f"with {token!r} in a character class (xgrammar reads it as the letter)"
         quantifier = None if in_class else _QUANTIFIER.match(pattern, match.start())
         if quantifier and pattern.startswith("+", quantifier.end()):
             return "with a possessive quantifier (JSON Schema's regexes have none)"
+        if quantifier and quantifier.group().startswith("{,"):
+            return f"with the count {quantifier.group()!r} (Python's {{0,n}}, ECMA-262's text: write {{0,n}})"
         if in_class:
             if token == "]":
                 in_class = False
-                if members and not negated and set(members) <= _QUOTE_OR_BACKSLASH:
-                    return _UNESCAPED
-            else:
-                members.append(char)
+                if members and not negated and all(m in _QUOTE_OR_BACKSLASH or m < " " for m in members):
+                    return _CLASS_OF_UNESCAPED
+            elif not (token == "-" and members and not pattern.startswith("]", match.end())):
+                members.append(char)  # (a range's ends are its members here; its "-" is not)
         elif token.startswith("["):
             in_class, members, negated = True, [], token == "[^"
         elif token in ("(?=", "(?!"):
@@ -494,7 +510,7 @@ def _json_pattern_for_xgrammar(pattern: str) -> str:
     out: list[str] = []
     for match, inside in _classified(pattern):
         token = match.group()
-        if len(token) == 1 and ord(token) > 0x7F:
+        if len(token) == 1 and ord(token) >= 0x7F:
             token = f"\\u{ord(token):04x}"
         elif inside:
             pass  # (a class's members are as ECMA-262 reads them)

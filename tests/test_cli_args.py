@@ -282,3 +282,26 @@ def test_output_json_check_through_a_dangling_symlink_leaves_it_be(tmp_path: Pat
     link.symlink_to(tmp_path / "target.json")
     assert cli.check_output_json(str(link)) == str(link)
     assert link.is_symlink() and not (tmp_path / "target.json").exists()
+
+
+def test_output_json_checks_of_one_path_at_once_both_pass(tmp_path: Path) -> None:
+    """Two commands checking one new path at the same time (torchrun nodes sharing a folder) both pass, and
+    the check leaves nothing behind: it made and removed a file of its own name (a probe named as the
+    target refused the second with "File exists")."""
+    import threading
+
+    target, errors = tmp_path / "out.json", []
+
+    def check() -> None:
+        for _ in range(200):
+            try:
+                cli.check_output_json(str(target))
+            except Exception as exc:  # collected for the assertion
+                errors.append(exc)
+
+    threads = [threading.Thread(target=check) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and list(tmp_path.iterdir()) == []

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, NoReturn
@@ -154,9 +155,9 @@ def check_output_json(value: str) -> str:
         )
     if not path.parent.is_dir():
         raise ConfigError(f"argument --output-json: folder {path.parent} does not exist")
-    # A new file is made and removed again (O_EXCL: not through a symlink), a plain one opened to append
-    # (nothing in it is lost); a FIFO, a device (/dev/stdout) or a dangling symlink is left alone: opening
-    # one may block, be its only use, or make a file the check could not tell apart from the user's.
+    # For a new file, a file of another name is made beside it and removed again (two commands may check
+    # the same path at once); a plain file is opened to append (nothing in it is lost); a FIFO, a device
+    # (/dev/stdout) or a dangling symlink is left alone: opening one may block or be its only use.
     try:
         os.lstat(expanded)
         exists = True
@@ -166,8 +167,9 @@ def check_output_json(value: str) -> str:
         raise ConfigError(f"argument --output-json: cannot write {path}: {exc.strerror or exc}") from None
     try:
         if not exists:
-            os.close(os.open(expanded, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            os.unlink(expanded)
+            probe, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+            os.close(probe)
+            os.unlink(name)
         elif path.is_file():
             os.close(os.open(expanded, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
     except OSError as exc:

@@ -148,6 +148,8 @@ def test_eos_list_from_generation_config(model_dir: Path, reference: list[int], 
             use_tqdm=False,
         )[0].outputs[0]
     assert out.token_ids == reference[: reference.index(eos) + 1] and out.finish_reason == "stop"
+    # As vLLM: the generation config's EOS ids other than the tokenizer's are reported as stop tokens.
+    assert out.stop_reason == eos
     assert ignored.token_ids == reference
 
 
@@ -230,11 +232,15 @@ def test_skip_special_tokens(llm: LLM, model_dir: Path) -> None:
     assert kept.text == tok.decode(ids[:cut], skip_special_tokens=False)  # type: ignore[attr-defined]
     skipped = _greedy(llm, ignore_eos=True, allowed_token_ids=allowed, stop=[bos_text])
     assert skipped.token_ids == ids and skipped.finish_reason == "length"  # type: ignore[attr-defined]
-    # An output that ends on EOS.
-    for include in (False, True):
-        out = _greedy(llm, allowed_token_ids=[eos, *allowed], skip_special_tokens=False,
-                      include_stop_str_in_output=include)  # fmt: skip
+    # An output that ends on EOS has no stop_reason, as in vLLM, though stop_token_ids name it too; where
+    # EOS is ignored and stop_token_ids name it, it stops as a stop token.
+    for include, stop_ids, ignore in ((False, None, False), (True, [eos], False), (False, [eos], True)):
+        out = _greedy(
+            llm, allowed_token_ids=[eos, *allowed], skip_special_tokens=False,
+            include_stop_str_in_output=include, stop_token_ids=stop_ids, ignore_eos=ignore,
+        )  # fmt: skip
         ids = out.token_ids  # type: ignore[attr-defined]
         assert out.finish_reason == "stop" and ids[-1] == eos, ids  # type: ignore[attr-defined]
+        assert out.stop_reason == (eos if ignore else None)  # type: ignore[attr-defined]
         want = tok.decode(ids if include else ids[:-1], skip_special_tokens=False)
         assert out.text == want, (include, out.text, want)  # type: ignore[attr-defined]

@@ -387,6 +387,9 @@ class LLMEngine:
             # A checkpoint whose configs name no EOS: the tokenizer's ends generation (as in vLLM). Not
             # where they say there is none (eos_token_id: []), as in transformers' generate.
             self.eos_token_ids.add(tokenizer_eos)
+        # As vLLM: an output ended by the tokenizer's EOS has no stop_reason, even where stop_token_ids
+        # name it too; the generation config's other EOS ids are reported like stop tokens.
+        self._primary_eos = tokenizer_eos if tokenizer_eos in self.eos_token_ids else None
         self._next_req_id = 0
         # By skip_special_tokens; the other one is made when a request first asks for it.
         self._text_codecs = {True: _TextCodec.of(tokenizer, True)}
@@ -845,7 +848,7 @@ class LLMEngine:
                 text = output_text(self._text_codec(params).decode, req.decode_context, ids[:-1])
                 if self._find_stop_string(req, state, text, state.detok.unchanged(text)):
                     return "stop"
-            if params.stop_token_ids and token in params.stop_token_ids:
+            if token != self._primary_eos or params.ignore_eos:
                 req.stop_reason = token
             return "stop"
         # Stop strings are searched in the incremental text (text + pending) where earlier steps left it

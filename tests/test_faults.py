@@ -332,11 +332,14 @@ def test_torchrun_rank_failing_mid_step_ends_the_job(checkpoint: Path, tmp_path:
     """Under torchrun rank 0 runs its own worker in-process, so when rank 1 fails inside a step, rank 0 is
     blocked in a collective with it and cannot read rank 1's report. Rank 1 prints its error and exits, and
     the job ends at once (torchrun stops the other ranks; across hosts rank 0's watchdog sees rank 1 gone),
-    instead of after the step timeout (120 s)."""
+    instead of after the step timeout (120 s). Rank 0, killed by torchrun, leaves no socket folder: it was
+    removed once every rank had connected."""
     script = tmp_path / "job.py"
     script.write_text(_TORCHRUN_RANK1_FAILS)
+    sockets = tmp_path / "tmp"
+    sockets.mkdir()
     root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1", "TMPDIR": str(sockets)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(script), str(checkpoint)]  # fmt: skip
     t0 = time.monotonic()
@@ -345,6 +348,7 @@ def test_torchrun_rank_failing_mid_step_ends_the_job(checkpoint: Path, tmp_path:
     assert proc.returncode != 0 and "NOT REACHED" not in output, output[-3000:]
     assert time.monotonic() - t0 < 60, output[-3000:]
     assert "rank 1 failed" in output and "injected failure in rank 1's third step" in output, output[-3000:]
+    assert not [p.name for p in sockets.iterdir() if p.name.startswith("tp-runtime-")], output[-2000:]
 
 
 _TORCHRUN_SEEDS_DIFFER = """

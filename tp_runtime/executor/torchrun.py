@@ -100,6 +100,9 @@ class TorchrunExecutor:
     def initialize(self) -> int:
         try:
             self.remote.wait_ready(self.config.parallel.startup_timeout_s)
+            # Every rank is connected, and open connections outlive their socket files: removed now, they
+            # are not left behind however rank 0 ends (torchrun's SIGTERM, after one rank failed, kills it).
+            self._remove_socket_folder()
             num_blocks = size_kv_cache(self)
             self._control_timeout_s = self.config.parallel.step_timeout_s
             return num_blocks
@@ -208,8 +211,12 @@ class TorchrunExecutor:
     def close_channel(self) -> None:
         """Close the driver's sockets and watchdog and remove their folder."""
         self.channel.close()
+        self._remove_socket_folder()
+
+    def _remove_socket_folder(self) -> None:
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self.ipc_dir = None
 
 
 _SECRET_HOWTO = (

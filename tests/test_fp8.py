@@ -302,11 +302,11 @@ def test_fp8_checkpoint_errors(make_checkpoint: Any, tmp_path: Path) -> None:
     save_file(wrong, str(broken / "model.safetensors"))
     with pytest.raises(ConfigError, match=r"k_proj\.weight_scale has shape \[33, 1\]"):
         load(broken)
-    # A 32-bit weight where the config says FP8: not silently used without a scale.
+    # A 32-bit weight where the config says FP8, its scale beside it: not silently used.
     unquantized = dict(tensors)
     unquantized["model.layers.0.self_attn.o_proj.weight"] = torch.ones(64, 64)
     save_file(unquantized, str(broken / "model.safetensors"))
-    with pytest.raises(ConfigError, match=r"o_proj\.weight is torch\.float32.*ignore list"):
+    with pytest.raises(ConfigError, match=r"scales of layers whose weights are not FP8 \(.*o_proj\.weight\)"):
         load(broken)
     # Part of a fused projection ignored.
     partial = tmp_path / "partial"

@@ -348,3 +348,107 @@ def test_ignore_list_matching_follows_transformers(pattern: str) -> None:
         except Exception:  # transformers raises on a pattern that is no regex; the engine takes it literally
             want = name.endswith(pattern) or name.startswith(pattern.rstrip(".") + ".") or name == pattern
         assert quant.is_ignored(name) == want, (pattern, name)
+
+
+# ------------------------------------------------------------------ FP8 tensors outside the linear layers
+
+
+def _edit(folder: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    tensors = load_file(str(folder / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def _quantize_as_stored(
+    out: Path, name: str, scheme: str, scale_name: str = "weight_scale"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store `name` of out/fp8 in FP8 with its scale, and its dequantized values in out/ref."""
+    weight = load_file(str(out / "ref" / "model.safetensors"))[name]
+    q, scale = _quantize(weight, scheme, (16, 16), 1.0)
+    module = name.removesuffix(".weight")
+    _edit(out / "fp8", lambda t: t.update({name: q, f"{module}.{scale_name}": scale}))
+    _edit(out / "ref", lambda t: t.update({name: _dequantize(q, scale, scheme, (16, 16))}))
+    return q, scale
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_lm_head_and_embedding_are_dequantized(tp: int, make_checkpoint: Any, tmp_path: Path) -> None:
+    """An LM head stored in FP8 with per-channel scales (compressed-tensors whose ignore list leaves it
+    in), and an embedding table stored in FP8 with one scale (transformers' FP8Embedding): the engine
+    keeps both unquantized, so it multiplies them by their scales at load, as transformers does. (They
+    were read as raw e4m3 values, the scales dropped.) Each rank holds its slice of the vocabulary."""
+    src = make_checkpoint("LlamaForCausalLM", seed=5)
+    qc = {**compressed_tensors("channel"), "ignore": []}
+    out = write_variant(src, tmp_path / "head", qc, "channel")
+    _quantize_as_stored(out, "lm_head.weight", "channel")
+    assert_matches_hf(out, tp)
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "modules_to_not_convert": ["lm_head"],
+          "modules_to_convert": ["embed_tokens"]}  # fmt: skip
+    out = write_variant(src, tmp_path / "embed", qc, "tensor", scale_name="weight_scale_inv")
+    _quantize_as_stored(out, "model.embed_tokens.weight", "tensor")
+    assert_matches_hf(out, tp)
+
+
+def test_per_channel_scales_stored_as_one_row_at_tp2(make_checkpoint: Any, tmp_path: Path) -> None:
+    """Per-channel scales stored [1, N]: each rank reads its rows' values (a column-parallel layer raised
+    an IndexError from inside torch)."""
+    src = make_checkpoint("LlamaForCausalLM", seed=5)
+    out = write_variant(src, tmp_path, compressed_tensors("channel"), "channel",
+                        scale_shape=lambda s: s.reshape(1, -1))  # fmt: skip
+    assert_ranks_hold_reference(out, 2)
+
+
+def test_weights_that_transformers_left_unquantized(make_checkpoint: Any, tmp_path: Path) -> None:
+    """transformers' FP8 quantizer leaves a weight its blocks do not tile (an MLP 80 wide, 32x32 blocks)
+    in 16/32 bits with no scale, and does not name it in modules_to_not_convert: such a layer runs
+    unquantized, as transformers reloads it (it was refused)."""
+    src = make_checkpoint("LlamaForCausalLM", seed=5, **ODD_WIDTHS)
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
+          "modules_to_not_convert": None}  # fmt: skip
+    mlps = tuple(f"model.layers.{i}.mlp" for i in range(2))
+    out = write_variant(
+        src, tmp_path, qc, "block", block=(32, 32), scale_name="weight_scale_inv", ignore=mlps
+    )
+    assert_matches_hf(out, 1)
+
+
+def test_broken_fp8_tensors_outside_linear_layers_are_config_errors(
+    make_checkpoint: Any, tmp_path: Path
+) -> None:
+    """An FP8 embedding without its scale, NaN or infinite scales, a scale beside a 32-bit weight, and
+    FP8 weights without any quantization_config (with quantization="fp8" too): ConfigErrors that say
+    what is wrong, never raw e4m3 values, NaN outputs or a traceback from torch."""
+    src = make_checkpoint("LlamaForCausalLM", seed=5)
+    out = write_variant(src, tmp_path / "a", compressed_tensors("channel"), "channel")
+    fp8 = out / "fp8"
+    cfg = build_model_config(fp8, dtype="float32")
+
+    def load(quant: Any = cfg.quantization) -> None:
+        model = model_class(cfg.architecture)(cfg, TPGroup(), torch.float32, torch.device("cpu"))
+        loader.load_weights(model, str(fp8), torch.float32, quant)
+
+    good = load_file(str(fp8 / "model.safetensors"))
+    embed = good["model.embed_tokens.weight"]
+    _edit(fp8, lambda t: t.update({"model.embed_tokens.weight": embed.to(torch.float8_e4m3fn)}))
+    no_scale = r"embed_tokens.weight' is stored in FP8, but the checkpoint holds no scale for it \(model\.emb"
+    with pytest.raises(ConfigError, match=no_scale):
+        load()
+    for bad in (float("nan"), float("inf")):
+        scale = good["model.layers.1.mlp.down_proj.weight_scale"].clone()
+        scale[3] = bad
+        _edit(fp8, lambda t, s=scale: t.update({**good, "model.layers.1.mlp.down_proj.weight_scale": s}))
+        with pytest.raises(ConfigError, match=r"down_proj\.weight_scale holds NaN or infinite FP8 scales"):
+            load()
+    _edit(fp8, lambda t: t.update({**good, "model.layers.0.self_attn.o_proj.weight": torch.ones(64, 64)}))
+    with pytest.raises(ConfigError, match=r"weight scales of layers whose weights are not FP8 \(model\.layers"
+                       r"\.0\.self_attn\.o_proj\.weight\)"):  # fmt: skip
+        load()
+    # FP8 weights whose config lost its quantization_config.
+    _edit(fp8, lambda t: (t.clear(), t.update({k: v for k, v in good.items() if "scale" not in k})))
+    config = json.loads((fp8 / "config.json").read_text())
+    del config["quantization_config"]
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"stored in FP8, but the checkpoint's config.json has no quant"):
+        LLM(str(fp8), dtype="float32", device="cpu")
+    with pytest.raises(ConfigError, match="stored in FP8, but quantization='fp8' quantizes a 16- or 32-bit"):
+        LLM(str(fp8), dtype="float32", device="cpu", quantization="fp8")

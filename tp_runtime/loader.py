@@ -28,7 +28,7 @@ from tp_runtime.errors import ConfigError
 from tp_runtime.layers import kv_fp8
 from tp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tp_runtime.layers.moe import ExpertWeights, SparseMoE
-from tp_runtime.layers.quantization import FP8_DTYPES, UNQUANTIZED
+from tp_runtime.layers.quantization import FP8_DTYPES, UNQUANTIZED, check_finite_scale
 from tp_runtime.models.interface import MODEL_NAMES, CheckpointNames
 
 if TYPE_CHECKING:
@@ -424,8 +424,15 @@ class QuantizedCheckpoint:
     scale tensors (`<module>.weight_scale`, ...), routed to the layer of `<module>.weight`."""
 
     def __init__(
-        self, model: CausalLM, quant: QuantConfig | None, checkpoint_names: CheckpointNames = MODEL_NAMES
+        self,
+        model: CausalLM,
+        quant: QuantConfig | None,
+        checkpoint_names: CheckpointNames = MODEL_NAMES,
+        stored_unquantized: frozenset[str] = frozenset(),
     ) -> None:
+        """`stored_unquantized`: the checkpoint's names of the weights it stores in 16 or 32 bits. Their
+        layers stay unquantized, as in transformers, whose FP8 quantizer leaves a weight that its blocks do
+        not tile so, without naming it in modules_to_not_convert."""
         self.model = model
         self.quant = quant
         modules = model.modules() if isinstance(model, torch.nn.Module) else []
@@ -437,6 +444,9 @@ class QuantizedCheckpoint:
                     self.layers[id(holder.weight)] = holder
         self.weight_shapes = dict(model.checkpoint_shapes())
         self.scales_missing: set[str] = set()
+        # Scales of weights whose layer is not FP8 here (an embedding, an LM head, an ignored layer): their
+        # FP8 weights are dequantized at load (dequantize_plain_weight).
+        self.plain_scales: dict[str, torch.Tensor] = {}
         if quant is None:
             return
         # A fused layer (q/k/v, gate/up) is quantized or not as a whole.
@@ -446,7 +456,9 @@ class QuantizedCheckpoint:
             if layer is not None and _is_quantized(layer):
                 # The ignore list names modules as the checkpoint does.
                 stored = checkpoint_names.checkpoint_names(name)
-                ignored = any(quant.is_ignored(s.removesuffix(".weight")) for s in stored)
+                ignored = any(
+                    quant.is_ignored(s.removesuffix(".weight")) or s in stored_unquantized for s in stored
+                )
                 parts.setdefault(id(layer), (layer, []))[1].append(ignored)
                 self.scales_missing.add(name)
         for layer, flags in parts.values():
@@ -486,13 +498,78 @@ class QuantizedCheckpoint:
             return False
         for param, shard_id in targets:
             layer = self.layers.get(id(param))
-            if layer is None:  # an unquantized layer's (ignored) activation scale
+            if layer is None or not layer.method.quantized:
+                if weight_scale:
+                    self.plain_scales[weight] = tensor.full().to(torch.float32)
                 continue
             if weight_scale:
                 layer.load_scale(tensor, shard_id, tuple(self.weight_shapes[weight]))
         if weight_scale:  # an activation scale is no weight scale: without one the weight is refused
             self.scales_missing.discard(weight)
         return True
+
+    def dequantize_plain_weight(self, name: str, stored: str, path: str, dtype: torch.dtype) -> torch.Tensor:
+        """FP8 checkpoint tensor `stored` (the model's `name`) of a layer that is not FP8 here, such as an
+        FP8 embedding or LM head (transformers' FP8Embedding, compressed-tensors without an ignored
+        lm_head): weight * scale in float32, as transformers dequantizes it, rounded to `dtype`."""
+        where = f"{os.path.basename(path)}: {stored!r}"
+        scale = self.plain_scales.get(name)
+        if self.quant is None:
+            raise ConfigError(
+                f"{where} is stored in FP8, but the checkpoint's config.json has no quantization_config to "
+                "say how its scales are stored"
+            )
+        if self.quant.checkpoint_format == "online":
+            raise ConfigError(
+                f"{where} is stored in FP8, but quantization='fp8' quantizes a 16- or 32-bit checkpoint at "
+                "load and this one has no quantization_config to give its scales; use the checkpoint it was "
+                "made from"
+            )
+        if scale is None:
+            module = name.removesuffix(".weight")
+            raise ConfigError(
+                f"{where} is stored in FP8, but the checkpoint holds no scale for it "
+                f"({module}.{self.quant.scale_suffixes[0]}); it is incomplete: download it again"
+            )
+        with open_weight_file(path) as handle:
+            weight = handle.read(stored)
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ConfigError(f"{where} is {weight.dtype}; only float8_e4m3fn FP8 weights are supported")
+        check_finite_scale(scale, f"the scale of {where}")
+        w = weight.to(torch.float32)
+        rows = w.shape[0] if w.dim() else 1
+        block = self.quant.block_size
+        if scale.numel() == 1:
+            values = w * scale.reshape(())
+        elif w.dim() == 2 and scale.numel() == rows and (scale.dim() == 1 or 1 in scale.shape):
+            values = w * scale.reshape(rows, 1)
+        elif (
+            w.dim() == 2 and block is not None
+            and tuple(scale.shape) == (math.ceil(rows / block[0]), math.ceil(w.shape[1] / block[1]))
+        ):  # fmt: skip
+            tiles = scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+            values = w * tiles[:rows, : w.shape[1]]
+        else:
+            raise ConfigError(
+                f"{where} has shape {list(w.shape)} and its scale {list(scale.shape)}: not one scale, one "
+                "per row, or one per block of the config's weight_block_size"
+            )
+        return values.to(dtype)
+
+
+class LoadedTensor:
+    """A tensor already in memory, read like a checkpoint tensor (TensorSource)."""
+
+    def __init__(self, name: str, values: torch.Tensor) -> None:
+        self.name = name
+        self._values = values
+        self.shape: tuple[int, ...] = tuple(values.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._values.narrow(dim, start, length)
+
+    def full(self) -> torch.Tensor:
+        return self._values
 
 
 def _is_quantized(layer: QuantizedLayer | None) -> bool:
@@ -510,13 +587,17 @@ def load_weights(
     `quant`: the model's FP8 config (its layers are FP8 already; the checkpoint's scales go to them).
     `checkpoint_names`: how the architecture's checkpoints name the model's tensors (models/registry.py);
     the tensors it skips are never read."""
-    quantized = QuantizedCheckpoint(model, quant, checkpoint_names)
+    files, index_name = _weight_source(model_dir)
+    stored_unquantized: frozenset[str] = frozenset()
+    if quant is not None and quant.checkpoint_format != "online":
+        stored_unquantized = _stored_unquantized(files)
+    quantized = QuantizedCheckpoint(model, quant, checkpoint_names, stored_unquantized)
     # By checkpoint name, not by parameter: a fused or stacked parameter (q/k/v, experts) takes many.
     expected = dict(model.checkpoint_shapes())
     missing = dict(expected)
     tied = model.tied_checkpoint_names()
     tied_found: dict[str, tuple[str, str]] = {}  # a tied name the checkpoint holds -> its file, name there
-    files, index_name = _weight_source(model_dir)
+    plain_fp8: dict[str, tuple[str, str]] = {}  # FP8 tensors of layers not FP8 here -> file, name there
     for path in files:
         with open_weight_file(path) as handle:
             for stored in handle.keys():  # noqa: SIM118 - not a dict
@@ -548,9 +629,31 @@ def load_weights(
                             f"the model's config.json gives {list(expected[part])}; the config does not "
                             "match the weights"
                         )
+                    if handle.dtype(stored) in FP8_DTYPES and any(
+                        p.dtype not in FP8_DTYPES for p, _ in targets
+                    ):
+                        if part != name:
+                            raise ConfigError(
+                                f"{os.path.basename(path)}: tensor {stored!r} is stored in FP8, but this "
+                                "engine keeps the layer it fills unquantized (not an FP8 layer of the "
+                                "checkpoint's quantization_config)"
+                            )
+                        plain_fp8[name] = (path, stored)  # dequantized once its scale has been read
+                        continue
                     for param, shard_id in targets:
                         param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
                     missing.pop(part, None)
+    for name, (path, stored) in plain_fp8.items():
+        source = LoadedTensor(stored, quantized.dequantize_plain_weight(name, stored, path, dtype))
+        for param, shard_id in model.checkpoint_targets(name):
+            param.weight_loader(param, source, shard_id)  # type: ignore[attr-defined]
+        missing.pop(name, None)
+    stray = sorted(set(quantized.plain_scales) - set(plain_fp8))
+    if stray:
+        raise ConfigError(
+            f"checkpoint {model_dir} holds weight scales of layers whose weights are not FP8 "
+            f"({', '.join(stray[:4])}): its quantization_config does not match its tensors"
+        )
     for name, (path, stored) in tied_found.items():
         _load_tied(model, name, stored, tied[name], path, dtype, expected, missing)
     if missing:
@@ -579,6 +682,17 @@ def load_weights(
             f"checkpoint {model_dir} has FP8 weights without their scales (*.{suffix}): "
             f"{', '.join(names[:8])}"
         )
+
+
+def _stored_unquantized(files: list[str]) -> frozenset[str]:
+    """The names of the 16- and 32-bit floating-point tensors that `files` hold (from their headers)."""
+    names = set()
+    for path in files:
+        with open_weight_file(path) as handle:
+            for stored in handle.keys():  # noqa: SIM118 - not a dict
+                if handle.dtype(stored) in (torch.float16, torch.bfloat16, torch.float32):
+                    names.add(stored)
+    return frozenset(names)
 
 
 def _model_names(weight_map: dict[str, str], names: CheckpointNames) -> dict[str, str]:
@@ -610,6 +724,11 @@ def _load_tied(
     both are there and differ, transformers unties them, which a tied model cannot, so that is a
     ConfigError (it silently gave another LM head than HF's)."""
     with open_weight_file(path) as handle:
+        if handle.dtype(stored) in FP8_DTYPES:
+            raise ConfigError(
+                f"{os.path.basename(path)}: tensor {stored!r} of a tied model is stored in FP8; tied "
+                "embeddings are loaded only unquantized"
+            )
         tensor = CheckpointTensor(handle, stored, dtype)
         if tensor.shape != tuple(expected[twin]):
             raise ConfigError(

@@ -60,6 +60,14 @@ def tensor_name(source: TensorSource) -> str:
     return str(getattr(source, "name", "a checkpoint tensor"))
 
 
+def check_finite_scale(scale: torch.Tensor, what: str) -> None:
+    """ConfigError where FP8 weight scales hold NaN or infinity (every output of the layer would be NaN)."""
+    if not bool(torch.isfinite(scale).all()):
+        raise ConfigError(
+            f"{what} holds NaN or infinite FP8 scales; the checkpoint is corrupt: download it again"
+        )
+
+
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(

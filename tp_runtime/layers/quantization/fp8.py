@@ -34,6 +34,7 @@ from tp_runtime.layers.quantization import (
     QuantizableLinear,
     Shard,
     WeightHolder,
+    check_finite_scale,
     copy_checked,
     shard_rows,
     tensor_name,
@@ -298,6 +299,12 @@ class Fp8LinearMethod(LinearMethod):
         if data.dtype in FP8_DTYPES:
             if data.dtype != FP8:
                 raise ConfigError(f"{name} is {data.dtype}; only float8_e4m3fn FP8 weights are supported")
+            if self.online:
+                raise ConfigError(
+                    f"{name} is stored in FP8, but quantization='fp8' quantizes a 16- or 32-bit checkpoint "
+                    "at load and this one has no quantization_config to give its scales; use the checkpoint "
+                    "it was made from"
+                )
             copy_checked(rows, data, name)
             return
         if not self.online:
@@ -332,10 +339,11 @@ class Fp8LinearMethod(LinearMethod):
                 raise ConfigError(f"{name} has shape {list(shape)}; a per-tensor FP8 scale has one value")
             target.fill_(value.item())
         elif scheme == "channel":
-            if shard.dim == 0:
-                part = source.narrow(0, shard.start, shard.length)
-            else:
-                part = source.full()
+            # Whole (one value a row: small), so that every layout of them ([rows], [rows, 1], [1, rows])
+            # is read alike.
+            part = source.full().reshape(-1)
+            if shard.dim == 0 and part.numel() == weight_shape[0]:
+                part = part.narrow(0, shard.start, shard.length)
             if part.numel() != target.shape[0]:
                 raise ConfigError(
                     f"{name} has shape {list(shape)}; per-channel FP8 scales have one value per output row"
@@ -373,6 +381,7 @@ class Fp8LinearMethod(LinearMethod):
                     f"{block_n}x{block_k} blocks"
                 )
             target.copy_(part)
+        check_finite_scale(target, name)
 
     def apply(
         self,

@@ -1245,6 +1245,33 @@ def test_chat_logprob_bytes_rebuild_split_characters(byte_tokenizer: Any) -> Non
     assert bytes(b for i in ids for b in token_bytes(i, sp.decode([i]))) == text.encode("utf-8")
 
 
+def test_completion_top_logprobs_keep_the_chosen_tokens_value(byte_tokenizer: Any) -> None:
+    """/v1/completions' top_logprobs are keyed by token text, and tokens that each hold part of a character
+    all read U+FFFD: the chosen token's entry keeps its own logprob, then the likelier alternative's, for
+    any `logprobs` (a less likely token of the same text overwrote it, so the value changed with the
+    count asked for)."""
+    from tp_runtime.outputs import CompletionOutput, Logprob
+    from tp_runtime.server.protocol import CompletionRequest
+
+    ids = byte_tokenizer("\u03dd\u03dd", add_special_tokens=False)["input_ids"]
+    partial = [i for i in ids if byte_tokenizer.decode([i]) == "\ufffd"]
+    word = byte_tokenizer("Paris", add_special_tokens=False)["input_ids"][0]
+    assert len(set(partial)) == 2, ids
+    chosen, other = partial[0], partial[1]
+    for top in (1, 2, 3):
+        body = CompletionRequest(model=NAME, prompt="Hi", max_tokens=1, logprobs=top)
+        fmt = CompletionFormat(body, [[5, 6]], byte_tokenizer)
+        position = {
+            chosen: Logprob(-1.0, 2, "\ufffd"),
+            word: Logprob(-0.5, 1, byte_tokenizer.decode([word])),
+            other: Logprob(-1.5, 3, "\ufffd"),
+        }
+        out = CompletionOutput(0, "", [chosen], "length", logprobs=[position])
+        logprobs, _ = fmt.logprobs(0, out, finished=True)
+        assert logprobs.token_logprobs == [-1.0]
+        assert logprobs.top_logprobs[0]["\ufffd"] == -1.0, (top, logprobs.top_logprobs)
+
+
 def test_null_means_the_default_and_big_bad_requests_stay_cheap(
     scripted_config: Any, byte_tokenizer: Any
 ) -> None:

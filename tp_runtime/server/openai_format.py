@@ -503,7 +503,9 @@ class CompletionFormat(Format):
     def _entry(self, token_id: int, position: dict[int, Logprob], offset: int) -> _Entry:
         chosen = position[token_id]
         entries = [chosen, *(lp for tid, lp in _ranked(position, self.top or 0) if tid != token_id)]
-        top = {lp.decoded_token or "": _clamp(lp.logprob) for lp in entries}
+        top: dict[str, float] = {}
+        for lp in entries:  # tokens whose texts are equal (byte pieces: U+FFFD) keep the likelier's value
+            top.setdefault(lp.decoded_token or "", _clamp(lp.logprob))
         return chosen.decoded_token or "", _clamp(chosen.logprob), offset, top
 
     def logprobs(self, index: int, out: CompletionOutput, finished: bool) -> tuple[Any, int]:

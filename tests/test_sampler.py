@@ -424,3 +424,23 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
     want_rank = (order == out.token_ids.unsqueeze(1)).float().argmax(-1) + 1
     assert torch.equal(out.sampled_ranks, want_rank)
     assert (out.sampled_ranks <= 3).all()  # top_k=3 only ever samples the three most likely
+
+
+@pytest.mark.parametrize("default", [torch.float64, torch.bfloat16])
+def test_draws_do_not_follow_the_host_programs_default_dtype(default: torch.dtype) -> None:
+    """Rank 0 samples in the host program's process (TP=1, torchrun's rank 0, the server): its noise is
+    float32 whatever torch.set_default_dtype says there, so seeded and unseeded draws are those of a
+    worker process, and the other ranks' (they differed, and bfloat16 noise biased the draws)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, VOCAB, generator=g) * 2
+    batch = make_batch(
+        [Setting(temperature=1.2)] * 64, VOCAB, row_seeds={i: token_seed(3, i) for i in range(0, 64, 2)}
+    )
+    want = Sampler(CPU, seed=9)(logits, batch).token_ids
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        got = Sampler(CPU, seed=9)(logits, batch).token_ids
+    finally:
+        torch.set_default_dtype(before)
+    assert torch.equal(got, want)

@@ -410,7 +410,7 @@ class SymmMemAllReduce(AllReduce):
             x = torch.full((n,), float(rank + 1), dtype=torch.float32, device=device)
             y = self.run_method(method, x)
             got = y.cpu()
-            if not torch.equal(got, torch.full((n,), expected)):
+            if not torch.equal(got, torch.full((n,), expected, dtype=torch.float32)):
                 raise RuntimeError(
                     f"symmetric-memory {method} all-reduce self-test gave {got[:4].tolist()}..., "
                     f"expected {expected}"
@@ -445,10 +445,10 @@ class SymmMemAllReduce(AllReduce):
             self.prepare_fused_norm(dtype)
             for rows in (most, max(1, most - 1), most, most):
                 x = torch.full((rows, n), float(self.rank + 1), dtype=dtype, device=device)
-                weight = torch.linspace(0.5, 2.0, n, device=device).to(dtype)
+                weight = torch.linspace(0.5, 2.0, n, dtype=torch.float32, device=device).to(dtype)
                 residual = torch.ones_like(x)
                 out = self.add_rms_norm(x, residual, weight, 1e-6)
-                summed = torch.full((rows, n), expected + 1.0, device=device)
+                summed = torch.full((rows, n), expected + 1.0, dtype=torch.float32, device=device)
                 normed = (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
                 want = (weight.float() * normed.float()).to(dtype)
                 tol = 1e-5 if dtype == torch.float32 else 1e-2

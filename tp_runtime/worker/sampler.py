@@ -169,10 +169,14 @@ class Sampler:
         else:
             filtered = batch.min_p is not None or batch.top_k is not None or batch.top_p is not None
             # Uniform noise; E = -log(U) is Exp(1), the same law as exponential_(), and faster on CPU.
-            noise = torch.rand(logits.shape, generator=self._engine_generator, device=logits.device)
+            # float32 whatever the host's default dtype (rank 0 may run in the host program's process).
+            shape, device = logits.shape, logits.device
+            noise = torch.rand(shape, generator=self._engine_generator, device=device, dtype=torch.float32)
             for row, seed in batch.row_seeds.items():
                 self._row_generator.manual_seed(seed)
-                noise[row] = torch.rand(logits.shape[1], generator=self._row_generator, device=logits.device)
+                noise[row] = torch.rand(
+                    shape[1], generator=self._row_generator, device=device, dtype=torch.float32
+                )
             scores = filter_logits(logits, batch) if filtered else None  # else logits / temperature
             token_ids = self._race_argmax(logits, batch.greedy, noise, batch.temperature, scores)
         out = SamplerOutput(token_ids=token_ids)

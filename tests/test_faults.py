@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import zmq
-from conftest import fail_on_hang
+from conftest import fail_on_hang, hf_greedy
 
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.errors import (
@@ -353,20 +353,38 @@ def test_torchrun_rank_failing_mid_step_ends_the_job(checkpoint: Path, tmp_path:
 
 _TORCHRUN_SEEDS_DIFFER = """
 import os, sys
-from tp_runtime import LLM, run_torchrun_worker
+from tp_runtime import LLM, SamplingParams, run_torchrun_worker
 from tp_runtime.config import torchrun_rank
+from tp_runtime.errors import ConfigError
 
-options = dict(tensor_parallel_size=2, device="cpu", dtype="float32", seed=torchrun_rank())
-if torchrun_rank():
-    run_torchrun_worker(sys.argv[1], **options)
-else:
-    LLM(sys.argv[1], **options)
+options = dict(tensor_parallel_size=2, device="cpu", dtype="float32")
+try:
+    if torchrun_rank():
+        run_torchrun_worker(sys.argv[1], seed=torchrun_rank(), **options)
+    else:
+        LLM(sys.argv[1], seed=0, **options)
+except ConfigError as exc:
+    print(f"rank {torchrun_rank()} failed to start: {exc}", flush=True)
+    if not torchrun_rank():  # its driver's socket folder
+        left = [p for p in os.listdir(sys.argv[2]) if p.startswith("tp-runtime-")]
+        print(f"left behind: {left}", flush=True)
+# The same program then starts engines that work, one after another.
+for start in ("SECOND", "THIRD"):
+    if torchrun_rank():
+        run_torchrun_worker(sys.argv[1], **options)
+    else:
+        with LLM(sys.argv[1], **options) as llm:
+            params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            out = llm.generate({"prompt_token_ids": [1, 5, 6, 7]}, params, use_tqdm=False)
+            print(start, "START", out[0].outputs[0].token_ids, flush=True)
 """
 
 
-def test_torchrun_start_that_fails_removes_the_drivers_sockets(checkpoint: Path, tmp_path: Path) -> None:
+def test_torchrun_failed_start_cleans_up_and_a_new_engine_starts(checkpoint: Path, tmp_path: Path) -> None:
     """Rank 0 makes the driver's sockets (in a private folder) before the ranks compare their engine
-    arguments; when that start fails (a seed differs here), the folder and its sockets go with it."""
+    arguments; when that start fails (a seed differs here), the folder and its sockets go with it, and
+    every rank leaves the process group, so the program can start another engine, which gives HF's
+    tokens (the retry failed: 'trying to initialize the default process group twice')."""
     script = tmp_path / "job.py"
     script.write_text(_TORCHRUN_SEEDS_DIFFER)
     sockets = tmp_path / "tmp"
@@ -374,10 +392,15 @@ def test_torchrun_start_that_fails_removes_the_drivers_sockets(checkpoint: Path,
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1", "TMPDIR": str(sockets)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(script), str(checkpoint)]  # fmt: skip
+           str(script), str(checkpoint), str(sockets)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
     output = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "differ from rank 0's on some rank: seed" in output, output[-3000:]
+    assert proc.returncode == 0, output[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} failed to start: " in output and "on some rank: seed" in output, output[-3000:]
+    assert "left behind: []" in output, output[-3000:]
+    want = hf_greedy(checkpoint, [[1, 5, 6, 7]], 6)[0]
+    assert f"SECOND START {want}" in output and f"THIRD START {want}" in output, output[-3000:]
     assert not [p.name for p in sockets.iterdir() if p.name.startswith("tp-runtime-")], output[-2000:]
 
 

@@ -21,6 +21,7 @@ NCCL, PyTorch's symmetric memory and NVSHMEM, before the process group exists.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -826,6 +827,10 @@ class TPGroup:
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+# The process groups this process has joined: every rank of a program joins them in the same order.
+_GROUPS_JOINED = itertools.count()
+
+
 def init_process_group(
     backend: str,
     init_method: str,
@@ -846,12 +851,18 @@ def init_process_group(
     kwargs = {}
     if device.type == "cuda":
         kwargs["device_id"] = device
+    timeout = timedelta(seconds=timeout_s)
+    store, _, _ = next(dist.rendezvous(init_method, rank=rank, world_size=world_size, timeout=timeout))
+    # A torchrun program may start engines one after another, each joining a group through the same store
+    # (torchrun's): under a prefix of their own, the ranks of the next group do not read the addresses
+    # the last one left there (torch names every default group alike).
+    store = dist.PrefixStore(f"tp_runtime/{next(_GROUPS_JOINED)}/", store)
     dist.init_process_group(
         backend=backend,
-        init_method=init_method,
+        store=store,
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
         **kwargs,  # type: ignore[arg-type]
     )
     strategy = make_all_reduce(

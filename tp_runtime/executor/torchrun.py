@@ -305,6 +305,9 @@ def _join(config: EngineConfig, make_driver: bool) -> tuple[Worker, TorchrunExec
             termination.deferred = True  # a SIGTERM now must not cut the clean-up short
             if executor is not None:  # its sockets, watchdog and socket folder go with the failed start
                 executor.close_channel()
+            # The process group and the weights go too: the program may start another engine.
+            with contextlib.suppress(Exception):  # the start's own error is the one to report
+                worker.shutdown()
             raise
 
 

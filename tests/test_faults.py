@@ -352,12 +352,22 @@ def test_torchrun_rank_failing_mid_step_ends_the_job(checkpoint: Path, tmp_path:
 
 
 _TORCHRUN_SEEDS_DIFFER = """
-import os, sys
+import os, sys, time
 from tp_runtime import LLM, SamplingParams, run_torchrun_worker
 from tp_runtime.config import torchrun_rank
 from tp_runtime.errors import ConfigError
 
 options = dict(tensor_parallel_size=2, device="cpu", dtype="float32")
+if torchrun_rank():  # rank 1's heartbeats connect a second after it is ready (a starved thread)
+    import tp_runtime.worker.worker as worker_module
+
+    send_heartbeats = worker_module._send_heartbeats
+
+    def late_heartbeats(*args, **kwargs):
+        time.sleep(1.0)
+        return send_heartbeats(*args, **kwargs)
+
+    worker_module._send_heartbeats = late_heartbeats
 try:
     if torchrun_rank():
         run_torchrun_worker(sys.argv[1], seed=torchrun_rank(), **options)
@@ -377,6 +387,11 @@ for start in ("SECOND", "THIRD"):
             params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
             out = llm.generate({"prompt_token_ids": [1, 5, 6, 7]}, params, use_tqdm=False)
             print(start, "START", out[0].outputs[0].token_ids, flush=True)
+            time.sleep(1.5)  # every rank's heartbeats connected: the next step removes the socket files
+            again = llm.generate({"prompt_token_ids": [1, 5, 6, 7]}, params, use_tqdm=False)
+            left = [p for p in os.listdir(sys.argv[2]) if p.startswith("tp-runtime-")]
+            heard = llm.engine.executor.channel.watchdog.connected_all()
+            print(start, "RUNNING", again[0].outputs[0].token_ids, left, heard, flush=True)
 """
 
 
@@ -401,6 +416,9 @@ def test_torchrun_failed_start_cleans_up_and_a_new_engine_starts(checkpoint: Pat
     assert "left behind: []" in output, output[-3000:]
     want = hf_greedy(checkpoint, [[1, 5, 6, 7]], 6)[0]
     assert f"SECOND START {want}" in output and f"THIRD START {want}" in output, output[-3000:]
+    # Removed once rank 1's late heartbeats had connected (not before: they would never reach rank 0).
+    for start in ("SECOND", "THIRD"):
+        assert f"{start} RUNNING {want} [] True" in output, output[-3000:]
     assert not [p.name for p in sockets.iterdir() if p.name.startswith("tp-runtime-")], output[-2000:]
 
 

@@ -185,6 +185,10 @@ class Watchdog:
         if self.hard_exit:
             self._end_job_if_stuck(now)
 
+    def connected_all(self) -> bool:
+        """Whether every watched rank's heartbeats have arrived on a connection of its own."""
+        return all(r in self._connection_of for r in self.watched)
+
     def late(self) -> dict[int, float]:
         """Ranks silent for HEARTBEAT_TIMEOUT_S or more, and for how long."""
         return {r: age for r, age in self.silent.items() if age >= HEARTBEAT_TIMEOUT_S}

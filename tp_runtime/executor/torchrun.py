@@ -100,10 +100,8 @@ class TorchrunExecutor:
     def initialize(self) -> int:
         try:
             self.remote.wait_ready(self.config.parallel.startup_timeout_s)
-            # Every rank is connected, and open connections outlive their socket files: removed now, they
-            # are not left behind however rank 0 ends (torchrun's SIGTERM, after one rank failed, kills it).
-            self._remove_socket_folder()
             num_blocks = size_kv_cache(self)
+            self._release_socket_folder()
             self._control_timeout_s = self.config.parallel.step_timeout_s
             return num_blocks
         except BaseException:
@@ -143,6 +141,8 @@ class TorchrunExecutor:
             # Steps never wait in RemoteWorkers._serve here, which drains the broadcast socket: do it now.
             self.channel.discard_inbound()
             self.remote.broadcast(ExecuteModel(so))
+            if self.ipc_dir is not None:
+                self._release_socket_folder()
             self.last_step_timings = {"encode_broadcast": time.perf_counter() - t0}
             launched = self._local(lambda: self.worker.execute_model(so))
             if launched is not None:  # else it waits for its grammar mask
@@ -212,6 +212,14 @@ class TorchrunExecutor:
         """Close the driver's sockets and watchdog and remove their folder."""
         self.channel.close()
         self._remove_socket_folder()
+
+    def _release_socket_folder(self) -> None:
+        """Once every rank's sockets are connected (their heartbeats' too, which connect on a thread of
+        their own after the rank is ready), remove the socket files: open connections outlive them, and
+        then none is left behind however rank 0 ends (torchrun's SIGTERM, after another rank failed,
+        kills it). Until then each step checks again."""
+        if self.channel.watchdog.connected_all():
+            self._remove_socket_folder()
 
     def _remove_socket_folder(self) -> None:
         if self.ipc_dir is not None:

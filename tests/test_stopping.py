@@ -151,6 +151,12 @@ def test_eos_list_from_generation_config(model_dir: Path, reference: list[int], 
     # As vLLM: the generation config's EOS ids other than the tokenizer's are reported as stop tokens.
     assert out.stop_reason == eos
     assert ignored.token_ids == reference
+    # The tokenizer's EOS (2) named only by stop_token_ids still ends an output with no stop_reason.
+    (local / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
+    with LLM(local, device="cpu", dtype="float32") as engine:
+        params = SamplingParams(temperature=0, max_tokens=N, allowed_token_ids=[2], stop_token_ids=[2])
+        end = engine.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0]
+    assert (end.token_ids, end.finish_reason, end.stop_reason) == ([2], "stop", None)
 
 
 def test_generation_config_eos_replaces_config_eos(

@@ -388,8 +388,9 @@ class LLMEngine:
             # where they say there is none (eos_token_id: []), as in transformers' generate.
             self.eos_token_ids.add(tokenizer_eos)
         # As vLLM: an output ended by the tokenizer's EOS has no stop_reason, even where stop_token_ids
-        # name it too; the generation config's other EOS ids are reported like stop tokens.
-        self._primary_eos = tokenizer_eos if tokenizer_eos in self.eos_token_ids else None
+        # name it too (or only they do); the generation config's other EOS ids are reported like stop
+        # tokens.
+        self._primary_eos = tokenizer_eos if isinstance(tokenizer_eos, int) else None
         self._next_req_id = 0
         # By skip_special_tokens; the other one is made when a request first asks for it.
         self._text_codecs = {True: _TextCodec.of(tokenizer, True)}

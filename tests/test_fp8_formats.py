@@ -387,6 +387,13 @@ def test_fp8_lm_head_and_embedding_are_dequantized(tp: int, make_checkpoint: Any
     out = write_variant(src, tmp_path / "embed", qc, "tensor", scale_name="weight_scale_inv")
     _quantize_as_stored(out, "model.embed_tokens.weight", "tensor")
     assert_matches_hf(out, tp)
+    # Block-scaled: FP8Embedding's one scale is `weight_scale` there too (the layers' are
+    # `weight_scale_inv`), and an LM head in 16x16 blocks (the vocabulary's last block is partial).
+    block = {**qc, "weight_block_size": [16, 16], "modules_to_not_convert": []}
+    out = write_variant(src, tmp_path / "block", block, "block", scale_name="weight_scale_inv")
+    _quantize_as_stored(out, "model.embed_tokens.weight", "tensor")
+    _quantize_as_stored(out, "lm_head.weight", "block", scale_name="weight_scale_inv")
+    assert_matches_hf(out, tp)
 
 
 def test_per_channel_scales_stored_as_one_row_at_tp2(make_checkpoint: Any, tmp_path: Path) -> None:
@@ -398,10 +405,10 @@ def test_per_channel_scales_stored_as_one_row_at_tp2(make_checkpoint: Any, tmp_p
     assert_ranks_hold_reference(out, 2)
 
 
-def test_weights_that_transformers_left_unquantized(make_checkpoint: Any, tmp_path: Path) -> None:
-    """transformers' FP8 quantizer leaves a weight its blocks do not tile (an MLP 80 wide, 32x32 blocks)
-    in 16/32 bits with no scale, and does not name it in modules_to_not_convert: such a layer runs
-    unquantized, as transformers reloads it (it was refused)."""
+def test_layers_stored_in_16_or_32_bits_run_unquantized(make_checkpoint: Any, tmp_path: Path) -> None:
+    """An FP8 checkpoint that stores some layers (here the MLPs, 80 wide: no whole 32x32 block) in 16 or 32
+    bits with no scale, without naming them in modules_to_not_convert: they run unquantized (they were
+    refused). With a scale beside such a weight the checkpoint is refused (see the next test)."""
     src = make_checkpoint("LlamaForCausalLM", seed=5, **ODD_WIDTHS)
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
           "modules_to_not_convert": None}  # fmt: skip
@@ -452,3 +459,21 @@ def test_broken_fp8_tensors_outside_linear_layers_are_config_errors(
         LLM(str(fp8), dtype="float32", device="cpu")
     with pytest.raises(ConfigError, match="stored in FP8, but quantization='fp8' quantizes a 16- or 32-bit"):
         LLM(str(fp8), dtype="float32", device="cpu", quantization="fp8")
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
+def test_dequantized_rows_read_in_chunks(
+    scheme: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank's rows of an FP8 tensor kept unquantized, read a few rows at a time (here 1-3 rows a chunk,
+    starting inside a 16x16 block), equal the brute-force dequantization's rows."""
+    weight = torch.randn(37, 20, generator=torch.Generator().manual_seed(4))
+    q, scale = _quantize(weight, scheme, (16, 16), 1.0)
+    save_file({"w": q, "w_scale": scale}, str(tmp_path / "t.safetensors"))
+    want = _dequantize(q, scale, scheme, (16, 16))
+    for chunk in (20, 45, 1 << 22):
+        monkeypatch.setattr(loader.DequantizedTensor, "_CHUNK", chunk)
+        with loader.open_weight_file(str(tmp_path / "t.safetensors")) as handle:
+            source = loader.DequantizedTensor(handle, "w", scale, (16, 16), torch.float32)
+            assert torch.equal(source.narrow(0, 5, 30), want[5:35]) and torch.equal(source.full(), want)
+            assert torch.equal(source.narrow(1, 3, 9), want[:, 3:12])

@@ -431,8 +431,8 @@ class QuantizedCheckpoint:
         stored_unquantized: frozenset[str] = frozenset(),
     ) -> None:
         """`stored_unquantized`: the checkpoint's names of the weights it stores in 16 or 32 bits. Their
-        layers stay unquantized, as in transformers, whose FP8 quantizer leaves a weight that its blocks do
-        not tile so, without naming it in modules_to_not_convert."""
+        layers stay unquantized, as if the config's ignore list named them (a scale beside such a weight
+        is refused once all are read)."""
         self.model = model
         self.quant = quant
         modules = model.modules() if isinstance(model, torch.nn.Module) else []
@@ -445,7 +445,7 @@ class QuantizedCheckpoint:
         self.weight_shapes = dict(model.checkpoint_shapes())
         self.scales_missing: set[str] = set()
         # Scales of weights whose layer is not FP8 here (an embedding, an LM head, an ignored layer): their
-        # FP8 weights are dequantized at load (dequantize_plain_weight).
+        # FP8 weights are dequantized at load (DequantizedTensor).
         self.plain_scales: dict[str, torch.Tensor] = {}
         if quant is None:
             return
@@ -466,9 +466,10 @@ class QuantizedCheckpoint:
                 layer.use_method(UNQUANTIZED)
             elif any(flags):
                 raise ConfigError(
-                    "the checkpoint's quantization_config leaves some of the projections this engine stores "
-                    "together (q/k/v, gate/up, or one layer's experts: their gate/up projections, and their "
-                    "down projections) unquantized and not the others; that is not supported"
+                    "the checkpoint leaves some of the projections this engine stores together (q/k/v, "
+                    "gate/up, or one layer's experts: their gate/up projections, and their down projections) "
+                    "unquantized (its quantization_config's ignore list, or weights stored in 16/32 bits) "
+                    "and not the others; that is not supported"
                 )
         still_quantized = {n for n in self.scales_missing if _is_quantized(self._layer_of(n))}
         self.scales_missing = set() if quant.checkpoint_format == "online" else still_quantized
@@ -489,29 +490,34 @@ class QuantizedCheckpoint:
             return False
         module, _, suffix = name.rpartition(".")
         weight_scale = suffix in self.quant.scale_suffixes
-        if not weight_scale and suffix not in self.quant.activation_scale_suffixes:
+        activation_scale = suffix in self.quant.activation_scale_suffixes
+        # A layer kept unquantized here may hold an FP8 weight under either name (transformers'
+        # FP8Embedding says `weight_scale` in a block-scaled checkpoint).
+        plain_scale = suffix in _PLAIN_SCALE_SUFFIXES
+        if not (weight_scale or activation_scale or plain_scale):
             return False
         weight = f"{module}.weight"
         try:
             targets = list(self.model.checkpoint_targets(weight))
         except KeyError:
             return False
-        for param, shard_id in targets:
-            layer = self.layers.get(id(param))
-            if layer is None or not layer.method.quantized:
-                if weight_scale:
-                    self.plain_scales[weight] = tensor.full().to(torch.float32)
-                continue
-            if weight_scale:
+        layers = [self.layers.get(id(param)) for param, _ in targets]
+        if not any(_is_quantized(layer) for layer in layers):
+            if not activation_scale:  # (an unquantized layer's activation scale is dropped)
+                self.plain_scales[weight] = tensor.full().to(torch.float32)
+            return True
+        if not (weight_scale or activation_scale):
+            return False  # a scale of another format's name, for an FP8 layer
+        for (_, shard_id), layer in zip(targets, layers, strict=True):
+            if weight_scale and layer is not None:
                 layer.load_scale(tensor, shard_id, tuple(self.weight_shapes[weight]))
         if weight_scale:  # an activation scale is no weight scale: without one the weight is refused
             self.scales_missing.discard(weight)
         return True
 
-    def dequantize_plain_weight(self, name: str, stored: str, path: str, dtype: torch.dtype) -> torch.Tensor:
-        """FP8 checkpoint tensor `stored` (the model's `name`) of a layer that is not FP8 here, such as an
-        FP8 embedding or LM head (transformers' FP8Embedding, compressed-tensors without an ignored
-        lm_head): weight * scale in float32, as transformers dequantizes it, rounded to `dtype`."""
+    def plain_weight_scale(self, name: str, stored: str, path: str) -> torch.Tensor:
+        """The scale of FP8 checkpoint tensor `stored` (the model's `name`) of a layer that is not FP8 here
+        (DequantizedTensor reads it): ConfigError where the checkpoint cannot say it."""
         where = f"{os.path.basename(path)}: {stored!r}"
         scale = self.plain_scales.get(name)
         if self.quant is None:
@@ -531,45 +537,73 @@ class QuantizedCheckpoint:
                 f"{where} is stored in FP8, but the checkpoint holds no scale for it "
                 f"({module}.{self.quant.scale_suffixes[0]}); it is incomplete: download it again"
             )
-        with open_weight_file(path) as handle:
-            weight = handle.read(stored)
-        if weight.dtype != torch.float8_e4m3fn:
-            raise ConfigError(f"{where} is {weight.dtype}; only float8_e4m3fn FP8 weights are supported")
         check_finite_scale(scale, f"the scale of {where}")
-        w = weight.to(torch.float32)
-        rows = w.shape[0] if w.dim() else 1
-        block = self.quant.block_size
+        return scale
+
+
+class DequantizedTensor:
+    """An FP8 checkpoint tensor of a layer the engine keeps unquantized (an FP8 embedding or LM head:
+    transformers' FP8Embedding, compressed-tensors whose ignore list leaves lm_head in), read as
+    weight * scale in float32 and rounded to `dtype`, as transformers dequantizes it: only the rows a
+    rank asks for, a few million values at a time (an LM head's float32 copy would be gigabytes)."""
+
+    _CHUNK = 1 << 22  # values dequantized at once
+
+    def __init__(
+        self, handle: WeightFile, stored: str, scale: torch.Tensor, block: tuple[int, int] | None,
+        dtype: torch.dtype,
+    ) -> None:  # fmt: skip
+        where = f"{os.path.basename(handle.path)}: {stored!r}"
+        stored_dtype = handle.dtype(stored)
+        if stored_dtype != torch.float8_e4m3fn:
+            raise ConfigError(f"{where} is {stored_dtype}; only float8_e4m3fn FP8 weights are supported")
+        self.name = stored
+        self.shape: tuple[int, ...] = handle.shape(stored)
+        self._handle, self._dtype = handle, dtype
+        rows = self.shape[0] if self.shape else 1
+        cols = self.shape[1] if len(self.shape) == 2 else 1
         if scale.numel() == 1:
-            values = w * scale.reshape(())
-        elif w.dim() == 2 and scale.numel() == rows and (scale.dim() == 1 or 1 in scale.shape):
-            values = w * scale.reshape(rows, 1)
+            self._scale_rows: Any = lambda r0, n: scale.reshape(())
+        elif len(self.shape) == 2 and scale.numel() == rows and (scale.dim() == 1 or 1 in scale.shape):
+            by_row = scale.reshape(rows, 1)
+            self._scale_rows = lambda r0, n: by_row[r0 : r0 + n]
         elif (
-            w.dim() == 2 and block is not None
-            and tuple(scale.shape) == (math.ceil(rows / block[0]), math.ceil(w.shape[1] / block[1]))
+            len(self.shape) == 2 and block is not None
+            and tuple(scale.shape) == (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
         ):  # fmt: skip
-            tiles = scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
-            values = w * tiles[:rows, : w.shape[1]]
+            bn, bk = block
+
+            def tiles(r0: int, n: int) -> torch.Tensor:
+                first = r0 // bn
+                part = scale[first : (r0 + n - 1) // bn + 1].repeat_interleave(bn, dim=0)
+                return part[r0 - first * bn : r0 - first * bn + n].repeat_interleave(bk, dim=1)[:, :cols]
+
+            self._scale_rows = tiles
         else:
             raise ConfigError(
-                f"{where} has shape {list(w.shape)} and its scale {list(scale.shape)}: not one scale, one "
+                f"{where} has shape {list(self.shape)} and its scale {list(scale.shape)}: not one scale, one "
                 "per row, or one per block of the config's weight_block_size"
             )
-        return values.to(dtype)
-
-
-class LoadedTensor:
-    """A tensor already in memory, read like a checkpoint tensor (TensorSource)."""
-
-    def __init__(self, name: str, values: torch.Tensor) -> None:
-        self.name = name
-        self._values = values
-        self.shape: tuple[int, ...] = tuple(values.shape)
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        return self._values.narrow(dim, start, length)
+        if dim != 0:
+            return self.full().narrow(dim, start, length)
+        out = torch.empty((length, *self.shape[1:]), dtype=self._dtype)
+        row_values = max(1, math.prod(self.shape[1:]))
+        step = max(1, self._CHUNK // row_values)
+        for r0 in range(start, start + length, step):
+            n = min(step, start + length - r0)
+            w = self._handle.read(self.name, 0, r0, n).to(torch.float32)
+            out[r0 - start : r0 - start + n] = (w * self._scale_rows(r0, n)).to(self._dtype)
+        return out
 
     def full(self) -> torch.Tensor:
-        return self._values
+        if not self.shape:
+            return (self._handle.read(self.name).to(torch.float32) * self._scale_rows(0, 1)).to(self._dtype)
+        return self.narrow(0, 0, self.shape[0])
+
+
+_PLAIN_SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv")
 
 
 def _is_quantized(layer: QuantizedLayer | None) -> bool:
@@ -644,9 +678,12 @@ def load_weights(
                         param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
                     missing.pop(part, None)
     for name, (path, stored) in plain_fp8.items():
-        source = LoadedTensor(stored, quantized.dequantize_plain_weight(name, stored, path, dtype))
-        for param, shard_id in model.checkpoint_targets(name):
-            param.weight_loader(param, source, shard_id)  # type: ignore[attr-defined]
+        scale = quantized.plain_weight_scale(name, stored, path)
+        block = quant.block_size if quant is not None else None
+        with open_weight_file(path) as handle:
+            source = DequantizedTensor(handle, stored, scale, block, dtype)
+            for param, shard_id in model.checkpoint_targets(name):
+                param.weight_loader(param, source, shard_id)  # type: ignore[attr-defined]
         missing.pop(name, None)
     stray = sorted(set(quantized.plain_scales) - set(plain_fp8))
     if stray:

@@ -589,12 +589,15 @@ def test_step_timeout_when_a_worker_is_stopped(start_llm: Callable[..., LLM]) ->
 # ----------------------------------------------------------------------------- (f) orderly shutdown
 def test_context_manager_leaves_no_worker(start_llm: Callable[..., LLM]) -> None:
     with start_llm() as llm:
+        held = sys.getrefcount(llm._exit_hook)  # the engine's exit hook: atexit holds it while it runs
         pids = pids_of(llm)
         ipc_dir = Path(llm.engine.executor.ipc_dir)  # type: ignore[attr-defined]
         assert ipc_dir.is_dir()
         generate_ok(llm)
     assert wait_gone(pids, 5.0) == []
     assert not ipc_dir.exists()
+    after = sys.getrefcount(llm._exit_hook)
+    assert after == held - 1  # and lets go of it then (not one kept per engine made)
     llm.shutdown()
     llm.shutdown()
     with pytest.raises(RuntimeError, match="has been shut down; create a new one"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import os
 import threading
@@ -120,8 +121,9 @@ class LLM:
         # A process forked from this one inherits this object, its exit hook and its finalizer: the
         # engine and its socket folder are not the child's to shut down (see shutdown).
         self._owner_pid = os.getpid()
-        self._atexit = weakref.WeakMethod(self.shutdown)
-        atexit.register(_shutdown_at_exit, self._atexit)
+        # This engine's own hook (atexit.unregister removes a callable's every registration).
+        self._exit_hook = functools.partial(_shutdown_at_exit, weakref.WeakMethod(self.shutdown))
+        atexit.register(self._exit_hook)
 
     def __enter__(self) -> LLM:
         return self
@@ -134,6 +136,7 @@ class LLM:
         from this one (the engine is its parent's)."""
         if not getattr(self, "_closed", True) and os.getpid() == self._owner_pid:
             self._closed = True
+            atexit.unregister(self._exit_hook)  # a program that makes many engines keeps no hook of each
             self.engine.shutdown()
 
     def __del__(self) -> None:

@@ -227,13 +227,17 @@ def write_preset_checkpoint(name: str, out_dir: str | Path, *, with_weights: boo
     safetensors. Without: config, generation config and tokenizer only, for dummy-weight loading.
     """
     import torch
-    from transformers import GenerationConfig, LlamaForCausalLM
+    from transformers import GenerationConfig
     from transformers.utils import logging as transformers_logging
 
     config = preset_hf_config(name)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if with_weights:
+        # Only here: importing transformers' modeling code takes seconds, which a server's first start
+        # on the config alone (dummy weights) would pay.
+        from transformers import LlamaForCausalLM
+
         config.dtype = torch.float32  # the saved tensors are float32; say so in config.json
         # fork_rng: seed the init without disturbing the caller's global RNG state.
         with torch.random.fork_rng(devices=[]):

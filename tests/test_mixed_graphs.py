@@ -28,8 +28,8 @@ def test_token_buckets_cover_every_size_with_bounded_padding() -> None:
         assert sizes == sorted(set(sizes)) and sizes[-1] == max_tokens, (max_tokens, sizes)
         for n in range(1, max_tokens + 1):
             bucket = next(s for s in sizes if s >= n)
-            # At most 16 tokens or a quarter of the step up to 256 tokens, 64 up to 1024, 128 above.
-            assert bucket - n <= (max(16, n // 4) if n <= 256 else 64 if n <= 1024 else 128), (n, bucket)
+            # At most 16 tokens or a quarter of the step up to 256 tokens, 32 up to 1024, 128 above.
+            assert bucket - n <= (max(16, n // 4) if n <= 256 else 32 if n <= 1024 else 128), (n, bucket)
 
 
 CASES: dict[str, tuple[str, dict[str, Any], str | None]] = {

@@ -340,3 +340,85 @@ def test_token_ids_outside_the_vocabulary_are_refused(model_dir: Path) -> None:
         ):
             with pytest.raises(InvalidRequestError, match=message):
                 engine.generate({"prompt_token_ids": [5, 6]}, greedy(2, **fields), use_tqdm=False)
+
+
+# ----------------------------------------------------------------------------------------------- bad_words
+def bad_words_reference(model: Any, prompt: list[int], max_new: int, sequences: list[list[int]]) -> list[int]:
+    """Greedy with vLLM's bad_words rule applied by hand to a fresh full forward per token: the last token of
+    every sequence whose other tokens the output so far ends with is at -inf."""
+    out: list[int] = []
+    for _ in range(max_new):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
+        for seq in sequences:
+            if len(seq) - 1 <= len(out) and out[len(out) - len(seq) + 1 :] == seq[:-1]:
+                logits[seq[-1]] = float("-inf")
+        top2 = logits.topk(2).values
+        assert float(top2[0] - top2[1]) > 1e-3, "reference near-tie; pick other prompts"
+        out.append(int(logits.argmax()))
+    return out
+
+
+def words_from(tokenizer: Any, output: list[int], seed: int) -> list[str]:
+    """Words whose token sequences (as bad_words encodes them) occur in `output`, two and one token long."""
+    from tp_runtime.engine.llm_engine import bad_word_ids
+
+    g = torch.Generator().manual_seed(seed)
+    words: list[str] = []
+    for width in (2, 1):
+        for start in torch.randperm(len(output) - width + 1, generator=g).tolist():
+            window = output[start : start + width]
+            word = tokenizer.decode(window)
+            if word.strip() and window in bad_word_ids(tokenizer, [word], VOCAB):
+                words.append(word)
+                break
+    return words
+
+
+def test_bad_words_match_brute_force(llm: LLM, hf_model: Any) -> None:
+    """bad_words taken from each request's own unconstrained output (a two-token word and a one-token
+    word), beside a plain request, through chunking and preemption: vLLM's rule applied by hand to HF's
+    logits gives the same tokens, no banned sequence is generated, and most outputs change."""
+    from tp_runtime.engine.llm_engine import bad_word_ids
+
+    tokenizer = llm.get_tokenizer()
+    prompts = random_prompts(LENGTHS, VOCAB, seed=34)
+    plain = run(llm, prompts, [greedy(m) for m in MAX_NEW])
+    words = [words_from(tokenizer, out, seed=i) if i != 4 else [] for i, out in enumerate(plain)]
+    params = [greedy(m, bad_words=w or None) for m, w in zip(MAX_NEW, words, strict=True)]
+    before = llm.engine.scheduler.num_preemptions
+    got = run(llm, prompts, params)
+    assert llm.engine.scheduler.num_preemptions > before, "the test did not force a preemption"
+    changed = 0
+    for i, (prompt, m, w) in enumerate(zip(prompts, MAX_NEW, words, strict=True)):
+        sequences = bad_word_ids(tokenizer, w, VOCAB) if w else []
+        assert got[i] == bad_words_reference(hf_model, prompt, m, sequences), f"request {i} ({w})"
+        for seq in sequences:
+            assert not any(got[i][k : k + len(seq)] == seq for k in range(len(got[i]))), (i, seq)
+        changed += got[i] != plain[i]
+    assert changed >= 4, "bad_words changed too few outputs for the test to mean much"
+
+
+def test_bad_words_encoding_follows_vllm(model_dir: Path) -> None:
+    """Each word alone (leading spaces dropped), and with a space before it only where that gives as many
+    tokens with another first token; words outside the vocabulary, empty ones, and bad types are refused."""
+    from tp_runtime.engine.llm_engine import bad_word_ids
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+
+    def encode(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=False))
+
+    seen_both = seen_alone = 0
+    for word in ("the", "  the", "Paris", "hello world", "qz", "x", "e", "ing"):
+        alone, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
+        both = len(spaced) == len(alone) and spaced[0] != alone[0]
+        assert bad_word_ids(tok, [word], 10**6) == ([alone, spaced] if both else [alone]), word
+        seen_both += both
+        seen_alone += not both
+    assert seen_both and seen_alone, "the words do not show both cases"
+    with pytest.raises(InvalidRequestError, match="outside the model's vocabulary"):
+        bad_word_ids(tok, ["the"], 3)
+    for bad in ([""], ["  "], "the", [3]):
+        with pytest.raises(InvalidRequestError, match="bad_words must be a list of words"):
+            SamplingParams(bad_words=bad)  # type: ignore[arg-type]

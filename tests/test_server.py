@@ -271,8 +271,9 @@ def test_completions_batch_n_seed_and_stop(served: tuple[Server, LLM]) -> None:
 
 
 def test_logit_bias_and_allowed_token_ids(served: tuple[Server, LLM]) -> None:
-    """OpenAI's logit_bias (token ids as JSON keys) and vLLM's allowed_token_ids give what LLM.generate gives
-    with the same SamplingParams fields, in completions and chat; bad ones are 400s naming the field."""
+    """OpenAI's logit_bias (token ids as JSON keys), vLLM's allowed_token_ids and bad_words give what
+    LLM.generate gives with the same SamplingParams fields, in completions and chat; bad ones are 400s naming
+    the field."""
     server, llm = served
     client = server.client()
     bias = {5: 4.0, 17: -100.0, 40: 2.5, 41: 2.5, 99: 1.0}
@@ -291,8 +292,18 @@ def test_logit_bias_and_allowed_token_ids(served: tuple[Server, LLM]) -> None:
         model=NAME, messages=MESSAGES, max_tokens=8, temperature=0, logit_bias=openai_bias
     )  # fmt: skip
     assert chat.choices[0].message.content == ref.text
+    # vLLM's bad_words: the words of the plain output, banned.
+    words = [w for w in llm.get_tokenizer().decode(plain).split() if w.strip()][:3]
+    want_banned = llm.generate(PROMPTS[0], greedy(12, bad_words=words), use_tqdm=False)[0].outputs[0]
+    assert words and want_banned.token_ids != plain, "the bad words changed nothing"
+    banned = client.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, extra_body={"bad_words": words}
+    )  # fmt: skip
+    assert banned.choices[0].text == want_banned.text
     url = f"{server.url}/v1/completions"
     for body, fragment in (
+        ({"bad_words": [""]}, "bad_words must be a list of words"),
+        ({"bad_words": "word"}, "bad_words"),
         ({"logit_bias": {"five": 1.0}}, "logit_bias keys must be token ids"),
         ({"logit_bias": {"+5": 1.0}}, "logit_bias keys must be token ids, got '+5'"),
         ({"logit_bias": {"-1": 1.0}}, "logit_bias keys must be token ids, got '-1'"),

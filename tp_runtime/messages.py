@@ -44,6 +44,8 @@ class RequestSampling(msgspec.Struct, array_like=True, frozen=True):
     logit_bias_ids: list[int] = []
     logit_bias_values: list[float] = []
     allowed_token_ids: list[int] = []
+    # bad_words as token sequences: the last id of each is masked where the outputs end with the rest.
+    bad_words: list[list[int]] = []
 
 
 class NewRequest(msgspec.Struct, array_like=True):

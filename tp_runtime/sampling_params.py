@@ -101,6 +101,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: max_model_len of them); None: the whole prompt.
     truncate_prompt_tokens: int | None = None
+    # vLLM's: words never generated. Each is tokenized alone, and with a space before it (where that is
+    # another token sequence of the same length); the last token of a sequence is never sampled where
+    # the output so far ends with the tokens before it.
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -198,6 +202,11 @@ class SamplingParams:
                 f"truncate_prompt_tokens must be None, -1 (max_model_len) or an int >= 1 (the prompt's last "
                 f"tokens to keep), got {k!r}"
             )
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words)
+        ):
+            raise bad(f"bad_words must be a list of words (strings with a non-space character), got {words}")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):

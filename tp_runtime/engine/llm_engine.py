@@ -496,6 +496,7 @@ class LLMEngine:
             logit_bias_ids=sorted(bias),
             logit_bias_values=[float(bias[t]) for t in sorted(bias)],
             allowed_token_ids=sorted(set(params.allowed_token_ids or ())),
+            bad_words=bad_word_ids(self.tokenizer, params.bad_words, vocab) if params.bad_words else [],
         )
         req_id = self._next_req_id
         self._next_req_id += 1
@@ -933,6 +934,28 @@ class LLMEngine:
             # What start-up froze can be collected again, this engine's cycles among it (and, the freeze
             # being the process's, those of another engine still running, which only costs it pauses).
             gc.unfreeze()
+
+
+def bad_word_ids(tokenizer: Any, words: list[str], vocab: int) -> list[list[int]]:
+    """vLLM's token sequences of `bad_words`: each word (its leading spaces dropped) as encoded alone, and
+    with one space before it where that gives a sequence of the same length with another first token (a
+    word-initial token: a word in mid-text)."""
+    if tokenizer is None:
+        raise InvalidRequestError("bad_words needs the model's tokenizer to encode them", "bad_words")
+    sequences: list[list[int]] = []
+    for word in words:
+        alone = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(alone)
+        if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    for ids in sequences:
+        if not ids or not all(0 <= t < vocab for t in ids):
+            raise InvalidRequestError(
+                f"bad_words encode to token ids {ids} outside the model's vocabulary [0, {vocab})",
+                "bad_words",
+            )
+    return sequences
 
 
 def decode_logprobs(tokenizer: Any, entry: tuple[list[int], list[float], int]) -> dict[int, Logprob]:

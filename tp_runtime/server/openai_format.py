@@ -191,6 +191,7 @@ def sampling_params(
             logit_bias=bias,
             allowed_token_ids=list(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
             truncate_prompt_tokens=body.truncate_prompt_tokens,
+            bad_words=list(body.bad_words) if body.bad_words is not None else None,
         )
     except InvalidRequestError as exc:
         message = str(exc).removeprefix("invalid SamplingParams: ")

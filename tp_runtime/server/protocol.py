@@ -77,7 +77,7 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-_REFUSED_EXTENSIONS = ("bad_words", "guided_whitespace_pattern")
+_REFUSED_EXTENSIONS = ("guided_whitespace_pattern",)
 # vLLM's older names of the structured_outputs fields.
 _GUIDED = {
     "guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
@@ -122,8 +122,8 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True  # the text leaves special tokens out, unless false
     # vLLM's: keep only the prompt's last k tokens (-1: max_model_len of them).
     truncate_prompt_tokens: int | None = None
+    bad_words: Items[str] | None = None  # vLLM's: words never generated (SamplingParams.bad_words)
     # vLLM extensions this server does not serve: refused when given, rather than silently ignored.
-    bad_words: Any = None
     use_beam_search: bool = False
     return_tokens_as_token_ids: bool = False  # vLLM's "token_id:N" logprob tokens: refused when true
 

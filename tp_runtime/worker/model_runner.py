@@ -40,7 +40,12 @@ from tp_runtime.worker.inputs import (
 from tp_runtime.worker.kernel_precompile import KernelPrecompiler, compile_threads
 from tp_runtime.worker.mixed_graphs import MIXED_GRAPH_MAX_TOKENS, MixedStepGraphs
 from tp_runtime.worker.outputs import HostTransfer, PendingOutput, pack_prompt_logprobs, start_host_transfer
-from tp_runtime.worker.persistent_batch import PenaltyState, PersistentBatch, apply_token_biases
+from tp_runtime.worker.persistent_batch import (
+    PenaltyState,
+    PersistentBatch,
+    apply_bad_words,
+    apply_token_biases,
+)
 from tp_runtime.worker.sampler import Sampler, SamplerOutput, SamplingBatch
 
 if TYPE_CHECKING:  # any model class behind the interface; the runner knows no architecture
@@ -594,13 +599,17 @@ class ModelRunner:
         return sampled
 
     def _process_logits(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-        """The logits the penalties and the sampler start from: before min_tokens outputs exist, EOS and
-        stop_token_ids at -inf; logit_bias added, tokens outside allowed_token_ids at -inf. A copy where
-        any row changes (the logprobs are the raw logits')."""
+        """The logits the penalties and the sampler start from: bad_words' banned tokens at -inf; before
+        min_tokens outputs exist, EOS and stop_token_ids at -inf; logit_bias added, tokens outside
+        allowed_token_ids at -inf. A copy where any row changes (the logprobs are the raw logits')."""
         batch = self.batch
         pending = np.flatnonzero(batch.num_output[rows] < batch.min_tokens[rows])
         biased = np.flatnonzero(batch.has_token_bias[rows])
-        masked = logits if not len(biased) else logits.clone()
+        banned = np.flatnonzero(batch.has_bad_words[rows])
+        masked = logits if not len(biased) and not len(banned) else logits.clone()
+        if len(banned):
+            words = [batch.bad_words[rows[i]] for i in banned.tolist()]
+            apply_bad_words(masked, banned, words, rows[banned], batch.recent)
         for i in pending.tolist():
             stops = batch.stop_tokens[rows[i]]
             if stops is not None:

@@ -92,6 +92,8 @@ class PersistentBatch:
     # logit_bias / allowed_token_ids: None for a request without either.
     token_bias = Column(object, lambda r: TokenBias.of(r.sampling))
     has_token_bias = Column(np.bool_, lambda r: TokenBias.of(r.sampling) is not None)
+    bad_words = Column(object, lambda r: BadWords(r.sampling.bad_words) if r.sampling.bad_words else None)
+    has_bad_words = Column(np.bool_, lambda r: bool(r.sampling.bad_words))
 
     @classmethod
     def columns(cls) -> list[Column]:
@@ -118,6 +120,8 @@ class PersistentBatch:
         self.feed_np = self.token_feed.numpy() if numpy_feed else None
         # Allocated when the first request that uses a penalty arrives; None until then.
         self.penalties: PenaltyState | None = None
+        # Each row's last sampled ids, kept once a request's bad_words need them (multi-token ones).
+        self.recent: RecentOutputs | None = None
         # Requests whose prompt logprobs are not all computed yet: empty means no step looks for any.
         self.prompt_logprob_reqs: set[int] = set()
 
@@ -148,6 +152,13 @@ class PersistentBatch:
             self.penalties.reset_row(row, req, self.device)
         if self.num_prompt_logprobs[row] >= 0:
             self.prompt_logprob_reqs.add(req.req_id)
+        words = self.bad_words[row]
+        if words is not None and words.width:
+            if self.recent is None or self.recent.width < words.width:
+                rows = len(self.token_feed)
+                self.recent = RecentOutputs.widened(self.recent, rows, words.width, self.device)
+            outputs = req.token_ids[len(req.token_ids) - req.num_output_tokens :]
+            self.recent.reset_row(row, outputs, self.device)
         return row
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -183,6 +194,8 @@ class PersistentBatch:
             columns.append(self.feed_np if self.feed_np is not None else self.token_feed)
         if self.penalties is not None and self.penalized[row]:
             columns += [self.penalties.output_counts, self.penalties.prompt_mask]
+        if self.recent is not None and self.has_bad_words[row]:
+            columns.append(self.recent.tokens)
         return columns
 
     def advance(self, scheduled_rows: np.ndarray, num_scheduled: np.ndarray, sample_rows: np.ndarray) -> None:
@@ -197,6 +210,8 @@ class PersistentBatch:
             self.feed_np[rows] = token_ids.numpy()
         else:
             self.token_feed.index_copy_(0, rows_dev, token_ids)
+        if self.recent is not None:
+            self.recent.push(rows_dev, token_ids)
 
 
 def _device_ids(ids: list[int], device: torch.device) -> torch.Tensor:
@@ -254,6 +269,86 @@ class TokenBias:
             biases = to_device(np.asarray(values, dtype=np.float32), device)
             self.device = (_device_ids(ids, device), biases, _device_ids(allowed, device))
         return self.device
+
+
+class BadWords:
+    """A request's bad_words as token sequences: on the device, each sequence's tokens before its last
+    (right-aligned, WILDCARD-padded to the longest) and its last token. Made on first use and kept: the
+    object moves with its row."""
+
+    WILDCARD = -2  # a prefix position any token matches (RecentOutputs holds -1 where no token is yet)
+
+    def __init__(self, sequences: list[list[int]]) -> None:
+        self.host = sequences
+        self.width = max(len(ids) for ids in sequences) - 1  # the longest prefix
+        self.device: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __eq__(self, other: object) -> bool:  # by the sequences held (the device copies are a cache)
+        return isinstance(other, BadWords) and other.host == self.host
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.device is None:
+            prefixes = np.full((len(self.host), self.width), self.WILDCARD, dtype=np.int64)
+            for i, ids in enumerate(self.host):
+                if len(ids) > 1:
+                    prefixes[i, self.width - len(ids) + 1 :] = ids[:-1]
+            last = np.asarray([ids[-1] for ids in self.host], dtype=np.int64)
+            self.device = (to_device(prefixes, device), to_device(last, device))
+        return self.device
+
+
+class RecentOutputs:
+    """The last `width` ids each row sampled (-1 before its first ones), on the device, updated from the
+    sampled ids there (no host sync): what a request's bad_words prefixes are matched against."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.tokens = tokens
+        self.width = tokens.shape[1]
+
+    @classmethod
+    def widened(
+        cls, old: RecentOutputs | None, max_rows: int, width: int, device: torch.device
+    ) -> RecentOutputs:
+        tokens = torch.full((max_rows, width), -1, dtype=torch.int64, device=device)
+        if old is not None:
+            tokens[:, width - old.width :] = old.tokens
+        return cls(tokens)
+
+    def reset_row(self, row: int, outputs: list[int], device: torch.device) -> None:
+        """A request joining the batch: a resumed one (preempted, now recomputed) brings its outputs."""
+        values = np.full(self.width, -1, dtype=np.int64)
+        kept = outputs[len(outputs) - self.width :] if len(outputs) > self.width else outputs
+        if kept:
+            values[self.width - len(kept) :] = kept
+        self.tokens[row] = to_device(values, device)
+
+    def push(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.tokens[rows] = torch.cat([self.tokens[rows, 1:], token_ids.unsqueeze(1)], dim=1)
+
+
+def apply_bad_words(
+    logits: torch.Tensor, rows: np.ndarray, words: list[BadWords], batch_rows: np.ndarray,
+    recent: RecentOutputs | None,
+) -> None:  # fmt: skip
+    """In place on float32 logits: logits row `rows[i]` (the batch's row `batch_rows[i]`) gets -inf at the
+    last token of each of words[i]'s sequences whose other tokens the row's outputs end with (vLLM's
+    rule); no host sync."""
+    device = logits.device
+    row_of, last_ids, penalties = [], [], []
+    for row, batch_row, bad in zip(rows.tolist(), batch_rows.tolist(), words, strict=True):
+        prefixes, last = bad.on(device)
+        if bad.width:
+            assert recent is not None  # made when the request joined
+            outputs = recent.tokens[batch_row, recent.width - bad.width :]
+            matched = ((prefixes == outputs) | (prefixes == BadWords.WILDCARD)).all(dim=1)
+            penalties.append(torch.where(matched, float("-inf"), 0.0))
+        else:
+            penalties.append(torch.full((len(bad.host),), float("-inf"), device=device))
+        row_of.append(np.full(len(bad.host), row, dtype=np.int64))
+        last_ids.append(last)
+    logits.index_put_(
+        (to_device(np.concatenate(row_of), device), _joined(last_ids)), _joined(penalties), accumulate=True
+    )
 
 
 def apply_token_biases(logits: torch.Tensor, rows: np.ndarray, biases: list[TokenBias]) -> None:

@@ -173,5 +173,7 @@ def _check_sampling(
         -100 <= v <= 100 for v in s.logit_bias_values
     ):
         problem = "logit_bias values that do not match its ids or lie outside [-100, 100]"
+    elif not all(s.bad_words) or first_outside([t for w in s.bad_words for t in w], 0, vocab) is not None:
+        problem = f"bad_words sequences that are empty or hold ids outside the vocabulary [0, {vocab})"
     if problem is not None:
         raise bad(f"new request {rid} has {problem}")

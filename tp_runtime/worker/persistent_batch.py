@@ -341,9 +341,11 @@ def apply_bad_words(
             assert recent is not None  # made when the request joined
             outputs = recent.tokens[batch_row, recent.width - bad.width :]
             matched = ((prefixes == outputs) | (prefixes == BadWords.WILDCARD)).all(dim=1)
-            penalties.append(torch.where(matched, float("-inf"), 0.0))
+            penalties.append(torch.zeros(len(bad.host), dtype=logits.dtype, device=device).masked_fill(
+                matched, float("-inf")
+            ))  # fmt: skip
         else:
-            penalties.append(torch.full((len(bad.host),), float("-inf"), device=device))
+            penalties.append(torch.full((len(bad.host),), float("-inf"), dtype=logits.dtype, device=device))
         row_of.append(np.full(len(bad.host), row, dtype=np.int64))
         last_ids.append(last)
     logits.index_put_(

@@ -422,3 +422,26 @@ def test_bad_words_encoding_follows_vllm(model_dir: Path) -> None:
     for bad in ([""], ["  "], "the", [3]):
         with pytest.raises(InvalidRequestError, match="bad_words must be a list of words"):
             SamplingParams(bad_words=bad)  # type: ignore[arg-type]
+
+
+def test_bad_words_that_cannot_match_cost_nothing(model_dir: Path) -> None:
+    """A bad word longer than the output may grow is dropped (its prefix never fits: no per-row history of
+    its width is kept), the history goes with the last request that needed it, and a list changed after
+    its check is refused, not a crash inside the engine."""
+    with LLM(model_dir, dtype="float32", device="cpu", max_model_len=64) as llm:
+        batch = llm.engine.executor.worker.runner.batch  # type: ignore[attr-defined]
+        prompt = {"prompt_token_ids": [1, 5, 6, 7]}
+        plain = llm.generate(prompt, greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+        tokenizer = llm.get_tokenizer()
+        long_word = tokenizer.decode(plain) * 8  # dozens of tokens: more than max_tokens=6
+        out = llm.generate(prompt, greedy(6, bad_words=[long_word]), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == plain and batch.recent is None
+        word = tokenizer.decode(plain[2:4])
+        llm.generate(prompt, greedy(6, bad_words=[word]), use_tqdm=False)
+        assert batch.recent is not None  # made for that request
+        llm.generate(prompt, greedy(2), use_tqdm=False)  # whose step frees the finished request's row
+        assert batch.recent is None
+        params = greedy(6, bad_words=["the"])
+        params.bad_words.append(3)  # type: ignore[union-attr]
+        with pytest.raises(InvalidRequestError, match="bad_words must be a list of words"):
+            llm.generate(prompt, params, use_tqdm=False)

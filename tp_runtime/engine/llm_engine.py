@@ -10,6 +10,7 @@ add, their logprobs; `finished` on the last), else one when it finishes, with th
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import numbers
 import sys
@@ -402,6 +403,12 @@ class LLMEngine:
         # Structured outputs: grammars compiled for this tokenizer, and the constrained requests not yet
         # known to have finished (engine/structured_output.py).
         self.grammars = GrammarCompiler(tokenizer, config.model.vocab_size, sorted(self.eos_token_ids))
+        # bad_words as token sequences, encoded once: the server's checks (off the engine thread) encode
+        # them, add_request finds them here.
+        vocab = config.model.vocab_size
+        self._bad_word_ids = functools.lru_cache(maxsize=32)(
+            lambda words: bad_word_ids(tokenizer, list(words), vocab)
+        )
         self._constrained: set[int] = set()
         # Async scheduling: the step sent last, whose output is read in the next step() call.
         self._in_flight: SchedulerOutput | None = None
@@ -496,7 +503,7 @@ class LLMEngine:
             logit_bias_ids=sorted(bias),
             logit_bias_values=[float(bias[t]) for t in sorted(bias)],
             allowed_token_ids=sorted(set(params.allowed_token_ids or ())),
-            bad_words=bad_word_ids(self.tokenizer, params.bad_words, vocab) if params.bad_words else [],
+            bad_words=self._usable_bad_words(params, len(prompt_ids)),
         )
         req_id = self._next_req_id
         self._next_req_id += 1
@@ -519,6 +526,15 @@ class LLMEngine:
                 hold=max(map(len, stops)) - 1 if stops else 0,
             )
         return req_id
+
+    def _usable_bad_words(self, params: SamplingParams, prompt_len: int) -> list[list[int]]:
+        """The request's bad_words sequences that could ever match: those no longer than the most tokens it
+        may generate (a longer one's prefix never fits in its output)."""
+        if not params.bad_words:
+            return []
+        room = self.config.model.max_model_len - prompt_len
+        most = room if params.max_tokens is None else min(params.max_tokens, room)
+        return [ids for ids in self._bad_word_ids(tuple(params.bad_words)) if len(ids) <= most]
 
     def validate_params(self, params: Any) -> None:
         """Checks of SamplingParams that need the model (its own fields are checked on construction)."""
@@ -549,6 +565,11 @@ class LLMEngine:
                 raise InvalidRequestError(
                     f"logit_bias values must be in [-100, 100], got {value!r}", "logit_bias"
                 )
+        if params.bad_words:
+            words = params.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+                raise InvalidRequestError("bad_words must be a list of words (strings)", "bad_words")
+            self._bad_word_ids(tuple(words))  # encoded here, off the engine thread where a server checks
         allowed = params.allowed_token_ids
         if allowed is not None and params.structured_outputs is not None:
             raise InvalidRequestError(
@@ -944,15 +965,19 @@ def bad_word_ids(tokenizer: Any, words: list[str], vocab: int) -> list[list[int]
         raise InvalidRequestError("bad_words needs the model's tokenizer to encode them", "bad_words")
     sequences: list[list[int]] = []
     for word in words:
+        if not isinstance(word, str) or not word.strip():  # (the list may have changed since it was checked)
+            raise InvalidRequestError(f"bad_words must be words (strings), got {word!r:.100}", "bad_words")
         alone = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not alone:
+            raise InvalidRequestError(f"bad word {word!r:.100} encodes to no tokens", "bad_words")
         spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
         sequences.append(alone)
-        if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
             sequences.append(spaced)
     for ids in sequences:
-        if not ids or not all(0 <= t < vocab for t in ids):
+        if not all(0 <= t < vocab for t in ids):
             raise InvalidRequestError(
-                f"bad_words encode to token ids {ids} outside the model's vocabulary [0, {vocab})",
+                f"bad_words encode to token ids outside the model's vocabulary [0, {vocab}): {ids[:16]}",
                 "bad_words",
             )
     return sequences

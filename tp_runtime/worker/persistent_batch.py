@@ -185,6 +185,8 @@ class PersistentBatch:
         for col in self._object_columns:  # the vacated row lets go of its objects (and their device copies)
             getattr(self, col.name)[last] = None
         self.req_at.pop()
+        if self.recent is not None and not self.has_bad_words[: len(self.req_at)].any():
+            self.recent = None  # (its width, set by the longest bad word, goes with the last one)
 
     def device_columns(self, row: int) -> list[np.ndarray | torch.Tensor]:
         """The device arrays whose row `row` holds state, moved with the host columns: the token feed once
@@ -272,28 +274,30 @@ class TokenBias:
 
 
 class BadWords:
-    """A request's bad_words as token sequences: on the device, each sequence's tokens before its last
-    (right-aligned, WILDCARD-padded to the longest) and its last token. Made on first use and kept: the
-    object moves with its row."""
-
-    WILDCARD = -2  # a prefix position any token matches (RecentOutputs holds -1 where no token is yet)
+    """A request's bad_words as token sequences, grouped by length: for each length, on the device, the
+    sequences' tokens before their last (what the outputs must end with) and their last tokens (what is
+    then masked). Made on first use and kept: the object moves with its row."""
 
     def __init__(self, sequences: list[list[int]]) -> None:
         self.host = sequences
         self.width = max(len(ids) for ids in sequences) - 1  # the longest prefix
-        self.device: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.device: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __eq__(self, other: object) -> bool:  # by the sequences held (the device copies are a cache)
         return isinstance(other, BadWords) and other.host == self.host
 
-    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def on(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(prefixes [n, length - 1], last tokens [n]) for each length."""
         if self.device is None:
-            prefixes = np.full((len(self.host), self.width), self.WILDCARD, dtype=np.int64)
-            for i, ids in enumerate(self.host):
-                if len(ids) > 1:
-                    prefixes[i, self.width - len(ids) + 1 :] = ids[:-1]
-            last = np.asarray([ids[-1] for ids in self.host], dtype=np.int64)
-            self.device = (to_device(prefixes, device), to_device(last, device))
+            by_length: dict[int, list[list[int]]] = {}
+            for ids in self.host:
+                by_length.setdefault(len(ids), []).append(ids)
+            self.device = [
+                (to_device(np.asarray([ids[:-1] for ids in group], dtype=np.int64).reshape(len(group), n - 1),
+                           device),
+                 to_device(np.asarray([ids[-1] for ids in group], dtype=np.int64), device))
+                for n, group in sorted(by_length.items())
+            ]  # fmt: skip
         return self.device
 
 
@@ -332,22 +336,21 @@ def apply_bad_words(
 ) -> None:  # fmt: skip
     """In place on float32 logits: logits row `rows[i]` (the batch's row `batch_rows[i]`) gets -inf at the
     last token of each of words[i]'s sequences whose other tokens the row's outputs end with (vLLM's
-    rule); no host sync."""
+    rule; RecentOutputs holds -1 where a row has no output yet, which no token id matches); no host
+    sync."""
     device = logits.device
     row_of, last_ids, penalties = [], [], []
     for row, batch_row, bad in zip(rows.tolist(), batch_rows.tolist(), words, strict=True):
-        prefixes, last = bad.on(device)
-        if bad.width:
-            assert recent is not None  # made when the request joined
-            outputs = recent.tokens[batch_row, recent.width - bad.width :]
-            matched = ((prefixes == outputs) | (prefixes == BadWords.WILDCARD)).all(dim=1)
-            penalties.append(torch.zeros(len(bad.host), dtype=logits.dtype, device=device).masked_fill(
-                matched, float("-inf")
-            ))  # fmt: skip
-        else:
-            penalties.append(torch.full((len(bad.host),), float("-inf"), dtype=logits.dtype, device=device))
-        row_of.append(np.full(len(bad.host), row, dtype=np.int64))
-        last_ids.append(last)
+        for prefixes, last in bad.on(device):
+            width = prefixes.shape[1]
+            blocked = torch.full(last.shape, float("-inf"), dtype=logits.dtype, device=device)
+            if width:
+                assert recent is not None  # made when the request joined
+                outputs = recent.tokens[batch_row, recent.width - width :]
+                blocked = blocked.masked_fill(~(prefixes == outputs).all(dim=1), 0.0)
+            row_of.append(np.full(len(last), row, dtype=np.int64))
+            last_ids.append(last)
+            penalties.append(blocked)
     logits.index_put_(
         (to_device(np.concatenate(row_of), device), _joined(last_ids)), _joined(penalties), accumulate=True
     )

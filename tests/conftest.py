@@ -37,6 +37,10 @@ def pytest_configure(config: pytest.Config) -> None:
     _SESSION_TMP = tempfile.mkdtemp(prefix="tp-runtime-tests-", dir=root)
     os.environ["TMPDIR"] = _SESSION_TMP  # processes the tests start
     tempfile.tempdir = _SESSION_TMP  # this process
+    # The Ctrl-C tests need Ctrl-C to raise KeyboardInterrupt, as in a terminal; a shell without job
+    # control starts its background commands with SIGINT ignored (`bash scripts/test.sh &`).
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

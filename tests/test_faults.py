@@ -387,10 +387,15 @@ for start in ("SECOND", "THIRD"):
             params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
             out = llm.generate({"prompt_token_ids": [1, 5, 6, 7]}, params, use_tqdm=False)
             print(start, "START", out[0].outputs[0].token_ids, flush=True)
-            time.sleep(1.5)  # every rank's heartbeats connected: the next step removes the socket files
+            # Once rank 1's late heartbeats have connected (they cannot once the socket files are gone),
+            # the next step removes the socket files.
+            watchdog = llm.engine.executor.channel.watchdog
+            deadline = time.monotonic() + 60
+            while not watchdog.connected_all() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            heard = watchdog.connected_all()
             again = llm.generate({"prompt_token_ids": [1, 5, 6, 7]}, params, use_tqdm=False)
             left = [p for p in os.listdir(sys.argv[2]) if p.startswith("tp-runtime-")]
-            heard = llm.engine.executor.channel.watchdog.connected_all()
             print(start, "RUNNING", again[0].outputs[0].token_ids, left, heard, flush=True)
 """
 

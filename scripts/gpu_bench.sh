@@ -245,14 +245,18 @@ case $part in
   families)  # fp32: every new family gives the same greedy tokens at TP 1 and 2, and HF's (nvidia-h200-x2)
     $py scripts/check_families.py --device cuda --tp-sizes 1 2 --output-json "$out/families.json"
     ;;
-  throughput)  # issue 25's offline row: 256 prompts of 100-1000 tokens, 23-232 out, two passes; HF's
-              # continuous batching (generate_batch) on the same prompts as the peer. THROUGHPUT_ARGS: extra
-              # engine flags (e.g. --max-num-batched-tokens 4096), THROUGHPUT_TAG names the run.
-    name="throughput${THROUGHPUT_TAG:-}"
-    # shellcheck disable=SC2086
-    $py -m tp_runtime.cli bench throughput --model llama-3-8b --load-format dummy --dtype bfloat16 \
-      --input-len 550 --range-ratio 0.818 --output-len 128 --num-prompts 256 --num-passes 2 \
-      ${THROUGHPUT_ARGS:-} --output-json "$out/$name.json" 2>&1 | grep -E "pass|requests," | tee "$out/$name.txt"
+  throughput)  # issue 25's offline row: 256 prompts of 100-1000 tokens, 128 out each (the bar's workload),
+              # then the same prompts with 23-232 out; two passes each. HF's continuous batching
+              # (generate_batch) on the same prompts, 128 out, as the peer. THROUGHPUT_ARGS: extra engine
+              # flags (e.g. --max-num-batched-tokens 4096), THROUGHPUT_TAG names the run.
+    for out_ratio in 0 0.818; do
+      name="throughput${THROUGHPUT_TAG:-}_out${out_ratio}"
+      # shellcheck disable=SC2086
+      $py -m tp_runtime.cli bench throughput --model llama-3-8b --load-format dummy --dtype bfloat16 \
+        --input-len 550 --range-ratio 0.818 --output-range-ratio $out_ratio --output-len 128 --num-prompts 256 \
+        --num-passes 2 ${THROUGHPUT_ARGS:-} --output-json "$out/$name.json" 2>&1 | grep -E "pass|requests," \
+        | tee "$out/$name.txt"
+    done
     [ -n "${THROUGHPUT_NO_PEER:-}" ] || $py scripts/bench_hf_throughput.py --num-passes 1 \
       --output-json "$out/hf_generate_batch.json" 2>&1 | tail -3
     ;;

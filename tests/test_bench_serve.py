@@ -206,6 +206,12 @@ def test_workload_lengths_and_ids() -> None:
     assert second.prompt_lens == first.prompt_lens and second.output_lens == first.output_lens
     for a, b in zip(first.prompts, second.prompts, strict=True):
         assert a[:16] == b[:16] and a[16:] != b[16:]
+    # Output lengths drawn with a ratio of their own: the prompts are the same as with the shared ratio.
+    fixed_out = serve.make_workload(200, 10, 20, 0.5, 1000, 3, serve.COMPLETIONS, output_range_ratio=0.0)
+    assert fixed_out.output_lens == [20] * 200 and fixed_out.prompts == ranged.prompts
+    wider = serve.make_workload(200, 10, 20, 0.0, 1000, 3, serve.COMPLETIONS, output_range_ratio=0.5)
+    assert wider.prompt_lens == [10] * 200 and set(wider.output_lens) <= set(range(10, 31))
+    assert len(set(wider.output_lens)) > 3
     chat = serve.make_workload(3, 12, 4, 0.0, 1000, 0, serve.CHAT)
     assert all(isinstance(p, str) and len(p.split()) == 12 for p in chat.prompts)
     assert serve.length_bounds(1, 0.9) == (1, 1)

@@ -310,6 +310,21 @@ def test_bench_throughput_writes_every_field(tmp_path: Path) -> None:
     assert "first pass" in proc.stdout and "later passes" in proc.stdout
 
 
+def test_bench_throughput_output_range_ratio_fixes_the_output_lengths(tmp_path: Path) -> None:
+    """--output-range-ratio 0 with --range-ratio 0.5: prompts of 15-45 tokens, each generating exactly
+    --output-len tokens (issue 25's workload: 100-1,000 tokens in, 128 out)."""
+    from tp_runtime.bench.serve import make_workload
+
+    out = tmp_path / "throughput.json"
+    _run([sys.executable, "-m", "tp_runtime.cli", "bench", "throughput", "--model", "tiny-llama",
+          "--device", "cpu", "--num-prompts", "7", "--input-len", "30", "--output-len", "5",
+          "--range-ratio", "0.5", "--output-range-ratio", "0", "--num-passes", "1",
+          "--output-json", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["output_tokens"] == 7 * 5 and result["config"]["output_range_ratio"] == 0.0
+    assert result["prompt_tokens"] == sum(make_workload(7, 30, 5, 0.5, 1000, 0, "completions").prompt_lens)
+
+
 def test_bench_throughput_shared_prefixes_report_the_hit_rate(tmp_path: Path) -> None:
     """9 requests over 2 shared 32-token prefixes (two 16-token blocks) before 4-12 tokens of their own: in
     each pass (the cache reset before it) every request but the first on each prefix finds both blocks
@@ -350,3 +365,15 @@ def test_bench_throughput_refuses_requests_longer_than_the_model() -> None:
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "may take 2520 tokens, over the model's max_model_len=2048" in proc.stderr, proc.stderr
+    # The output lengths' own ratio bounds them: 1450 * 1.2 in and 300 * 1.2 out may take 2100 tokens;
+    # with --output-range-ratio 0 the output is 300, 2040 tokens, which fits.
+    shared = [*command[:7], "--input-len", "1450", "--output-len", "300", "--range-ratio", "0.2"]
+    proc = subprocess.run(shared, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "may take 2100 tokens" in proc.stderr, proc.stderr
+    fits = [*shared, "--output-range-ratio", "0", "--device", "cpu", "--num-prompts", "1",
+            "--num-passes", "1"]  # fmt: skip
+    proc = subprocess.run(fits, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "1 requests" in proc.stdout, proc.stderr
+    bad = [*command, "--output-range-ratio", "1"]
+    proc = subprocess.run(bad, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "argument --output-range-ratio: must be in [0, 1)" in proc.stderr

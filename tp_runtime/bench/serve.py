@@ -287,18 +287,23 @@ class Workload:
 
 def make_workload(
     num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, seed: int, kind: str,
-    prefix_len: int = 0, num_prefixes: int = 1, pass_number: int = 1,
+    prefix_len: int = 0, num_prefixes: int = 1, pass_number: int = 1, output_range_ratio: float | None = None,
 ) -> Workload:  # fmt: skip
     """`num` requests of random tokens (or words, for chat). With `prefix_len`, request i starts with shared
     prefix i % num_prefixes (each `prefix_len` tokens) before its own `input_len` (vLLM's prefix-repetition
     workload); prompt_lens count both. Every `pass_number` has the same lengths and shared prefixes, and
     prompts of its own (a repeated prompt would be served from the prefix cache: a later pass would
-    measure cache hits, not a steady state)."""
+    measure cache hits, not a steady state). `output_range_ratio` (default: `range_ratio`) draws the output
+    lengths alone; the prompts do not depend on it."""
     rng = np.random.default_rng([seed, 1])
     in_low, in_high = length_bounds(input_len, range_ratio)
     out_low, out_high = length_bounds(output_len, range_ratio)
     input_lens = rng.integers(in_low, in_high + 1, size=num)
     output_lens = rng.integers(out_low, out_high + 1, size=num)
+    if output_range_ratio is not None and output_range_ratio != range_ratio:
+        # From a generator of their own, after the shared draw: the prompts stay those of range_ratio.
+        out_low, out_high = length_bounds(output_len, output_range_ratio)
+        output_lens = np.random.default_rng([seed, 2]).integers(out_low, out_high + 1, size=num)
 
     def draw(n: int, source: np.random.Generator = rng) -> list[int] | str:
         if kind == CHAT:

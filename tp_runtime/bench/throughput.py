@@ -2,7 +2,8 @@
 benchmark_throughput.py (its random dataset).
 
 Every request is a random token-id prompt of --input-len tokens that generates exactly --output-len tokens
-(EOS ignored); with --range-ratio r each length is drawn from [len*(1-r), len*(1+r)]. All requests go to
+(EOS ignored); with --range-ratio r each length is drawn from [len*(1-r), len*(1+r)] (the output lengths
+from their own --output-range-ratio where given). All requests go to
 `LLM.generate` together, --num-passes times over the same requests. The first pass is reported apart from
 the later ones: it pays for whatever the engine does once per shape (a graph captured, a kernel
 compiled, an attention plan built), which later passes over the same shapes do not.
@@ -29,6 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="draw each length uniformly from [len*(1-r), len*(1+r)]; 0 keeps them fixed",
     )
+    parser.add_argument(
+        "--output-range-ratio",
+        type=float,
+        default=None,
+        help="the same for the output lengths alone (default: --range-ratio); 0 gives every request "
+        "exactly --output-len tokens",
+    )
     from tp_runtime.bench.serve import add_prefix_arguments
 
     add_prefix_arguments(parser)
@@ -51,19 +59,27 @@ def check(args: argparse.Namespace) -> None:
     from tp_runtime.bench.serve import check_prefix_arguments, length_bounds
     from tp_runtime.errors import ConfigError
 
-    if not 0.0 <= args.range_ratio < 1.0:
-        raise ConfigError(f"argument --range-ratio: must be in [0, 1), got {args.range_ratio:g}")
+    for flag, ratio in (("--range-ratio", args.range_ratio), ("--output-range-ratio", output_ratio(args))):
+        if not 0.0 <= ratio < 1.0:
+            raise ConfigError(f"argument {flag}: must be in [0, 1), got {ratio:g}")
     check_prefix_arguments(args)
-    longest = args.prefix_len + sum(
-        length_bounds(n, args.range_ratio)[1] for n in (args.input_len, args.output_len)
+    longest = (
+        args.prefix_len
+        + length_bounds(args.input_len, args.range_ratio)[1]
+        + length_bounds(args.output_len, output_ratio(args))[1]
     )
     limit = args.model_config.max_model_len
     if longest > limit:
         raise ConfigError(
-            f"a request (--prefix-len, --input-len and --output-len with --range-ratio {args.range_ratio:g}) "
-            "may take "
+            f"a request (--prefix-len, --input-len and --output-len with --range-ratio {args.range_ratio:g}"
+            f" and --output-range-ratio {output_ratio(args):g}) may take "
             f"{longest} tokens, over the model's max_model_len={limit}; lower them or raise --max-model-len"
         )
+
+
+def output_ratio(args: argparse.Namespace) -> float:
+    """The output lengths' range ratio: --output-range-ratio, else --range-ratio."""
+    return args.range_ratio if args.output_range_ratio is None else args.output_range_ratio
 
 
 def pass_figures(
@@ -88,7 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         vocab = llm.config.model.vocab_size
         work = make_workload(
             args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.workload_seed,
-            "completions", args.prefix_len, args.num_prefixes,
+            "completions", args.prefix_len, args.num_prefixes, output_range_ratio=args.output_range_ratio,
         )  # fmt: skip
         kv = llm.engine.scheduler.kv
         prompts = [{"prompt_token_ids": ids} for ids in work.prompts]
@@ -128,6 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {
             **run_config(llm, args),
             "range_ratio": args.range_ratio,
+            "output_range_ratio": output_ratio(args),
             "keep_prefix_cache": args.keep_prefix_cache,
             "max_num_seqs": llm.config.scheduler.max_num_seqs,
             "max_num_batched_tokens": llm.config.scheduler.max_num_batched_tokens,

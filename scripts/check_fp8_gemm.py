@@ -5,6 +5,8 @@ GPU, for the linear layers of a built-in model's shard, at decode and prefill ro
 - `fp8 default`: the engine's choice (CudaFp8Kernels.linear);
 - `weight_only`: the weight-only Triton kernels (one row; few rows to 32);
 - `quantize`: the per-token activation quantization alone;
+- `down+silu` (one row): the down projection with the SiLU-mul inside the weight-only kernel, as the
+  engine runs it, against the separate SiLU-mul kernel and the plain kernel;
 - `fp8 triton best`: the fastest launch shape of the weight-only kernels in a sweep (1-32 rows);
 - `w8a8`: per-token activation quantization (the engine's Triton kernel) + torch._scaled_mm at every row
   count;
@@ -193,6 +195,43 @@ def measure_layer(
     return out
 
 
+def measure_silu_row(
+    model: str, n: int, k: int, replays: int, sweep: bool, kernels: CudaFp8Kernels
+) -> dict[str, object]:
+    """The down projection at one row as the engine runs it: x is the [1, 2K] gate|up output and the
+    SiLU-mul is computed inside the weight-only kernel (`fp8_default_us`), against the separate fused
+    SiLU-mul kernel then the plain one-row kernel (`separate_us`); with `sweep`, the best launch shape of
+    the kernel with the SiLU-mul inside (each program recomputes it for its K tiles)."""
+    from tp_runtime.layers.activation import silu_and_mul
+
+    copies = max(2, math.ceil(400e6 / (n * k)))
+    w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    scales = [w.abs().amax(dim=1, keepdim=True).float() / FP8_E4M3_MAX for w in w16]
+    w8 = [(w / s).to(torch.float8_e4m3fn) for w, s in zip(w16, scales, strict=True)]
+    del w16
+    x = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
+
+    def timed(fn: Callable[[int], object]) -> float:
+        return time_graph([lambda i=i: fn(i) for i in range(copies)], replays)
+
+    row: dict[str, object] = {"model": model, "layer": "down+silu", "n": n, "k": k, "rows": 1}
+    row["fp8_default_us"] = timed(lambda i: kernels.linear(x, w8[i], scales[i], k, None, True))
+    row["separate_us"] = timed(
+        lambda i: skinny_linear(silu_and_mul(x, fused=True), w8[i], None, num_sms=kernels.num_sms,
+                                scale=scales[i], scale_block_k=k)
+    )  # fmt: skip
+    row["silu_only_us"] = timed(lambda i: silu_and_mul(x, fused=True))
+    if sweep:
+        best: tuple[float, SkinnyConfig | None] = (math.inf, None)
+        for cfg in FP8_ROW_SWEEP:
+            us = timed(lambda i, c=cfg: skinny_linear(x, w8[i], None, silu_mul=True, config=c,
+                                                      scale=scales[i], scale_block_k=k))  # fmt: skip
+            best = min(best, (us, cfg), key=lambda b: b[0])
+        row["fp8_triton_best_us"], row["best_config"] = best[0], list(best[1] or ())
+    print(json.dumps({key: round(v, 2) if isinstance(v, float) else v for key, v in row.items()}), flush=True)
+    return row
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", nargs="+", default=["llama-3-8b"])
@@ -200,7 +239,9 @@ def main() -> int:
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="also time every launch shape of the Triton kernels")
     p.add_argument("--sweep-gemm", action="store_true", help="also sweep the Triton FP8 GEMM's launch shapes")
-    p.add_argument("--layers", nargs="+", default=None, help="only these layers (qkv o_proj gate_up down)")
+    p.add_argument(
+        "--layers", nargs="+", default=None, help="only these layers (qkv o_proj gate_up down down+silu)"
+    )
     p.add_argument(
         "--prefill-variants",
         action="store_true",
@@ -212,7 +253,12 @@ def main() -> int:
     results = []
     for model in args.model:
         for name, (n, k) in layer_shapes(model, 1).items():
-            if name not in ("lm_head", "down+silu") and (args.layers is None or name in args.layers):
+            if args.layers is not None and name not in args.layers:
+                continue
+            if name == "down+silu" and 1 in args.rows:
+                results.append(measure_silu_row(model, n, k, args.replays, args.sweep, kernels))
+                torch.cuda.empty_cache()
+            elif name not in ("lm_head", "down+silu"):
                 results += measure_layer(
                     model, name, n, k, args.rows, args.replays, args.sweep, kernels, args.sweep_gemm,
                     args.prefill_variants,

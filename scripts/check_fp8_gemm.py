@@ -153,6 +153,11 @@ def measure_layer(
                     x, w8[i], None, num_sms=kernels.num_sms, scale=scales[i], scale_block_k=k
                 )
             )
+            # The few-rows kernel at one row (tensor cores, float16 products, the row padded to 16).
+            one_cfg = fp8_few_rows_config(n, 1, kernels.num_sms)
+            row["few_rows_us"] = timed(
+                lambda x, i, c=one_cfg: few_rows_linear(x, w8[i], None, c, scale=scales[i], scale_block_k=k)
+            )
         elif rows <= 32:
             few_cfg = fp8_few_rows_config(n, rows, kernels.num_sms)
             row["weight_only_us"] = timed(

@@ -199,6 +199,13 @@ SCHEMAS: list[Any] = [
      "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
      "discriminator": {"propertyName": "kind"}},
     {"type": "string", "pattern": "^ab$|^c+$"},  # anchors at each alternative's ends
+    # OpenAPI's components: a $ref into a place no subschema walk reaches, whose target's format is
+    # rewritten as it is in place (an ipv4 with leading zeros broke it), and a chain of such refs.
+    {"type": "object", "required": ["ip", "n"], "additionalProperties": False,
+     "properties": {"ip": {"$ref": "#/components/schemas/Ip"}, "n": {"$ref": "#/components/schemas/N"}},
+     "components": {"schemas": {"Ip": {"type": "string", "format": "ipv4"},
+                                "N": {"$ref": "#/components/schemas/Small"},
+                                "Small": {"type": "integer", "minimum": 0, "maximum": 9}}}},
 ]  # fmt: skip
 
 
@@ -281,6 +288,14 @@ UNENFORCEABLE: list[Any] = [
     {"$ref": "https://example.com/s.json"},
     {"type": "object", "properties": {"x": {"$ref": "other.json#/$defs/x"}}, "required": ["x"]},
     {"$defs": {"a": {"$anchor": "A", "type": "null"}}, "$ref": "#A"},
+    # ... and JSON pointers into places no subschema walk reaches (OpenAPI's components): their targets
+    # escaped every check (uniqueItems gave [0, 0, 0], "not" gave the value it excludes).
+    {"type": "object", "properties": {"v": {"$ref": "#/components/D"}}, "required": ["v"],
+     "components": {"D": {"type": "array", "uniqueItems": True, "items": {"type": "integer"}}}},
+    {"type": "object", "properties": {"v": {"$ref": "#/components/a/b"}}, "required": ["v"],
+     "components": {"a": {"b": {"$ref": "#/x~1y"}}}, "x/y": {"type": "integer", "not": {"const": 0}}},
+    {"type": "array", "items": {"$ref": "#/properties/p/enum/0"},
+     "properties": {"p": {"enum": [{"type": "number", "multipleOf": 0.5}]}}},
     {"type": "object", "properties": {"x": {"type": ["number", "null"], "exclusiveMinimum": 0,
                                             "exclusiveMaximum": 1e-6}}, "required": ["x"]},
     # oneOf whose branches a value can match together: xgrammar takes it as anyOf (the first gave 2004,

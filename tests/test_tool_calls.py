@@ -50,6 +50,65 @@ def test_plans_and_their_constraints() -> None:
         assert info.value.field == field
 
 
+def test_required_calls_of_tools_with_refs_follow_each_tool_s_own_defs() -> None:
+    """Parameters written by pydantic for nested models ($defs and $ref "#/$defs/..."; "#" for a
+    recursive one) keep pointing at their own definitions once inside the array of calls: two tools with
+    a definition of the same name each get theirs, and every finished output parses into calls whose
+    arguments satisfy their tool's parameters (here on the random-weight model only the constraint can do
+    that). The tools' own schemas are left as they were."""
+    pytest.importorskip("xgrammar")
+    from tp_runtime import LLM, SamplingParams
+
+    def person(kind: str) -> dict[str, Any]:
+        return {"$defs": {"Item": {"type": "object", "properties": {kind: {"type": kind}},
+                                   "required": [kind], "additionalProperties": False}},
+                "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}},
+                "required": ["item"], "additionalProperties": False}  # fmt: skip
+
+    tree = {"type": "object", "additionalProperties": False, "required": ["leaf"],
+            "properties": {"leaf": {"type": "boolean"}, "kids": {"type": "array", "items": {"$ref": "#"},
+                                                                 "maxItems": 1}}}  # fmt: skip
+    params = {"with_int": person("integer"), "with_bool": person("boolean"), "tree": tree}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in params.items()]
+    before = json.dumps(tools)
+    plan = ToolPlan.of(tools, "required", None)
+    assert plan is not None
+    spec = plan.constraint()
+    assert json.dumps(tools) == before
+
+    def fits(value: Any, schema: dict[str, Any], root: dict[str, Any]) -> bool:
+        if "$ref" in schema:
+            ref = schema["$ref"]
+            return fits(value, root if ref == "#" else root["$defs"][ref.split("/")[-1]], root)
+        kind = {"integer": int, "boolean": bool, "object": dict, "array": list}[schema["type"]]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            return False
+        if kind is dict:
+            props = schema["properties"]
+            return set(schema["required"]) <= value.keys() <= props.keys() and all(
+                fits(v, props[k], root) for k, v in value.items()
+            )
+        if kind is list:
+            return len(value) <= schema.get("maxItems", len(value)) and all(
+                fits(v, schema["items"], root) for v in value
+            )
+        return True
+
+    finished = 0
+    with LLM("tiny-llama-tp", device="cpu", max_model_len=512) as llm:
+        samples = [SamplingParams(max_tokens=160, seed=s, structured_outputs=spec) for s in range(12)]
+        for out in llm.generate(["Call:"] * len(samples), samples, use_tqdm=False):
+            sample = out.outputs[0]
+            if sample.finish_reason != "stop":
+                continue
+            finished += 1
+            parsed = plan.parse(sample.text)
+            assert parsed is not None and parsed.calls, sample.text
+            for name, arguments in parsed.calls:
+                assert fits(json.loads(arguments), params[name], params[name]), (name, arguments)
+    assert finished >= 3
+
+
 def test_parsers() -> None:
     text = 'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n' \
            '<tool_call>{"name": "time", "arguments": {}}</tool_call>'  # fmt: skip

@@ -81,6 +81,7 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "m
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems",
                "unevaluatedItems", "propertyNames")  # fmt: skip
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 _JSON_TYPES: dict[str, Any] = {
     "null": lambda v: v is None,
     "boolean": lambda v: isinstance(v, bool),
@@ -94,13 +95,95 @@ _JSON_TYPES: dict[str, Any] = {
 }
 
 
-def _schema_for_xgrammar(schema: Any, path: str = "#", root: Any = None) -> Any:
+def _document_for_xgrammar(schema: Any) -> Any:
+    """A whole JSON schema as xgrammar should compile it (_schema_for_xgrammar), including the targets of
+    `$ref`s that point where the walk over subschemas does not go (OpenAPI's `#/components/schemas/...`,
+    any JSON pointer xgrammar resolves): each is checked and rewritten at its place in a copy of the
+    document, so that no subschema an output must match escapes the checks."""
+    refs: list[str] = []
+    out = _schema_for_xgrammar(schema, refs=refs)
+    done: set[tuple[str, ...]] = set()
+    while refs:
+        parts = _pointer_parts(refs.pop())
+        if parts is None or parts in done or _walked(parts, schema):
+            continue
+        done.add(parts)
+        target = _at(schema, parts)
+        if target is None:
+            continue  # a pointer that leads nowhere: xgrammar refuses it
+        rewritten = _schema_for_xgrammar(target, "#/" + "/".join(parts), schema, refs)
+        out = _replaced(out, parts, rewritten)
+    return out
+
+
+def _pointer_parts(ref: str) -> tuple[str, ...] | None:
+    """The unescaped parts of a JSON pointer `#/a/b` (None for anything else)."""
+    if not ref.startswith("#/"):
+        return None
+    return tuple(p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/"))
+
+
+def _at(document: Any, parts: tuple[str, ...]) -> Any:
+    """What a JSON pointer's `parts` point at in `document` (None: nothing)."""
+    for part in parts:
+        if isinstance(document, dict) and part in document:
+            document = document[part]
+        elif isinstance(document, list) and part.isdigit() and int(part) < len(document):
+            document = document[int(part)]
+        else:
+            return None
+    return document
+
+
+def _walked(parts: tuple[str, ...], root: Any) -> bool:
+    """Whether _schema_for_xgrammar's walk from `root` reaches the subschema at `parts` (it descends into
+    the maps of _SUBSCHEMA_MAPS, the keys of _SUBSCHEMAS and the lists of prefixItems/anyOf/oneOf/allOf,
+    never into an enum or const schema)."""
+    node, i = root, 0
+    while i < len(parts):
+        if not isinstance(node, dict) or "enum" in node or "const" in node:
+            return False
+        key = parts[i]
+        if key in _SUBSCHEMAS:
+            node, i = node.get(key), i + 1
+            continue
+        if i + 1 == len(parts):
+            return False
+        container, name = node.get(key), parts[i + 1]
+        if key in _SUBSCHEMA_MAPS and isinstance(container, dict) and name in container:
+            node = container[name]
+        elif (
+            key in _SUBSCHEMA_LISTS and isinstance(container, list) and name.isdigit()
+            and int(name) < len(container)
+        ):  # fmt: skip
+            node = container[int(name)]
+        else:
+            return False
+        i += 2
+    return True
+
+
+def _replaced(document: Any, parts: tuple[str, ...], value: Any) -> Any:
+    """`document` with `value` at `parts`, copied along that path (the caller's objects left as they are)."""
+    if not parts:
+        return value
+    head, rest = parts[0], parts[1:]
+    if isinstance(document, dict):
+        return {**document, head: _replaced(document[head], rest, value)}
+    copy = list(document)
+    copy[int(head)] = _replaced(copy[int(head)], rest, value)
+    return copy
+
+
+def _schema_for_xgrammar(
+    schema: Any, path: str = "#", root: Any = None, refs: list[str] | None = None
+) -> Any:
     """`schema` (parsed JSON) as xgrammar should compile it: InvalidRequestError for a keyword, or a
     combination, that xgrammar would silently drop (its outputs could then break the schema), and with what
     xgrammar's strict mode (no properties or items beyond those the schema names) would make unsatisfiable
     opened again: an object's minProperties beyond its properties, an array's minItems beyond its
     prefixItems, where the schema leaves additional ones unsaid (JSON Schema then allows any). `root`: the
-    whole schema, which `$ref`s point into (default: `schema`)."""
+    whole schema, which `$ref`s point into (default: `schema`); `refs` collects the `$ref`s met on the way."""
     if not isinstance(schema, dict):
         return schema  # booleans, and what xgrammar refuses itself
     root = schema if root is None else root
@@ -144,6 +227,8 @@ def _schema_for_xgrammar(schema: Any, path: str = "#", root: Any = None) -> Any:
         # xgrammar resolves JSON pointers into this schema only, and takes any other $ref (another
         # document's URL, an $anchor) as any JSON value: {"$ref": "https://x/s.json"} let out 8007...
         raise refuse(f"'$ref' {ref!r} (only JSON pointers into this schema, '#/...', are resolved)")
+    if isinstance(ref, str) and refs is not None:
+        refs.append(ref)
     if schema.get("uniqueItems") is True:
         raise refuse("'uniqueItems'")
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
@@ -264,7 +349,7 @@ def _schema_for_xgrammar(schema: Any, path: str = "#", root: Any = None) -> Any:
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {
-                name: _schema_for_xgrammar(sub, f"{path}/{key}/{name}", root)
+                name: _schema_for_xgrammar(sub, f"{path}/{key}/{name}", root, refs)
                 for name, sub in out[key].items()
             }
     for key in _SUBSCHEMAS:
@@ -273,10 +358,12 @@ def _schema_for_xgrammar(schema: Any, path: str = "#", root: Any = None) -> Any:
             if key == "propertyNames" and isinstance(sub, dict) and "type" not in sub:
                 # a name is a string: its string keywords need no type (xgrammar enforces them there)
                 sub = {**sub, "type": "string"} if any(k in sub for k in _STRING_KEYWORDS) else sub
-            out[key] = _schema_for_xgrammar(sub, f"{path}/{key}", root)
-    for key in ("prefixItems", "anyOf", "oneOf", "allOf"):
+            out[key] = _schema_for_xgrammar(sub, f"{path}/{key}", root, refs)
+    for key in _SUBSCHEMA_LISTS:
         if isinstance(schema.get(key), list):
-            out[key] = [_schema_for_xgrammar(s, f"{path}/{key}/{i}", root) for i, s in enumerate(schema[key])]
+            out[key] = [
+                _schema_for_xgrammar(s, f"{path}/{key}/{i}", root, refs) for i, s in enumerate(schema[key])
+            ]
     return out
 
 
@@ -753,7 +840,7 @@ class GrammarCompiler:
                     parsed = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
                 except ValueError as exc:
                     raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}", "json") from None
-                schema = json.dumps(_schema_for_xgrammar(parsed))
+                schema = json.dumps(_document_for_xgrammar(parsed))
                 return compiler.compile_json_schema(schema, any_whitespace=not spec.disable_any_whitespace)
             if spec.json_object:
                 field, what = "json_object", "the JSON grammar"

@@ -113,14 +113,19 @@ class ToolPlan:
         if self.mode == "named" and self.named is not None:
             return StructuredOutputsParams(json=self.named.parameters, disable_any_whitespace=True)
         if self.mode == "required":
+            # Each tool's parameters sit inside the array's schema: their JSON pointers ($ref "#/$defs/X",
+            # as pydantic writes nested models) are made to point from where they now are.
             calls = [
                 {
                     "type": "object",
-                    "properties": {"name": {"const": t.name}, "parameters": t.parameters},
+                    "properties": {
+                        "name": {"const": t.name},
+                        "parameters": rebased(t.parameters, f"#/items/anyOf/{i}/properties/parameters"),
+                    },
                     "required": ["name", "parameters"],
                     "additionalProperties": False,
                 }
-                for t in self.tools
+                for i, t in enumerate(self.tools)
             ]
             array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
             if not self.parallel:
@@ -162,6 +167,31 @@ class ToolPlan:
             if not stripped or stripped[0] == "{" or _PYTHON_TAG.startswith(stripped[: len(_PYTHON_TAG)]):
                 return 0
         return len(text)
+
+
+# Keys of a JSON schema whose values are data, not schemas, and maps and lists whose values are schemas.
+_LITERAL_KEYS = frozenset({"enum", "const", "default", "examples", "example", "required"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def rebased(schema: Any, base: str) -> Any:
+    """`schema` with each `$ref` JSON pointer into it ("#", "#/...") made to point from `base`, the pointer
+    to where the schema is placed inside another one. Literal values (enum, const, ...) are left alone."""
+    if isinstance(schema, list):
+        return [rebased(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in _LITERAL_KEYS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: rebased(sub, base) for name, sub in value.items()}
+        else:
+            out[key] = rebased(value, base)
+    return out
 
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"

@@ -69,6 +69,10 @@ _FORMAT_PATTERNS = {
     "date": rf"^{_DATE}$",
     "date-time": rf"^{_DATE}T{_TIME}$",
 }
+# JSON Schema's own formats that xgrammar has no rule for: it takes any string there ("idn-email" let out
+# "https://example.com/email-address"). Other names (OpenAPI's "int32", "password", ...) are annotations
+# that validators ignore, as xgrammar does.
+_UNENFORCED_FORMATS = ("idn-email", "idn-hostname", "iri", "iri-reference", "regex")
 _MAX_INTEGER_STEP = 1024  # the largest multipleOf xgrammar enforces on integers (it drops larger ones)
 # The widest range (largest - least allowed integer) whose multipleOf xgrammar enforces; it drops one between
 # bounds further apart, and one beside a single bound.
@@ -304,6 +308,8 @@ def _schema_for_xgrammar(
     for key in ("pattern", "format"):
         if key in schema and lengths and "string" in kinds:
             raise refuse(f"{key!r} beside {lengths}")
+    if schema.get("format") in _UNENFORCED_FORMATS and "string" in kinds:
+        raise refuse(f"'format' {schema['format']!r}")
     written = _FORMAT_PATTERNS.get(schema["format"]) if isinstance(schema.get("format"), str) else None
     if written is not None and "string" in kinds:
         if "pattern" in schema:

@@ -299,3 +299,33 @@ def test_a_grammar_compiled_by_a_server_thread_is_not_compiled_again(
     equal = StructuredOutputsParams(regex="[pq]{3}")  # another object: compiled (from xgrammar's cache)
     grammars.compile(equal)
     assert calls == [equal]
+
+
+def test_logprobs_of_a_constrained_row_are_normalized_over_what_the_grammar_allows() -> None:
+    """As in vLLM, the grammar's mask comes before the logprobs: at a choice's first token the chosen
+    token's logprob is its unconstrained logprob less the logsumexp over the tokens the grammar allows
+    there (every token whose text begins a choice, found by brute force over the vocabulary), and a
+    token the grammar forbids has -inf."""
+    with LLM("tiny-llama-tp", device="cpu", max_model_len=256, max_logprobs=1000) as llm:
+        tok = llm.get_tokenizer()
+        vocab = llm.engine.config.model.vocab_size
+        texts = {t: tok.decode([t]) for t in range(vocab)}
+        prompt = {"prompt_token_ids": [1, 37, 201, 5, 77]}
+        greedy = SamplingParams(max_tokens=1, temperature=0, logprobs=vocab)
+        free = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0]
+        raw = {t: lp.logprob for t, lp in free.logprobs[0].items()}
+        assert len(raw) >= vocab
+        words = [w for w in (texts[t] for t in range(3, vocab)) if w.isascii() and w.strip() and len(w) > 2]
+        choices = [words[0], words[1]]
+        allowed = [t for t, s in texts.items() if s and any(c.startswith(s) for c in choices)]
+        assert len(allowed) >= 2
+        spec = StructuredOutputsParams(choice=choices)
+        constrained = SamplingParams(max_tokens=8, temperature=0, logprobs=5, structured_outputs=spec)
+        out = llm.generate([prompt], constrained, use_tqdm=False)[0].outputs[0]
+    assert out.text in choices
+    first, chosen = out.logprobs[0], out.token_ids[0]
+    norm = torch.logsumexp(torch.tensor([raw[t] for t in allowed], dtype=torch.float64), 0).item()
+    assert first[chosen].logprob == pytest.approx(raw[chosen] - norm, abs=1e-4)
+    for t, lp in first.items():
+        if t not in allowed:
+            assert lp.logprob == float("-inf"), (t, texts[t])

@@ -581,14 +581,16 @@ class ModelRunner:
         allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplerOutput:
         """Sample the rows' next tokens and keep them on the device as the rows' next inputs. `allowed`:
-        structured outputs' (rows, [rows, vocab] bool) tokens those rows may sample."""
+        structured outputs' (rows, [rows, vocab] bool) tokens those rows may sample. As in vLLM, the
+        grammar's mask comes before everything else, the logprobs' raw logits included (a token the
+        grammar forbids has logprob -inf; the others are normalized over the allowed ones)."""
         raw = logits.float()
-        logits = self._process_logits(raw, rows)
         if allowed is not None:
-            if logits is raw:
-                logits = raw.clone()
+            if raw is logits:
+                raw = raw.clone()
             index, mask = allowed
-            logits[index] = logits[index].masked_fill(~mask, float("-inf"))
+            raw[index] = raw[index].masked_fill(~mask, float("-inf"))
+        logits = self._process_logits(raw, rows)
         penalties = self.batch.penalties if sampling.penalized else None
         if penalties is not None:
             sampling = penalties.for_rows(sampling, rows_dev)

@@ -47,6 +47,9 @@ def satisfies_schema(value: Any) -> bool:
 
 EBNF = 'root ::= "(" num (("+" | "*") num)* ")"\nnum ::= [1-9] [0-9]?'
 EBNF_RE = r"\([1-9][0-9]?([+*][1-9][0-9]?)*\)"
+# The same language in Lark, which vLLM also takes (a grammar with no `::=` rule is read as Lark).
+LARK = 'start: "(" num (("+" | "*") num)* ")"  // a comment\nnum: /[1-9][0-9]?/'
+
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +74,7 @@ def test_every_sample_satisfies_its_constraint(llm: LLM) -> None:
     params += [_params(20 + s, regex=r"[a-f]{2,4}-\d{3}( ok)?") for s in range(3)]
     params += [_params(30 + s, choice=["red", "green", "blue sky"]) for s in range(4)]
     params += [_params(40 + s, grammar=EBNF) for s in range(3)]
+    params += [_params(50 + s, grammar=LARK) for s in range(3)]
     results = _texts(llm, params)
     for (text, reason), p in zip(results, params, strict=True):
         spec = p.structured_outputs
@@ -210,6 +214,7 @@ def test_bad_constraints_are_clear_errors_and_the_engine_serves_on(llm: LLM) -> 
         ({"json": "{not json"}, "json"),
         ({"regex": "(a|b"}, "regex"),
         ({"grammar": 'root ::= missing_rule'}, "grammar"),
+        ({"grammar": "start: missing_rule"}, "grammar"),
     ]
     for constraint, field in cases:
         with pytest.raises(InvalidRequestError, match="is not valid") as info:

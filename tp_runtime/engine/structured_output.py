@@ -770,6 +770,13 @@ def _hidden_token_ids(tokenizer: Any, vocab_size: int) -> set[int]:
     return {i for i in ids if 0 <= i < vocab_size and tokenizer.decode([i], skip_special_tokens=True) == ""}
 
 
+def _is_lark(grammar: str) -> bool:
+    """vLLM's test of a grammar's syntax: Lark (`start: ...`) unless a rule is written `name ::= ...`
+    (GBNF/EBNF), comments (# and //) aside."""
+    lines = (re.sub(r"(#|//).*$", "", line).strip() for line in grammar.split("\n"))
+    return not any("::=" in line for line in lines)
+
+
 def _choice_grammar(choices: list[str]) -> str:
     """EBNF for exactly one of `choices` (each a JSON-escaped string literal)."""
     # (not ASCII-escaped: xgrammar reads a \ud83d surrogate pair as two code points)
@@ -869,6 +876,16 @@ class GrammarCompiler:
                 field, what = "choice", "the choices"
                 return compiler.compile_grammar(_choice_grammar(list(spec.choice)))
             field, what = "grammar", "the grammar"
+            if _is_lark(spec.grammar):
+                what = "the Lark grammar"
+                compile_lark = getattr(compiler, "compile_lark", None)
+                if compile_lark is None:
+                    raise InvalidRequestError(
+                        "Lark grammars need a newer xgrammar (one with GrammarCompiler.compile_lark); "
+                        "write the grammar in EBNF (rules as `name ::= ...`)",
+                        "grammar",
+                    )
+                return compile_lark(spec.grammar)
             return compiler.compile_grammar(spec.grammar)
         except InvalidRequestError:
             raise

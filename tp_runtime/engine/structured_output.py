@@ -876,7 +876,7 @@ class GrammarCompiler:
                 field, what = "choice", "the choices"
                 return compiler.compile_grammar(_choice_grammar(list(spec.choice)))
             field, what = "grammar", "the grammar"
-            if _is_lark(spec.grammar):
+            if spec.grammar is not None and _is_lark(spec.grammar):
                 what = "the Lark grammar"
                 compile_lark = getattr(compiler, "compile_lark", None)
                 if compile_lark is None:

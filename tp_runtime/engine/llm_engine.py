@@ -946,7 +946,8 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix, so later requests compute theirs anew; refused (False, as
-        vLLM's) while requests are unfinished, whose blocks would be registered again."""
+        vLLM's) while a request holds cache blocks (one that is running), which would be registered again;
+        requests still waiting to be scheduled do not stop it."""
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:

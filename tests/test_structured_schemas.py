@@ -199,6 +199,9 @@ SCHEMAS: list[Any] = [
      "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
      "discriminator": {"propertyName": "kind"}},
     {"type": "string", "pattern": "^ab$|^c+$"},  # anchors at each alternative's ends
+    # the whole document a $ref into OpenAPI's components (which may sit beside it, as $defs may)
+    {"$ref": "#/components/schemas/D",
+     "components": {"schemas": {"D": {"type": "string", "format": "date"}}}},
     # OpenAPI's components: a $ref into a place no subschema walk reaches, whose target's format is
     # rewritten as it is in place (an ipv4 with leading zeros broke it), and a chain of such refs.
     {"type": "object", "required": ["ip", "n"], "additionalProperties": False,
@@ -296,6 +299,8 @@ UNENFORCEABLE: list[Any] = [
      "components": {"a": {"b": {"$ref": "#/x~1y"}}}, "x/y": {"type": "integer", "not": {"const": 0}}},
     {"type": "array", "items": {"$ref": "#/properties/p/enum/0"},
      "properties": {"p": {"enum": [{"type": "number", "multipleOf": 0.5}]}}},
+    {"type": "array", "items": {"$ref": "#/properties/p/const"},
+     "properties": {"p": {"type": "object", "const": {"type": "integer"}}}},
     {"type": "object", "properties": {"x": {"type": ["number", "null"], "exclusiveMinimum": 0,
                                             "exclusiveMaximum": 1e-6}}, "required": ["x"]},
     # oneOf whose branches a value can match together: xgrammar takes it as anyOf (the first gave 2004,

@@ -42,6 +42,7 @@ _ANNOTATIONS = frozenset({
     "discriminator",  # OpenAPI's (pydantic writes it beside oneOf): a hint, not a constraint
     # OpenAPI 3.0's; `nullable` only widens what is valid, so outputs that never take null still conform
     "nullable", "example", "externalDocs", "xml",
+    "components",  # OpenAPI's home of schemas that $refs point into, like $defs
 })  # fmt: skip
 # Keywords xgrammar's JSON schema converter does not enforce (it drops them, so outputs would break them).
 _UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
@@ -145,9 +146,17 @@ def _walked(parts: tuple[str, ...], root: Any) -> bool:
     never into an enum or const schema)."""
     node, i = root, 0
     while i < len(parts):
-        if not isinstance(node, dict) or "enum" in node or "const" in node:
+        if not isinstance(node, dict):
             return False
         key = parts[i]
+        if key in ("enum", "const") and key in node:
+            raise InvalidRequestError(
+                f"the JSON schema is not supported: a '$ref' into the value of {key!r} at "
+                f"#/{'/'.join(parts[: i + 1])} (a value is not a schema)",
+                "json",
+            )
+        if "enum" in node or "const" in node:
+            return False
         if key in _SUBSCHEMAS:
             node, i = node.get(key), i + 1
             continue
@@ -173,10 +182,13 @@ def _replaced(document: Any, parts: tuple[str, ...], value: Any) -> Any:
         return value
     head, rest = parts[0], parts[1:]
     if isinstance(document, dict):
-        return {**document, head: _replaced(document[head], rest, value)}
-    copy = list(document)
-    copy[int(head)] = _replaced(copy[int(head)], rest, value)
-    return copy
+        # (the rewrite of an enum or const schema may have dropped the key the pointer passes through)
+        return {**document, head: _replaced(document.get(head, {}), rest, value)}
+    if isinstance(document, list) and head.isdigit() and int(head) < len(document):
+        copy = list(document)
+        copy[int(head)] = _replaced(copy[int(head)], rest, value)
+        return copy
+    return document
 
 
 def _schema_for_xgrammar(

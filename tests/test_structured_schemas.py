@@ -199,6 +199,10 @@ SCHEMAS: list[Any] = [
      "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
      "discriminator": {"propertyName": "kind"}},
     {"type": "string", "pattern": "^ab$|^c+$"},  # anchors at each alternative's ends
+    # fractional bounds on integers (xgrammar refused them): the integers between
+    {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+     "properties": {"a": {"type": "integer", "minimum": 1.5, "maximum": 4.5},
+                    "b": {"type": ["integer", "null"], "exclusiveMinimum": -0.5, "exclusiveMaximum": 2.5}}},
     # the whole document a $ref into OpenAPI's components (which may sit beside it, as $defs may)
     {"$ref": "#/components/schemas/D",
      "components": {"schemas": {"D": {"type": "string", "format": "date"}}}},
@@ -299,6 +303,7 @@ UNENFORCEABLE: list[Any] = [
      "components": {"a": {"b": {"$ref": "#/x~1y"}}}, "x/y": {"type": "integer", "not": {"const": 0}}},
     {"type": "array", "items": {"$ref": "#/properties/p/enum/0"},
      "properties": {"p": {"enum": [{"type": "number", "multipleOf": 0.5}]}}},
+    {"type": "integer", "minimum": 1.2, "maximum": 1.8},  # (no integer between)
     {"type": "array", "items": {"$ref": "#/properties/p/const"},
      "properties": {"p": {"type": "object", "const": {"type": "integer"}}}},
     {"type": "object", "properties": {"x": {"type": ["number", "null"], "exclusiveMinimum": 0,

@@ -305,6 +305,23 @@ def _schema_for_xgrammar(
                     f"'multipleOf' {step} on integers between bounds more than {_MAX_STEPPED_WIDTH} apart "
                     "(xgrammar drops it)"
                 )
+    bounds = [k for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum") if k in schema]
+    fractional = [
+        k for k in bounds
+        if isinstance(schema[k], float) and math.isfinite(schema[k]) and not schema[k].is_integer()
+    ]  # fmt: skip
+    if "integer" in kinds and "number" not in kinds and fractional:
+        # xgrammar refuses a fractional bound on integers ("must be a whole number"): the same integers,
+        # between whole bounds ({"minimum": 1.5} is {"minimum": 2}).
+        low, high = _integer_bounds(schema)
+        if low is not None and high is not None and low > high:
+            raise refuse("an 'integer' range that holds no integer")
+        for key in bounds:
+            out.pop(key)
+        if low is not None:
+            out["minimum"] = low
+        if high is not None:
+            out["maximum"] = high
     if "number" in kinds and not _range_has_decimals(schema):
         # xgrammar writes a number range with at most 6 decimals, and one that holds none as the empty
         # output: {"minimum": 1e-7, "maximum": 2e-7} finished ("stop") with "" (nested: `{"x": }`).

@@ -203,6 +203,11 @@ SCHEMAS: list[Any] = [
     {"type": "object", "required": ["a", "b"], "additionalProperties": False,
      "properties": {"a": {"type": "integer", "minimum": 1.5, "maximum": 4.5},
                     "b": {"type": ["integer", "null"], "exclusiveMinimum": -0.5, "exclusiveMaximum": 2.5}}},
+    # a target inside another target: rewritten there too, whichever $ref comes first ("2023-02-29" passed)
+    {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+     "properties": {"a": {"$ref": "#/components/schemas/A"}, "b": {"$ref": "#/components/schemas/A/x-in/B"}},
+     "components": {"schemas": {"A": {"type": "integer", "minimum": 0, "maximum": 9,
+                                      "x-in": {"B": {"type": "string", "format": "date"}}}}}},
     # the whole document a $ref into OpenAPI's components (which may sit beside it, as $defs may)
     {"$ref": "#/components/schemas/D",
      "components": {"schemas": {"D": {"type": "string", "format": "date"}}}},
@@ -304,6 +309,13 @@ UNENFORCEABLE: list[Any] = [
     {"type": "array", "items": {"$ref": "#/properties/p/enum/0"},
      "properties": {"p": {"enum": [{"type": "number", "multipleOf": 0.5}]}}},
     {"type": "integer", "minimum": 1.2, "maximum": 1.8},  # (no integer between)
+    # a pointer percent-encoded, as a URI fragment is (xgrammar decodes it; it escaped the checks)
+    {"type": "object", "properties": {"a": {"$ref": "#/components/schemas/A%20B"}}, "required": ["a"],
+     "components": {"schemas": {"A B": {"type": "array", "items": {"type": "integer"},
+                                        "uniqueItems": True}}}},
+    # a place the rewrite does not keep (a patternProperties key written anew for xgrammar)
+    {"type": "object", "properties": {"s": {"$ref": "#/patternProperties/^a(b)?$/x-defs/S"}},
+     "patternProperties": {"^a(b)?$": {"type": "integer", "x-defs": {"S": {"type": "string"}}}}},
     {"type": "array", "items": {"$ref": "#/properties/p/const"},
      "properties": {"p": {"type": "object", "const": {"type": "integer"}}}},
     {"type": "object", "properties": {"x": {"type": ["number", "null"], "exclusiveMinimum": 0,
@@ -505,3 +517,20 @@ def test_a_regex_class_that_begins_with_an_escaped_caret_is_refused(llm: LLM) ->
     with pytest.raises(InvalidRequestError, match="begins with an escaped"):
         llm.engine.grammars.compile(_spec(regex="[\\^a]"))
     assert _takes(llm, _spec(regex="[a^]"), "^") and not _takes(llm, _spec(regex="[a^]"), "x")
+
+
+def test_targets_inside_targets_are_rewritten_whichever_ref_comes_first() -> None:
+    """The rewrite of a $ref target that holds another target keeps the inner one's rewrite, in either
+    order of the refs, and leaves the caller's schema as it was."""
+    from tp_runtime.engine.structured_output import _document_for_xgrammar
+
+    inner = {"B": {"type": "string", "format": "date"}}
+    for order in (("a", "b"), ("b", "a")):
+        refs = {"a": {"$ref": "#/components/A"}, "b": {"$ref": "#/components/A/x-in/B"}}
+        schema = {"type": "object", "properties": {k: refs[k] for k in order},
+                  "components": {"A": {"type": "integer", "x-in": inner}}}  # fmt: skip
+        before = json.dumps(schema)
+        out = _document_for_xgrammar(schema)
+        written = out["components"]["A"]["x-in"]["B"]
+        assert "format" not in written and written["pattern"].startswith("^"), (order, written)
+        assert json.dumps(schema) == before

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 
@@ -107,30 +108,48 @@ def _document_for_xgrammar(schema: Any) -> Any:
     document, so that no subschema an output must match escapes the checks."""
     refs: list[str] = []
     out = _schema_for_xgrammar(schema, refs=refs)
-    done: set[tuple[str, ...]] = set()
+    rewrites: dict[tuple[str, ...], Any] = {}
     while refs:
         parts = _pointer_parts(refs.pop())
-        if parts is None or parts in done or _walked(parts, schema):
+        if parts is None or parts in rewrites or _walked(parts, schema):
             continue
-        done.add(parts)
         target = _at(schema, parts)
         if target is None:
             continue  # a pointer that leads nowhere: xgrammar refuses it
-        rewritten = _schema_for_xgrammar(target, "#/" + "/".join(parts), schema, refs)
-        out = _replaced(out, parts, rewritten)
+        rewrites[parts] = _schema_for_xgrammar(target, _pointer_text(parts), schema, refs)
+    # Each container along the paths copied once (by its id; the caller's objects left as they are), an
+    # enclosing target before the targets inside it, which then land in its rewrite.
+    copies: set[int] = set()
+    for parts in sorted(rewrites, key=len):
+        out = _put(out, parts, rewrites[parts], copies, parts)
     return out
 
 
 def _pointer_parts(ref: str) -> tuple[str, ...] | None:
-    """The unescaped parts of a JSON pointer `#/a/b` (None for anything else)."""
+    """The parts of a JSON pointer `#/a/b` as RFC 6901 reads a URI fragment (percent-decoded, split, then
+    ~1 and ~0 unescaped), as xgrammar does; None for anything else."""
     if not ref.startswith("#/"):
         return None
-    return tuple(p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/"))
+    return tuple(p.replace("~1", "/").replace("~0", "~") for p in unquote(ref[2:]).split("/"))
+
+
+def _pointer_text(parts: tuple[str, ...]) -> str:
+    return "#/" + "/".join(p.replace("~", "~0").replace("/", "~1") for p in parts)
 
 
 def _at(document: Any, parts: tuple[str, ...]) -> Any:
-    """What a JSON pointer's `parts` point at in `document` (None: nothing)."""
-    for part in parts:
+    """What a JSON pointer's `parts` point at in `document` (None: nothing). InvalidRequestError where the
+    path enters an enum's or a const's value (data, not a schema), told apart from a property named
+    "enum" or "const" by the maps of subschemas it passes."""
+    name_next = False
+    for i, part in enumerate(parts):
+        if not name_next and part in ("enum", "const") and isinstance(document, dict) and part in document:
+            raise InvalidRequestError(
+                f"the JSON schema is not supported: a '$ref' into the value of {part!r} at "
+                f"{_pointer_text(parts[: i + 1])} (a value is not a schema)",
+                "json",
+            )
+        name_next = not name_next and part in _SUBSCHEMA_MAPS
         if isinstance(document, dict) and part in document:
             document = document[part]
         elif isinstance(document, list) and part.isdigit() and int(part) < len(document):
@@ -146,17 +165,9 @@ def _walked(parts: tuple[str, ...], root: Any) -> bool:
     never into an enum or const schema)."""
     node, i = root, 0
     while i < len(parts):
-        if not isinstance(node, dict):
+        if not isinstance(node, dict) or "enum" in node or "const" in node:
             return False
         key = parts[i]
-        if key in ("enum", "const") and key in node:
-            raise InvalidRequestError(
-                f"the JSON schema is not supported: a '$ref' into the value of {key!r} at "
-                f"#/{'/'.join(parts[: i + 1])} (a value is not a schema)",
-                "json",
-            )
-        if "enum" in node or "const" in node:
-            return False
         if key in _SUBSCHEMAS:
             node, i = node.get(key), i + 1
             continue
@@ -176,18 +187,26 @@ def _walked(parts: tuple[str, ...], root: Any) -> bool:
     return True
 
 
-def _replaced(document: Any, parts: tuple[str, ...], value: Any) -> Any:
-    """`document` with `value` at `parts`, copied along that path (the caller's objects left as they are)."""
+def _put(document: Any, parts: tuple[str, ...], value: Any, copies: set[int], whole: tuple[str, ...]) -> Any:
+    """`document` with `value` at `parts`: each container on the way copied unless it is one of `copies`
+    (made by an earlier call, then changed in place). InvalidRequestError where the rewritten document no
+    longer has the place (a rewrite renamed a patternProperties key, or dropped an enum's const)."""
     if not parts:
         return value
-    head, rest = parts[0], parts[1:]
-    if isinstance(document, dict):
-        # (the rewrite of an enum or const schema may have dropped the key the pointer passes through)
-        return {**document, head: _replaced(document.get(head, {}), rest, value)}
-    if isinstance(document, list) and head.isdigit() and int(head) < len(document):
-        copy = list(document)
-        copy[int(head)] = _replaced(copy[int(head)], rest, value)
-        return copy
+    if id(document) not in copies and isinstance(document, (dict, list)):
+        document = dict(document) if isinstance(document, dict) else list(document)
+        copies.add(id(document))
+    head = parts[0]
+    if isinstance(document, dict) and head in document:
+        document[head] = _put(document[head], parts[1:], value, copies, whole)
+    elif isinstance(document, list) and head.isdigit() and int(head) < len(document):
+        document[int(head)] = _put(document[int(head)], parts[1:], value, copies, whole)
+    else:
+        raise InvalidRequestError(
+            f"the JSON schema is not supported: a '$ref' to {_pointer_text(whole)}, a place the schema's "
+            "rewrite for structured outputs does not keep (point it at $defs instead)",
+            "json",
+        )
     return document
 
 

@@ -118,6 +118,14 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-window-no-layer": (
         "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}
     ),
+    # ... or some of them: layer 1 windowed, layer 0 attending to everything (it was a ConfigError).
+    "qwen2-window-from-layer-1": (
+        "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
+    ),
+    "qwen3-window-from-layer-1": (
+        "Qwen3ForCausalLM",
+        {"head_dim": 16, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    ),
     # Config keys these families' transformers classes ignore: no biases.
     "mistral-ignores-bias-keys": ("MistralForCausalLM", {"attention_bias": True, "mlp_bias": True}),
     "qwen2-ignores-mlp-bias": ("Qwen2ForCausalLM", {"mlp_bias": True}),

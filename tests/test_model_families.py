@@ -1509,14 +1509,6 @@ def test_tp_size_that_does_not_divide_the_experts_is_config_error(
         make_llm(model_dir, 4)
 
 
-def test_qwen3_window_on_some_layers_is_config_error(make_checkpoint: Callable[..., Path]) -> None:
-    model_dir = make_checkpoint(
-        "Qwen3ForCausalLM", head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=1
-    )
-    with pytest.raises(ConfigError, match="sliding-window attention on some layers only"):
-        make_llm(model_dir, 1)
-
-
 def test_sliding_layer_types_without_a_window_attend_to_everything() -> None:
     """layer_types that say "sliding" with no sliding_window (use_sliding_window=false, or a null window)
     give no window: Qwen2 and Qwen3 attend to the whole context (as vLLM reads such a config; transformers

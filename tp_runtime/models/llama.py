@@ -447,22 +447,17 @@ def mistral_config(hf: Any) -> dict[str, Any]:
     return {"sliding_window": getattr(hf, "sliding_window", None)}
 
 
-def uniform_sliding_window(hf: Any) -> int | None:
-    """The sliding window of every layer from transformers' `layer_types` (Qwen2 and Qwen3 window the
-    layers from max_window_layers on, with use_sliding_window); the runner has one window for every
-    layer, so all or none."""
-    kinds = set(getattr(hf, "layer_types", None) or ["full_attention"])
-    if kinds not in ({"full_attention"}, {"sliding_attention"}):
-        raise ConfigError(
-            f"{type(hf).__name__} with sliding-window attention on some layers only (use_sliding_window "
-            "with 0 < max_window_layers < num_hidden_layers) is not supported"
-        )
-    window = getattr(hf, "sliding_window", None)  # None: the whole context (vLLM's reading; HF fails)
-    return int(window) if kinds == {"sliding_attention"} and window is not None else None
+def qwen_layer_windows(hf: Any, family: str) -> dict[str, Any]:
+    """Qwen2's and Qwen3's windows, from transformers' `layer_types` (with use_sliding_window, the layers
+    from max_window_layers on attend within sliding_window, the others to the whole context); none without
+    layer_types, and none where sliding_window is null (vLLM's reading; transformers fails)."""
+    if not getattr(hf, "layer_types", None):
+        return {"sliding_window": None}
+    return layer_windows(hf, family)
 
 
 def qwen2_config(hf: Any) -> dict[str, Any]:
-    return {"qkv_bias": True, "o_proj_bias": False, "sliding_window": uniform_sliding_window(hf)}
+    return {"qkv_bias": True, "o_proj_bias": False, **qwen_layer_windows(hf, "Qwen2")}
 
 
 def smollm3_config(hf: Any) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tp_runtime.models.llama import HeadNormedAttention, LlamaForCausalLM, uniform_sliding_window
+from tp_runtime.models.llama import HeadNormedAttention, LlamaForCausalLM, qwen_layer_windows
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -14,4 +14,4 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 def qwen3_config(hf: Any) -> dict[str, Any]:
     bias = bool(getattr(hf, "attention_bias", False))  # q/k/v and o alike, as in transformers
-    return {"qkv_bias": bias, "o_proj_bias": bias, "sliding_window": uniform_sliding_window(hf)}
+    return {"qkv_bias": bias, "o_proj_bias": bias, **qwen_layer_windows(hf, "Qwen3")}

@@ -338,7 +338,7 @@ class LlamaForCausalLM(nn.Module):
         """Decoder layer `layer`: Llama's, of `attention_cls`, `make_mlp` and `norm_cls`."""
         cfg = self.config
         attention = self.attention_cls(cfg, tp, dtype, device, fused)
-        attention.window = cfg.layer_window(layer)  # SmolLM3 and Qwen2-MoE may window some layers only
+        attention.window = cfg.layer_window(layer)  # Qwen2, Qwen3, SmolLM3, Qwen2-MoE: some layers only
         mlp = self.make_mlp(layer, tp, dtype, device, fused)
         return LlamaDecoderLayer(cfg, attention, mlp, dtype, device, fused, tp, self.norm_cls)
 

@@ -275,6 +275,13 @@ scale = torch.rand(64, 1) + 0.5
 x1, x4 = torch.randn(1, 128).half(), torch.randn(4, 256).half()
 want1 = skinny_linear(x1, w, scale=scale, scale_block_k=128)
 assert torch.equal(kernels.linear(x1, w, scale, 128, None, False), want1)
+# One row with the SiLU-mul: its own kernel, then the one-row kernel; the same values as the one-row
+# kernel computing it inside (it rounds as the SiLU-mul kernel does).
+g1 = torch.randn(1, 256).half()
+h1 = silu_and_mul(g1, fused=True)
+want_silu = skinny_linear(h1, w, scale=scale, scale_block_k=128)
+assert torch.equal(kernels.linear(g1, w, scale, 128, None, True), want_silu)
+assert torch.equal(skinny_linear(g1, w, silu_mul=True, scale=scale, scale_block_k=128), want_silu)
 got = kernels.linear(x4, w, scale, 128, None, True)
 h4 = silu_and_mul(x4, fused=True)
 assert torch.equal(got, fp8_gemm(*aq.quantize_rows_fp8(h4), w, scale, 128, x4.dtype))

@@ -198,14 +198,13 @@ class CudaFp8Kernels(Fp8Kernels):
         x = as_tensor(x)
         if 1 <= rows <= weight_only_rows:
             if rows == 1:
+                if silu_mul:
+                    # Its own kernel first: inside the one-row kernel every program recomputed the SiLU-mul
+                    # of the whole row (a 70B shard's down projection: 101.7 µs there, 84.0 µs for both
+                    # kernels apart on an H100; BENCHMARKS.md, "GPU: FP8"). The same rounding either way.
+                    x = silu_and_mul(x, fused=True)
                 return kernels.skinny_linear(
-                    x,
-                    weight,
-                    bias,
-                    silu_mul=silu_mul,
-                    num_sms=self.num_sms,
-                    scale=scale,
-                    scale_block_k=block_k,
+                    x, weight, bias, num_sms=self.num_sms, scale=scale, scale_block_k=block_k
                 )
             if silu_mul:
                 x = silu_and_mul(x, fused=True)

@@ -138,3 +138,29 @@ def test_compile_all_compiles_in_parallel_and_reports_failures(capsys: pytest.Ca
 def test_compile_threads_share_the_cores_between_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernel_precompile.os, "sched_getaffinity", lambda _: set(range(16)))
     assert compile_threads(1) == 16 and compile_threads(2) == 8 and compile_threads(64) == 1
+
+
+def test_triton_driver_starts_beside_the_model_load_and_is_joined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, Triton's driver starts in a thread of its own while the body (the model's load) runs, and
+    that thread has ended when the body does (Triton is never touched from two threads at once); on the
+    CPU no thread starts."""
+    body_running = threading.Event()
+    seen: list[str] = []
+
+    def start() -> None:
+        body_running.wait(timeout=30)
+        seen.append(threading.current_thread().name)
+
+    monkeypatch.setattr(kernel_precompile, "_start_triton_driver", start)
+    with kernel_precompile.triton_driver_starting(torch.device("cuda")):
+        body_running.set()
+    assert seen == ["tp-runtime-triton-driver"]
+    assert not any(t.name == "tp-runtime-triton-driver" for t in threading.enumerate())
+    with kernel_precompile.triton_driver_starting(torch.device("cpu")):
+        pass
+    assert seen == ["tp-runtime-triton-driver"]
+
+
+def test_starting_triton_s_driver_without_a_gpu_raises_nothing() -> None:
+    """Without a GPU Triton has no active driver: the thread swallows that (the first launch reports it)."""
+    kernel_precompile._start_triton_driver()

@@ -81,6 +81,32 @@ def _runtime_knobs() -> Any:
     return knobs if knobs is not None and hasattr(knobs, "jit_cache_hook") else None
 
 
+def _start_triton_driver() -> None:
+    try:
+        from triton.runtime import driver
+
+        driver.active  # noqa: B018 (the property builds the driver)
+    except Exception:  # no Triton, or no GPU for it: the first launch says so where it matters
+        pass
+
+
+@contextmanager
+def triton_driver_starting(device: torch.device) -> Iterator[None]:
+    """While the body runs (the model's load), Triton's CUDA driver starts in a thread: its first use on a
+    machine compiles a helper module with the host's C compiler, 4.85 s of a fresh H100 machine's first
+    start, which ran in series with everything before the first kernel launch (BENCHMARKS.md, start-up).
+    The thread is joined when the body ends, so Triton is only touched from one thread at a time."""
+    if device.type != "cuda":
+        yield
+        return
+    thread = threading.Thread(target=_start_triton_driver, name="tp-runtime-triton-driver", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+
+
 def compile_threads(ranks_on_host: int) -> int:
     """Threads per rank: the host's cores shared by the ranks compiling at once."""
     try:

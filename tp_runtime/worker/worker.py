@@ -59,6 +59,7 @@ from tp_runtime.serialize import (
     secure_client,
     worker_reply_codec,
 )
+from tp_runtime.worker.kernel_precompile import triton_driver_starting
 from tp_runtime.worker.kv_sizing import CPU_KV_CACHE_RAM_SHARE, available_memory_bytes, cpu_kv_cache_blocks
 from tp_runtime.worker.model_runner import ModelRunner, pick_kernels
 from tp_runtime.worker.outputs import PendingOutput
@@ -156,11 +157,12 @@ class Worker:
         dtype = _DTYPES[mc.dtype]
         fused = pick_kernels(self.config.fused_kernels, self.device) == "triton"
         arch = architecture(mc.architecture)
-        model = arch.model(mc, self.tp, dtype, self.device, fused=fused)
-        if mc.load_format == "dummy":
-            init_dummy_weights(model, self.config.seed, dtype, self.device)
-        else:
-            load_weights(model, mc.path, dtype, mc.quantization, arch.checkpoint_names)
+        with triton_driver_starting(self.device):
+            model = arch.model(mc, self.tp, dtype, self.device, fused=fused)
+            if mc.load_format == "dummy":
+                init_dummy_weights(model, self.config.seed, dtype, self.device)
+            else:
+                load_weights(model, mc.path, dtype, mc.quantization, arch.checkpoint_names)
         model.eval()
         self.runner = ModelRunner(self.config, model, self.device, self.rank)
         if self.device.type == "cuda":

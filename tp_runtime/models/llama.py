@@ -453,7 +453,12 @@ def qwen_layer_windows(hf: Any, family: str) -> dict[str, Any]:
     layer_types, and none where sliding_window is null (vLLM's reading; transformers fails)."""
     if not getattr(hf, "layer_types", None):
         return {"sliding_window": None}
-    return layer_windows(hf, family)
+    windows = layer_windows(hf, family)
+    if windows["sliding_window"] is None:
+        return {"sliding_window": None}
+    if len(windows["sliding_window_layers"]) == int(hf.num_hidden_layers):
+        return {"sliding_window": windows["sliding_window"]}  # every layer: one window for all
+    return windows
 
 
 def qwen2_config(hf: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import datetime
 import ipaddress
 import json
 import re
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,7 +70,7 @@ def validate(value: Any, schema: Any, root: Any = None) -> bool:
         return False
     if "$ref" in schema:
         target = root
-        for part in schema["$ref"].lstrip("#/").split("/"):
+        for part in urllib.parse.unquote(schema["$ref"]).lstrip("#/").split("/"):
             if part:
                 target = target[part.replace("~1", "/").replace("~0", "~")]
         if not validate(value, target, root):
@@ -198,6 +199,9 @@ SCHEMAS: list[Any] = [
                        "properties": {"kind": {"enum": ["dog"]}, "good": {"type": "boolean"}}}},
      "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
      "discriminator": {"propertyName": "kind"}},
+    # the same with percent-encoded pointers (RFC 6901 in a URI fragment): "A%20b" is the key "A b"
+    {"$defs": {"A b": {"type": "integer", "minimum": 0, "maximum": 9}, "C%": {"type": "boolean"}},
+     "oneOf": [{"$ref": "#/$defs/A%20b"}, {"$ref": "#/$defs/C%25"}]},
     {"type": "string", "pattern": "^ab$|^c+$"},  # anchors at each alternative's ends
     # fractional bounds on integers (xgrammar refused them): the integers between
     {"type": "object", "required": ["a", "b"], "additionalProperties": False,

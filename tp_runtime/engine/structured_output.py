@@ -695,21 +695,16 @@ def _name_fits(name: str, names_schema: dict[str, Any]) -> bool:
 
 
 def _resolved(schema: Any, root: Any) -> Any:
-    """`schema` with its `$ref` (a JSON pointer into `root`) followed, through chains; None where a pointer
-    leads nowhere or the chain loops."""
+    """`schema` with its `$ref` (a JSON pointer into `root`, read as _pointer_parts reads it) followed,
+    through chains; None where a pointer leads nowhere or the chain loops."""
     for _ in range(32):
         if not (isinstance(schema, dict) and isinstance(schema.get("$ref"), str)):
             return schema
-        target = root
-        for part in schema["$ref"].removeprefix("#").split("/")[1:]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(target, dict) and part in target:
-                target = target[part]
-            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
-                target = target[int(part)]
-            else:
-                return None
-        schema = target
+        ref = schema["$ref"]
+        parts = () if ref == "#" else _pointer_parts(ref)
+        if parts is None:
+            return None
+        schema = _at(root, parts)
     return None
 
 

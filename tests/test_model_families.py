@@ -1305,6 +1305,54 @@ def test_phi3_fused_tensors_give_each_rank_its_rows(
         make_llm(partial, 1)
 
 
+@pytest.fixture(scope="module")
+def longrope_dir(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Phi-3 with LongRoPE as the 128k releases' config.json writes it (Phi-3.5-mini's layout: the original
+    length at the top level, rope_scaling with "type"), scaled down: 16 original positions of 64, and the
+    two sets of factors far apart."""
+    half = BASE_CONFIG["hidden_size"] // BASE_CONFIG["num_attention_heads"] // 2
+    short, long = [1.0 + 0.1 * i for i in range(half)], [1.0 + 3.0 * i for i in range(half)]
+    source = make_checkpoint(
+        "Phi3ForCausalLM", max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0, "short_factor": short,
+                         "long_factor": long, "original_max_position_embeddings": 16},
+    )  # fmt: skip
+    out = tmp_path_factory.mktemp("longrope") / "phi3-longrope"
+    shutil.copytree(source, out)
+    config = json.loads((out / "config.json").read_text())
+    del config["rope_parameters"]
+    config.update(rope_theta=10_000.0, original_max_position_embeddings=16,
+                  rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long})  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_phi3_longrope_takes_the_set_its_context_needs_as_hf(longrope_dir: Path, tp: int) -> None:
+    """LongRoPE's factors are chosen once from max_model_len (as vLLM does): within the original 16
+    positions the short set, which transformers uses for every sequence that short; past them the long
+    one, which transformers uses for every sequence that long. Tokens and logprobs equal HF's in both,
+    through chunked prefill; the two sets give different tokens, so the test tells them apart."""
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=TOP_K, ignore_eos=True)
+    short_prompts = random_prompts((3, 8, 5), 300, seed=11)  # 8 out: at most 16 positions
+    long_prompts = random_prompts((17, 30, 24), 300, seed=12)  # past the 16 from the first forward
+    for max_len, prompts in ((16, short_prompts), (64, long_prompts)):
+        with make_llm(longrope_dir, tp, max_model_len=max_len, max_num_batched_tokens=8) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+        assert_same_tokens(got, hf_greedy(longrope_dir, prompts, 8), prompts)
+        for prompt, out in zip(prompts, outs, strict=True):
+            ref = hf_logprobs(longrope_dir, prompt, out.outputs[0].token_ids)
+            for pos, entry in enumerate(out.outputs[0].logprobs or []):
+                top_lp, top_ids = ref[pos].topk(TOP_K)
+                assert set(entry) == set(top_ids.tolist()), (max_len, pos)
+                for tid, lp in zip(top_ids.tolist(), top_lp.tolist(), strict=True):
+                    assert entry[tid].logprob == pytest.approx(lp, abs=1e-4), (max_len, pos, tid)
+    with make_llm(longrope_dir, 1, max_model_len=64) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in short_prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] != hf_greedy(longrope_dir, short_prompts, 8)
+
+
 def test_checkpoint_missing_an_expert_is_config_error(
     family_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:

@@ -21,7 +21,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton_one_split")
 # Choices of ParallelConfig.all_reduce (see distributed.py).
 ALL_REDUCE_STRATEGIES = ("auto", "nccl", "symm_mem")
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 # vLLM's (and torch's) other names of two of them.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -812,8 +812,16 @@ def _max_positions(hf_config: Any) -> int:
     return int(max_positions * factor)
 
 
-def _rope_config(hf_config: Any, head_dim: int, layer_type: str | None = None) -> RopeConfig:
-    """The rope of the model, or with `layer_type` of that type of layer (rope_parameters per type)."""
+def _rope_config(
+    hf_config: Any, head_dim: int, layer_type: str | None = None, max_model_len: int | None = None
+) -> RopeConfig:
+    """The rope of the model, or with `layer_type` of that type of layer (rope_parameters per type).
+
+    LongRoPE (Phi-3's 128k releases) has two sets of frequencies. transformers switches a sequence to the
+    long set, recomputing its whole cache, once it grows past original_max_position_embeddings; the runtime
+    chooses once, as vLLM does: the long set where max_model_len goes past that length, else (or without a
+    max_model_len) the short one. So with a max_model_len within it every sequence is computed as
+    transformers computes it, and beyond it so is every sequence longer than it."""
     import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -832,7 +840,9 @@ def _rope_config(hf_config: Any, head_dim: int, layer_type: str | None = None) -
     else:
         try:
             # transformers 5's rope functions read a layer type's own parameters (4.x's take no such name).
-            kwargs = {"layer_type": layer_type} if _per_layer_type_rope(hf_config) else {}
+            kwargs: dict[str, Any] = {"layer_type": layer_type} if _per_layer_type_rope(hf_config) else {}
+            if rope_type == "longrope":
+                kwargs["seq_len"] = max_model_len  # the long set where it exceeds the original length
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
         except (TypeError, ValueError, KeyError, ZeroDivisionError) as exc:
             # A parameter of the wrong type (a "2.0" string factor) failed here as a bare TypeError.
@@ -1065,8 +1075,10 @@ def build_model_config(
         sliding_window=int(sliding) if sliding else None,
         max_model_len=int(max_model_len),
         dtype=resolve_dtype(dtype, config_dtype, device),
-        rope=_rope_config(hf, head_dim, "full_attention" if per_type_rope else None),
-        local_rope=_rope_config(hf, head_dim, "sliding_attention") if per_type_rope else None,
+        rope=_rope_config(hf, head_dim, "full_attention" if per_type_rope else None, int(max_model_len)),
+        local_rope=(
+            _rope_config(hf, head_dim, "sliding_attention", int(max_model_len)) if per_type_rope else None
+        ),
         load_format=load_format,
         eos_token_ids=eos_token_ids,
         no_eos=no_eos,

@@ -4,9 +4,9 @@ loader reads each part's rows as the tensor Llama's layers take (fused_checkpoin
 still reads only its slices. A sliding window, where the config sets one, covers every layer, as in
 transformers' Phi3Attention.
 
-Not supported (ConfigErrors): partial rotary embeddings (Phi-4-mini) and the longrope scaling of the
-128k-context releases (rope type "longrope"), and FP8 checkpoints (fused scales); `quantization="fp8"`
-quantizes a 16-bit checkpoint at load as for any family.
+The 128k releases' LongRoPE takes one of its two sets of factors for the engine's life (config._rope_config).
+Not supported (ConfigErrors): partial rotary embeddings (Phi-4-mini) and FP8 checkpoints (fused scales);
+`quantization="fp8"` quantizes a 16-bit checkpoint at load as for any family.
 """
 
 from __future__ import annotations

@@ -280,6 +280,15 @@ def test_blocks_that_do_not_divide_across_ranks_are_a_config_error(
         loader.load_weights(model, str(out / "fp8"), torch.float32, cfg.quantization)
 
 
+def test_one_kv_head_in_blocks_wider_than_it_loads_at_tp2(make_checkpoint: Any, tmp_path: Path) -> None:
+    """One KV head of 16 rows in 32x32 blocks: each of 2 ranks holds the whole k and v tensors, which cuts
+    no block (it was refused as a cut)."""
+    src = make_checkpoint("LlamaForCausalLM", seed=3, num_key_value_heads=1)
+    out = write_fp8(src, tmp_path, "fp8", "block", block=(32, 32))
+    prompts = random_prompts((5, 17), 300, seed=11)
+    assert_same_tokens(_greedy(out / "fp8", prompts, 2), hf_greedy(out / "ref", prompts, 8), prompts)
+
+
 def test_fp8_checkpoint_errors(make_checkpoint: Any, tmp_path: Path) -> None:
     src = make_checkpoint("LlamaForCausalLM", seed=3)
     out = write_fp8(src, tmp_path / "a", "compressed-tensors", "channel")
@@ -327,6 +336,13 @@ def test_fp8_checkpoint_errors(make_checkpoint: Any, tmp_path: Path) -> None:
             },
             None,
         )
+    # A weight group naming the attention's projections is a weight group, not attention quantization
+    # (which was dropped, leaving "unexpected tensor" errors for the scales at load).
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel"}
+    by_name = {"targets": ["re:.*self_attn\\.(q|k|v|o)_proj$"], "weights": weights}
+    with pytest.raises(ConfigError, match=r"1 quantization groups \(targets .*self_attn.*include \"Linear\""):
+        quant_config({"quant_method": "compressed-tensors", "format": "float-quantized",
+                      "config_groups": {"g": by_name}}, None)  # fmt: skip
 
 
 def test_quantization_option_on_the_command_line() -> None:

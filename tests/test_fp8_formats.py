@@ -477,3 +477,15 @@ def test_dequantized_rows_read_in_chunks(
             source = loader.DequantizedTensor(handle, "w", scale, (16, 16), torch.float32)
             assert torch.equal(source.narrow(0, 5, 30), want[5:35]) and torch.equal(source.full(), want)
             assert torch.equal(source.narrow(1, 3, 9), want[:, 3:12])
+
+
+def test_a_block_grid_shaped_like_row_scales_is_read_as_blocks(tmp_path: Path) -> None:
+    """A [4, 64] tensor (an FP8 router of 4 experts) in 16x16 blocks has a [1, 4] grid of scales: as many
+    as rows, in a shape with a 1, yet one per block. It was read as one per row."""
+    weight = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+    q, scale = _quantize(weight, "block", (16, 16), 1.0)
+    assert tuple(scale.shape) == (1, 4)
+    save_file({"w": q, "w_scale": scale}, str(tmp_path / "t.safetensors"))
+    with loader.open_weight_file(str(tmp_path / "t.safetensors")) as handle:
+        source = loader.DequantizedTensor(handle, "w", scale, (16, 16), torch.float32)
+        assert torch.equal(source.full(), _dequantize(q, scale, "block", (16, 16)))

@@ -215,9 +215,11 @@ def _block_size(block: Any) -> tuple[int, int]:
 
 
 def _targets_attention(group: Mapping[str, Any]) -> bool:
-    """A compressed-tensors group aimed at attention modules (llm-compressor's attention quantization)."""
+    """A compressed-tensors group aimed at attention modules (llm-compressor's attention quantization):
+    no weights of its own (a group of the attention's projections by name quantizes weights)."""
     targets = group.get("targets") or []
-    return bool(targets) and all("Attention" in t or "self_attn" in t for t in targets)
+    attention = bool(targets) and all("Attention" in t or "self_attn" in t for t in targets)
+    return attention and not group.get("weights")
 
 
 def _check_kv_cache_scheme(scheme: Any) -> None:
@@ -250,9 +252,10 @@ def _compressed_tensors_config(hq: Mapping[str, Any]) -> QuantConfig | None:
         return None
     linear_groups = [g for g in groups.values() if "Linear" in (g.get("targets") or [])]
     if len(linear_groups) != 1 or len(groups) != 1:
+        targets = [g.get("targets") for g in groups.values()]
         raise ConfigError(
-            f"compressed-tensors checkpoints with {len(groups)} quantization groups are not supported; only "
-            "one group targeting Linear layers is"
+            f"compressed-tensors checkpoints with {len(groups)} quantization groups (targets {targets}) are "
+            'not supported; only one group whose targets include "Linear" is'
         )
     group = linear_groups[0]
     weights = group.get("weights") or {}
@@ -639,7 +642,10 @@ def _fp8_block_problem(model: ModelConfig, tp: int) -> str | None:
     if quant is None or quant.block_size is None or tp == 1:
         return None
     block_n, block_k = quant.block_size
-    kv_local = model.num_kv_heads // tp * model.head_dim if model.num_kv_heads >= tp else model.head_dim
+    if model.num_kv_heads >= tp:
+        kv_local = model.num_kv_heads // tp * model.head_dim
+    else:  # each rank holds one head, whole (no cut at all) where there is only one
+        kv_local = model.head_dim if model.num_kv_heads > 1 else 0
     attention = model.num_heads * model.head_dim // tp
     cuts = {"q_proj rows": (attention, block_n), "k_proj/v_proj rows": (kv_local, block_n),
             "o_proj columns": (attention, block_k)}  # fmt: skip

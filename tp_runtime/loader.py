@@ -562,12 +562,9 @@ class DequantizedTensor:
         self._handle, self._dtype = handle, dtype
         rows = self.shape[0] if self.shape else 1
         cols = self.shape[1] if len(self.shape) == 2 else 1
-        if scale.numel() == 1:
-            self._scale_rows: Any = lambda r0, n: scale.reshape(())
-        elif len(self.shape) == 2 and scale.numel() == rows and (scale.dim() == 1 or 1 in scale.shape):
-            by_row = scale.reshape(rows, 1)
-            self._scale_rows = lambda r0, n: by_row[r0 : r0 + n]
-        elif (
+        # A block grid first: a few rows' grid ([1, 4] for a [4, 64] router in 16x16 blocks) has the
+        # count and shape of per-row scales.
+        if (
             len(self.shape) == 2 and block is not None
             and tuple(scale.shape) == (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
         ):  # fmt: skip
@@ -578,7 +575,12 @@ class DequantizedTensor:
                 part = scale[first : (r0 + n - 1) // bn + 1].repeat_interleave(bn, dim=0)
                 return part[r0 - first * bn : r0 - first * bn + n].repeat_interleave(bk, dim=1)[:, :cols]
 
-            self._scale_rows = tiles
+            self._scale_rows: Any = tiles
+        elif scale.numel() == 1:
+            self._scale_rows = lambda r0, n: scale.reshape(())
+        elif len(self.shape) == 2 and scale.numel() == rows and (scale.dim() == 1 or 1 in scale.shape):
+            by_row = scale.reshape(rows, 1)
+            self._scale_rows = lambda r0, n: by_row[r0 : r0 + n]
         else:
             raise ConfigError(
                 f"{where} has shape {list(self.shape)} and its scale {list(scale.shape)}: not one scale, one "

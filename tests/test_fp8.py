@@ -289,6 +289,24 @@ def test_one_kv_head_in_blocks_wider_than_it_loads_at_tp2(make_checkpoint: Any, 
     assert_same_tokens(_greedy(out / "fp8", prompts, 2), hf_greedy(out / "ref", prompts, 8), prompts)
 
 
+@pytest.mark.parametrize(
+    ("arch", "fmt", "scheme", "tp"),
+    [("LlamaForCausalLM", "fp8", "block", 2), ("LlamaForCausalLM", "compressed-tensors", "channel", 1),
+     ("LlamaForCausalLM", "compressed-tensors", "tensor", 2), ("Qwen3MoeForCausalLM", "fp8", "block", 2)],
+)  # fmt: skip
+def test_dummy_weights_of_an_fp8_checkpoint_config(
+    arch: str, fmt: str, scheme: str, tp: int, make_checkpoint: Any, tmp_path: Path
+) -> None:
+    """load_format="dummy" with an FP8 checkpoint's config (benchmarking its shape without its weights):
+    the dummy weights quantized as quantization="fp8" quantizes them for the unquantized config (it was
+    a ConfigError about 32-bit tensors), the same tokens at any TP size."""
+    src = make_checkpoint(arch, seed=3, **(QWEN3_MOE if arch == "Qwen3MoeForCausalLM" else {}))
+    out = write_fp8(src, tmp_path, fmt, scheme)
+    prompts = random_prompts((5, 17), 300, seed=11)
+    want = _greedy(out / "ref", prompts, 1, load_format="dummy", quantization="fp8")
+    assert_same_tokens(_greedy(out / "fp8", prompts, tp, load_format="dummy"), want, prompts)
+
+
 def test_fp8_checkpoint_errors(make_checkpoint: Any, tmp_path: Path) -> None:
     src = make_checkpoint("LlamaForCausalLM", seed=3)
     out = write_fp8(src, tmp_path / "a", "compressed-tensors", "channel")

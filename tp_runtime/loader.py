@@ -815,7 +815,10 @@ class DummyTensor:
 
     Any slice can be made on the target device without building the full tensor, and a rank's slice holds
     exactly the values the same slice of the full tensor holds, so dummy models agree across TP sizes.
+    `synthetic`: an FP8 layer of a checkpoint's quantization_config quantizes it at load (no scales come).
     """
+
+    synthetic = True
 
     def __init__(
         self,

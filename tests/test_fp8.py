@@ -358,6 +358,23 @@ def test_fp8_checkpoint_errors(make_checkpoint: Any, tmp_path: Path) -> None:
     # (which was dropped, leaving "unexpected tensor" errors for the scales at load).
     weights = {"num_bits": 8, "type": "float", "strategy": "channel"}
     by_name = {"targets": ["re:.*self_attn\\.(q|k|v|o)_proj$"], "weights": weights}
+    # Fields of the wrong kind: a clear error, not a TypeError or AttributeError from the walk.
+    malformed = [
+        "fp8", [{"quant_method": "fp8"}],
+        {"quant_method": "compressed-tensors", "config_groups": [group]},
+        {"quant_method": "compressed-tensors", "config_groups": {"g": "Linear"}},
+        {"quant_method": "compressed-tensors",
+         "config_groups": {"g": {"targets": ["Linear"], "weights": "fp8"}}},
+    ]  # fmt: skip
+    for config in malformed:
+        with pytest.raises(ConfigError, match="quantization_config is malformed"):
+            quant_config(config, None)
+    for config in ({"quant_method": "fp8", "modules_to_not_convert": "lm_head"},
+                   {"quant_method": "compressed-tensors", "format": "float-quantized",
+                    "config_groups": {"g": {**group, "weights": {**group["weights"], "strategy": "channel"}}},
+                    "ignore": "lm_head"}):  # fmt: skip
+        with pytest.raises(ConfigError, match="must be a list of module names, got 'lm_head'"):
+            quant_config(config, None)
     with pytest.raises(ConfigError, match=r"1 quantization groups \(targets .*self_attn.*include \"Linear\""):
         quant_config({"quant_method": "compressed-tensors", "format": "float-quantized",
                       "config_groups": {"g": by_name}}, None)  # fmt: skip

@@ -172,6 +172,18 @@ def quant_config(hf_quantization: Any, requested: str | None) -> QuantConfig | N
         if requested == "fp8":
             return QuantConfig(checkpoint_format="online", weight_scales="channel")
         return None
+    try:
+        return _checkpoint_quant_config(hf_quantization, requested)
+    except (TypeError, AttributeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        # A field of the wrong kind (a list for a mapping, a string for a list): the walk fails on it.
+        raise ConfigError(
+            f"config.json's quantization_config is malformed ({type(exc).__name__}: {exc}); fix the file"
+        ) from None
+
+
+def _checkpoint_quant_config(hf_quantization: Any, requested: str | None) -> QuantConfig | None:
     hq = hf_quantization if isinstance(hf_quantization, Mapping) else vars(hf_quantization)
     method = hq.get("quant_method")
     if method == "fp8":
@@ -184,7 +196,9 @@ def quant_config(hf_quantization: Any, requested: str | None) -> QuantConfig | N
             weight_scales="block" if block else "tensor",
             block_size=_block_size(block) if block else None,
             # `ignored_layers`: AutoFP8's name of the list (transformers and vLLM read it too).
-            ignore=tuple(hq.get("modules_to_not_convert") or hq.get("ignored_layers") or ()),
+            ignore=_names(
+                hq.get("modules_to_not_convert") or hq.get("ignored_layers"), "modules_to_not_convert"
+            ),
             ignore_like_transformers=True,
         )
     if method == "compressed-tensors":
@@ -247,7 +261,7 @@ def _compressed_tensors_config(hq: Mapping[str, Any]) -> QuantConfig | None:
     _check_kv_cache_scheme(hq.get("kv_cache_scheme"))
     # Attention groups only bring query and probability scales, which set nothing: attention runs in the
     # model dtype (layers/kv_fp8.py).
-    groups = {name: g for name, g in (hq.get("config_groups") or {}).items() if not _targets_attention(g)}
+    groups = {name: g for name, g in dict(hq.get("config_groups") or {}).items() if not _targets_attention(g)}
     if not groups:
         return None
     linear_groups = [g for g in groups.values() if "Linear" in (g.get("targets") or [])]
@@ -282,8 +296,17 @@ def _compressed_tensors_config(hq: Mapping[str, Any]) -> QuantConfig | None:
         checkpoint_format="compressed-tensors",
         weight_scales=strategy,
         block_size=_block_size(block) if block is not None else None,
-        ignore=tuple(hq.get("ignore") or ()),
+        ignore=_names(hq.get("ignore"), "ignore"),
     )
+
+
+def _names(value: Any, field: str) -> tuple[str, ...]:
+    """A quantization_config list of module names or patterns (None: empty)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"quantization_config's {field} must be a list of module names, got {value!r}")
+    return tuple(value)
 
 
 @dataclass(frozen=True)

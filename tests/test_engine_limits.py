@@ -161,3 +161,34 @@ def test_a_failure_while_a_grammar_mask_is_made_does_not_wedge_the_engine(
         out = llm.generate([{"prompt_token_ids": prompt}], constrained, use_tqdm=False)[0].outputs[0]
         assert out.text in choices
         assert generate_ids(llm, [prompt], 3) == want
+
+
+def test_sampling_lists_are_bounded_so_every_step_reaches_the_workers(model_dir: Path) -> None:
+    """bad_words, logit_bias, allowed_token_ids and stop_token_ids travel to every worker with each request.
+    Past messages.sampling_ids_limit a request is refused, naming its largest list (2,000 distinct bad
+    words: about 3,000 more ids than a tiny vocabulary's limit; unchecked, one ~1 MB request took a TP=2
+    engine down: libzmq dropped the step past the workers' message limit). Repeated words are one; at the
+    limit, a step of such requests at TP=2 runs, and its tokens equal TP=1's."""
+    from tp_runtime.errors import InvalidRequestError
+
+    many = [f"w{i}x" for i in range(2000)]
+    with make_llm(model_dir, tensor_parallel_size=2) as llm:
+        refused = r"hold \d+ token ids together.* over the 5296"
+        with pytest.raises(InvalidRequestError, match=refused) as caught:
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, bad_words=many), use_tqdm=False)
+        assert caught.value.field == "bad_words"
+        repeated = SamplingParams(temperature=0, max_tokens=6, bad_words=["ab"] * 100_000, ignore_eos=True)
+        once = SamplingParams(temperature=0, max_tokens=6, bad_words=["ab"], ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in random_prompts((5, 9), VOCAB, seed=3)]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, repeated, use_tqdm=False)]
+        assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, once, use_tqdm=False)]
+        # Whole-vocabulary lists (the most a request may send but bad words), four requests in one step.
+        full = SamplingParams(
+            temperature=0, max_tokens=4, ignore_eos=True, min_tokens=1, stop_token_ids=list(range(3, VOCAB)),
+            logit_bias={t: 0.5 for t in range(VOCAB)}, allowed_token_ids=list(range(VOCAB)),
+            bad_words=many[:100],
+        )  # fmt: skip
+        batch = [{"prompt_token_ids": p} for p in random_prompts((4, 6, 8, 5), VOCAB, seed=4)]
+        tp2 = [o.outputs[0].token_ids for o in llm.generate(batch, full, use_tqdm=False)]
+    with make_llm(model_dir) as llm:
+        assert tp2 == [o.outputs[0].token_ids for o in llm.generate(batch, full, use_tqdm=False)]

@@ -473,3 +473,21 @@ def test_an_authentic_output_with_a_token_outside_the_vocabulary_is_a_protocol_e
         info.value
     )
     assert wait_gone(pids, 10.0) == []
+
+
+def test_a_broadcast_over_the_workers_limit_is_an_error_not_a_silent_drop() -> None:
+    """libzmq drops a message over a receiver's MAXMSGSIZE unseen (and resets the connection), which left
+    the driver waiting for a step no worker had; the driver refuses to send it instead."""
+    import shutil
+
+    from tp_runtime.ipc import ipc_channel
+    from tp_runtime.messages import ControlCall
+
+    folder, channel = ipc_channel(b"k" * 32, 1 << 16, max_broadcast_bytes=4096)
+    try:
+        channel.send(ControlCall(1, "ping", ["x" * 1000]))  # fits
+        with pytest.raises(ProtocolError, match=r"ControlCall of \d+ bytes exceeds the workers' message"):
+            channel.send(ControlCall(2, "ping", ["x" * 5000]))
+    finally:
+        channel.close()
+        shutil.rmtree(folder, ignore_errors=True)

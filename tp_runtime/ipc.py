@@ -19,12 +19,14 @@ from zmq.utils.monitor import parse_monitor_message
 from tp_runtime.config import EngineConfig
 from tp_runtime.errors import (
     ConfigError,
+    ProtocolError,
     StepTimeoutError,
     TPRuntimeError,
     WorkerDiedError,
 )
 from tp_runtime.messages import (
     DriverMessage,
+    sampling_ids_limit,
 )
 from tp_runtime.serialize import (
     BROADCAST,
@@ -64,10 +66,10 @@ def message_limits(config: EngineConfig) -> tuple[int, int]:
     widest msgpack integer or float)."""
     model, sched = config.model, config.scheduler
     vocab, seq_blocks = model.vocab_size, model.max_model_len // config.cache.block_size + 2
-    # A new request carries all its tokens, its block ids and up to a vocabulary of stop token ids; every
-    # scheduled request carries at most its new block ids.
+    # A new request carries all its tokens, its block ids and its sampling lists (refused beyond
+    # sampling_ids_limit); every scheduled request carries at most its new block ids.
     new_requests = min(sched.max_num_seqs, sched.max_num_batched_tokens)
-    broadcast = new_requests * (model.max_model_len + seq_blocks + vocab + 64)
+    broadcast = new_requests * (model.max_model_len + seq_blocks + sampling_ids_limit(vocab) + 64)
     broadcast += sched.max_num_seqs * (seq_blocks + 8)
     # A row per request: its token, and up to max_logprobs + 1 (id, logprob) pairs plus a rank; prompt
     # logprobs the same for every token of the step.
@@ -234,9 +236,13 @@ class DriverChannel:
     heartbeat watchdog. Inbound sizes are bounded and nothing peers send to the broadcast socket is kept."""
 
     def __init__(
-        self, broadcast_addr: str, results_addr: str, heartbeat_addr: str, key: bytes, max_reply_bytes: int
-    ) -> None:
+        self, broadcast_addr: str, results_addr: str, heartbeat_addr: str, key: bytes, max_reply_bytes: int,
+        max_broadcast_bytes: int | None = None,
+    ) -> None:  # fmt: skip
+        """`max_broadcast_bytes`: the workers' limit on a broadcast (message_limits); a larger one is an
+        error here, where libzmq would drop it unseen at the workers."""
         self.key = key
+        self.max_broadcast_bytes = max_broadcast_bytes
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -266,7 +272,13 @@ class DriverChannel:
         self.next_call_id = 0
 
     def send(self, message: DriverMessage) -> None:
-        self.pub.send(self.writer.encode(message))
+        frame = self.writer.encode(message)
+        if self.max_broadcast_bytes is not None and len(frame) > self.max_broadcast_bytes:
+            raise ProtocolError(
+                f"a {type(message).__name__} of {len(frame)} bytes exceeds the workers' message limit of "
+                f"{self.max_broadcast_bytes} bytes (not sent)"
+            )
+        self.pub.send(frame)
 
     def discard_inbound(self) -> None:
         """Read and drop what peers sent to the broadcast socket (subscriptions after start-up, anything
@@ -286,7 +298,9 @@ class DriverChannel:
 _MAX_IPC_PATH = getattr(zmq, "IPC_PATH_MAX_LEN", 103)
 
 
-def ipc_channel(key: bytes, max_reply_bytes: int, prefix: str = "tp-runtime-") -> tuple[str, DriverChannel]:
+def ipc_channel(
+    key: bytes, max_reply_bytes: int, prefix: str = "tp-runtime-", max_broadcast_bytes: int | None = None
+) -> tuple[str, DriverChannel]:
     """A driver channel on ipc sockets in a fresh private (0700) temporary folder, which only this user
     reaches; returns the folder (the caller removes it at shutdown) and the channel. A failure removes it."""
     folder = tempfile.mkdtemp(prefix=prefix)
@@ -300,7 +314,7 @@ def ipc_channel(key: bytes, max_reply_bytes: int, prefix: str = "tp-runtime-") -
             )
         return folder, DriverChannel(
             f"ipc://{folder}/bcast-{tag}", f"ipc://{folder}/results-{tag}", f"ipc://{folder}/heartbeat-{tag}",
-            key, max_reply_bytes,
+            key, max_reply_bytes, max_broadcast_bytes,
         )  # fmt: skip
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)

@@ -22,6 +22,14 @@ def first_outside(values: list[int], low: int, end: int) -> int | None:
     return None
 
 
+def sampling_ids_limit(vocab_size: int) -> int:
+    """The most numbers a request's sampling lists (RequestSampling's stop, logit_bias, allowed and
+    bad_words ids) may hold: a whole vocabulary in each of stop, allowed and logit_bias (ids and values),
+    and some bad words beside them. Requests over it are refused, and the workers' message limit counts
+    it for every new request (ipc.message_limits), so no step outgrows what a worker takes."""
+    return 4 * vocab_size + 4096
+
+
 class RequestSampling(msgspec.Struct, array_like=True, frozen=True):
     """What a worker needs of SamplingParams to sample one request."""
 

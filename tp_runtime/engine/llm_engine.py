@@ -27,7 +27,13 @@ from tp_runtime.engine.scheduler import Request, Scheduler
 from tp_runtime.engine.structured_output import GrammarCompiler, pack_bitmasks
 from tp_runtime.errors import ConfigError, InvalidRequestError
 from tp_runtime.executor.base import Executor, make_executor
-from tp_runtime.messages import GrammarMask, ModelRunnerOutput, RequestSampling, SchedulerOutput
+from tp_runtime.messages import (
+    GrammarMask,
+    ModelRunnerOutput,
+    RequestSampling,
+    SchedulerOutput,
+    sampling_ids_limit,
+)
 from tp_runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from tp_runtime.sampling_params import SamplingParams, truncated_prompt
 
@@ -565,11 +571,29 @@ class LLMEngine:
                 raise InvalidRequestError(
                     f"logit_bias values must be in [-100, 100], got {value!r}", "logit_bias"
                 )
+        bad_ids = 0
         if params.bad_words:
             words = params.bad_words
             if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
                 raise InvalidRequestError("bad_words must be a list of words (strings)", "bad_words")
-            self._bad_word_ids(tuple(words))  # encoded here, off the engine thread where a server checks
+            # Encoded here, off the engine thread where a server checks.
+            bad_ids = sum(len(ids) + 1 for ids in self._bad_word_ids(tuple(words)))
+        # What the request's lists send to every worker, at most (messages.sampling_ids): beyond the
+        # limit a step could outgrow the workers' message size.
+        parts = {
+            "stop_token_ids": len(set(params.stop_token_ids or ())) + len(self.eos_token_ids),
+            "logit_bias": 2 * len(params.logit_bias or {}),
+            "allowed_token_ids": len(set(params.allowed_token_ids or ())),
+            "bad_words": bad_ids,
+        }
+        limit = sampling_ids_limit(vocab)
+        if sum(parts.values()) > limit:
+            raise InvalidRequestError(
+                f"stop_token_ids, logit_bias, allowed_token_ids and bad_words hold {sum(parts.values())} "
+                f"token ids together (bad_words: its words' tokens; logit_bias: two a token), over the "
+                f"{limit} a request may send; use fewer",
+                max(parts, key=lambda name: parts[name]),
+            )
         allowed = params.allowed_token_ids
         if allowed is not None and params.structured_outputs is not None:
             raise InvalidRequestError(
@@ -965,16 +989,23 @@ def bad_word_ids(tokenizer: Any, words: list[str], vocab: int) -> list[list[int]
     if tokenizer is None:
         raise InvalidRequestError("bad_words needs the model's tokenizer to encode them", "bad_words")
     sequences: list[list[int]] = []
-    for word in words:
+    seen: set[tuple[int, ...]] = set()  # a repeated word bans nothing more
+
+    def add(ids: list[int]) -> None:
+        if tuple(ids) not in seen:
+            seen.add(tuple(ids))
+            sequences.append(ids)
+
+    for word in dict.fromkeys(words):
         if not isinstance(word, str) or not word.strip():  # (the list may have changed since it was checked)
             raise InvalidRequestError(f"bad_words must be words (strings), got {word!r:.100}", "bad_words")
         alone = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         if not alone:
             raise InvalidRequestError(f"bad word {word!r:.100} encodes to no tokens", "bad_words")
         spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        sequences.append(alone)
+        add(alone)
         if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
-            sequences.append(spaced)
+            add(spaced)
     for ids in sequences:
         if not all(0 <= t < vocab for t in ids):
             raise InvalidRequestError(

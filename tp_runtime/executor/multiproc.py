@@ -198,7 +198,10 @@ def _wait(proc: subprocess.Popen[bytes], deadline: float, hurry: threading.Event
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.ipc_dir, self.channel = ipc_channel(secrets.token_bytes(32), message_limits(config)[1])
+        broadcast_limit, reply_limit = message_limits(config)
+        self.ipc_dir, self.channel = ipc_channel(
+            secrets.token_bytes(32), reply_limit, max_broadcast_bytes=broadcast_limit
+        )
         self.workers = _SpawnedWorkers(config, self.channel)
         self._shut_down = False
         self.last_step_timings: dict[str, float] = {}

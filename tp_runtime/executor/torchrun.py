@@ -82,13 +82,14 @@ class TorchrunExecutor:
         self.worker = worker
         tp = config.parallel.tensor_parallel_size
         self.ipc_dir: str | None = None
+        broadcast_limit, reply_limit = message_limits(config)
         if host == _ONE_HOST:
             # Every rank is on this host: ipc sockets in a 0700 folder, which no other user can reach
             # (a loopback TCP port would let any local user subscribe to the broadcasts and read them).
-            self.ipc_dir, self.channel = ipc_channel(key, message_limits(config)[1])
+            self.ipc_dir, self.channel = ipc_channel(key, reply_limit, max_broadcast_bytes=broadcast_limit)
         else:
             addr = f"tcp://{host}:0"
-            self.channel = DriverChannel(addr, addr, addr, key, message_limits(config)[1])
+            self.channel = DriverChannel(addr, addr, addr, key, reply_limit, broadcast_limit)
         self.channel.watchdog.hard_exit = True
         self.remote = _TorchrunRemotes(self.channel, list(range(1, tp)), config.parallel.spin_wait_s)
         self._shut_down = False

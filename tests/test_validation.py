@@ -206,3 +206,17 @@ def test_prompt_token_ids_are_checked_one_by_one(llm: LLM, prompt: Any, error: s
     with pytest.raises(InvalidRequestError, match=error):
         llm.engine.check_request(prompt, SamplingParams())
     assert llm.engine.check_request((np.int16(4), 5, np.uint8(6)), SamplingParams()) == [4, 5, 6]
+
+
+@pytest.mark.parametrize(
+    "field",
+    [{"bad_words": ["word"] * 100_000 + [""]}, {"stop": ["end"] * 100_000 + [""]},
+     {"stop_token_ids": [1] * 100_000 + [-1]}, {"allowed_token_ids": [1] * 100_000 + [-1]}],
+    ids=["bad_words", "stop", "stop_token_ids", "allowed_token_ids"],
+)  # fmt: skip
+def test_a_huge_invalid_list_is_quoted_short(field: dict[str, Any]) -> None:
+    """A list of 100,000 items ending in a bad one: the error quotes its start or the bad item, not all of
+    it (the 400 was as large as the request)."""
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(**field)
+    assert len(str(caught.value)) < 500, str(caught.value)[:600]

@@ -66,6 +66,13 @@ class StructuredOutputsParams:
             )
 
 
+def _shown(value: Any) -> str:
+    """`value` as an error message quotes it: cut short (a list of a million items would make the error
+    as large as the request)."""
+    text = repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -167,7 +174,9 @@ class SamplingParams:
             not isinstance(self.stop_token_ids, (list, tuple))
             or not all(is_int(t) and t >= 0 for t in self.stop_token_ids)
         ):
-            raise bad(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+            raise bad(
+                f"stop_token_ids must be a list of non-negative ints, got {_shown(self.stop_token_ids)}"
+            )
         constraint = self.structured_outputs
         if constraint is not None and not isinstance(constraint, StructuredOutputsParams):
             raise bad(f"structured_outputs must be a StructuredOutputsParams, got {constraint!r}")
@@ -189,7 +198,8 @@ class SamplingParams:
         if allowed is not None:
             if not isinstance(allowed, (list, tuple)) or not allowed:
                 raise bad(
-                    f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {allowed!r}"
+                    "allowed_token_ids must be a non-empty list of token ids (ints >= 0), got "
+                    + _shown(allowed)
                 )
             wrong = next((t for t in allowed if not (is_int(t) and 0 <= t < _INT64_END)), None)
             if wrong is not None:
@@ -206,11 +216,13 @@ class SamplingParams:
         if words is not None and (
             not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words)
         ):
-            raise bad(f"bad_words must be a list of words (strings with a non-space character), got {words}")
+            raise bad(
+                f"bad_words must be a list of words (strings with a non-space character), got {_shown(words)}"
+            )
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
-                raise bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+                raise bad(f"stop must be a non-empty string or a list of them, got {_shown(self.stop)}")
 
     @property
     def samples(self) -> int:

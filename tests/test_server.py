@@ -1114,6 +1114,24 @@ def test_key_is_checked_before_the_body_and_the_body_is_capped(
         asyncio.run(main(served))
 
 
+def test_a_non_ascii_api_key_is_matched_as_clients_send_it(scripted_config: Any, byte_tokenizer: Any) -> None:
+    """A key of non-ASCII characters, sent as clients send headers (UTF-8 bytes), is accepted; the same
+    characters sent as latin-1 bytes are not the key (it failed the UTF-8 client and let the latin-1 one
+    in)."""
+    executor = ScriptedExecutor(closed_form)
+    request = {"prompt": "x", "max_tokens": 2}
+
+    async def main(served: InProcess) -> None:
+        async with served.client(Authorization=b"Bearer p\xc3\xa4sswort") as client:  # type: ignore[arg-type]
+            ok = await client.post("/v1/completions", json=request)
+            assert ok.status_code == 200, ok.text
+        async with served.client(Authorization=b"Bearer p\xe4sswort") as client:  # type: ignore[arg-type]
+            _error(await client.post("/v1/completions", json=request), 401)
+
+    with InProcess(scripted_config, byte_tokenizer, executor, api_key="pässwort") as served:
+        asyncio.run(main(served))
+
+
 @pytest.mark.parametrize("stop", [None, ["日本", "xyz"], ["€ f"]], ids=["no-stop", "stop-cjk", "stop-euro"])
 def test_text_offsets_point_into_the_text(scripted_config: Any, byte_tokenizer: Any, stop: Any) -> None:
     """The completions `text_offset` of each token is where its text starts in the choice's text, although

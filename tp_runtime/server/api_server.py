@@ -197,8 +197,10 @@ class _Context:
         if self.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # The header's own bytes (the server decodes headers as latin-1) against the key's UTF-8, which
+        # clients send a non-ASCII key as.
         if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
+            token.strip().encode("latin-1"), self.api_key.encode()
         ):
             raise APIError(
                 401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with the server's "

@@ -1114,6 +1114,27 @@ def test_key_is_checked_before_the_body_and_the_body_is_capped(
         asyncio.run(main(served))
 
 
+def test_stop_strings_are_bounded(scripted_config: Any, byte_tokenizer: Any) -> None:
+    """At most protocol.MAX_STOP_STRINGS stop strings a request (each is looked for in every token's text
+    on the engine's thread): one more is a 400 naming `stop`; that many are served."""
+    from tp_runtime.server.protocol import MAX_STOP_STRINGS
+
+    executor = ScriptedExecutor(closed_form)
+    stops = [f"zz{i}" for i in range(MAX_STOP_STRINGS)]
+
+    async def main(served: InProcess) -> None:
+        async with served.client() as client:
+            request = {"prompt": "x", "max_tokens": 2}
+            over = {**request, "stop": [*stops, "zzz"]}
+            error = _error(await client.post("/v1/completions", json=over), 400)
+            assert error["param"] == "stop" and f"at most {MAX_STOP_STRINGS}" in error["message"], error
+            ok = await client.post("/v1/completions", json={**request, "stop": stops})
+            assert ok.status_code == 200, ok.text
+
+    with InProcess(scripted_config, byte_tokenizer, executor) as served:
+        asyncio.run(main(served))
+
+
 def test_a_non_ascii_api_key_is_matched_as_clients_send_it(scripted_config: Any, byte_tokenizer: Any) -> None:
     """A key of non-ASCII characters, sent as clients send headers (UTF-8 bytes), is accepted; the same
     characters sent as latin-1 bytes are not the key (it failed the UTF-8 client and let the latin-1 one

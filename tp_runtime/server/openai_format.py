@@ -24,6 +24,7 @@ from tp_runtime.errors import InvalidRequestError, TPRuntimeError
 from tp_runtime.outputs import CompletionOutput, Logprob
 from tp_runtime.sampling_params import SamplingParams
 from tp_runtime.server.protocol import (
+    MAX_STOP_STRINGS,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -161,6 +162,10 @@ def sampling_params(
         structured = body.structured()
     except InvalidRequestError as exc:
         raise bad_request(str(exc), exc.field) from None
+    if isinstance(body.stop, list) and len(body.stop) > MAX_STOP_STRINGS:
+        raise bad_request(
+            f"stop holds {len(body.stop)} strings; at most {MAX_STOP_STRINGS} a request are taken", "stop"
+        )
     bias = None
     if body.logit_bias:  # JSON object keys are strings: OpenAI's token ids, in decimal digits
         wrong = next((token for token in body.logit_bias if not token.isascii() or not token.isdigit()), None)

@@ -33,6 +33,9 @@ _T = TypeVar("_T")
 # A request's lists stop at their first bad element: one error, however long the list (a million bad ids
 # would otherwise make a million errors per branch of a union, seconds of work and a huge message).
 Items = Annotated[list[_T], Field(fail_fast=True)]
+# Stop strings are looked for in every new token's text on the engine's thread: a request of 80,000 of
+# them (n=128) held every other stream for seconds a step. vLLM sets no bound; OpenAI allows 4.
+MAX_STOP_STRINGS = 256
 
 
 class _Request(BaseModel):

@@ -378,6 +378,14 @@ def test_fp8_checkpoint_errors(make_checkpoint: Any, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"1 quantization groups \(targets .*self_attn.*include \"Linear\""):
         quant_config({"quant_method": "compressed-tensors", "format": "float-quantized",
                       "config_groups": {"g": by_name}}, None)  # fmt: skip
+    # Beside a "Linear" group of the same scheme it changes nothing; of another scheme it is refused.
+    linear = {"targets": ["Linear"], "weights": weights}
+    both = {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"a": linear, "b": by_name}}  # fmt: skip
+    assert quant_config(both, None) == quant_config({**both, "config_groups": {"a": linear}}, None)
+    other = {**by_name, "weights": {**weights, "strategy": "tensor"}}
+    with pytest.raises(ConfigError, match=r"2 quantization groups"):
+        quant_config({**both, "config_groups": {"a": linear, "b": other}}, None)
 
 
 def test_quantization_option_on_the_command_line() -> None:

@@ -211,12 +211,12 @@ def test_prompt_token_ids_are_checked_one_by_one(llm: LLM, prompt: Any, error: s
 @pytest.mark.parametrize(
     "field",
     [{"bad_words": ["word"] * 100_000 + [""]}, {"stop": ["end"] * 100_000 + [""]},
-     {"stop_token_ids": [1] * 100_000 + [-1]}, {"allowed_token_ids": [1] * 100_000 + [-1]}],
+     {"stop_token_ids": [1] * 100_000 + [-1]}, {"allowed_token_ids": "1" * 300_000}],
     ids=["bad_words", "stop", "stop_token_ids", "allowed_token_ids"],
 )  # fmt: skip
 def test_a_huge_invalid_list_is_quoted_short(field: dict[str, Any]) -> None:
-    """A list of 100,000 items ending in a bad one: the error quotes its start or the bad item, not all of
-    it (the 400 was as large as the request)."""
+    """A list of 100,000 items ending in a bad one (or a long string for a list): the error quotes its
+    start, not all of it (the 400 was as large as the request)."""
     with pytest.raises(InvalidRequestError) as caught:
         SamplingParams(**field)
     assert len(str(caught.value)) < 500, str(caught.value)[:600]

@@ -265,7 +265,10 @@ def _compressed_tensors_config(hq: Mapping[str, Any]) -> QuantConfig | None:
     if not groups:
         return None
     linear_groups = [g for g in groups.values() if "Linear" in (g.get("targets") or [])]
-    if len(linear_groups) != 1 or len(groups) != 1:
+    # Groups that name some layers beside a "Linear" one with the same scheme change nothing.
+    schemes = {json.dumps([g.get("weights"), g.get("input_activations")], sort_keys=True, default=str)
+               for g in groups.values()}  # fmt: skip
+    if len(linear_groups) != 1 or len(schemes) != 1:
         targets = [g.get("targets") for g in groups.values()]
         raise ConfigError(
             f"compressed-tensors checkpoints with {len(groups)} quantization groups (targets {targets}) are "
@@ -846,11 +849,11 @@ def _rope_config(
 ) -> RopeConfig:
     """The rope of the model, or with `layer_type` of that type of layer (rope_parameters per type).
 
-    LongRoPE (Phi-3's 128k releases) has two sets of frequencies. transformers switches a sequence to the
-    long set, recomputing its whole cache, once it grows past original_max_position_embeddings; the runtime
-    chooses once, as vLLM does: the long set where max_model_len goes past that length, else (or without a
-    max_model_len) the short one. So with a max_model_len within it every sequence is computed as
-    transformers computes it, and beyond it so is every sequence longer than it."""
+    LongRoPE (Phi-3's 128k releases) has two sets of frequencies. transformers takes the long set for a
+    forward whose positions go past original_max_position_embeddings; the runtime chooses once, as vLLM
+    does: the long set where max_model_len goes past that length, else (or without a max_model_len) the
+    short one. So with a max_model_len within it every sequence is computed as transformers computes it,
+    and beyond it every sequence whose prompt is already longer."""
     import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

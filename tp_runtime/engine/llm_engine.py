@@ -996,9 +996,13 @@ def bad_word_ids(tokenizer: Any, words: list[str], vocab: int) -> list[list[int]
             seen.add(tuple(ids))
             sequences.append(ids)
 
-    for word in dict.fromkeys(words):
+    encoded: set[str] = set()
+    for word in words:
         if not isinstance(word, str) or not word.strip():  # (the list may have changed since it was checked)
             raise InvalidRequestError(f"bad_words must be words (strings), got {word!r:.100}", "bad_words")
+        if word in encoded:
+            continue
+        encoded.add(word)
         alone = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         if not alone:
             raise InvalidRequestError(f"bad word {word!r:.100} encodes to no tokens", "bad_words")

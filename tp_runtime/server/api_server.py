@@ -198,9 +198,10 @@ class _Context:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         # The header's own bytes (the server decodes headers as latin-1) against the key's UTF-8, which
-        # clients send a non-ASCII key as.
+        # clients send a non-ASCII key as; only spaces and tabs are stripped (str.strip would also take
+        # the bytes 0x85 and 0xA0 that end some UTF-8 characters: "à" is C3 A0).
         if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode("latin-1"), self.api_key.encode()
+            token.encode("latin-1").strip(b" \t"), self.api_key.encode()
         ):
             raise APIError(
                 401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with the server's "

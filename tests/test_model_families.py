@@ -148,6 +148,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Phi-3: fused qkv_proj and gate_up_proj tensors in the checkpoint; a window on every layer.
     "phi3": ("Phi3ForCausalLM", {"sliding_window": 8}),
+    # Phi-4-mini's partial rotary embeddings: half of each head rotates (8 of head_dim 16), half passes.
+    "phi3-partial": ("Phi3ForCausalLM", {"partial_rotary_factor": 0.5}),
     # OLMo 2: post-norms only, q/k norms over all heads (whole-projection widths 128 and 64, neither
     # hidden_size), with attention biases.
     "olmo2": ("Olmo2ForCausalLM", {"head_dim": 32, "attention_bias": True}),
@@ -315,6 +317,8 @@ CASES = [
     ("gemma3-mm", 2),  # TP=1: test_gemma3_multimodal_checkpoint_of_transformers_5_names_matches_hf
     ("phi3", 1),
     ("phi3", 2),
+    ("phi3-partial", 1),
+    ("phi3-partial", 2),
     ("granite", 1),
     ("granite", 2),
     ("olmo2", 1),
@@ -1270,7 +1274,7 @@ def test_phi3_fused_tensors_give_each_rank_its_rows(
 ) -> None:
     """Phi-3's fused qkv_proj and gate_up_proj: each rank holds its heads' rows of each part (q, k, v;
     gate, up) and reads little more than its share. A fused tensor whose rows do not add up to the
-    config's parts, and a partial rotary factor, are ConfigErrors."""
+    config's parts is a ConfigError."""
     model_dir = family_dir("phi3")
     cfg = build_model_config(model_dir, dtype="float32", device="cpu")
     hf = load_file(str(model_dir / "model.safetensors"))
@@ -1296,43 +1300,39 @@ def test_phi3_fused_tensors_give_each_rank_its_rows(
     save_file(hf, str(cut / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=r"qkv_proj\.weight' has shape .* gives \d+ rows"):
         make_llm(cut, 1)
-    partial = tmp_path / "partial"
-    shutil.copytree(model_dir, partial)
-    config = json.loads((partial / "config.json").read_text())
-    config["rope_parameters"] = {**config.get("rope_parameters", {}), "partial_rotary_factor": 0.5}
-    (partial / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match=r"partial_rotary_factor=0\.5"):
-        make_llm(partial, 1)
 
 
-@pytest.fixture(scope="module")
-def longrope_dir(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _longrope_dir(make_checkpoint: Callable[..., Path], out: Path, partial: float) -> Path:
     """Phi-3 with LongRoPE as the 128k releases' config.json writes it (Phi-3.5-mini's layout: the original
     length at the top level, rope_scaling with "type"), scaled down: 16 original positions of 64, and the
-    two sets of factors far apart."""
-    half = BASE_CONFIG["hidden_size"] // BASE_CONFIG["num_attention_heads"] // 2
+    two sets of factors far apart; with `partial` < 1 only that part of each head rotates (Phi-4-mini)."""
+    half = int(BASE_CONFIG["hidden_size"] // BASE_CONFIG["num_attention_heads"] * partial) // 2
     short, long = [1.0 + 0.1 * i for i in range(half)], [1.0 + 3.0 * i for i in range(half)]
     source = make_checkpoint(
         "Phi3ForCausalLM", max_position_embeddings=64,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0, "short_factor": short,
-                         "long_factor": long, "original_max_position_embeddings": 16},
+                         "long_factor": long, "original_max_position_embeddings": 16,
+                         "partial_rotary_factor": partial},
     )  # fmt: skip
-    out = tmp_path_factory.mktemp("longrope") / "phi3-longrope"
     shutil.copytree(source, out)
     config = json.loads((out / "config.json").read_text())
     del config["rope_parameters"]
-    config.update(rope_theta=10_000.0, original_max_position_embeddings=16,
+    config.update(rope_theta=10_000.0, original_max_position_embeddings=16, partial_rotary_factor=partial,
                   rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long})  # fmt: skip
     (out / "config.json").write_text(json.dumps(config))
     return out
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_phi3_longrope_takes_the_set_its_context_needs_as_hf(longrope_dir: Path, tp: int) -> None:
+@pytest.mark.parametrize(("tp", "partial"), [(1, 1.0), (2, 1.0), (2, 0.75)])
+def test_phi3_longrope_takes_the_set_its_context_needs_as_hf(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, tp: int, partial: float
+) -> None:
     """LongRoPE's factors are chosen once from max_model_len (as vLLM does): within the original 16
     positions the short set, which transformers uses for every sequence that short; past them the long
     one, which transformers uses for every sequence that long. Tokens and logprobs equal HF's in both,
-    through chunked prefill; the two sets give different tokens, so the test tells them apart."""
+    through chunked prefill; the two sets give different tokens, so the test tells them apart. Also with
+    3/4 of each head rotating (Phi-4-mini's partial_rotary_factor)."""
+    longrope_dir = _longrope_dir(make_checkpoint, tmp_path / "phi3-longrope", partial)
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=TOP_K, ignore_eos=True)
     short_prompts = random_prompts((3, 8, 5), 300, seed=11)  # 8 out: at most 16 positions
     long_prompts = random_prompts((17, 30, 24), 300, seed=12)  # past the 16 from the first forward

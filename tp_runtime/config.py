@@ -34,6 +34,9 @@ class RopeConfig:
     # Inverse frequencies from HF's own rope init functions (exactly what transformers uses), as floats.
     inv_freq: tuple[float, ...]
     attention_scaling: float
+    # Partial rotary embeddings (Phi-4-mini): each head's first 2 * len(inv_freq) dims rotate and the last
+    # 2 * pass_pairs pass through (layers/rotary.py).
+    pass_pairs: int = 0
     # "dynamic" NTK scaling only changes frequencies past max_position_embeddings, which max_model_len
     # never exceeds, so within the engine it is the frequencies HF starts from.
 
@@ -845,7 +848,8 @@ def _max_positions(hf_config: Any) -> int:
 
 
 def _rope_config(
-    hf_config: Any, head_dim: int, layer_type: str | None = None, max_model_len: int | None = None
+    hf_config: Any, head_dim: int, layer_type: str | None = None, max_model_len: int | None = None,
+    partial: bool = False,
 ) -> RopeConfig:
     """The rope of the model, or with `layer_type` of that type of layer (rope_parameters per type).
 
@@ -853,7 +857,10 @@ def _rope_config(
     forward whose positions go past original_max_position_embeddings; the runtime chooses once, as vLLM
     does: the long set where max_model_len goes past that length, else (or without a max_model_len) the
     short one. So with a max_model_len within it every sequence is computed as transformers computes it,
-    and beyond it every sequence whose prompt is already longer."""
+    and beyond it every sequence whose prompt is already longer.
+
+    `partial`: the family rotates only the first partial_rotary_factor of each head where its config says
+    so (Phi-3's class: Phi-4-mini); elsewhere such a config is refused."""
     import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -863,10 +870,13 @@ def _rope_config(
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
     if rope_type == "default":
-        # The supported families' own default rope (transformers' compute_default_rope_parameters) rotates
-        # the whole head, whatever partial_rotary_factor the config carries (Phi-3's, whose transformers
-        # class does read it, refuses a partial factor in its adapter).
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim
+        # The other families' own default rope (transformers' compute_default_rope_parameters) rotates
+        # the whole head, whatever partial_rotary_factor the config carries; Phi-3's reads it.
+        dim = head_dim
+        if partial:
+            factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+            dim = int(head_dim * (1.0 if factor is None else float(factor)))
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
         inv_freq = 1.0 / (theta**exponents)
         scaling = 1.0
     else:
@@ -882,13 +892,14 @@ def _rope_config(
                 f"rope parameters {params!r} of config.json are not valid for rope type {rope_type!r} "
                 f"({type(exc).__name__}: {exc}); fix them"
             ) from None
-    if 2 * inv_freq.numel() != head_dim:
+    rotated = 2 * inv_freq.numel()
+    if rotated != head_dim and not (partial and 0 < rotated < head_dim):
         # transformers >= 5 keeps partial_rotary_factor in rope_parameters (4.x: an attribute); the scaled
         # rope functions then rotate only part of each head, which these families' attention cannot apply
         # (transformers' own forward fails on such a config).
-        partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+        given = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
         raise ConfigError(
-            f"rope type {rope_type!r} with partial_rotary_factor={partial} rotates {2 * inv_freq.numel()} of "
+            f"rope type {rope_type!r} with partial_rotary_factor={given} rotates {2 * inv_freq.numel()} of "
             f"the {head_dim} head dimensions; partial rotary embeddings are not supported (remove "
             "partial_rotary_factor or set it to 1.0)"
         )
@@ -897,6 +908,7 @@ def _rope_config(
         theta=theta,
         inv_freq=tuple(float(x) for x in inv_freq.float().tolist()),
         attention_scaling=float(scaling),
+        pass_pairs=(head_dim - rotated) // 2,
     )
 
 
@@ -1048,6 +1060,7 @@ def build_model_config(
     # What the architecture decides (biases, sliding window, experts, activation, soft-capping), over
     # these defaults.
     adapted = ARCHITECTURES[arch].config(hf)
+    partial_rotary = ARCHITECTURES[arch].partial_rotary
     if "hidden_act" not in adapted and getattr(hf, "hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"hidden_act {hf.hidden_act!r} is not supported (only silu, alias swish)")
     specific: dict[str, Any] = {
@@ -1107,9 +1120,12 @@ def build_model_config(
         sliding_window=int(sliding) if sliding else None,
         max_model_len=int(max_model_len),
         dtype=resolve_dtype(dtype, config_dtype, device),
-        rope=_rope_config(hf, head_dim, "full_attention" if per_type_rope else None, int(max_model_len)),
+        rope=_rope_config(
+            hf, head_dim, "full_attention" if per_type_rope else None, int(max_model_len), partial_rotary
+        ),
         local_rope=(
-            _rope_config(hf, head_dim, "sliding_attention", int(max_model_len)) if per_type_rope else None
+            _rope_config(hf, head_dim, "sliding_attention", int(max_model_len), partial_rotary)
+            if per_type_rope else None
         ),
         load_format=load_format,
         eos_token_ids=eos_token_ids,

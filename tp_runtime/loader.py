@@ -348,6 +348,32 @@ class RowSlice:
         return self._source.narrow(0, self._start, self.shape[0])
 
 
+class HeadRowsReordered:
+    """A checkpoint tensor whose rows are read in another order within each head (CausalLM.
+    checkpoint_row_order); ranks read whole heads, so each rank still reads only its rows."""
+
+    def __init__(self, source: Any, order: list[int]) -> None:
+        self._source = source
+        self._order = torch.tensor(order)
+        self.name: str = source.name
+        self.shape: tuple[int, ...] = tuple(source.shape)
+        if self.shape[0] % len(order):
+            raise ConfigError(f"{self.name!r} has {self.shape[0]} rows: not whole heads of {len(order)}")
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim != 0:
+            return self.full().narrow(dim, start, length)
+        head = len(self._order)
+        if start % head or length % head:
+            raise ConfigError(f"{self.name!r}: rows {start}..{start + length} are not whole heads of {head}")
+        rows = self._source.narrow(0, start, length)
+        by_head = rows.reshape(length // head, head, *rows.shape[1:])
+        return by_head[:, self._order.to(rows.device)].reshape(rows.shape)
+
+    def full(self) -> torch.Tensor:
+        return self.narrow(0, 0, self.shape[0])
+
+
 def _split_fused(model: CausalLM, path: str, name: str, tensor: CheckpointTensor) -> list[tuple[str, Any]]:
     """(name, source) for each tensor the model takes from checkpoint tensor `name`: its parts where it
     fuses several (CausalLM.fused_checkpoint_parts), else itself."""
@@ -653,6 +679,9 @@ def load_weights(
                 if _load_kv_scale(model, name, CheckpointTensor(handle, stored, None)):
                     continue
                 for part, tensor in _split_fused(model, path, name, CheckpointTensor(handle, stored, dtype)):
+                    order = model.checkpoint_row_order(part)
+                    if order is not None:
+                        tensor = HeadRowsReordered(tensor, order)
                     try:
                         targets = list(model.checkpoint_targets(part))
                     except KeyError:

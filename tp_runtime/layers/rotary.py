@@ -1,4 +1,10 @@
-"""Rotary position embedding with the inverse frequencies transformers computes for the checkpoint."""
+"""Rotary position embedding with the inverse frequencies transformers computes for the checkpoint.
+
+Partial rotary embeddings (RopeConfig.pass_pairs: Phi-4-mini rotates 3/4 of each head) keep the
+whole-head kernels: each head's q and k dims are held in the order [r1, p1, r2, p2] (partial_rotary_order,
+applied to the q/k projections' rows at load), where transformers rotates r1 with r2 and leaves p1 and p2;
+the tables give p1/p2 cos 1 and sin 0, which leaves them exactly as they are. q.k is the same in any order
+of dims shared by q and k, and v is not reordered, so attention is unchanged."""
 
 from __future__ import annotations
 
@@ -23,6 +29,13 @@ class RotaryEmbedding(nn.Module):
         # Tables for every position, computed as transformers does (fp32 product, then cos/sin, then the
         # scaling), so each step is one lookup instead of a recomputation in every layer.
         freqs = torch.arange(max_positions, device=device).float().unsqueeze(-1) * inv_freq
+        if rope.pass_pairs:
+            ones = torch.ones((max_positions, rope.pass_pairs), device=device)
+            cos = torch.cat((freqs.cos() * rope.attention_scaling, ones), dim=-1)
+            sin = torch.cat((freqs.sin() * rope.attention_scaling, torch.zeros_like(ones)), dim=-1)
+            self.register_buffer("cos_table", torch.cat((cos, cos), dim=-1), persistent=False)
+            self.register_buffer("sin_table", torch.cat((sin, sin), dim=-1), persistent=False)
+            return
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_table", emb.cos() * rope.attention_scaling, persistent=False)
         self.register_buffer("sin_table", emb.sin() * rope.attention_scaling, persistent=False)
@@ -30,6 +43,14 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # index_select, not advanced indexing: the same rows, 20x faster on the CPU for a batch's positions.
         return self.cos_table.index_select(0, positions), self.sin_table.index_select(0, positions)
+
+
+def partial_rotary_order(head_dim: int, pass_pairs: int) -> list[int]:
+    """Each head's dims in the order the tables rotate them: [r1, p1, r2, p2] of transformers' [r1, r2, p1,
+    p2], where r1 and r2 (the rotated halves) are (head_dim - 2 * pass_pairs) / 2 dims each."""
+    half = (head_dim - 2 * pass_pairs) // 2
+    rotated, passed = 2 * half, range(2 * half, head_dim)
+    return [*range(half), *passed[:pass_pairs], *range(half, rotated), *passed[pass_pairs:]]
 
 
 class LayerRopes(nn.Module):

@@ -199,6 +199,9 @@ class Gemma2ForCausalLM(nn.Module):
     def fused_checkpoint_parts(self, name: str) -> tuple[tuple[str, int], ...]:
         return ()  # every tensor of this family's checkpoints is one of checkpoint_shapes'
 
+    def checkpoint_row_order(self, name: str) -> list[int] | None:
+        return None  # rotary embeddings over whole heads
+
     def tied_checkpoint_names(self) -> dict[str, str]:
         """A tied LM head is the embedding; a checkpoint may still hold it (see loader.load_weights)."""
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}

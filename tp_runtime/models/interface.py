@@ -122,6 +122,11 @@ class CausalLM(Protocol):
         qkv_proj and gate_up_proj): each part's name and rows, in order; () for any other tensor."""
         ...
 
+    def checkpoint_row_order(self, name: str) -> list[int] | None:
+        """The order of each head's rows of checkpoint tensor `name` as the model holds them (None: as
+        stored): with partial rotary embeddings, q's and k's dims as layers/rotary.py's tables lay them."""
+        ...
+
     def tied_checkpoint_names(self) -> dict[str, str]:
         """Checkpoint names whose tensor, when the checkpoint holds it, must equal another's that fills the
         same parameter (a tied LM head: {"lm_head.weight": "model.embed_tokens.weight"}); {} if none."""

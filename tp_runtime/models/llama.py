@@ -29,8 +29,11 @@ from tp_runtime.layers.linear import (
 from tp_runtime.layers.norm import HeadRMSNorm, RMSNorm
 from tp_runtime.layers.normed_input import NormedInput, as_tensor
 from tp_runtime.layers.quantization import linear_method
-from tp_runtime.layers.rotary import LayerRopes, apply_rotary
+from tp_runtime.layers.rotary import LayerRopes, apply_rotary, partial_rotary_order
 from tp_runtime.models.interface import CheckpointEntry, FeedForward, unused_checkpoint_tensor
+
+# The checkpoint tensors whose rows a partial rotary embedding reorders (checkpoint_row_order).
+_ROTATED_TENSORS = tuple(f".self_attn.{p}_proj.{t}" for p in "qk" for t in ("weight", "bias"))
 
 
 class LlamaAttention(nn.Module):
@@ -405,6 +408,12 @@ class LlamaForCausalLM(nn.Module):
 
     def fused_checkpoint_parts(self, name: str) -> tuple[tuple[str, int], ...]:
         return ()  # every tensor of this family's checkpoints is one of checkpoint_shapes'
+
+    def checkpoint_row_order(self, name: str) -> list[int] | None:
+        pairs = self.config.rope.pass_pairs
+        if not pairs or not name.endswith(_ROTATED_TENSORS):
+            return None
+        return partial_rotary_order(self.config.head_dim, pairs)
 
     def tied_checkpoint_names(self) -> dict[str, str]:
         """A tied LM head is the embedding; a checkpoint may still hold it (see loader.load_weights)."""

@@ -5,8 +5,9 @@ still reads only its slices. A sliding window, where the config sets one, covers
 transformers' Phi3Attention.
 
 The 128k releases' LongRoPE takes one of its two sets of factors for the engine's life (config._rope_config).
-Not supported (ConfigErrors): partial rotary embeddings (Phi-4-mini) and FP8 checkpoints (fused scales);
-`quantization="fp8"` quantizes a 16-bit checkpoint at load as for any family.
+Partial rotary embeddings (Phi-4-mini: the first partial_rotary_factor of each head rotates) are a rope
+whose other dims pass through (layers/rotary.py). Not supported (ConfigError): FP8 checkpoints (fused
+scales); `quantization="fp8"` quantizes a 16-bit checkpoint at load as for any family.
 """
 
 from __future__ import annotations
@@ -35,13 +36,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
 
 def phi3_config(hf: Any) -> dict[str, Any]:
-    params = dict(getattr(hf, "rope_parameters", None) or {})
-    partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ConfigError(
-            f"Phi-3 with partial_rotary_factor={partial} (rotary embeddings on part of each head, as in "
-            "Phi-4-mini) is not supported"
-        )
     if getattr(hf, "quantization_config", None) is not None:
         raise ConfigError(
             "quantized Phi-3 checkpoints (scales of fused qkv_proj / gate_up_proj tensors) are not "

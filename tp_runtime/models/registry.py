@@ -35,6 +35,8 @@ class Architecture:
     config: ConfigAdapter
     # Where the checkpoints name the model's tensors otherwise than the model does (or hold parts it skips).
     checkpoint_names: CheckpointNames = MODEL_NAMES
+    # The family's transformers class rotates only partial_rotary_factor of each head (config._rope_config).
+    partial_rotary: bool = False
 
 
 # Gemma 3's multimodal checkpoints (4B, 12B, 27B) run as their language model, on text: Gemma3ForCausalLM
@@ -73,7 +75,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Gemma3ForConditionalGeneration": Architecture(
         Gemma3ForCausalLM, gemma3_multimodal_config, GEMMA3_MULTIMODAL_NAMES
     ),
-    "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, phi3_config),
+    "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, phi3_config, partial_rotary=True),
     "Olmo2ForCausalLM": Architecture(Olmo2ForCausalLM, olmo2_config),
     # OLMo 3 is OLMo 2 with windowed layers and their own rope, which ModelConfig holds.
     "Olmo3ForCausalLM": Architecture(Olmo2ForCausalLM, olmo3_config),

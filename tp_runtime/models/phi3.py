@@ -6,8 +6,8 @@ transformers' Phi3Attention.
 
 The 128k releases' LongRoPE takes one of its two sets of factors for the engine's life (config._rope_config).
 Partial rotary embeddings (Phi-4-mini: the first partial_rotary_factor of each head rotates) are a rope
-whose other dims pass through (layers/rotary.py). Not supported (ConfigError): FP8 checkpoints (fused
-scales); `quantization="fp8"` quantizes a 16-bit checkpoint at load as for any family.
+whose other dims pass through (layers/rotary.py). Not supported (ConfigError): quantized checkpoints
+(fused scales); `quantization="fp8"` quantizes a 16-bit checkpoint at load as for any family.
 """
 
 from __future__ import annotations

@@ -1454,6 +1454,19 @@ def test_structured_outputs_through_the_openai_client(server1: Server, llm1: LLM
                                          extra_body={"guided_choice": ["north", "south"]})  # fmt: skip
     text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
     assert text in ("north", "south")
+    # A structural tag (vLLM's response_format type, or its structured_outputs field): the same text as
+    # LLM.generate with it.
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "<n>"}, {"type": "json_schema", "json_schema": schema},
+        {"type": "const_string", "value": "</n>"}]}}  # fmt: skip
+    tagged_params = SamplingParams(max_tokens=40, seed=3, structured_outputs=StructuredOutputsParams(
+        structural_tag=tag))  # fmt: skip
+    want_text = llm1.generate(["Code:"], tagged_params, use_tqdm=False)[0].outputs[0].text
+    assert want_text.startswith("<n>")
+    for extra in ({"response_format": tag}, {"structured_outputs": {"structural_tag": json.dumps(tag)}}):
+        tagged = client.completions.create(model=NAME, prompt="Code:", max_tokens=40, seed=3,
+                                           extra_body=extra)  # fmt: skip
+        assert tagged.choices[0].text == want_text, extra
     with pytest.raises(openai.BadRequestError, match="JSON schema is not valid") as info:
         bad = {"structured_outputs": {"json": {"type": "object", "required": 3}}}
         client.completions.create(model=NAME, prompt="x", max_tokens=4, extra_body=bad)

@@ -334,3 +334,68 @@ def test_logprobs_of_a_constrained_row_are_normalized_over_what_the_grammar_allo
     for t, lp in first.items():
         if t not in allowed:
             assert lp.logprob == float("-inf"), (t, texts[t])
+
+
+# A date that xgrammar's own "date" rule would let out as "2023-02-29": the structural tag's schemas are
+# rewritten as `json` ones are.
+TAGGED = {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}, "required": ["d"],
+          "additionalProperties": False}  # fmt: skip
+
+
+def _valid_date(text: str) -> bool:
+    import datetime
+
+    try:
+        datetime.date.fromisoformat(text)
+    except ValueError:
+        return False
+    return len(text) == 10
+
+
+def test_structural_tags_in_xgrammars_form_and_vllms(llm: LLM) -> None:
+    """xgrammar's form (a sequence: "<x>", a JSON value of TAGGED, "</x>") fixes the whole output; vLLM's
+    (structures after triggers) leaves free text until a trigger, then its structure. Here "<" is the
+    trigger and made the likeliest token (logit_bias), so structures follow one another: each finished
+    one is "<f>" + TAGGED's JSON + "</f>", checked by hand."""
+    sequence = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "<x>"}, {"type": "json_schema", "json_schema": TAGGED},
+        {"type": "const_string", "value": "</x>"}]}}  # fmt: skip
+    for given in (sequence, json.dumps(sequence)):
+        for text, reason in _texts(llm, [_params(seed, structural_tag=given) for seed in range(4)]):
+            if reason != "stop":
+                continue  # cut by max_tokens
+            assert text.startswith("<x>") and text.endswith("</x>"), text
+            assert _valid_date(json.loads(text[3:-4])["d"]), text
+    vllm_form = {"structures": [{"begin": "<f>", "schema": TAGGED, "end": "</f>"}], "triggers": ["<"]}
+    lt = llm.get_tokenizer().encode("<", add_special_tokens=False)
+    assert len(lt) == 1
+    found = 0
+    for seed in range(4):
+        spec = StructuredOutputsParams(structural_tag=vllm_form)
+        params = SamplingParams(max_tokens=120, seed=seed, logit_bias={lt[0]: 30.0}, structured_outputs=spec)
+        text = llm.generate(["Answer:"], params, use_tqdm=False)[0].outputs[0].text
+        assert text.startswith("<f>"), text
+        for part in text.split("</f>")[:-1]:
+            assert part.startswith("<f>"), text
+            assert _valid_date(json.loads(part[3:])["d"]), text
+            found += 1
+    assert found >= 4
+    other_form = {"type": "structural_tag", "format": {"type": "x"}}
+    bad: list[tuple[Any, str]] = [
+        ("not json", "not valid JSON"),
+        ({"structures": [{"begin": "<f>"}], "triggers": ["<"]}, "structures"),
+        ({"structures": [], "triggers": []}, "triggers"),
+        (other_form, "structural tag is not valid"),
+    ]
+    # Each schema in a tag is checked as a `json` one is: a format that cannot be enforced is refused.
+    unenforced = {"type": "string", "format": "idn-email"}
+    bad += [
+        ({**vllm_form, "structures": [{"begin": "<f>", "schema": unenforced, "end": "</f>"}]}, "idn-email"),
+        ({"type": "structural_tag", "format": {"type": "json_schema", "json_schema": unenforced}},
+         "in the structural tag, the JSON schema is not supported: 'format' 'idn-email'"),
+    ]  # fmt: skip
+    for given, message in bad:
+        with pytest.raises(InvalidRequestError, match=message) as caught:
+            llm.generate(["x"], _params(0, structural_tag=given), use_tqdm=False)
+        assert caught.value.field == "structural_tag"
+    assert _texts(llm, [_params(0, max_tokens=4)])[0][0]  # serving on

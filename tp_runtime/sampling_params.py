@@ -19,12 +19,19 @@ _INT64_END = 2**63
 _FLOAT32_TINY, _FLOAT32_MAX = 1.2e-38, 3.4e38  # normal float32 range
 
 
+# StructuredOutputsParams' constraints given by value (json_object is a flag).
+CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "structural_tag")
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """One constraint on what a request may generate (vLLM's names), enforced by masking each step's
     logits with xgrammar: `json` (a JSON schema, as a dict or its text), `regex`, `choice` (one of these
-    strings exactly), `grammar` (EBNF, xgrammar's GBNF dialect, with a `root` rule) or `json_object=True`
-    (any JSON object). `disable_any_whitespace`: JSON without whitespace between its tokens."""
+    strings exactly), `grammar` (EBNF, xgrammar's GBNF dialect, with a `root` rule), `json_object=True`
+    (any JSON object) or `structural_tag` (xgrammar's structural tag, as a dict or its text: free text in
+    which each trigger starts a tagged structure, vLLM's {"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}, or any {"type": "structural_tag", "format": {...}}). `disable_any_whitespace`: JSON
+    without whitespace between its tokens."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -32,20 +39,27 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    structural_tag: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given = [n for n in CONSTRAINT_FIELDS if getattr(self, n) is not None]
         if self.json_object:
             given.append("json_object")
         if len(given) != 1:
             raise InvalidRequestError(
-                "structured_outputs takes exactly one of json, regex, choice, grammar, json_object; got "
+                "structured_outputs takes exactly one of json, regex, choice, grammar, json_object, "
+                "structural_tag; got "
                 + (", ".join(given) if given else "none"),
                 "structured_outputs",
             )
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise InvalidRequestError(
                 "structured_outputs.json must be a JSON schema (a dict or its text)", "json"
+            )
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise InvalidRequestError(
+                "structured_outputs.structural_tag must be a structural tag (a dict or its text)",
+                "structural_tag",
             )
         for name in ("regex", "grammar"):
             value = getattr(self, name)

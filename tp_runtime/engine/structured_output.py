@@ -31,7 +31,7 @@ from urllib.parse import unquote
 import numpy as np
 
 from tp_runtime.errors import ConfigError, InvalidRequestError
-from tp_runtime.sampling_params import StructuredOutputsParams
+from tp_runtime.sampling_params import CONSTRAINT_FIELDS, StructuredOutputsParams
 
 _RECENT_GRAMMARS = 64  # requests between a server thread's compile and the engine thread's add
 
@@ -123,6 +123,60 @@ def _document_for_xgrammar(schema: Any) -> Any:
     for parts in sorted(rewrites, key=len):
         out = _put(out, parts, rewrites[parts], copies, parts)
     return out
+
+
+def _compile_structural_tag(compiler: Any, given: str | dict[str, Any]) -> Any:
+    """xgrammar's grammar of a structural tag, its JSON schemas checked and rewritten as `json` ones are
+    (_document_for_xgrammar). vLLM's form ({"structures": [{"begin", "schema", "end"}], "triggers"}) goes
+    through xgrammar's items; any other is xgrammar's own ({"type": "structural_tag", "format": ...})."""
+    field = "structural_tag"
+    try:
+        tag = json.loads(given) if isinstance(given, str) else given
+    except ValueError as exc:
+        raise InvalidRequestError(f"the structural tag is not valid JSON: {exc}", field) from None
+    if not isinstance(tag, dict):
+        raise InvalidRequestError("the structural tag must be a JSON object", field)
+    try:
+        if "structures" not in tag:
+            return compiler.compile_structural_tag(json.dumps(_structural_schemas(tag)))
+        return _compile_structures(compiler, tag)
+    except InvalidRequestError as exc:
+        if exc.field == field:
+            raise
+        # A schema's (field "json"): the request's field is this one.
+        raise InvalidRequestError(f"in the structural tag, {exc}", field) from None
+
+
+def _compile_structures(compiler: Any, tag: dict[str, Any]) -> Any:
+    import xgrammar
+
+    field = "structural_tag"
+    structures, triggers = tag["structures"], tag.get("triggers")
+    if not (isinstance(triggers, list) and triggers and all(isinstance(t, str) and t for t in triggers)):
+        raise InvalidRequestError("the structural tag's triggers must be a list of non-empty strings", field)
+    items = []
+    for s in structures if isinstance(structures, list) else [None]:
+        if not (isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                and isinstance(s.get("schema"), (dict, bool))):  # fmt: skip
+            raise InvalidRequestError(
+                'the structural tag\'s structures must be a list of {"begin": str, "schema": {...}, "end": '
+                f"str}}, got {str(s)[:100]}",
+                field,
+            )
+        schema = json.dumps(_document_for_xgrammar(s["schema"]))
+        items.append(xgrammar.StructuralTagItem(begin=s["begin"], schema=schema, end=s["end"]))
+    return compiler.compile_structural_tag(items, triggers)
+
+
+def _structural_schemas(node: Any) -> Any:
+    """A structural tag's format with each JSON schema in it as _document_for_xgrammar writes it."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            return {**node, "json_schema": _document_for_xgrammar(node["json_schema"])}
+        return {key: _structural_schemas(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_structural_schemas(value) for value in node]
+    return node
 
 
 def _pointer_parts(ref: str) -> tuple[str, ...] | None:
@@ -898,6 +952,9 @@ class GrammarCompiler:
                     raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}", "json") from None
                 schema = json.dumps(_document_for_xgrammar(parsed))
                 return compiler.compile_json_schema(schema, any_whitespace=not spec.disable_any_whitespace)
+            if spec.structural_tag is not None:
+                field, what = "structural_tag", "the structural tag"
+                return _compile_structural_tag(compiler, spec.structural_tag)
             if spec.json_object:
                 field, what = "json_object", "the JSON grammar"
                 # OpenAI's json_object is an object (as vLLM compiles it), not any JSON value.
@@ -946,10 +1003,7 @@ class GrammarCompiler:
         bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
         xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
         if not bool(bitmask.any()):
-            field = next(
-                (n for n in ("json", "regex", "choice", "grammar") if getattr(spec, n) is not None),
-                "json_object",
-            )
+            field = next((n for n in CONSTRAINT_FIELDS if getattr(spec, n) is not None), "json_object")
             raise InvalidRequestError(
                 f"structured_outputs.{field} allows no output that this model's tokens can spell", field
             )

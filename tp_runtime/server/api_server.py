@@ -426,9 +426,11 @@ class _Context:
             if constraint is not None:
                 params = replace(params, structured_outputs=constraint)
             if params.structured_outputs is not None:
-                if k == 0 and params.structured_outputs.json is not None:  # every prompt's is the same
+                spec = params.structured_outputs
+                schema = spec.json if spec.json is not None else spec.structural_tag  # (one holding schemas)
+                if k == 0 and schema is not None:  # every prompt's is the same
                     given = "tools" if constraint is not None else body.constraint_field()
-                    check_schema_depth(params.structured_outputs.json, given or "structured_outputs")
+                    check_schema_depth(schema, given or "structured_outputs")
                 # Compiled here, off the engine's thread; the engine's own compile is then a cache hit.
                 try:
                     self.engine.engine.grammars.compile(params.structured_outputs)

@@ -171,9 +171,12 @@ class SamplingFields(_Request):
                         "response_format",
                     )
                 given.append(("response_format", {"json": schema}))
+            elif kind == "structural_tag":  # vLLM's: its structures and triggers, or xgrammar's format
+                given.append(("response_format", {"structural_tag": dict(fmt)}))
             else:
                 raise InvalidRequestError(
-                    f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                    f"response_format type {kind!r} is not supported (text, json_object, json_schema, "
+                    "structural_tag)",
                     "response_format",
                 )
         if not given:

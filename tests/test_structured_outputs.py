@@ -387,15 +387,46 @@ def test_structural_tags_in_xgrammars_form_and_vllms(llm: LLM) -> None:
         ({"structures": [], "triggers": []}, "triggers"),
         (other_form, "structural tag is not valid"),
     ]
-    # Each schema in a tag is checked as a `json` one is: a format that cannot be enforced is refused.
+    # Each schema and regex in a tag is checked as a `json` or `regex` one is (a format that cannot be
+    # enforced, an octal escape are refused); a format node without its type (which xgrammar would take
+    # as a schema, unchecked) is refused, and so are excludes beside length bounds (xgrammar drops them).
     unenforced = {"type": "string", "format": "idn-email"}
     bad += [
         ({**vllm_form, "structures": [{"begin": "<f>", "schema": unenforced, "end": "</f>"}]}, "idn-email"),
         ({"type": "structural_tag", "format": {"type": "json_schema", "json_schema": unenforced}},
          "in the structural tag, the JSON schema is not supported: 'format' 'idn-email'"),
+        ({"type": "structural_tag", "format": {"type": "sequence", "elements": [{"json_schema": TAGGED}]}},
+         "not valid: .* at format.sequence.elements.0"),
+        ({"type": "structural_tag", "format": {"type": "regex", "pattern": "a\\01"}}, "octal escape"),
+        ({"type": "structural_tag", "format": {"type": "json_schema", "excludes": ["zz"],
+                                               "json_schema": {"type": "string", "maxLength": 2}}},
+         "excludes beside minLength/maxLength"),
     ]  # fmt: skip
     for given, message in bad:
         with pytest.raises(InvalidRequestError, match=message) as caught:
             llm.generate(["x"], _params(0, structural_tag=given), use_tqdm=False)
         assert caught.value.field == "structural_tag"
     assert _texts(llm, [_params(0, max_tokens=4)])[0][0]  # serving on
+
+
+def test_schemas_and_regexes_deep_in_a_structural_tag_are_enforced(llm: LLM) -> None:
+    """Wherever xgrammar's format holds a schema (a tag's content among triggered tags, Qwen's XML
+    parameters) or a regex, it takes exactly what the schema or regex given alone takes: "2023-02-29" is
+    no date, and a regex dot no newline (xgrammar's own rules let both out)."""
+    import xgrammar
+
+    def takes(tag: dict[str, Any], text: str) -> bool:
+        compiled = llm.engine.grammars.compile(StructuredOutputsParams(structural_tag=tag))
+        matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        return bool(matcher.accept_string(text)) and bool(matcher.is_terminated())
+
+    tags = [{"begin": "<f>", "content": {"type": "json_schema", "json_schema": TAGGED}, "end": "</f>"}]
+    triggered = {"type": "structural_tag",
+                 "format": {"type": "triggered_tags", "triggers": ["<f"], "tags": tags}}  # fmt: skip
+    assert takes(triggered, 'so <f>{"d": "2024-02-29"}</f>')
+    assert not takes(triggered, 'so <f>{"d": "2023-02-29"}</f>')
+    xml = {"type": "structural_tag", "format": {"type": "qwen_xml_parameter", "json_schema": TAGGED}}
+    assert takes(xml, "<parameter=d>2024-02-29</parameter>")
+    assert not takes(xml, "<parameter=d>2023-02-29</parameter>")
+    dot = {"type": "structural_tag", "format": {"type": "regex", "pattern": "a.b"}}
+    assert takes(dot, "a-b") and not takes(dot, "a\nb")

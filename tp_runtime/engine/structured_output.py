@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote
 
 import numpy as np
@@ -138,7 +138,7 @@ def _compile_structural_tag(compiler: Any, given: str | dict[str, Any]) -> Any:
         raise InvalidRequestError("the structural tag must be a JSON object", field)
     try:
         if "structures" not in tag:
-            return compiler.compile_structural_tag(json.dumps(_structural_schemas(tag)))
+            return compiler.compile_structural_tag(json.dumps(_checked_format(tag)))
         return _compile_structures(compiler, tag)
     except InvalidRequestError as exc:
         if exc.field == field:
@@ -168,15 +168,53 @@ def _compile_structures(compiler: Any, tag: dict[str, Any]) -> Any:
     return compiler.compile_structural_tag(items, triggers)
 
 
-def _structural_schemas(node: Any) -> Any:
-    """A structural tag's format with each JSON schema in it as _document_for_xgrammar writes it."""
-    if isinstance(node, dict):
-        if node.get("type") == "json_schema" and "json_schema" in node:
-            return {**node, "json_schema": _document_for_xgrammar(node["json_schema"])}
-        return {key: _structural_schemas(value) for key, value in node.items()}
+def _checked_format(tag: dict[str, Any]) -> dict[str, Any]:
+    """xgrammar's form of a structural tag, read by xgrammar's own model (every format node then names its
+    type), with each JSON schema and regex in it checked and rewritten as a `json` or `regex` constraint
+    is."""
+    import pydantic
+    import xgrammar
+
+    try:
+        read = xgrammar.StructuralTag.model_validate(tag)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise InvalidRequestError(
+            f"the structural tag is not valid: {first['msg']} at {where or 'its top'}", "structural_tag"
+        ) from None
+    return cast(dict[str, Any], _checked_formats(read.model_dump(mode="json", exclude_none=True)))
+
+
+def _checked_formats(node: Any) -> Any:
     if isinstance(node, list):
-        return [_structural_schemas(value) for value in node]
-    return node
+        return [_checked_formats(value) for value in node]
+    if not isinstance(node, dict):
+        return node
+    kind = node.get("type")
+    if kind in ("json_schema", "qwen_xml_parameter") and "json_schema" in node:
+        schema = node["json_schema"]
+        if node.get("excludes") and _has_length_bound(schema):
+            raise InvalidRequestError(
+                "the structural tag's json_schema has excludes beside minLength/maxLength, which xgrammar "
+                "then drops; leave out excludes or the length bounds",
+                "structural_tag",
+            )
+        return {**node, "json_schema": _document_for_xgrammar(schema)}
+    if kind == "regex" and isinstance(node.get("pattern"), str):
+        problem = _regex_problem(node["pattern"])
+        if problem:
+            raise InvalidRequestError(f"the regex is not supported: {problem}", "regex")
+        return {**node, "pattern": _dot_without_newline(node["pattern"])}
+    return {key: _checked_formats(value) for key, value in node.items()}
+
+
+def _has_length_bound(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        return any(k in ("minLength", "maxLength") or _has_length_bound(v) for k, v in schema.items())
+    if isinstance(schema, list):
+        return any(_has_length_bound(v) for v in schema)
+    return False
 
 
 def _pointer_parts(ref: str) -> tuple[str, ...] | None:

@@ -156,7 +156,8 @@ class SamplingFields(_Request):
         fmt = self.response_format
         if fmt is not None and "type" not in fmt:  # as OpenAI: the type is required
             raise InvalidRequestError(
-                "response_format needs a type: text, json_object or json_schema", "response_format"
+                "response_format needs a type: text, json_object, json_schema or structural_tag",
+                "response_format",
             )
         if fmt is not None and fmt["type"] != "text":
             kind = fmt["type"]

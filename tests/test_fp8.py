@@ -378,6 +378,20 @@ def test_fp8_checkpoint_errors(make_checkpoint: Any, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"1 quantization groups \(targets .*self_attn.*include \"Linear\""):
         quant_config({"quant_method": "compressed-tensors", "format": "float-quantized",
                       "config_groups": {"g": by_name}}, None)  # fmt: skip
+    # What this engine would run wrong, refused: rotated (QuIP / SpinQuant) or compressed sparse weights,
+    # quantized outputs.
+    plain = {"quant_method": "compressed-tensors", "format": "float-quantized",
+             "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
+    refused = [
+        ({**plain, "transform_config": {"config_groups": {"u": {"type": "hadamard"}}}}, "transform_config"),
+        ({**plain, "sparsity_config": {"format": "sparse-24-bitmask"}}, "sparse weights"),
+        ({**plain, "config_groups": {"g": {"targets": ["Linear"], "weights": weights,
+                                           "output_activations": weights}}}, "output activation"),
+    ]  # fmt: skip
+    for config, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            quant_config(config, None)
+    assert quant_config({**plain, "sparsity_config": {"format": "dense"}}, None) == quant_config(plain, None)
     # Beside a "Linear" group of the same scheme it changes nothing; of another scheme it is refused.
     linear = {"targets": ["Linear"], "weights": weights}
     both = {"quant_method": "compressed-tensors", "format": "float-quantized",

@@ -262,6 +262,19 @@ def _check_kv_cache_scheme(scheme: Any) -> None:
 def _compressed_tensors_config(hq: Mapping[str, Any]) -> QuantConfig | None:
     fmt = hq.get("format")
     _check_kv_cache_scheme(hq.get("kv_cache_scheme"))
+    # Rotated weights (QuIP / SpinQuant transforms) need their rotations at run time, and sparse ones may be
+    # stored compressed: refused, rather than run wrong or failing on their tensors' names.
+    if hq.get("transform_config"):
+        raise ConfigError(
+            "compressed-tensors checkpoints with a transform_config (QuIP / SpinQuant rotations) are not "
+            "supported"
+        )
+    sparsity = hq.get("sparsity_config")
+    if sparsity and dict(sparsity).get("format", "dense") != "dense":
+        raise ConfigError(
+            f"compressed-tensors sparse weights ({dict(sparsity).get('format')!r}) are not supported; only "
+            "dense ones are"
+        )
     # Attention groups only bring query and probability scales, which set nothing: attention runs in the
     # model dtype (layers/kv_fp8.py).
     groups = {name: g for name, g in dict(hq.get("config_groups") or {}).items() if not _targets_attention(g)}
@@ -289,6 +302,8 @@ def _compressed_tensors_config(hq: Mapping[str, Any]) -> QuantConfig | None:
         )
     if weights.get("dynamic") or not weights.get("symmetric", True):
         raise ConfigError("compressed-tensors FP8 weights must be static and symmetric")
+    if group.get("output_activations") is not None:
+        raise ConfigError("compressed-tensors output activation quantization is not supported")
     strategy = weights.get("strategy")
     block = weights.get("block_structure") if strategy == "block" else None
     if strategy not in ("channel", "tensor", "block"):

@@ -202,11 +202,22 @@ def _checked_formats(node: Any) -> Any:
             )
         return {**node, "json_schema": _document_for_xgrammar(schema)}
     if kind == "regex" and isinstance(node.get("pattern"), str):
-        problem = _regex_problem(node["pattern"])
-        if problem:
-            raise InvalidRequestError(f"the regex is not supported: {problem}", "regex")
-        return {**node, "pattern": _dot_without_newline(node["pattern"])}
+        return {**node, "pattern": _regex_for_xgrammar(node["pattern"])}
     return {key: _checked_formats(value) for key, value in node.items()}
+
+
+def _regex_for_xgrammar(pattern: str) -> str:
+    """A regex constraint as xgrammar should compile it: refused where xgrammar would read it otherwise
+    (_regex_problem), its dots kept off newlines (_dot_without_newline)."""
+    problem = _regex_problem(pattern)
+    if problem:
+        raise InvalidRequestError(f"the regex is not supported: {problem}", "regex")
+    written = _dot_without_newline(pattern)
+    if written != pattern:
+        import xgrammar
+
+        xgrammar.Grammar.from_regex(pattern)  # its errors name places in the regex as given
+    return written
 
 
 def _has_length_bound(schema: Any) -> bool:
@@ -1001,15 +1012,7 @@ class GrammarCompiler:
                 )
             if spec.regex is not None:
                 field, what = "regex", "the regex"
-                problem = _regex_problem(spec.regex)
-                if problem:
-                    raise InvalidRequestError(f"the regex is not supported: {problem}", "regex")
-                written = _dot_without_newline(spec.regex)
-                if written != spec.regex:
-                    import xgrammar
-
-                    xgrammar.Grammar.from_regex(spec.regex)  # its errors name places in the regex as given
-                return compiler.compile_regex(written)
+                return compiler.compile_regex(_regex_for_xgrammar(spec.regex))
             if spec.choice is not None:
                 field, what = "choice", "the choices"
                 return compiler.compile_grammar(_choice_grammar(list(spec.choice)))

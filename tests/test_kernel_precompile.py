@@ -19,18 +19,34 @@ triton = pytest.importorskip("triton")
 knobs = triton.knobs.runtime
 
 
+class _FakeCompiled:
+    """What preload returns: a compiled kernel whose binary loads (and launcher builds) on _init_handles."""
+
+    def __init__(self, owner: _FakeKernel, data: str) -> None:
+        self.owner, self.data = owner, data
+
+    def _init_handles(self) -> None:
+        if self.owner.fail_load:
+            raise RuntimeError("out of shared memory")
+        with self.owner.lock:
+            self.owner.loaded.append((self.data, threading.current_thread().name))
+
+
 class _FakeKernel:
-    def __init__(self, name: str, fail: bool = False) -> None:
+    def __init__(self, name: str, fail: bool = False, fail_load: bool = False) -> None:
         self.__name__ = name
         self.fail = fail
+        self.fail_load = fail_load
         self.preloaded: list[tuple[str, str]] = []
+        self.loaded: list[tuple[str, str]] = []
         self.lock = threading.Lock()
 
-    def preload(self, data: str) -> None:
+    def preload(self, data: str) -> _FakeCompiled:
         if self.fail:
             raise RuntimeError("ptxas error")
         with self.lock:
             self.preloaded.append((data, threading.current_thread().name))
+        return _FakeCompiled(self, data)
 
 
 class _Info:
@@ -120,18 +136,25 @@ def test_recorder_reads_this_tritons_hook_arguments() -> None:
 
 
 def test_compile_all_compiles_in_parallel_and_reports_failures(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each kernel compiles and then loads (its launcher built) in a pool thread, not on the main thread at
+    its first launch; a failure in either is reported, not raised."""
     pre = KernelPrecompiler(torch.device("cpu"), threads=3)
     good, bad = _FakeKernel("good"), _FakeKernel("bad", fail=True)
+    unloadable = _FakeKernel("unloadable", fail_load=True)
     recorder = _Recorder(None)
     for key in "abcdef":
         _call(recorder, good, key)
     _call(recorder, bad, "z")
+    _call(recorder, unloadable, "y")
     pre._recorder = recorder
     report = pre.compile_all()
-    assert report.kernels == 7 and len(report.failed) == 1 and "ptxas error" in report.failed[0]
+    assert report.kernels == 8 and len(report.failed) == 2
+    assert any("ptxas error" in f for f in report.failed)
+    assert any(f.startswith("unloadable") and "out of shared memory" in f for f in report.failed)
     assert sorted(d for d, _ in good.preloaded) == [f"data-{k}" for k in "abcdef"]
-    assert all(name.startswith("tp-runtime-triton") for _, name in good.preloaded)
-    assert "1 of 7 Triton kernels did not compile ahead" in capsys.readouterr().err
+    assert sorted(d for d, _ in good.loaded) == [f"data-{k}" for k in "abcdef"]
+    assert all(name.startswith("tp-runtime-triton") for _, name in good.preloaded + good.loaded)
+    assert "2 of 8 Triton kernels did not compile ahead" in capsys.readouterr().err
     assert pre.compile_all().kernels == 0  # what was found is compiled once
 
 

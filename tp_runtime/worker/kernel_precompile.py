@@ -4,8 +4,9 @@ Triton compiles a kernel specialization on its first launch, one at a time. On a
 cache, a Llama-3-8B start-up compiled a few dozen of them in a row, about 17 s of its 39 s. Here the warm-up's
 forwards first run once with Triton's cache hook declining every kernel not yet compiled: the hook keeps the
 specialization and the launch is skipped. Nothing those forwards compute is read; they only find the kernels.
-Then the kept specializations compile in parallel (ptxas runs as a subprocess and much of Triton's compiler
-runs outside the GIL), and the real warm-up finds each kernel compiled.
+Then the kept specializations compile and load in parallel (ptxas and the host compiler run as
+subprocesses and much of Triton's compiler runs outside the GIL), and the real warm-up finds each kernel
+ready to launch.
 
 Triton's hook is one per process, so it is set only for the dry pass and only declines launches from the
 thread running it; other threads' launches go to whatever hook was there before. Where the installed
@@ -181,7 +182,13 @@ class KernelPrecompiler:
         def compile_one(item: tuple[Any, str]) -> str | None:
             jit_function, data = item
             try:
-                jit_function.preload(data)
+                kernel = jit_function.preload(data)
+                # Loading the binary and building its launcher: some Tritons (3.6) compile a C launcher
+                # per kernel with the host compiler there, 3.1 s of an H200's first start when the first
+                # launches did it one at a time on the main thread (BENCHMARKS.md, start-up).
+                init_handles = getattr(kernel, "_init_handles", None)
+                if callable(init_handles):
+                    init_handles()
             except Exception as exc:  # it compiles on first use instead, raising there
                 return f"{getattr(jit_function, '__name__', jit_function)}: {type(exc).__name__}: {exc}"
             return None

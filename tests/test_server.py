@@ -307,6 +307,7 @@ def test_logit_bias_and_allowed_token_ids(served: tuple[Server, LLM]) -> None:
         ({"logit_bias": {"five": 1.0}}, "logit_bias keys must be token ids"),
         ({"logit_bias": {"+5": 1.0}}, "logit_bias keys must be token ids, got '+5'"),
         ({"logit_bias": {"-1": 1.0}}, "logit_bias keys must be token ids, got '-1'"),
+        ({"logit_bias": {"9" * 5000: 1.0}}, "logit_bias keys must be token ids, got '999"),  # int() refuses
         ({"logit_bias": {"5": 100.5}}, "logit_bias must map token ids"),
         ({"logit_bias": {"99999": 1.0}}, "logit_bias token id 99999 is outside the vocabulary"),
         ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),

@@ -205,6 +205,10 @@ def test_no_cors_headers_by_default(default: Server) -> None:
     response = _preflight(default, ALLOWED)
     assert "access-control-allow-origin" not in response.headers, response.headers
     assert response.status_code == 405, response.text
+    assert response.headers.get("allow") == "POST", response.headers  # RFC 9110: a 405 names what is allowed
+    response = httpx.get(f"{default.url}/v1/completions")
+    assert response.status_code == 405 and response.headers.get("allow") == "POST", response.headers
+    assert _error(response, 405)["type"] == "invalid_request_error"
 
 
 def test_allowed_origins_get_cors_headers_and_others_none(servers: dict[str, Server]) -> None:

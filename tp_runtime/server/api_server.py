@@ -748,8 +748,8 @@ async def _serve(
 # ------------------------------------------------------------------------------------------- the app
 
 
-def _error_json(status: int, info: ErrorInfo) -> JSONResponse:
-    return JSONResponse(error_body(info), status_code=status)
+def _error_json(status: int, info: ErrorInfo, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(info), status_code=status, headers=headers)
 
 
 def unsupported_content_type(headers: list[tuple[bytes, bytes]]) -> str | None:
@@ -902,7 +902,8 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return _error_json(exc.status_code, ErrorInfo(message=str(exc.detail), type=kind))
+        # Starlette's own headers kept: a 405 names the allowed methods (Allow), as RFC 9110 requires.
+        return _error_json(exc.status_code, ErrorInfo(message=str(exc.detail), type=kind), exc.headers)
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(request: Request, exc: ClientDisconnect) -> Response:

@@ -168,7 +168,10 @@ def sampling_params(
         )
     bias = None
     if body.logit_bias:  # JSON object keys are strings: OpenAI's token ids, in decimal digits
-        wrong = next((token for token in body.logit_bias if not token.isascii() or not token.isdigit()), None)
+        # At most 18 digits: any vocabulary's id, and short of int()'s 4,300-digit limit (a ValueError).
+        wrong = next(
+            (t for t in body.logit_bias if not t.isascii() or not t.isdigit() or len(t) > 18), None
+        )
         if wrong is not None:
             raise bad_request(f"logit_bias keys must be token ids, got {wrong[:40]!r}", "logit_bias")
         bias = {int(token): value for token, value in body.logit_bias.items()}

@@ -442,6 +442,9 @@ def test_serve_refuses_two_different_models(capsys: pytest.CaptureFixture[str]) 
         ("--allowed-hosts", '["a.example", null]', "must hold strings only"),
         ("--allowed-hosts", ",", "names no host"),
         ("--chat-template", "no-such-template.jinja", "no file 'no-such-template.jinja', and not a template"),
+        ("--api-key", "secret\n", "holds a control character"),
+        ("--api-key", " secret", "starts or ends with a space"),
+        ("--api-key", "sec\rret", "holds a control character"),
         ("--chat-template", "{% for m in messages %}{{ m.content }}", "not a valid Jinja template (line 1"),
     ],
 )

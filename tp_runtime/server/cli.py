@@ -171,6 +171,14 @@ def check_serve(args: argparse.Namespace) -> None:
         raise ConfigError(f"argument --shutdown-grace: must be at least 0, got {args.shutdown_grace:g}")
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError("argument --api-key: must not be empty")
+    key = args.api_key
+    unsendable = key is not None and any((c < " " and c != "\t") or c == "\x7f" for c in key)
+    if key is not None and (key != key.strip(" \t") or unsendable):
+        # No client can send it: a header value loses its outer spaces and holds no control characters.
+        raise ConfigError(
+            f"argument --api-key: starts or ends with a space or holds a control character (a newline from a "
+            f"file or ${API_KEY_ENV}?); no client could send it"
+        )
     if args.chat_template is not None:
         args.chat_template = load_chat_template(args.chat_template)
     if args.served_model_name is not None and not args.served_model_name.strip():

@@ -372,16 +372,7 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_peak_memory(self) -> int:
         """Run the largest prefill a step can hold, then the largest sampling, once and return the peak
-        device memory in bytes. The forward's Triton kernels are found by a dry pass of it first and
-        compiled and loaded in parallel (worker/kernel_precompile.py): launched one at a time they had
-        compiled, and had their launchers built by the host compiler, in series on a fresh machine. (Not
-        the sampling's: it indexes with the ids its kernels make, which a dry pass leaves unset.)"""
-        threads = compile_threads(self.config.parallel.tensor_parallel_size)
-        precompiler = KernelPrecompiler(self.device, threads)
-        if precompiler.available:
-            with precompiler.dry_pass():
-                self.run_largest_prefill()
-            precompiler.compile_all()
+        device memory in bytes."""
         torch.cuda.reset_peak_memory_stats(self.device)
         self.run_largest_sampling(self.run_largest_prefill())
         torch.cuda.synchronize(self.device)

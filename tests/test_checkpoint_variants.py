@@ -250,6 +250,48 @@ def test_sizes_and_values_no_model_can_have_are_config_errors(
         build_model_config(model_dir, device="cpu")
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("architecture", "changes", "message"),
+    [
+        ("LlamaForCausalLM", {"rms_norm_eps": NAN}, r"rms_norm_eps must be a finite number above 0, got nan"),
+        ("LlamaForCausalLM", {"rms_norm_eps": -1.0}, r"rms_norm_eps must be a finite number above 0, got -1"),
+        ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "default", "rope_theta": NAN}},
+         r"rope parameters of config.json give non-finite frequencies .*base nan"),
+        ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "default", "rope_theta": 0.0}},
+         r"non-finite frequencies"),
+        ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "linear", "factor": NAN, "rope_theta": 1e4}},
+         r"the rope factor must be a finite number, got nan"),
+        ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "yarn", "factor": INF, "rope_theta": 1e4}},
+         r"rope factor must be a finite number"),
+        ("LlamaForCausalLM", {"max_position_embeddings": 1}, r"max_model_len must be >= 2, got 1 "),
+        ("LlamaForCausalLM", {"max_position_embeddings": -5}, r"max_model_len must be >= 2, got -5 "),
+        ("Gemma2ForCausalLM", {"query_pre_attn_scalar": 0}, r"query_pre_attn_scalar must be a finite number"),
+        ("Gemma2ForCausalLM", {"attn_logit_softcapping": NAN}, r"attn_logit_softcapping must be a finite"),
+        ("Gemma2ForCausalLM", {"final_logit_softcapping": NAN}, r"final_logit_softcapping must be a finite"),
+        ("MistralForCausalLM", {"sliding_window": -3}, r"sliding_window must be at least 1"),
+    ],
+    ids=["eps-nan", "eps-negative", "theta-nan", "theta-zero", "linear-factor-nan", "yarn-factor-inf",
+         "one-position", "negative-positions", "gemma2-scalar-zero", "gemma2-softcap-nan",
+         "gemma2-final-softcap-nan", "mistral-window-negative"],
+)
+def test_float_values_no_model_can_have_are_config_errors(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, architecture: str, changes: dict[str, object],
+    message: str,
+) -> None:
+    """transformers' configs check their integer fields but take any float: a NaN eps, rope base or
+    soft-cap ran and gave NaN logits (greedy token 0 every step), a NaN rope factor was a ValueError, a
+    zero query_pre_attn_scalar a ZeroDivisionError while the model was built, a negative
+    max_position_embeddings a torch.arange error and one of 1 an engine that refused every request."""
+    model_dir = tmp_path / "bad"
+    shutil.copytree(make_checkpoint(architecture), model_dir)
+    edit_config(model_dir, **changes)
+    with pytest.raises(ConfigError, match=message):
+        build_model_config(model_dir, device="cpu")
+
+
 def test_tied_checkpoint_under_an_untied_config(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
     """A tied model's checkpoint (no lm_head.weight) with tie_word_embeddings false: transformers gives
     its LM head random weights; the loader refuses it, saying which setting to change."""

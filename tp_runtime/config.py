@@ -7,6 +7,7 @@ same command line under torchrun.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -393,6 +394,38 @@ class ModelConfig:
     local_rope: RopeConfig | None = None
     # Requests' default sampling parameters, from the generation config LLM(generation_config=...) names.
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+
+    def __post_init__(self) -> None:
+        # config.json values no model can have. transformers' configs check their integer fields' types but
+        # take any float: a NaN eps, rope base or soft-cap gave NaN logits (greedy token 0 every step) and a
+        # zero query_pre_attn_scalar a ZeroDivisionError while the model was built.
+        def bad(name: str, value: object, want: str) -> ConfigError:
+            return ConfigError(f"{name} must be {want}, got {value!r}; check config.json")
+
+        def finite(value: float | None) -> bool:
+            return value is None or (isinstance(value, int | float) and math.isfinite(value))
+
+        if not self.max_model_len >= 2:
+            raise ConfigError(
+                f"max_model_len must be >= 2, got {self.max_model_len} (the model's max_position_embeddings, "
+                "unless given); check config.json"
+            )
+        for name in ("rms_norm_eps", "query_pre_attn_scalar", "attn_logit_softcapping",
+                     "final_logit_softcapping", "logits_scaling"):  # fmt: skip
+            value = getattr(self, name)
+            if not finite(value) or (value is not None and value <= 0):
+                raise bad(name, value, "a finite number above 0")
+        for name in ("attention_multiplier", "embedding_multiplier", "residual_multiplier"):
+            if not finite(getattr(self, name)):
+                raise bad(name, getattr(self, name), "a finite number")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise bad("sliding_window", self.sliding_window, "at least 1 (or null: no window)")
+        for rope in (self.rope, self.local_rope):
+            if rope is not None and not all(map(math.isfinite, (*rope.inv_freq, rope.attention_scaling))):
+                raise ConfigError(
+                    f"the rope parameters of config.json give non-finite frequencies (rope type "
+                    f"{rope.rope_type!r}, base {rope.theta}); check rope_theta and the rope factors"
+                )
 
     def layer_window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: it attends to the whole context)."""
@@ -853,6 +886,8 @@ def _max_positions(hf_config: Any) -> int:
     params = _rope_parameters(hf_config)
     rope_type = params.get("rope_type", params.get("type", "default"))
     factor = params.get("factor")
+    if isinstance(factor, (int, float)) and not math.isfinite(factor):
+        raise ConfigError(f"the rope factor must be a finite number, got {factor}; check config.json")
     if rope_type not in ("linear", "yarn") or not isinstance(factor, (int, float)) or factor <= 1:
         return max_positions
     if rope_type == "yarn":

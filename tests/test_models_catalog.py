@@ -30,6 +30,13 @@ def test_a_folder_is_used_as_it_is(tmp_path: Path) -> None:
         os.chdir(cwd)
 
 
+def test_a_folder_under_home_is_found_from_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LLM(model="~/ckpt"): no shell expands the "~" (it was "is not a directory")."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ckpt").mkdir()
+    assert resolve_model_name("~/ckpt") == str(tmp_path / "ckpt")
+
+
 @pytest.mark.parametrize(
     ("model", "says"),
     [("path/to/hf-checkpoint", "is not a directory"), ("llama-9", "nor a built-in model name")],

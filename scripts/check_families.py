@@ -1,5 +1,5 @@
 """Greedy tokens of the non-Llama families (Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE, Gemma, Gemma 2, Gemma 3,
-Phi-3, Granite, OLMo 2, OLMo 3, SmolLM3) at several TP sizes, against each other and against HF
+Phi-3, Phi-4-mini, Granite, OLMo 2, OLMo 3, SmolLM3) at several TP sizes, against each other and against HF
 transformers, on small random checkpoints built here.
 
     python scripts/check_families.py --device cuda --tp-sizes 1 2 --output-json families.json
@@ -120,6 +120,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Phi-3: fused qkv_proj / gate_up_proj checkpoint tensors, a 32-token window on every layer.
     "phi3": ("Phi3ForCausalLM", {"sliding_window": 32}),
+    # Phi-4-mini: Phi-3 rotating only the first 3/4 of each head (q/k rows reordered at load).
+    "phi4-mini": ("Phi3ForCausalLM", {"partial_rotary_factor": 0.75}),
     # Granite: Llama with its four scalings (as Granite 3's: embedding x12, residual x0.22, attention
     # scale 1/head_dim, logits / 8).
     "granite": (

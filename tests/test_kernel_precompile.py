@@ -24,10 +24,15 @@ class _FakeCompiled:
 
     def __init__(self, owner: _FakeKernel, data: str) -> None:
         self.owner, self.data = owner, data
+        self.module: object = None
+        self._run: object = None
+        owner.compiled.append(self)
 
     def _init_handles(self) -> None:
+        self._run = "launcher"  # as Triton: the launcher first, then the binary's load
         if self.owner.fail_load:
-            raise RuntimeError("out of shared memory")
+            raise RuntimeError("CUDA error: out of memory")
+        self.module = "module"
         with self.owner.lock:
             self.owner.loaded.append((self.data, threading.current_thread().name))
 
@@ -39,6 +44,7 @@ class _FakeKernel:
         self.fail_load = fail_load
         self.preloaded: list[tuple[str, str]] = []
         self.loaded: list[tuple[str, str]] = []
+        self.compiled: list[_FakeCompiled] = []
         self.lock = threading.Lock()
 
     def preload(self, data: str) -> _FakeCompiled:
@@ -137,7 +143,7 @@ def test_recorder_reads_this_tritons_hook_arguments() -> None:
 
 def test_compile_all_compiles_in_parallel_and_reports_failures(capsys: pytest.CaptureFixture[str]) -> None:
     """Each kernel compiles and then loads (its launcher built) in a pool thread, not on the main thread at
-    its first launch; a failure in either is reported, not raised."""
+    its first launch; a failure in either is reported, not raised, and a failed load is undone."""
     pre = KernelPrecompiler(torch.device("cpu"), threads=3)
     good, bad = _FakeKernel("good"), _FakeKernel("bad", fail=True)
     unloadable = _FakeKernel("unloadable", fail_load=True)
@@ -150,7 +156,10 @@ def test_compile_all_compiles_in_parallel_and_reports_failures(capsys: pytest.Ca
     report = pre.compile_all()
     assert report.kernels == 8 and len(report.failed) == 2
     assert any("ptxas error" in f for f in report.failed)
-    assert any(f.startswith("unloadable") and "out of shared memory" in f for f in report.failed)
+    assert any(f.startswith("unloadable") and "out of memory" in f for f in report.failed)
+    # The failed load left no launcher without a function: first use loads it again and raises its error.
+    assert [c._run for c in unloadable.compiled] == [None]
+    assert all(c._run == "launcher" and c.module == "module" for c in good.compiled)
     assert sorted(d for d, _ in good.preloaded) == [f"data-{k}" for k in "abcdef"]
     assert sorted(d for d, _ in good.loaded) == [f"data-{k}" for k in "abcdef"]
     assert all(name.startswith("tp-runtime-triton") for _, name in good.preloaded + good.loaded)

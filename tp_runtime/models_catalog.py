@@ -180,8 +180,11 @@ def resolve_model_name(model: str | os.PathLike[str] | None, load_format: str = 
             )
             model = FALLBACK_MODEL
     model = os.fspath(model)
-    if os.path.isdir(os.path.expanduser(model)):  # "~/ckpt" from Python, where no shell expanded it
-        return os.path.expanduser(model)
+    if os.path.isdir(model):
+        return model
+    home = os.path.expanduser(model)  # "~/ckpt" from Python, where no shell expanded it
+    if home != model and os.path.isdir(home):
+        return home
     if model.endswith(".gguf"):
         from tp_runtime.gguf_checkpoint import gguf_checkpoint_dir
 

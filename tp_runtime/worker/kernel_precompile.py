@@ -188,7 +188,14 @@ class KernelPrecompiler:
                 # launches did it one at a time on the main thread (BENCHMARKS.md, start-up).
                 init_handles = getattr(kernel, "_init_handles", None)
                 if callable(init_handles):
-                    init_handles()
+                    try:
+                        init_handles()
+                    except Exception:
+                        # Triton sets the launcher before it loads the binary: a failed load would leave a
+                        # launcher without a function, so first use loads it again, raising its own error.
+                        if getattr(kernel, "module", None) is None:
+                            kernel._run = None
+                        raise
             except Exception as exc:  # it compiles on first use instead, raising there
                 return f"{getattr(jit_function, '__name__', jit_function)}: {type(exc).__name__}: {exc}"
             return None

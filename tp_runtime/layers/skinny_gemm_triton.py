@@ -23,9 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_runtime.layers import pdl
 from tp_runtime.layers.fused_triton import silu_mul_value, to_float16_clamped
-from tp_runtime.layers.pdl import release_and_wait
 
 
 @triton.jit
@@ -51,12 +49,9 @@ def _skinny_row_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, scale_ptr, N, K, x_stride, w_stride, out_stride, scale_stride,
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (BLOCK_N output features, row). SCALE (FP8 weights): 1, one scale per row, applied
-    to the sum; 2, one per row and SCALE_BLOCK_K columns (a multiple of BLOCK_K), applied per tile. PDL:
-    launched with programmatic dependent launch (layers/pdl.py)."""
-    release_and_wait(PDL)
+    to the sum; 2, one per row and SCALE_BLOCK_K columns (a multiple of BLOCK_K), applied per tile."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1)
     n_mask = n < N
@@ -90,14 +85,13 @@ def _few_rows_dot_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, scale_ptr, M, N, K, x_stride, w_stride, out_stride, scale_stride,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FP32: tl.constexpr, SCALE: tl.constexpr,
-    SCALE_BLOCK_K: tl.constexpr, F16_PRODUCTS: tl.constexpr, PDL: tl.constexpr,
+    SCALE_BLOCK_K: tl.constexpr, F16_PRODUCTS: tl.constexpr,
 ):  # fmt: skip
     """One program per BLOCK_N output features for all (up to BLOCK_M) rows: tensor-core products (exact
     float32 products for float32, no TF32), each weight tile read once. FP8 weights (SCALE 1 or 2, as in
     _skinny_row_kernel) are converted to x's dtype in registers; F16_PRODUCTS (FP8 under a bfloat16 x): to
     float16 instead, and x too (fused_triton.to_float16_clamped): at one row an H200 ran the Llama-3-8B and
     70B layers through this kernel 1.26-1.45x faster so."""
-    release_and_wait(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     m = tl.arange(0, BLOCK_M)
@@ -224,7 +218,7 @@ def skinny_linear(
         x.stride(0), weight.stride(0), out.stride(0), 0 if scale is None else scale.stride(0),
         SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % block_k == 0, SCALE=mode, SCALE_BLOCK_K=max(scale_block_k, 1),
-        PDL=pdl.enabled(x), launch_pdl=pdl.enabled(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
@@ -288,7 +282,7 @@ def few_rows_linear(
         BLOCK_N=config.block_n, BLOCK_K=block_k, EVEN_N=n % config.block_n == 0,
         EVEN_K=k % block_k == 0, FP32=x.dtype == torch.float32, SCALE=mode,
         SCALE_BLOCK_K=max(scale_block_k, 1),
-        F16_PRODUCTS=scale is not None and x.dtype == torch.bfloat16, PDL=pdl.enabled(x),
-        launch_pdl=pdl.enabled(x), num_warps=config.num_warps, num_stages=config.num_stages,
+        F16_PRODUCTS=scale is not None and x.dtype == torch.bfloat16,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

@@ -653,3 +653,72 @@ def test_context_manager_exiting_by_exception_tp1_multiprocess(start_llm: Callab
     llm.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(PROMPT, SHORT, use_tqdm=False)
+
+
+def test_an_error_after_the_workers_start_shuts_them_down(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error (or a Ctrl-C) in the engine's set-up after its workers started (its scheduler, text codecs,
+    grammar compiler) left the workers, their sockets' folder and the watchdog running with no engine to
+    shut them down."""
+    from tp_runtime.engine import llm_engine
+
+    started = spawned_children()
+
+    def interrupted_scheduler(*args: Any) -> None:
+        started.symmetric_difference_update(spawned_children())  # the workers now running
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm_engine, "Scheduler", interrupted_scheduler)
+    with pytest.raises(KeyboardInterrupt):
+        LLM(checkpoint, tensor_parallel_size=2, device="cpu", dtype="float32", executor="multiprocess")
+    assert len(started) == 2
+    assert not wait_gone(sorted(started), 30), "the workers outlived the failed start"
+    assert not any(t.name == "tp-runtime-watchdog" for t in threading.enumerate())
+
+
+def test_a_shutdown_from_another_thread_cannot_overtake_a_broadcast(start_llm: Callable[..., LLM]) -> None:
+    """The engine's thread and shutdown() from another share the broadcast socket and its sequence numbers.
+    A frame sealed first but sent second is dropped by the ranks as a replay (a Shutdown lost so: the ranks
+    then waited out the grace period and were terminated). Here the first broadcast is held between its
+    sealing and its sending until a second one from another thread has gone out, or 2 s have passed (then
+    it was held back, as it must be)."""
+    llm = start_llm()
+    generate_ok(llm)
+    channel = llm.engine.executor.channel  # type: ignore[attr-defined]
+    real_pub = channel.pub
+    sent: list[str] = []
+    second_sent = threading.Event()
+
+    class HeldPub:
+        def send(self, frame: bytes) -> None:
+            name = threading.current_thread().name
+            if name == "first" and not sent:
+                second_sent.wait(2.0)
+            real_pub.send(frame)
+            sent.append(name)
+            if name == "second":
+                second_sent.set()
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(real_pub, attr)
+
+    channel.pub = HeldPub()
+    sealed: list[str] = []
+    real_encode = channel.writer.encode
+
+    def encode(message: Any) -> bytes:
+        sealed.append(threading.current_thread().name)
+        return real_encode(message)
+
+    channel.writer.encode = encode
+    first = threading.Thread(target=lambda: channel.send(Shutdown()), name="first")
+    second = threading.Thread(target=lambda: channel.send(Shutdown()), name="second")
+    first.start()
+    while not sealed:  # the first frame is sealed and held before the second thread starts
+        time.sleep(0.001)
+    second.start()
+    first.join()
+    second.join()
+    channel.pub, channel.writer.encode = real_pub, real_encode
+    assert sealed == sent == ["first", "second"], (sealed, sent)

@@ -270,22 +270,27 @@ class DriverChannel:
         self.reader = FrameReader(worker_reply_codec(), key, REPLIES, "the driver's reply socket")
         self.watchdog = Watchdog(self.ctx, heartbeat_addr, key)
         self.next_call_id = 0
+        # The broadcast socket and its sequence numbers are shared by the engine's thread and a shutdown()
+        # from another: a frame sealed before another but sent after it is dropped by the ranks as a replay
+        # (a Shutdown lost so), and a libzmq socket takes one thread at a time.
+        self._broadcast_lock = threading.Lock()
 
     def send(self, message: DriverMessage) -> None:
-        frame = self.writer.encode(message)
-        if self.max_broadcast_bytes is not None and len(frame) > self.max_broadcast_bytes:
-            raise ProtocolError(
-                f"a {type(message).__name__} of {len(frame)} bytes exceeds the workers' message limit of "
-                f"{self.max_broadcast_bytes} bytes (not sent)"
-            )
-        self.pub.send(frame)
+        with self._broadcast_lock:
+            frame = self.writer.encode(message)
+            if self.max_broadcast_bytes is not None and len(frame) > self.max_broadcast_bytes:
+                raise ProtocolError(
+                    f"a {type(message).__name__} of {len(frame)} bytes exceeds the workers' message limit "
+                    f"of {self.max_broadcast_bytes} bytes (not sent)"
+                )
+            self.pub.send(frame)
 
     def discard_inbound(self) -> None:
         """Read and drop what peers sent to the broadcast socket (subscriptions after start-up, anything
         else). Waits call it at least every LIVENESS_POLL_MS; in between, each call into the socket
         queues at most RCVHWM more messages of at most _BROADCAST_INBOUND_MAX bytes per peer (on TCP, room
         for CURVE's handshake: serialize.secure_server)."""
-        with contextlib.suppress(zmq.Again):
+        with self._broadcast_lock, contextlib.suppress(zmq.Again):
             while True:
                 self.pub.recv(zmq.NOBLOCK)
 

@@ -370,12 +370,22 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.executor = executor if executor is not None else make_executor(config)
         self.num_kv_blocks = self.executor.initialize()
+        try:
+            self._set_up(start)
+        except BaseException:
+            # The workers are running: an error (or a Ctrl-C) from here on would leave them, their
+            # sockets and the watchdog behind with no engine to shut them down.
+            self.executor.shutdown()
+            raise
+
+    def _set_up(self, start: float) -> None:
+        """What follows the workers' start: the scheduler, the text codecs, the grammar compiler."""
+        config, tokenizer = self.config, self.tokenizer
         if config.device == "cuda":  # with the workers' phase lines (worker.py, model_runner.py)
             print(f"tp-runtime: engine started in {time.perf_counter() - start:.1f} s", file=sys.stderr,
                   flush=True)  # fmt: skip
         max_blocks = -(-config.model.max_model_len // config.cache.block_size)
         if self.num_kv_blocks < max_blocks:
-            self.executor.shutdown()
             # num_kv_blocks, when given, is the cache's size: the memory settings would change nothing.
             remedy = (
                 f"raise num_kv_blocks to at least {max_blocks}"

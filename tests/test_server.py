@@ -1494,8 +1494,7 @@ def test_tool_calls_through_the_openai_client(server1: Server) -> None:
     )  # fmt: skip
     (call,) = named.choices[0].message.tool_calls or []
     assert call.type == "function" and call.function.name == "weather" and call.id
-    # (xgrammar's JSON strings admit raw control characters, as in vLLM: strict=False reads them)
-    assert set(json.loads(call.function.arguments, strict=False)) == {"city"}
+    assert set(json.loads(call.function.arguments)) == {"city"}  # no raw control character in its string
     required = client.chat.completions.create(
         model=NAME, messages=MESSAGES, tools=tools, max_tokens=200, seed=5, tool_choice="required",
         parallel_tool_calls=False,
@@ -1504,7 +1503,7 @@ def test_tool_calls_through_the_openai_client(server1: Server) -> None:
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls or []) == 1
     for c in choice.message.tool_calls:
         assert c.function.name in ("weather", "clock")
-        assert isinstance(json.loads(c.function.arguments, strict=False), dict)
+        assert isinstance(json.loads(c.function.arguments), dict)
     stream = client.chat.completions.create(
         model=NAME, messages=MESSAGES, tools=tools, max_tokens=80, seed=3, stream=True,
         tool_choice={"type": "function", "function": {"name": "weather"}},

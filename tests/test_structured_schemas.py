@@ -506,6 +506,49 @@ def test_a_pattern_never_lets_out_invalid_json(llm: LLM, pattern: str) -> None:
         assert not _takes(llm, spec, f'"{inner}"'), (pattern, inner)
 
 
+@pytest.mark.parametrize(
+    ("schema", "low", "high"),
+    [
+        ({"type": "string", "minLength": 2, "maxLength": 3}, 2, 3),
+        ({"type": "string", "maxLength": 100000}, 0, 100000),
+        ({"type": ["string", "null"], "minLength": 1}, 1, None),
+    ],
+)  # fmt: skip
+def test_length_bounded_strings_take_no_control_character(
+    llm: LLM, schema: dict[str, Any], low: int, high: int | None
+) -> None:
+    """xgrammar's own rule for a string with minLength/maxLength let raw control characters in (a tab,
+    U+0017): an output that finished "stop" was no JSON. Such a string is now written as a pattern is
+    (xgrammar's JSON string rule: no raw control character; under a bound it may leave out quotes,
+    backslashes and escaped control characters too, a narrower language with every output valid). The
+    bounds count characters, as JSON Schema does."""
+    spec = _spec(json=schema)
+    for control in ("\t", "\x17", "\n", "\x00"):
+        value = "a" * max(low, 1) + control
+        assert not _takes(llm, spec, '"' + value + '"'), repr(value)  # raw: no JSON
+    for n in (low - 1, low, low + 1, 12, (high or 12) + 1):
+        fits = low <= n <= (high if high is not None else n) and n >= 0
+        if 0 <= n <= 12:
+            assert _takes(llm, spec, json.dumps("é" * n, ensure_ascii=False)) == fits, n
+
+
+def test_length_bounded_property_names_take_no_control_character(llm: LLM) -> None:
+    names = {"maxLength": 4}
+    spec = _spec(json={"type": "object", "propertyNames": names, "additionalProperties": {"type": "integer"}})
+    assert _takes(llm, spec, '{"abcd": 1}') and not _takes(llm, spec, '{"abcde": 1}')
+    assert not _takes(llm, spec, '{"a\tb": 1}')
+
+
+@pytest.mark.parametrize(
+    ("regex", "text"), [(r"\x41BC", "ABC"), (r"id-\x2Dabc", "id--abc"), (r"[\x41B]+", "BAB")]
+)
+def test_a_regex_hex_escape_is_two_digits(llm: LLM, regex: str, text: str) -> None:
+    """xgrammar read every hex digit after \\x: `\\x41BC` took U+41BC and finished "stop" with it."""
+    assert re.fullmatch(regex, text)
+    assert _takes(llm, _spec(regex=regex), text)
+    assert not _takes(llm, _spec(regex=regex), chr(int(regex[2:6], 16)) if regex.startswith("\\x") else "Л")
+
+
 @pytest.mark.parametrize("regex", ["a$b", "a^b", "(a$)b", "x(^y)", "a*^b", "(a$)*", "(^a)+", "(a$){2}"])
 def test_an_anchor_inside_a_regex_is_refused(llm: LLM, regex: str) -> None:
     """xgrammar ignores anchors inside a regex: "a$b", which nothing matches, finished "stop" with "ab"."""

@@ -208,11 +208,12 @@ def _checked_formats(node: Any) -> Any:
 
 def _regex_for_xgrammar(pattern: str) -> str:
     """A regex constraint as xgrammar should compile it: refused where xgrammar would read it otherwise
-    (_regex_problem), its dots kept off newlines (_dot_without_newline)."""
+    (_regex_problem), its dots kept off newlines and its \\xHH escapes two digits long
+    (_regex_text_for_xgrammar)."""
     problem = _regex_problem(pattern)
     if problem:
         raise InvalidRequestError(f"the regex is not supported: {problem}", "regex")
-    written = _dot_without_newline(pattern)
+    written = _regex_text_for_xgrammar(pattern)
     if written != pattern:
         import xgrammar
 
@@ -459,6 +460,15 @@ def _schema_for_xgrammar(
     for key in ("pattern", "format"):
         if key in schema and lengths and "string" in kinds:
             raise refuse(f"{key!r} beside {lengths}")
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    if lengths and "string" in kinds and all(
+        type(v) is int and v >= 0 for v in (low, high) if v is not None
+    ) and (high is None or low <= high):  # fmt: skip
+        # xgrammar's own rule for a length-bounded string takes raw control characters (a tab, U+0017),
+        # which make the output invalid JSON; as a pattern it keeps the JSON string's escaping.
+        for key in lengths:
+            out.pop(key)
+        out["pattern"] = f"^[^\\u0000-\\u001f]{{{low},{'' if high is None else high}}}$"
     if schema.get("format") in _UNENFORCED_FORMATS and "string" in kinds:
         raise refuse(f"'format' {schema['format']!r}")
     written = _FORMAT_PATTERNS.get(schema["format"]) if isinstance(schema.get("format"), str) else None
@@ -768,11 +778,20 @@ def _json_pattern_for_xgrammar(pattern: str) -> str:
     return "".join(out)
 
 
-def _dot_without_newline(regex: str) -> str:
+def _regex_text_for_xgrammar(regex: str) -> str:
     """`regex` with each `.` outside a class written `[^\\n]`: xgrammar's `.` takes a newline too, Python's
-    and ECMA-262's do not (`..` gave "\\n\\n"). Classes end where xgrammar ends them, at the first `]`."""
-    tokens = [(match.group(), inside) for match, inside in _classified(regex)]
-    return "".join("[^\\n]" if token == "." and not inside else token for token, inside in tokens)
+    and ECMA-262's do not (`..` gave "\\n\\n"). Classes end where xgrammar ends them, at the first `]`.
+    Each `\\xHH` is written `\\u00HH`: xgrammar reads as many hex digits as follow `\\x` (`\\x41BC` took
+    U+41BC, not "ABC")."""
+
+    def written(token: str, inside: bool) -> str:
+        if token == "." and not inside:
+            return "[^\\n]"
+        if len(token) == 4 and token.startswith("\\x"):
+            return "\\u00" + token[2:]
+        return token
+
+    return "".join(written(match.group(), inside) for match, inside in _classified(regex))
 
 
 def _name_fits(name: str, names_schema: dict[str, Any]) -> bool:

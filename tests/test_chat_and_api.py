@@ -353,6 +353,47 @@ def test_chat_shows_tools_to_the_template(llm: LLM, model_dir: Path) -> None:
         llm.chat(conv, GREEDY, tools="get_weather", use_tqdm=False)  # type: ignore[arg-type]
 
 
+def test_chat_shows_documents_to_the_template(llm: LLM, model_dir: Path) -> None:
+    """`documents=` (vLLM's request field, HF's apply_chat_template argument) reaches a RAG template; it was
+    refused in chat_template_kwargs as "an argument of its own" that did not exist."""
+    template = "{% for d in documents or [] %}[doc {{ d['title'] }}: {{ d['text'] }}]{% endfor %}" + TEMPLATE
+    documents = [{"title": "cats", "text": "the cat sat on the mat"}]
+    conv = CONVERSATIONS[0]
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    [out] = llm.chat(conv, GREEDY, documents=documents, chat_template=template, use_tqdm=False)
+    want = tok.apply_chat_template(conv, documents=documents, chat_template=template, tokenize=False,
+                                   add_generation_prompt=True)  # fmt: skip
+    assert out.prompt == want and want.startswith("[doc cats: the cat sat on the mat]<s>")
+    with pytest.raises(InvalidRequestError, match="documents must be a list of dicts"):
+        llm.chat(conv, GREEDY, documents="the mat", chat_template=template, use_tqdm=False)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% for m in messages %}[{{ m.role }}]{% for p in m.content %}{{ p.text }}|{% endfor %}{% endfor %}",
+        "{% for m in messages %}[{{ m['role'] }}]"
+        "{% for p in m['content'] | selectattr('type', 'equalto', 'text') %}{{ p['text'] }}|{% endfor %}"
+        "{% endfor %}",
+        # both forms, as Gemma 3's template takes them: the parts, as vLLM's "auto" content format gives them
+        "{% for m in messages %}{% if m.content is string %}<{{ m.content }}>{% else %}"
+        "{% for p in m.content %}{{ p.text }}|{% endfor %}{% endif %}{% endfor %}",
+    ],
+)  # fmt: skip
+def test_a_template_that_loops_over_content_gets_its_parts(llm: LLM, template: str) -> None:
+    """A template that walks message['content'] got the parts joined into one string, so it looped over
+    characters and rendered no text ("[user]"); as vLLM detects it, it gets the text parts, and a string
+    content as one text part, rendered as HF's apply_chat_template renders those parts."""
+    tok = llm.get_tokenizer()
+    pieces = [{"type": "text", "text": "the"}, {"type": "text", "text": "cat"}]
+    for content, parts in ((pieces, pieces), ("the cat", [{"type": "text", "text": "the cat"}])):
+        conv = [{"role": "user", "content": content}]
+        [out] = llm.chat(conv, GREEDY, chat_template=template, add_generation_prompt=False, use_tqdm=False)
+        want = tok.apply_chat_template([{"role": "user", "content": parts}], chat_template=template,
+                                       tokenize=False)  # fmt: skip
+        assert out.prompt == want and ("the|cat|" in want or "the cat|" in want), (out.prompt, want)
+
+
 def test_chat_gives_earlier_tool_calls_arguments_as_objects(llm: LLM, model_dir: Path) -> None:
     """An assistant message's tool_calls carry OpenAI's arguments as JSON text; the template gets them as
     an object (HF's tool-use templates iterate or tojson them), as vLLM's LLM.chat and the server give

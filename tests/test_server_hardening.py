@@ -494,6 +494,16 @@ def test_chat_template_takes_a_file_or_the_template(tmp_path: Path) -> None:
     args = _serve_args("--chat-template", long, "--port", "0")
     serve_cli.check_serve(args)
     assert args.chat_template == long
+    # Inline, its escapes are read as vLLM reads them (a shell passes "\n" as two characters); a file's
+    # text is taken as it is, and characters past ASCII stay as given either way.
+    inline = "{% for m in messages %}{{ m.content }}\\n{% endfor %}{{ 'é中😀' }}\\t"
+    args = _serve_args("--chat-template", inline, "--port", "0")
+    serve_cli.check_serve(args)
+    assert args.chat_template == "{% for m in messages %}{{ m.content }}\n{% endfor %}{{ 'é中😀' }}\t"
+    path.write_text(inline)
+    args = _serve_args("--chat-template", str(path), "--port", "0")
+    serve_cli.check_serve(args)
+    assert args.chat_template == inline
 
 
 def test_a_port_in_use_is_refused_by_the_checks() -> None:

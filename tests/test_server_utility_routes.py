@@ -159,6 +159,30 @@ def test_a_request_chat_template_needs_a_trusting_server(servers: dict[str, Serv
     _error(trusting.post("/v1/chat/completions", broken), 400, "chat_template")
 
 
+def test_documents_and_content_parts_reach_the_template_as_in_llm_chat(
+    servers: dict[str, Server], llm: LLM
+) -> None:
+    """A request's `documents` (vLLM's field) reach the template, and a template that loops over a message's
+    content gets its text parts: each prompt is LLM.chat's. Both were lost (the documents dropped unseen,
+    the parts joined into one string the template looped over character by character)."""
+    template = (
+        "{% for d in documents or [] %}[{{ d['title'] }}]{% endfor %}"
+        "{% for m in messages %}{{ m['role'] }}:{% for p in m['content'] %}{{ p['text'] }}|{% endfor %}"
+        "{% endfor %}"
+    )
+    documents = [{"title": "cats", "text": "the mat"}]
+    parts = [{"type": "text", "text": "the"}, {"type": "text", "text": "cat"}]
+    messages = [{"role": "user", "content": parts}]
+    body = {"messages": messages, "chat_template": template, "documents": documents, **GREEDY}
+    response = servers["trusting"].post("/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    reference = llm.chat(messages, greedy, use_tqdm=False, chat_template=template, documents=documents)[0]
+    assert reference.prompt is not None and reference.prompt.startswith("[cats]user:the|cat|")
+    assert response.json()["usage"]["prompt_tokens"] == len(reference.prompt_token_ids)
+    assert response.json()["choices"][0]["message"]["content"] == reference.outputs[0].text
+
+
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [

@@ -48,6 +48,45 @@ def template_variables(chat_template_kwargs: Any) -> dict[str, Any]:
     return dict(given)
 
 
+@functools.lru_cache(maxsize=16)
+def loops_over_content(template: str) -> bool:
+    """Whether a chat template walks a message's content as a list of parts (`{% for part in
+    message['content'] %}`, maybe through a filter): vLLM's "auto" content format then gives it the parts
+    ("openai"), a string content as one text part, where other templates get the text ("string")."""
+    import jinja2
+    from jinja2 import nodes
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:  # transformers' own environment: its extensions ({% generation %}, loop controls) parse
+        tree = _compile_jinja_template(template).environment.parse(template)
+    except jinja2.TemplateError:
+        return False
+
+    def content_of(node: nodes.Node) -> bool:
+        while isinstance(node, (nodes.Filter, nodes.Test)) and node.node is not None:
+            node = node.node
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+            return content_of(node.node)
+        if isinstance(node, nodes.Getattr):
+            return node.attr == "content"
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
+            return bool(node.arg.value == "content")
+        return False
+
+    return any(content_of(loop.iter) for loop in tree.find_all(nodes.For))
+
+
+def chat_content_parts(content: Any, index: int) -> list[dict[str, str]]:
+    """A chat message's content as the parts a template that loops over them gets (loops_over_content):
+    its text parts, a string as one text part, None as none (vLLM's "openai" content format)."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    chat_content_text(content, index)  # (the same checks)
+    return [{"type": "text", "text": part["text"]} for part in content]
+
+
 def chat_content_text(content: Any, index: int) -> str:
     """A chat message's content as the text the template gets: a string (None: empty), or OpenAI-style
     content parts of which only text parts ({"type": "text", "text": ...}) are supported, one per line
@@ -76,11 +115,14 @@ def chat_content_text(content: Any, index: int) -> str:
     return "\n".join(parts)
 
 
-def _template_message(message: ChatMessage, index: int) -> ChatMessage:
+def _template_message(message: ChatMessage, index: int, parts: bool) -> ChatMessage:
     """A message as the chat template gets it, as the server and vLLM give it: content parts become their
-    text and no content (None or absent, e.g. an assistant turn that only called tools) empty text; earlier
-    tool calls' arguments (OpenAI's JSON text) become objects, as tool-use templates read them."""
-    out = {**message, "content": chat_content_text(message.get("content"), index)}
+    text and no content (None or absent, e.g. an assistant turn that only called tools) empty text, or with
+    `parts` (a template that loops over them) a list of text parts; earlier tool calls' arguments
+    (OpenAI's JSON text) become objects, as tool-use templates read them."""
+    content = message.get("content")
+    text = chat_content_parts(content, index) if parts else chat_content_text(content, index)
+    out = {**message, "content": text}
     calls = message.get("tool_calls")
     if isinstance(calls, (list, tuple)):
         try:
@@ -225,17 +267,21 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
+        documents: Sequence[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to a list of
         them, rendered with the tokenizer's chat template (or `chat_template`, a Jinja string) as vLLM's
         `LLM.chat` does; one RequestOutput per conversation, whose prompt is the rendered text.
         `chat_template_kwargs`: extra template variables (e.g. Qwen3's enable_thinking); `tools`: the
-        functions ({"type": "function", "function": {...}}) the template shows the model, as vLLM's.
+        functions ({"type": "function", "function": {...}}) the template shows the model, as vLLM's;
+        `documents`: the retrieved documents ({"title": ..., "text": ...}) a RAG template shows it.
         `sampling_params` as `generate`'s (None: `get_default_sampling_params()`)."""
         variables = template_variables(chat_template_kwargs)
-        tools_ok = isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)
-        if tools is not None and not tools_ok:
-            raise InvalidRequestError(f"tools must be a list of tool dicts, got {_preview(tools)}")
+        for name, given in (("tools", tools), ("documents", documents)):
+            dicts = isinstance(given, (list, tuple)) and all(isinstance(t, dict) for t in given)
+            if given is not None and not dicts:
+                kind = "tool dicts" if name == "tools" else "dicts"
+                raise InvalidRequestError(f"{name} must be a list of {kind}, got {_preview(given)}")
         if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
             conversations: list[Any] = [messages]
         elif isinstance(messages, (list, tuple)) and messages:
@@ -251,12 +297,17 @@ class LLM:
                     f"conversation {i} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
                     f"got {_preview(conv)}"
                 )
-        conversations = [[_template_message(m, j) for j, m in enumerate(conv)] for conv in conversations]
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 f"the tokenizer of {self.config.tokenizer_source} has no chat template; pass chat_template= "
                 "(a Jinja template string) to LLM.chat"
             )
+        try:
+            template = self.tokenizer.get_chat_template(chat_template, tools and list(tools))
+        except Exception as exc:  # a tokenizer's named templates without a default, say
+            raise InvalidRequestError(f"the chat template: {type(exc).__name__}: {exc}") from None
+        parts = loops_over_content(template)
+        conversations = [[_template_message(m, j, parts) for j, m in enumerate(c)] for c in conversations]
         with self._lock:  # the tokenizer is not safe to share between threads either
             prompts: list[PromptType] = []
             for conv in conversations:
@@ -264,7 +315,8 @@ class LLM:
                     text = self.tokenizer.apply_chat_template(
                         list(conv), chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                         continue_final_message=continue_final_message, tokenize=False,
-                        tools=None if tools is None else list(tools), **variables,
+                        tools=None if tools is None else list(tools),
+                        documents=None if documents is None else list(documents), **variables,
                     )  # fmt: skip
                 except Exception as exc:
                     raise InvalidRequestError(

@@ -51,7 +51,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tp_runtime import __version__
 from tp_runtime.engine.async_engine import AsyncLLMEngine, RequestStream
-from tp_runtime.engine.llm import template_variables
+from tp_runtime.engine.llm import loops_over_content, template_variables
 from tp_runtime.engine.llm_engine import child_params
 from tp_runtime.errors import EngineClosedError, InvalidRequestError, TPRuntimeError
 from tp_runtime.outputs import CompletionOutput, RequestMetrics
@@ -324,8 +324,12 @@ class _Context:
         if not body.messages:
             raise bad_request("messages is empty; give at least one message", "messages")
         messages = []
+        try:
+            parts = loops_over_content(self.tokenizer.get_chat_template(template, tools))
+        except Exception as exc:  # a tokenizer's named templates without a default, say
+            raise bad_request(f"the chat template: {type(exc).__name__}: {exc}", "messages") from None
         for i, m in enumerate(body.messages):
-            message: dict[str, Any] = {"role": m.role, "content": text_content(m.content, i)}
+            message: dict[str, Any] = {"role": m.role, "content": text_content(m.content, i, parts)}
             if m.name is not None:
                 message["name"] = m.name
             if m.tool_call_id is not None:
@@ -337,6 +341,8 @@ class _Context:
                     raise bad_request(f"message {i}: {exc}", "messages") from None
             messages.append(message)
         variables_extra: dict[str, Any] = {"tools": tools} if tools is not None else {}
+        if body.documents is not None:
+            variables_extra["documents"] = list(body.documents)
         try:
             variables = template_variables(body.chat_template_kwargs)
         except InvalidRequestError as exc:

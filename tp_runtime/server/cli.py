@@ -221,7 +221,12 @@ def load_chat_template(value: str) -> str:
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{flag}: cannot read {path}: {exc}") from None
     elif "{{" in value or "{%" in value:
-        text = value
+        # Given inline, its escapes (\n, \t, \uXXXX) are read as vLLM reads them: a shell passes "\n" as
+        # two characters. (Characters past Latin-1 go through as \uXXXX escapes, so they stay as given.)
+        try:
+            text = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{flag}: a bad escape in the inline template: {exc.reason}") from None
     else:
         raise ConfigError(f"{flag}: no file {value!r}, and not a template (no {{{{ or {{% in it)")
     if not text.strip():

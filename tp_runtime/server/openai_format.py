@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tp_runtime.engine.async_engine import describe_failure
-from tp_runtime.engine.llm import chat_content_text
+from tp_runtime.engine.llm import chat_content_parts, chat_content_text
 from tp_runtime.engine.llm_engine import IncrementalDetokenizer, TextFinality, decode_context
 from tp_runtime.errors import InvalidRequestError, TPRuntimeError
 from tp_runtime.outputs import CompletionOutput, Logprob
@@ -134,10 +134,11 @@ def validation_message(
 # ------------------------------------------------------------------------------------------ requests
 
 
-def text_content(content: Any, index: int) -> str:
-    """A chat message's content as text: a string, or text content parts, one per line (LLM.chat's rule)."""
+def text_content(content: Any, index: int, parts: bool = False) -> str | list[dict[str, str]]:
+    """A chat message's content as the template gets it (LLM.chat's rule): text, a string or text content
+    parts one per line; with `parts` (a template that loops over them) its text parts."""
     try:
-        return chat_content_text(content, index)
+        return chat_content_parts(content, index) if parts else chat_content_text(content, index)
     except InvalidRequestError as exc:
         raise bad_request(str(exc), "messages") from None
 

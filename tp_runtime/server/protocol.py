@@ -244,6 +244,7 @@ class ChatTemplateFields(_Request):
     # vLLM's: the tokenizer's special tokens on top of the rendered text (the template writes its own BOS).
     add_special_tokens: bool = False
     tools: Items[dict[str, Any]] | None = None  # shown to the chat template
+    documents: Items[dict[str, Any]] | None = None  # vLLM's: retrieved documents a RAG template shows
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):

@@ -157,6 +157,8 @@ def _no_torchrun_report(proc: subprocess.CompletedProcess[str]) -> None:
         (["bench", "latency", "--num-iters", "0"], ["--num-iters"]),
         (["bench", "messaging"], ["runs once", "without torchrun"]),
         (["make-smollm2", "somewhere"], ["runs once"]),
+        # the launcher's own --tensor-parallel-size (NPROC x nodes) had won over it unseen
+        (["generate", "--model", "tiny-llama-tp", "-tp", "4"], ["--tensor-parallel-size: 4 is not the 2"]),
     ],
 )
 def test_torchrun_argument_error_is_one_line(args: list[str], fragments: list[str]) -> None:
@@ -222,6 +224,62 @@ def test_ctrl_c_prints_one_line(tp: int, after_s: float) -> None:
     # C code (an import of torch), whatever status the program chose.
     assert status in (130, -signal.SIGINT), output[-3000:]
     assert output.strip() == "tp-runtime: interrupted", output[-3000:]
+
+
+_FINALIZER_SIGNAL = """
+import os, signal, sys
+import tp_runtime.cli as cli
+import tp_runtime.engine.args as engine_args
+
+class Probe:
+    def __del__(self):  # the signal's handler runs inside this finalizer, which swallows what it raises
+        os.kill(os.getpid(), signal.{sig})
+        for _ in range(1000):
+            pass
+
+def swallowing(original):
+    def call(args):
+        Probe()
+        return original(args)
+    return call
+
+if "{where}" == "checks":
+    cli.check_model = swallowing(cli.check_model)
+else:  # the model's load (generate's, serve's)
+    cli.build_llm = swallowing(cli.build_llm)
+    engine_args.build_llm = swallowing(engine_args.build_llm)
+cli.main(sys.argv[1:])
+"""
+
+
+GENERATE = ["generate", "--model", "tiny-llama", "--max-tokens", "4", "hi"]
+SERVE = ["serve", "tiny-llama", "--device", "cpu", "--port", "0"]
+
+
+@pytest.mark.parametrize(
+    ("command", "where", "sig", "status", "last_line"),
+    [
+        (GENERATE, "checks", "SIGINT", 130, "tp-runtime: interrupted"),
+        (GENERATE, "load", "SIGINT", 130, "tp-runtime: interrupted"),
+        (SERVE, "load", "SIGTERM", 0, "tp-runtime serve: shut down"),
+        (SERVE, "load", "SIGINT", 0, "tp-runtime serve: shut down"),
+    ],
+)  # fmt: skip
+def test_a_signal_swallowed_by_a_finalizer_still_stops_the_command(
+    command: list[str], where: str, sig: str, status: int, last_line: str
+) -> None:
+    """A Ctrl-C (or a server's SIGTERM) whose handler runs inside a finalizer (__del__) is swallowed there
+    as "Exception ignored": generate ran to its end with status 0, and serve came up and served. The
+    signal is sent from inside a finalizer during the start-up."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FINALIZER_SIGNAL.replace("{sig}", sig).replace("{where}", where), *command],
+        cwd=REPO,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == status, output[-3000:]
+    assert output.strip().splitlines()[-1] == last_line, output[-3000:]
+    assert "ready on" not in output and "Exception ignored" not in output and "Traceback" not in output
 
 
 def test_a_ctrl_c_during_the_torch_import_is_held_until_it_ends() -> None:

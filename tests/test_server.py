@@ -847,6 +847,37 @@ def test_signal_drains_and_leaves_no_process(tmp_path: Path, sig: signal.Signals
     _wait_gone(server.worker_pids)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_second_signal_aborts_the_requests_at_once(tmp_path: Path, sig: signal.Signals) -> None:
+    """The first signal gives the requests in flight the grace period; a second one ends them at once with
+    finish_reason "abort", and the server exits with status 0. A second Ctrl-C had made uvicorn cancel
+    them mid-response: the client got a 500 and the log two tracebacks."""
+    server = start_server("tiny-llama-tp", 2, tmp_path, "--shutdown-grace", "120", "--max-model-len", "2048")
+    try:
+        first_long, long, long_thread = _stream_in_thread(server, 2000)
+        assert first_long.wait(60)
+        server.proc.send_signal(sig)
+        host, port = server.url.removeprefix("http://").split(":")
+        deadline = time.monotonic() + 30
+        while True:  # the first signal is taken: the listening socket closes
+            try:
+                socket.create_connection((host, int(port)), timeout=5).close()
+            except ConnectionRefusedError:
+                break
+            assert time.monotonic() < deadline, "the server still accepts connections after the signal"
+            time.sleep(0.02)
+        server.proc.send_signal(sig)
+        assert server.proc.wait(timeout=60) == 0, server.output()[-4000:]
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    long_thread.join(30)
+    assert long[-1] == "[DONE]" and long[-2][1] == "abort", long[-3:]
+    output = server.output()
+    assert "Traceback" not in output and "CancelledError" not in output, output[-4000:]
+    _wait_gone(server.worker_pids)
+
+
 def test_sigterm_while_loading_stops_the_workers(tmp_path: Path) -> None:
     """A signal while the model loads: the workers started so far are shut down and the server exits with
     status 0, never ready. The load is held (in the worker start-up wait) until the signal arrives."""

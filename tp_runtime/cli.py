@@ -9,6 +9,7 @@ Ctrl-C exits with status 130 and the line `tp-runtime: interrupted`.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import json
@@ -17,6 +18,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -555,9 +557,36 @@ def _interrupts_held() -> Any:
         raise KeyboardInterrupt
 
 
+def _redeliver_interrupts_from_finalizers() -> None:
+    """A Ctrl-C that lands in a finalizer (__del__, of which the imports and the start-up run many) is
+    printed as "Exception ignored" and swallowed, and the command ran on to its end: deliver it again to the
+    main thread, where the SIGINT handler of the moment takes it. From another thread once this hook has
+    returned, so that it lands in the code the finalizer interrupted (one that lands in a finalizer again
+    comes back here)."""
+    default = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            default(unraisable)
+            return
+        returned = threading.Event()
+
+        def redeliver() -> None:
+            returned.wait()
+            time.sleep(0.01)  # past the hook's own last instructions
+            _thread.interrupt_main()
+
+        with contextlib.suppress(RuntimeError):  # (the interpreter is shutting down: nothing to stop)
+            threading.Thread(target=redeliver, name="tp-runtime-interrupt", daemon=True).start()
+        returned.set()
+
+    sys.unraisablehook = hook
+
+
 def main(argv: list[str] | None = None) -> None:
     if os.environ.get(LAUNCHED_ENV) and torchrun_rank() is not None:
         signal.signal(signal.SIGINT, _exit_interrupted)
+    _redeliver_interrupts_from_finalizers()
     try:
         args = parse_and_check(argv, under_torchrun=torchrun_rank() is not None)
         if (

@@ -97,6 +97,22 @@ def _quiet_interrupts_in_finalizers(interrupts: _Interrupts) -> None:
     sys.unraisablehook = hook
 
 
+def _refuse_another_tp_size(command_argv: list[str], command: Any) -> None:
+    """launch_tp.sh gives the command --tensor-parallel-size NPROC x nodes, after the user's arguments: one
+    the user gave as well, and otherwise, lost to it unseen (`-tp 4` ran at TP 2): a user error."""
+    given = getattr(command, "tensor_parallel_size", None)
+    words = command_argv[: command_argv.index("--")] if "--" in command_argv else command_argv
+    last = max((i for i, w in enumerate(words[:-1]) if w == "--tensor-parallel-size"), default=None)
+    if given is None or last is None:
+        return
+    users = cli.build_parser().parse_args(command_argv[:last] + command_argv[last + 2 :])
+    if users.tensor_parallel_size not in (1, given):  # (1: the default, or said so)
+        cli.fail(
+            f"argument -tp/--tensor-parallel-size: {users.tensor_parallel_size} is not the {given} ranks "
+            f"torchrun starts (NPROC x nodes); leave it out, or start {users.tensor_parallel_size} ranks"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     torchrun_argv, command_argv = _split(sys.argv[1:] if argv is None else argv)
     interrupts = _Interrupts()
@@ -107,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         if once is not None:  # before parsing: launch_tp.sh adds --tensor-parallel-size, which it lacks
             cli.refuse_once_only(once)
         command = cli.parse_and_check(command_argv, under_torchrun=True)
+        _refuse_another_tp_size(command_argv, command)
         if interrupts.seen:
             raise KeyboardInterrupt
         status = _run_torchrun(torchrun_argv, command_argv, interrupts, _drain_s(command))

@@ -87,7 +87,9 @@ class _DrainingServer(uvicorn.Server):
             self._loop = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        super().handle_exit(sig, frame)
+        # A second Ctrl-C made uvicorn force its exit, cancelling the requests' tasks mid-response (500s and
+        # tracebacks); as a second SIGTERM does, it aborts them at once instead (the drain with no grace).
+        super().handle_exit(signal.SIGTERM if sig == signal.SIGINT and self.should_exit else sig, frame)
         self._signals += 1
         grace_s = self._grace_s if self._signals == 1 else 0.0
         # On the event loop, not in the signal handler: the drain takes a lock the interrupted code may hold.
@@ -111,6 +113,7 @@ class _Signals:
     def __init__(self) -> None:
         self.server: _DrainingServer | None = None
         self.stopping = False
+        self.requested = False  # a signal came while the model loaded
         self._raised = False
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -118,8 +121,16 @@ class _Signals:
             return
         if self.server is not None:
             self.server.handle_exit(signum, frame)
-        elif not self._raised:
+            return
+        self.requested = True
+        if not self._raised:
             self._raised = True
+            raise _ShutdownRequested
+
+    def check(self) -> None:
+        """Raise _ShutdownRequested if a signal came meanwhile: one that lands in a finalizer (__del__)
+        is swallowed there, and the load went on to serve."""
+        if self.requested:
             raise _ShutdownRequested
 
     @contextlib.contextmanager
@@ -128,9 +139,17 @@ class _Signals:
             yield
             return
         previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        default_hook = sys.unraisablehook
+
+        def hook(unraisable: Any) -> None:  # a swallowed _ShutdownRequested: check() raises it again
+            if not isinstance(unraisable.exc_value, _ShutdownRequested):
+                default_hook(unraisable)
+
+        sys.unraisablehook = hook
         try:
             yield
         finally:
+            sys.unraisablehook = default_hook
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
@@ -188,6 +207,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, signals: _Signals) -> 
     llm = build_llm(args)
     engine = AsyncLLMEngine(llm.engine, shutdown_engine=llm.shutdown)
     try:
+        signals.check()
         config = llm.engine.config
         tokenizer = load_tokenizer(config.tokenizer_source, config.trust_remote_code)
         if args.chat_template is not None:  # check_serve read and parsed it
@@ -233,6 +253,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, signals: _Signals) -> 
             http=protocol,
         )  # fmt: skip
         server = _DrainingServer(uv_config, begin_drain, args.shutdown_grace)
+        signals.check()
         engine.start()
         signals.server = server  # from here on a signal drains
         server.run(sockets=[sock])

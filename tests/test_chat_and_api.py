@@ -394,6 +394,19 @@ def test_a_template_that_loops_over_content_gets_its_parts(llm: LLM, template: s
         assert out.prompt == want and ("the|cat|" in want or "the cat|" in want), (out.prompt, want)
 
 
+def test_a_loop_over_another_values_content_keeps_the_text(llm: LLM) -> None:
+    """Only a loop over a message's content (a loop variable over the messages, as vLLM scopes it) asks for
+    parts: here the messages are joined as strings, so they must stay text (parts made `m.content + ...`
+    a TypeError)."""
+    template = (
+        "{% if messages[0].role == 'system' %}{% for p in messages[0]['content'] %}{{ p }}{% endfor %}"
+        "{% endif %}{% for m in messages %}{{ m.content + '<eot>' }}{% endfor %}"
+    )
+    conv = [{"role": "user", "content": [{"type": "text", "text": "the"}, {"type": "text", "text": "cat"}]}]
+    [out] = llm.chat(conv, GREEDY, chat_template=template, add_generation_prompt=False, use_tqdm=False)
+    assert out.prompt == "the\ncat<eot>"
+
+
 def test_chat_gives_earlier_tool_calls_arguments_as_objects(llm: LLM, model_dir: Path) -> None:
     """An assistant message's tool_calls carry OpenAI's arguments as JSON text; the template gets them as
     an object (HF's tool-use templates iterate or tojson them), as vLLM's LLM.chat and the server give

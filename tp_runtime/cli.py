@@ -557,7 +557,7 @@ def _interrupts_held() -> Any:
         raise KeyboardInterrupt
 
 
-def _redeliver_interrupts_from_finalizers() -> None:
+def _redeliver_interrupts_from_finalizers() -> Any:
     """A Ctrl-C that lands in a finalizer (__del__, of which the imports and the start-up run many) is
     printed as "Exception ignored" and swallowed, and the command ran on to its end: deliver it again to the
     main thread, where the SIGINT handler of the moment takes it. From another thread once this hook has
@@ -581,12 +581,20 @@ def _redeliver_interrupts_from_finalizers() -> None:
         returned.set()
 
     sys.unraisablehook = hook
+    return default  # for main to put back
 
 
 def main(argv: list[str] | None = None) -> None:
     if os.environ.get(LAUNCHED_ENV) and torchrun_rank() is not None:
         signal.signal(signal.SIGINT, _exit_interrupted)
-    _redeliver_interrupts_from_finalizers()
+    previous_hook = _redeliver_interrupts_from_finalizers()
+    try:
+        _main(argv)
+    finally:
+        sys.unraisablehook = previous_hook  # (main may run in a process that goes on: tests, a script)
+
+
+def _main(argv: list[str] | None) -> None:
     try:
         args = parse_and_check(argv, under_torchrun=torchrun_rank() is not None)
         if (

@@ -62,15 +62,34 @@ def loops_over_content(template: str) -> bool:
     except jinja2.TemplateError:
         return False
 
+    def under(node: nodes.Node) -> nodes.Node:  # through filters, tests and slices
+        while True:
+            inner = node.node if isinstance(node, (nodes.Filter, nodes.Test, nodes.Getitem)) else None
+            if inner is None or (isinstance(node, nodes.Getitem) and not isinstance(node.arg, nodes.Slice)):
+                return node
+            node = inner
+
+    def named(node: nodes.Node, names: set[str]) -> bool:
+        node = under(node)
+        return isinstance(node, nodes.Name) and node.name in names
+
+    # As vLLM scopes it: the loop variables of loops over the messages (or a name set to them), whose
+    # `content` a loop then walks; a loop over some other value's content is not the messages' format.
+    lists = {"messages"}
+    for assign in tree.find_all(nodes.Assign):
+        if isinstance(assign.target, nodes.Name) and named(assign.node, lists):
+            lists.add(assign.target.name)
+    messages = {
+        loop.target.name for loop in tree.find_all(nodes.For)
+        if isinstance(loop.target, nodes.Name) and named(loop.iter, lists)
+    }  # fmt: skip
+
     def content_of(node: nodes.Node) -> bool:
-        while isinstance(node, (nodes.Filter, nodes.Test)) and node.node is not None:
-            node = node.node
-        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
-            return content_of(node.node)
+        node = under(node)
         if isinstance(node, nodes.Getattr):
-            return node.attr == "content"
+            return node.attr == "content" and named(node.node, messages)
         if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
-            return bool(node.arg.value == "content")
+            return bool(node.arg.value == "content") and named(node.node, messages)
         return False
 
     return any(content_of(loop.iter) for loop in tree.find_all(nodes.For))

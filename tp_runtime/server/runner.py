@@ -253,9 +253,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket, signals: _Signals) -> 
             http=protocol,
         )  # fmt: skip
         server = _DrainingServer(uv_config, begin_drain, args.shutdown_grace)
-        signals.check()
         engine.start()
         signals.server = server  # from here on a signal drains
+        signals.check()  # one swallowed before: not served
         server.run(sockets=[sock])
     finally:
         signals.stopping = True

@@ -810,6 +810,19 @@ def _wait_gone(pids: list[int]) -> None:
         time.sleep(0.05)
 
 
+def _wait_refused(server: Server) -> None:
+    """Until the server's listening socket refuses new connections (it closes once a signal is taken)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except ConnectionRefusedError:
+            return
+        assert time.monotonic() < deadline, "the server still accepts connections after the signal"
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_signal_drains_and_leaves_no_process(tmp_path: Path, sig: signal.Signals) -> None:
     """SIGTERM or Ctrl-C: new connections are refused; a request that can finish within the grace period
@@ -822,15 +835,7 @@ def test_signal_drains_and_leaves_no_process(tmp_path: Path, sig: signal.Signals
         first_long, long, long_thread = _stream_in_thread(server, 2000)
         assert first_short.wait(60) and first_long.wait(60)
         server.proc.send_signal(sig)
-        host, port = server.url.removeprefix("http://").split(":")
-        deadline = time.monotonic() + 30
-        while True:  # the listening socket closes: new clients are refused
-            try:
-                socket.create_connection((host, int(port)), timeout=5).close()
-            except ConnectionRefusedError:
-                break
-            assert time.monotonic() < deadline, "the server still accepts connections after the signal"
-            time.sleep(0.02)
+        _wait_refused(server)  # the listening socket closes: new clients are refused
         assert server.proc.wait(timeout=90) == 0, server.output()[-4000:]
     finally:
         if server.proc.poll() is None:
@@ -857,15 +862,7 @@ def test_a_second_signal_aborts_the_requests_at_once(tmp_path: Path, sig: signal
         first_long, long, long_thread = _stream_in_thread(server, 2000)
         assert first_long.wait(60)
         server.proc.send_signal(sig)
-        host, port = server.url.removeprefix("http://").split(":")
-        deadline = time.monotonic() + 30
-        while True:  # the first signal is taken: the listening socket closes
-            try:
-                socket.create_connection((host, int(port)), timeout=5).close()
-            except ConnectionRefusedError:
-                break
-            assert time.monotonic() < deadline, "the server still accepts connections after the signal"
-            time.sleep(0.02)
+        _wait_refused(server)  # the first signal is taken: the listening socket closes
         server.proc.send_signal(sig)
         assert server.proc.wait(timeout=60) == 0, server.output()[-4000:]
     finally:

@@ -90,3 +90,28 @@ def test_each_rank_holds_its_slice(
             assert torch.equal(param.data, want), f"rank {rank}: {name}"
         # Norms, biases and replicated KV heads are read in full; everything else only this rank's part.
         assert sum(read) < full_elements / tp * 1.35, (rank, sum(read), full_elements)
+
+
+def _dummy_value(flat_index: int, seed: int, scale: float, offset: float) -> float:
+    """DummyTensor's value at one global (row-major) index, in Python integers."""
+    mask = (1 << 62) - 1
+    h = (flat_index + seed * 0x9E3779B1) & mask
+    h = ((h ^ (h >> 29)) * 0xBF58476D) & mask
+    h = ((h ^ (h >> 27)) * 0x94D049BB) & mask
+    h ^= h >> 31
+    return ((h & 0xFFFFFF) / float(0x1000000) * 2.0 - 1.0) * scale + offset
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 23])
+def test_dummy_slices_hold_the_full_tensors_values(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any slice of a dummy tensor, made a few rows at a time (bounded memory for an LM head), holds the
+    values of the same slice of the full tensor, each a hash of its global index."""
+    monkeypatch.setattr(loader, "_DUMMY_CHUNK_ELEMENTS", chunk)
+    shape = (5, 6, 3)
+    source = loader.DummyTensor(shape, 12, 0.5, 0.25, torch.float32, torch.device("cpu"))
+    values = [_dummy_value(i, 12, 0.5, 0.25) for i in range(5 * 6 * 3)]
+    full = torch.tensor(values, dtype=torch.float32).view(shape)
+    torch.testing.assert_close(source.full(), full, rtol=0, atol=0)
+    for dim, start, length in [(0, 1, 3), (1, 2, 4), (2, 1, 1), (1, 0, 0)]:
+        got = source.narrow(dim, start, length)
+        torch.testing.assert_close(got, full.narrow(dim, start, length), rtol=0, atol=0)

@@ -839,6 +839,10 @@ def _load_kv_scale(model: CausalLM, name: str, tensor: CheckpointTensor) -> bool
     return True
 
 
+# Elements of a dummy tensor hashed at once (each takes ~40 bytes of int64 temporaries).
+_DUMMY_CHUNK_ELEMENTS = 1 << 23
+
+
 class DummyTensor:
     """A pseudo-random checkpoint tensor whose every element is a hash of its global index.
 
@@ -866,10 +870,28 @@ class DummyTensor:
         self._device = device
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        shape = list(self.shape)
+        shape[dim] = length
+        out = torch.empty(shape, dtype=self._dtype, device=self._device)
+        if out.numel() == 0:
+            return out
+        # The hash runs on int64 with a few temporaries alive at once: made whole, a 70B LM head's would
+        # take ~30 GB beside the weights already loaded, so rows are made a bounded number at a time.
+        per_row = out.numel() // shape[0]
+        step = max(1, _DUMMY_CHUNK_ELEMENTS // per_row)
+        for row in range(0, shape[0], step):
+            rows = min(step, shape[0] - row)
+            out[row : row + rows] = self._values(dim, start, length, row, rows)
+        return out
+
+    def _values(self, dim: int, start: int, length: int, row: int, rows: int) -> torch.Tensor:
+        """Rows [row, row + rows) of narrow(dim, start, length)."""
         index = torch.zeros((), dtype=torch.int64, device=self._device)
         stride = 1
         for d in reversed(range(len(self.shape))):
             lo, n = (start, length) if d == dim else (0, self.shape[d])
+            if d == 0:
+                lo, n = lo + row, rows
             view = [1] * len(self.shape)
             view[d] = n
             index = index + (torch.arange(lo, lo + n, device=self._device) * stride).view(view)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +40,10 @@ def convert_gguf(gguf: Path, out: Path, edit_config: Callable[[Any], None] | Non
 
     folder, name = gguf.parent, gguf.name
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, output_loading_info=True
+        )
+        model, loading = loaded
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as exc:
         # Whatever fails here is the file's: transformers' reader raises struct.error on a file cut short,
@@ -52,12 +56,24 @@ def convert_gguf(gguf: Path, out: Path, edit_config: Callable[[Any], None] | Non
             f"{gguf} holds a {architecture} model, which tp_runtime does not run; supported: "
             f"{', '.join(ARCHITECTURES)}"
         )
+    # transformers only warns of tensors the file lacks (a split file's first part, a cut export) and
+    # leaves them at their random initial values.
+    absent = sorted(
+        set(loading.get("missing_keys", ())) | {k for k, *_ in loading.get("mismatched_keys", ())}
+    )
+    if absent:
+        raise ConfigError(
+            f"{gguf} lacks {len(absent)} of the model's tensors or holds them in another shape "
+            f"({', '.join(absent[:4])}{', ...' if len(absent) > 4 else ''}); a split GGUF must be merged "
+            "first (llama.cpp's llama-gguf-split --merge)"
+        )
     # A model read from GGUF refuses save_pretrained, so the pieces are written by hand. The config
     # loses its GGUF quantization_config: the tensors written are plain float32.
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.architectures = [architecture]  # GGUF metadata does not carry it
+    _carry_rope_scaling(gguf, config)
     config.dtype = torch.float32
     if edit_config is not None:
         edit_config(config)
@@ -76,6 +92,117 @@ def convert_gguf(gguf: Path, out: Path, edit_config: Callable[[Any], None] | Non
     tokenizer.save_pretrained(out)
     (out / "model.safetensors").chmod(0o644)  # save_file creates it 0600, unlike the other files
     return out
+
+
+# llama.cpp's default original context for Llama 3's rope; any value fits the same factors (see below).
+_LLAMA3_ORIGINAL_CONTEXT = 8192
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _carry_rope_scaling(gguf: Path, config: Any) -> None:
+    """Put the file's rope scaling into `config`, which transformers' GGUF reader leaves at the plain rope
+    for these architectures: llama.cpp writes linear scaling as `<arch>.rope.scaling.*` keys, and Llama
+    3.1/3.2's rope as a `rope_freqs.weight` tensor of per-frequency divisors. Scalings it cannot carry
+    exactly are refused rather than run as another model."""
+    from gguf import GGUFReader
+
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if params.get("rope_type", "default") != "default":
+        return  # transformers read it
+    reader = GGUFReader(str(gguf))
+    prefix = f"{_field(reader, 'general.architecture')}.rope.scaling."
+    kind = _field(reader, prefix + "type")
+    tensors = {t.name: t for t in reader.tensors if t.name.startswith("rope_")}
+    divisors = tensors.pop("rope_freqs.weight", None)
+    unsupported = sorted(tensors) + (
+        [f"rope scaling {kind!r}"] if kind not in (None, "none", "linear") else []
+    )
+    if kind == "linear" and divisors is not None:
+        unsupported.append("linear scaling with rope_freqs.weight")
+    if unsupported:
+        raise ConfigError(
+            f"{gguf} holds a rope scaling that tp_runtime does not read from GGUF "
+            f"({', '.join(unsupported)}); use the model's HF checkpoint folder instead"
+        )
+    if kind == "linear":
+        params.update(rope_type="linear", factor=float(_field(reader, prefix + "factor")))
+    elif divisors is not None:
+        fitted = _llama3_rope(
+            [float(v) for v in divisors.data.reshape(-1)],
+            float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            _field(reader, prefix + "original_context_length") or _LLAMA3_ORIGINAL_CONTEXT,
+        )
+        if fitted is None:
+            raise ConfigError(
+                f"{gguf}: its rope_freqs.weight is not Llama 3's rope scaling, the only one tp_runtime reads "
+                "from that tensor; use the model's HF checkpoint folder instead"
+            )
+        params.update(fitted)
+    else:
+        return
+    config.rope_parameters = params
+
+
+def _llama3_factors(
+    theta: float, count: int, factor: float, low: float, high: float, original: float
+) -> list[float]:
+    """The divisor of each rotary frequency under Llama 3's rope (transformers' and llama.cpp's rule)."""
+    out = []
+    for i in range(count):
+        wavelength = 2 * math.pi * theta ** (2 * i / (2 * count))
+        if wavelength < original / high:
+            out.append(1.0)
+        elif wavelength > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _llama3_rope(divisors: list[float], theta: float, original: int) -> dict[str, Any] | None:
+    """Llama 3 rope parameters giving these per-frequency divisors, or None where none do. The divisors
+    fix the factor (the largest) and, through the frequencies between the two bands, the line that
+    low_freq_factor and high_freq_factor draw in original / wavelength; scaling all three of the context
+    and both factors together gives the same divisors, so the file's context length (or llama.cpp's
+    default) is kept."""
+    factor = max(divisors)
+    if factor <= 1.0:
+        return None if min(divisors) < 1.0 else {}  # no scaling at all
+    count = len(divisors)
+    # (original / wavelength, the smoothing weight) of the frequencies between the bands
+    ramp = [
+        (original / (2 * math.pi * theta ** (i / count)), (1 / d - 1 / factor) / (1 - 1 / factor))
+        for i, d in enumerate(divisors)
+        if 1.0 + 1e-5 < d < factor * (1 - 1e-5)
+    ]
+    low, high = 1.0, 4.0  # Llama 3's, where too few frequencies lie between the bands to fit a line
+    if len(ramp) >= 2:
+        n = len(ramp)
+        mean_u = sum(u for u, _ in ramp) / n
+        mean_s = sum(s for _, s in ramp) / n
+        spread = sum((u - mean_u) ** 2 for u, _ in ramp)
+        slope = sum((u - mean_u) * (s - mean_s) for u, s in ramp) / spread if spread > 0 else 0.0
+        if slope <= 0:
+            return None
+        low = mean_u - mean_s / slope
+        high = low + 1 / slope
+        if low <= 0:
+            return None
+    fitted = _llama3_factors(theta, count, factor, low, high, original)
+    if any(abs(f - d) > 1e-4 * d for f, d in zip(fitted, divisors, strict=True)):
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": int(original),
+    }
 
 
 def gguf_checkpoint_dir(path: str | os.PathLike[str]) -> Path:

@@ -1,0 +1,248 @@
+"""GGUF files written here the way llama.cpp writes them: what transformers' GGUF reader leaves out (rope
+scaling, tensors a file lacks) is carried or refused, never run as another model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from tp_runtime import LLM, SamplingParams
+from tp_runtime.errors import ConfigError
+
+pytestmark = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate")),
+    reason="needs gguf and accelerate (scripts/setup.sh installs them)",
+)
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 64, 2, 4, 2, 128, 300
+HEAD_DIM = HIDDEN // HEADS
+THETA = 10000.0
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _hf_weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, std: float = 0.15) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    weights = {
+        "model.embed_tokens.weight": rand(VOCAB, HIDDEN, std=1.0),
+        "model.norm.weight": 1 + rand(HIDDEN, std=0.05),
+        "lm_head.weight": rand(VOCAB, HIDDEN),
+    }
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, HIDDEN, std=0.5),
+            p + "self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN, std=0.5),
+            p + "self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM),
+            p + "mlp.gate_proj.weight": rand(FFN, HIDDEN),
+            p + "mlp.up_proj.weight": rand(FFN, HIDDEN),
+            p + "mlp.down_proj.weight": rand(HIDDEN, FFN),
+            p + "input_layernorm.weight": 1 + rand(HIDDEN, std=0.05),
+            p + "post_attention_layernorm.weight": 1 + rand(HIDDEN, std=0.05),
+        }
+    return weights
+
+
+def _gguf_name(name: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm"}
+    if name in fixed or name == "lm_head.weight":
+        return fixed.get(name, "output") + ".weight"
+    parts = name.split(".")
+    return f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.weight"
+
+
+def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's order of q/k rows (interleaved rotary halves), which transformers' reader undoes."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(
+    path: Path, extra: Callable[[Any], None] = lambda writer: None, skip_layer: int | None = None
+) -> None:
+    import gguf
+
+    from tp_runtime.presets import build_preset_tokenizer
+
+    vocab = json.loads(build_preset_tokenizer(VOCAB).backend_tokenizer.to_str())["model"]
+    tokens = [t for t, _ in sorted(vocab["vocab"].items(), key=lambda kv: kv[1])]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(16384)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(THETA)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(VOCAB)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in ("<unk>", "<s>", "</s>") else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    extra(writer)
+    for name, tensor in _hf_weights().items():
+        if skip_layer is not None and name.startswith(f"model.layers.{skip_layer}."):
+            continue
+        array = tensor.numpy().astype(np.float32)
+        if name.endswith("q_proj.weight"):
+            array = _llama_cpp_permute(array, HEADS)
+        elif name.endswith("k_proj.weight"):
+            array = _llama_cpp_permute(array, KV_HEADS)
+        writer.add_tensor(_gguf_name(name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _llama3_divisors(factor: float, low: float, high: float, original: float) -> np.ndarray:
+    """Per-frequency divisors as llama.cpp's converter computes them for Llama 3's rope."""
+    out = []
+    for i in range(HEAD_DIM // 2):
+        wavelength = 2 * math.pi * THETA ** (2 * i / HEAD_DIM)
+        if wavelength < original / high:
+            out.append(1.0)
+        elif wavelength > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+PROMPTS = [[1, *range(5, 45)], [1, *range(200, 260, 2)]]
+
+
+def _hf_tokens(rope: dict[str, Any]) -> list[list[int]]:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=16384,
+        rms_norm_eps=1e-6, rope_parameters={"rope_theta": THETA, **rope}, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.load_state_dict(_hf_weights())
+    model.generation_config.eos_token_id = None  # full-length continuations, as ignore_eos
+    out = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        out.append(gen[0, len(prompt) :].tolist())
+    return out
+
+
+def _engine_tokens(path: Path) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(model=str(path), device="cpu", dtype="float32") as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("with_context", [False, True], ids=["default-context", "file-context"])
+def test_llama3_rope_from_rope_freqs(tmp_path: Path, with_context: bool) -> None:
+    """llama.cpp writes Llama 3.1/3.2's rope as a rope_freqs.weight tensor, which transformers' reader
+    drops (the model then ran the plain rope). The converted config carries rope parameters that give the
+    same divisors, so the engine equals HF on the original llama3 config."""
+
+    rope = dict(rope_type="llama3", factor=16.0, low_freq_factor=1.0, high_freq_factor=8.0,
+                original_max_position_embeddings=2048)  # fmt: skip
+
+    def extra(writer: Any) -> None:
+        writer.add_tensor("rope_freqs.weight", _llama3_divisors(16.0, 1.0, 8.0, 2048))
+        if with_context:
+            writer.add_rope_scaling_orig_ctx_len(2048)
+
+    path = tmp_path / "llama3-rope.gguf"
+    _write_gguf(path, extra)
+    want = _hf_tokens(rope)
+    assert want != _hf_tokens({"rope_type": "default"})  # the rope changes these tokens
+    assert _engine_tokens(path) == want
+    if with_context:  # the file's own context length, so the file's own factors
+        (folder,) = [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("gguf-")]
+        written = json.loads((folder / "config.json").read_text())["rope_parameters"]
+        assert written["rope_type"] == "llama3" and written["original_max_position_embeddings"] == 2048
+        assert math.isclose(written["low_freq_factor"], 1.0, rel_tol=1e-4)
+        assert math.isclose(written["high_freq_factor"], 8.0, rel_tol=1e-4)
+
+
+def test_linear_rope_scaling_keys(tmp_path: Path) -> None:
+    import gguf
+
+    def extra(writer: Any) -> None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(4.0)
+
+    path = tmp_path / "linear-rope.gguf"
+    _write_gguf(path, extra)
+    want = _hf_tokens({"rope_type": "linear", "factor": 4.0})
+    assert want != _hf_tokens({"rope_type": "default"})
+    assert _engine_tokens(path) == want
+
+
+def _refused(path: Path, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        LLM(model=str(path), device="cpu", dtype="float32")
+
+
+def test_rope_scalings_not_read_are_refused(tmp_path: Path) -> None:
+    import gguf
+
+    descending = np.linspace(4.0, 1.0, HEAD_DIM // 2, dtype=np.float32)
+    cases: dict[str, tuple[Callable[[Any], None], str]] = {
+        "yarn": (
+            lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0)),
+            "rope scaling 'yarn'",
+        ),
+        "longrope": (
+            lambda w: w.add_tensor("rope_factors_long.weight", np.ones(HEAD_DIM // 2, dtype=np.float32)),
+            "rope_factors_long.weight",
+        ),
+        "not-llama3": (
+            lambda w: w.add_tensor("rope_freqs.weight", descending),
+            "not Llama 3's rope scaling",
+        ),
+    }
+    for name, (extra, says) in cases.items():
+        path = tmp_path / f"{name}.gguf"
+        _write_gguf(path, extra)
+        _refused(path, says)
+
+
+def test_a_gguf_without_some_tensors_is_refused(tmp_path: Path) -> None:
+    """The first part of a split GGUF, or a cut export: transformers only warned and left the layer's
+    weights at their random initial values, which the engine then ran."""
+    path = tmp_path / "model-00001-of-00002.gguf"
+    _write_gguf(path, skip_layer=1)
+    _refused(path, r"lacks 9 of the model's tensors .*model\.layers\.1\..*llama-gguf-split --merge")
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("gguf-")]

@@ -99,3 +99,20 @@ def test_memory_profile_runs_the_largest_step(make_checkpoint: Callable[..., Pat
         assert after == before == hf_greedy(path, [prompt], 6, suppress_eos=True)[0]
     finally:
         llm.shutdown()
+
+
+def test_a_gpu_with_no_room_left_says_what_took_it() -> None:
+    """Llama-3-70B FP8 on an 80 GB card at the defaults: the sizing came out at -1449 blocks, which the
+    worker then refused as a protocol error ("allocate_kv_cache needs a number of blocks >= 0")."""
+    from tp_runtime.errors import ConfigError
+    from tp_runtime.worker.kv_sizing import GpuMemoryPlan
+
+    plan = GpuMemoryPlan(total=80 * GIB, share=0.9, weights=68 * GIB, peak=70 * GIB, reserve=3 * GIB)
+    # 72 GiB allowed, 73 taken: one GiB short, in blocks of 512 MiB
+    assert plan.blocks(512 * MIB) == -2
+    assert GpuMemoryPlan(80 * GIB, 0.95, 68 * GIB, 70 * GIB, 3 * GIB).blocks(512 * MIB) == 6
+    error = plan.no_room(rank=1)
+    assert isinstance(error, ConfigError)
+    for says in ("rank 1", "gives 72.00 GiB of the GPU's 80.00 GiB", "weights take 68.00 GiB",
+                 "activations 2.00 GiB", "decoding 3.00 GiB", "raise gpu_memory_utilization"):  # fmt: skip
+        assert says in str(error)

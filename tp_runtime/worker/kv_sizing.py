@@ -1,13 +1,45 @@
-"""How many KV blocks a CPU worker allocates: sized from the configuration, capped by a share of RAM."""
+"""How many KV blocks a worker allocates: on a GPU what its memory share leaves after the weights and the
+profiled step; on a CPU what the configuration can use, capped by a share of RAM."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+
+from tp_runtime.errors import ConfigError
 
 # The CPU KV cache of all ranks on one host together takes at most this share of the RAM available when
 # it is sized (after the weights are loaded), unless `cpu_kv_cache_gib` fixes its size.
 CPU_KV_CACHE_RAM_SHARE = 0.1
+
+
+@dataclass(frozen=True)
+class GpuMemoryPlan:
+    """One GPU's memory as the KV cache is sized, in bytes: the card's `total`, the `share` of it the engine
+    may take (gpu_memory_utilization), what the weights hold, the peak of the profiled largest step (weights
+    included) and what is kept back for decoding and the mixed-step graphs."""
+
+    total: int
+    share: float
+    weights: int
+    peak: int
+    reserve: int
+
+    def blocks(self, per_block_bytes: int) -> int:
+        """KV blocks that fit in what is left; negative where nothing is (see `no_room`)."""
+        return int((self.total * self.share - self.peak - self.reserve) // per_block_bytes)
+
+    def no_room(self, rank: int) -> ConfigError:
+        gib = 1 << 30
+        return ConfigError(
+            f"no room for a KV cache on rank {rank}: gpu_memory_utilization={self.share} gives "
+            f"{self.total * self.share / gib:.2f} GiB of the GPU's {self.total / gib:.2f} GiB, and the "
+            f"weights take {self.weights / gib:.2f} GiB, the largest step's activations "
+            f"{(self.peak - self.weights) / gib:.2f} GiB (max_num_batched_tokens), the room kept for "
+            f"decoding {self.reserve / gib:.2f} GiB (max_num_seqs x max_model_len); raise "
+            "gpu_memory_utilization or lower those settings"
+        )
 
 
 def cpu_kv_cache_blocks(

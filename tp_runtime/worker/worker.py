@@ -60,7 +60,12 @@ from tp_runtime.serialize import (
     worker_reply_codec,
 )
 from tp_runtime.worker.kernel_precompile import triton_driver_starting
-from tp_runtime.worker.kv_sizing import CPU_KV_CACHE_RAM_SHARE, available_memory_bytes, cpu_kv_cache_blocks
+from tp_runtime.worker.kv_sizing import (
+    CPU_KV_CACHE_RAM_SHARE,
+    GpuMemoryPlan,
+    available_memory_bytes,
+    cpu_kv_cache_blocks,
+)
 from tp_runtime.worker.model_runner import ModelRunner, pick_kernels
 from tp_runtime.worker.outputs import PendingOutput
 from tp_runtime.worker.step_check import check_step
@@ -181,6 +186,7 @@ class Worker:
         runner = self._runner()
         cache = self.config.cache
         per_block = runner.kv_bytes_per_block()
+        plan = None
         if cache.num_kv_blocks is not None:
             blocks = cache.num_kv_blocks
         elif self.device.type == "cuda":
@@ -191,7 +197,8 @@ class Worker:
             # and values (one layer at a time) on top, and the mixed-step graphs keep a prefill's
             # activations of their own, so reserve both too rather than OOM mid-run.
             reserve = runner.decode_gather_bytes() + runner.mixed_graph_pool_bytes(peak - before)
-            blocks = int((total * cache.gpu_memory_utilization - peak - reserve) // per_block)
+            plan = GpuMemoryPlan(total, cache.gpu_memory_utilization, before, peak, reserve)
+            blocks = plan.blocks(per_block)
         else:
             # What every sequence at full length needs, capped by the size asked for or a share of the RAM.
             if cache.cpu_kv_cache_gib is not None:
@@ -204,7 +211,14 @@ class Worker:
             blocks = cpu_kv_cache_blocks(
                 per_block, self.config.scheduler.max_num_seqs, runner.max_blocks, available, share, ranks
             )
-        blocks = self.tp.all_reduce_min_int(blocks, self.device)
+        own, blocks = blocks, self.tp.all_reduce_min_int(blocks, self.device)
+        if blocks < 0:  # every rank sees the minimum, so all of them stop here
+            if plan is not None and own < 0:
+                raise plan.no_room(self.rank)
+            raise ConfigError(
+                "no room for a KV cache on another rank's GPU; raise gpu_memory_utilization or lower "
+                "max_num_batched_tokens, max_num_seqs or max_model_len"
+            )
         self._report(f"sized the KV cache in {time.perf_counter() - start:.1f} s: {blocks} blocks of "
                      f"{cache.block_size} tokens ({blocks * per_block / 2**30:.2f} GiB a rank)")  # fmt: skip
         return blocks

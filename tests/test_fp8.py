@@ -387,6 +387,13 @@ def test_fp8_checkpoint_errors(make_checkpoint: Any, tmp_path: Path) -> None:
         ({**plain, "sparsity_config": {"format": "sparse-24-bitmask"}}, "sparse weights"),
         ({**plain, "config_groups": {"g": {"targets": ["Linear"], "weights": weights,
                                            "output_activations": weights}}}, "output activation"),
+        # zero points: refused up front, not as an "unexpected tensor" input_zero_point at load
+        ({**plain, "config_groups": {"g": {"targets": ["Linear"], "weights": weights, "input_activations":
+                                           {"num_bits": 8, "type": "float", "symmetric": False}}}},
+         "asymmetric input activations"),
+        # a broken regex: named here, not a re.error from deep in the load (or a worker's traceback)
+        ({**plain, "ignore": ["lm_head", "re:model.layers.[0"]},
+         r"ignore entry 're:model\.layers\.\[0' is not a valid regex"),
     ]  # fmt: skip
     for config, message in refused:
         with pytest.raises(ConfigError, match=message):

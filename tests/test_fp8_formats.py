@@ -440,12 +440,18 @@ def test_broken_fp8_tensors_outside_linear_layers_are_config_errors(
     no_scale = r"embed_tokens.weight' is stored in FP8, but the checkpoint holds no scale for it \(model\.emb"
     with pytest.raises(ConfigError, match=no_scale):
         load()
-    for bad in (float("nan"), float("inf")):
+    for bad in (float("nan"), float("inf"), -0.01):
         scale = good["model.layers.1.mlp.down_proj.weight_scale"].clone()
         scale[3] = bad
         _edit(fp8, lambda t, s=scale: t.update({**good, "model.layers.1.mlp.down_proj.weight_scale": s}))
-        with pytest.raises(ConfigError, match=r"down_proj\.weight_scale holds NaN or infinite FP8 scales"):
+        with pytest.raises(ConfigError, match=r"down_proj\.weight_scale holds NaN, infinite or negative FP8"):
             load()
+    # One scale per row, but not laid out as rows ([rows], [rows, 1] or [1, rows]): refused, not read
+    # row by row.
+    rows = good["model.layers.1.mlp.down_proj.weight_scale"]
+    _edit(fp8, lambda t: t.update({**good, "model.layers.1.mlp.down_proj.weight_scale": rows.reshape(2, -1)}))
+    with pytest.raises(ConfigError, match=r"down_proj\.weight_scale has shape \[2, 32\]; channel FP8 scales"):
+        load()
     _edit(fp8, lambda t: t.update({**good, "model.layers.0.self_attn.o_proj.weight": torch.ones(64, 64)}))
     with pytest.raises(ConfigError, match=r"weight scales of layers whose weights are not FP8 \(model\.layers"
                        r"\.0\.self_attn\.o_proj\.weight\)"):  # fmt: skip

@@ -314,12 +314,31 @@ def _compressed_tensors_config(hq: Mapping[str, Any]) -> QuantConfig | None:
     activations = group.get("input_activations")
     if activations is not None and (activations.get("type") != "float" or activations.get("num_bits") != 8):
         raise ConfigError("compressed-tensors input activations must be FP8 (or not quantized)")
+    if activations is not None and not activations.get("symmetric", True):
+        raise ConfigError(
+            "compressed-tensors asymmetric input activations (with zero points) are not supported; only "
+            "symmetric FP8 ones are"
+        )
     return QuantConfig(
         checkpoint_format="compressed-tensors",
         weight_scales=strategy,
         block_size=_block_size(block) if block is not None else None,
-        ignore=_names(hq.get("ignore"), "ignore"),
+        ignore=_ignore_list(hq.get("ignore")),
     )
+
+
+def _ignore_list(value: Any) -> tuple[str, ...]:
+    """compressed-tensors' `ignore`: module names, or regexes after "re:" (checked here, not at load)."""
+    names = _names(value, "ignore")
+    for entry in names:
+        if entry.startswith("re:"):
+            try:
+                re.compile(entry[3:])
+            except re.error as exc:
+                raise ConfigError(
+                    f"quantization_config's ignore entry {entry!r} is not a valid regex ({exc})"
+                ) from None
+    return names
 
 
 def _names(value: Any, field: str) -> tuple[str, ...]:

@@ -61,10 +61,11 @@ def tensor_name(source: TensorSource) -> str:
 
 
 def check_finite_scale(scale: torch.Tensor, what: str) -> None:
-    """ConfigError where FP8 weight scales hold NaN or infinity (every output of the layer would be NaN)."""
-    if not bool(torch.isfinite(scale).all()):
+    """ConfigError where FP8 weight scales hold NaN or infinity (every output of the layer would be NaN) or
+    a negative value (no quantizer writes one: the scale is the amax over 448)."""
+    if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
         raise ConfigError(
-            f"{what} holds NaN or infinite FP8 scales; the checkpoint is corrupt: download it again"
+            f"{what} holds NaN, infinite or negative FP8 scales; the checkpoint is corrupt: download it again"
         )
 
 

@@ -78,7 +78,11 @@ def check_scale_shape(
         want: tuple[int, ...] = (_cdiv(rows, block_n), _cdiv(cols, block_k))
     else:
         want = (1,) if scheme == "tensor" else (rows,)
-    if math.prod(shape) != math.prod(want) or (scheme == "block" and tuple(shape) != want):
+    if scheme == "block":
+        shape_ok = tuple(shape) == want
+    else:  # per row: [rows], or [rows, 1] / [1, rows] as the tools write them; per tensor: any one value
+        shape_ok = math.prod(shape) == math.prod(want) and (scheme == "tensor" or rows in shape)
+    if not shape_ok:
         raise ConfigError(
             f"{name} has shape {list(shape)}; {scheme} FP8 scales of a {list(weight_shape)} weight have "
             f"shape {list(want)}"

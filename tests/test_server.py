@@ -1598,3 +1598,46 @@ def test_an_echoed_prompt_cut_short_by_a_drain_says_abort(scripted_config: Any, 
         choice = asyncio.run(main(served))
         assert dict(served.engine.stats.finished) == {"abort": 1}
     assert choice["finish_reason"] == "abort", choice
+
+
+def test_hermes_markers_that_are_special_tokens_are_read(scripted_config: Any) -> None:
+    """Some tokenizers hold Hermes' <tool_call> markers as special tokens: a request whose tools the model
+    may call keeps them in its text (as vLLM's parser asks), so the call is read, not returned as content
+    without its markers; with parallel_tool_calls false only the first call comes back, as in vLLM; and
+    arguments the model wrote as a plain string come back as JSON."""
+    tok = build_preset_tokenizer(VOCAB)
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    tok.chat_template = TEMPLATE
+    opening, closing = tok.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    calls = ['{"name":"wx","arguments":{"c":"Oslo"}}', '{"name":"t","arguments":"now"}']
+    text_ids = [i for c in calls for i in (opening, *tok.encode(c, add_special_tokens=False), closing)]
+    (eos,) = scripted_config.eos_token_ids
+    starts: dict[int, int] = {}
+
+    def script(req_id: int, position: int) -> int:
+        at = position - starts.setdefault(req_id, position)
+        return text_ids[at] if at < len(text_ids) else eos
+
+    tools = [{"type": "function", "function": {"name": name}} for name in ("wx", "t")]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 90}
+    assert len(text_ids) < 90
+
+    async def main(served: InProcess) -> list[Any]:
+        async with served.client() as client:
+            replies = [await client.post("/v1/chat/completions", json=body) for body in (
+                chat, {**chat, "parallel_tool_calls": False}, {**chat, "stream": True},
+                {**chat, "tool_choice": "none"})]  # fmt: skip
+        return [r.json() if i != 2 else _events(r) for i, r in enumerate(replies)]
+
+    with InProcess(scripted_config, tok, ScriptedExecutor(script), tool_call_parser="hermes") as served:
+        both, first, streamed, none = asyncio.run(main(served))
+    want = [("wx", {"c": "Oslo"}), ("t", "now")]
+    message = both["choices"][0]["message"]
+    assert both["choices"][0]["finish_reason"] == "tool_calls" and not message["content"]
+    got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+    assert got == want
+    assert [c["function"]["name"] for c in first["choices"][0]["message"]["tool_calls"]] == ["wx"]
+    deltas = [d for e in streamed[:-1] for d in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert [(d["function"]["name"], json.loads(d["function"]["arguments"])) for d in deltas] == want
+    # tool_choice "none": nothing is parsed, and the text leaves special tokens out as usual
+    assert none["choices"][0]["message"]["content"] == tok.decode(text_ids, skip_special_tokens=True)

@@ -511,6 +511,8 @@ class _Context:
         body = self.parse(ChatCompletionRequest, raw)
         check_choices(1, body.n)  # before the template and the tokenizer run
         plan = self.tool_plan(body)
+        if plan is not None and plan.keeps_special_tokens:
+            body = body.model_copy(update={"skip_special_tokens": False})
         # No plan (no tools, or `tools: []`): the tools as given, as /tokenize and vLLM pass them.
         ids = self.chat_prompt(body, body.tools if plan is None else plan.template_tools(body.tools or []))
         ids = self.truncated(body, ids)

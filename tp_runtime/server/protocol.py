@@ -255,7 +255,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     # Functions the model may call (server/tool_calls.py): "auto" (the default with tools) reads calls
     # from its text with --tool-call-parser, "required" and a named function constrain it to calls.
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None  # False: "required" makes one call
+    parallel_tool_calls: bool | None = None  # False: one call at most ("auto" keeps the first)
     # Refused when given, rather than silently ignored: vLLM's echo of the last message, OpenAI's legacy
     # functions / function_call (tools / tool_choice replace them).
     echo: bool = False

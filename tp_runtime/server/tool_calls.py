@@ -53,7 +53,7 @@ class ToolPlan:
     tools: tuple[Tool, ...]
     named: Tool | None = None
     parser: str | None = None
-    parallel: bool = True  # "required" may make several calls (parallel_tool_calls)
+    parallel: bool = True  # several calls may come back (parallel_tool_calls); False: the first only
 
     @classmethod
     def of(
@@ -88,7 +88,7 @@ class ToolPlan:
                     'llama3_json); or ask for "required" or a named function',
                     "tool_choice",
                 )
-            return cls("auto", tuple(parsed), parser=parser)
+            return cls("auto", tuple(parsed), parser=parser, parallel=parallel)
         if tool_choice in ("none", "required"):
             return cls(tool_choice, tuple(parsed), parallel=parallel)
         function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
@@ -146,8 +146,17 @@ class ToolPlan:
                 return None  # cut short (max_tokens), or nested past what json reads: the text as it is
             return ParsedCalls(None, calls)
         if self.mode == "auto":
-            return parse_hermes(text) if self.parser == "hermes" else parse_llama3_json(text)
+            found = parse_hermes(text) if self.parser == "hermes" else parse_llama3_json(text)
+            if found is not None and not self.parallel:  # as vLLM: the first call, the others dropped
+                found = ParsedCalls(found.content, found.calls[:1])
+            return found
         return None
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Hermes' markers are special tokens in some tokenizers: the text must keep them to be parsed (as
+        vLLM's parser sets skip_special_tokens=False for a request whose tools may be called)."""
+        return self.mode == "auto" and self.parser == "hermes"
 
     def streamed_content(self, text: str) -> int:
         """How much of a growing output a stream may send as content now (the rest may become a call)."""
@@ -203,7 +212,13 @@ def _call(obj: Any, arguments_key: str) -> tuple[str, str] | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get(arguments_key, obj.get("arguments", {}))
-    return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    if isinstance(args, str):  # JSON text already (some models write it so), else a string value
+        try:
+            json.loads(args)
+            return obj["name"], args
+        except (ValueError, RecursionError):
+            pass
+    return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
 def parse_hermes(text: str) -> ParsedCalls | None:

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 64, 2, 4, 2, 128, 300
 HEAD_DIM = HIDDEN // HEADS
-THETA = 10000.0
+THETA = 500000.0  # Llama 3's; the plain rope is fitted from it
 GGUF_NAMES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -90,7 +90,7 @@ def _write_gguf(
     tokens = [t for t, _ in sorted(vocab["vocab"].items(), key=lambda kv: kv[1])]
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(LAYERS)
-    writer.add_context_length(16384)
+    writer.add_context_length(32768)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
@@ -143,7 +143,7 @@ PROMPTS = [[1, *range(5, 45)], [1, *range(200, 260, 2)]]
 def _hf_tokens(rope: dict[str, Any]) -> list[list[int]]:
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=16384,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=32768,
         rms_norm_eps=1e-6, rope_parameters={"rope_theta": THETA, **rope}, tie_word_embeddings=False,
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(config).eval()
@@ -175,13 +175,15 @@ def test_llama3_rope_from_rope_freqs(tmp_path: Path, with_context: bool) -> None
     drops (the model then ran the plain rope). The converted config carries rope parameters that give the
     same divisors, so the engine equals HF on the original llama3 config."""
 
-    rope = dict(rope_type="llama3", factor=16.0, low_freq_factor=1.0, high_freq_factor=8.0,
-                original_max_position_embeddings=2048)  # fmt: skip
+    # Two frequencies between the bands (wavelengths 862 and 4444 of 6 to 609,500), as in Llama 3.1's.
+    low, high, original = (2.0, 20.0, 16384) if with_context else (1.0, 16.0, 8192)
+    rope = dict(rope_type="llama3", factor=16.0, low_freq_factor=low, high_freq_factor=high,
+                original_max_position_embeddings=original)  # fmt: skip
 
     def extra(writer: Any) -> None:
-        writer.add_tensor("rope_freqs.weight", _llama3_divisors(16.0, 1.0, 8.0, 2048))
+        writer.add_tensor("rope_freqs.weight", _llama3_divisors(16.0, low, high, original))
         if with_context:
-            writer.add_rope_scaling_orig_ctx_len(2048)
+            writer.add_rope_scaling_orig_ctx_len(original)
 
     path = tmp_path / "llama3-rope.gguf"
     _write_gguf(path, extra)
@@ -191,9 +193,10 @@ def test_llama3_rope_from_rope_freqs(tmp_path: Path, with_context: bool) -> None
     if with_context:  # the file's own context length, so the file's own factors
         (folder,) = [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("gguf-")]
         written = json.loads((folder / "config.json").read_text())["rope_parameters"]
-        assert written["rope_type"] == "llama3" and written["original_max_position_embeddings"] == 2048
-        assert math.isclose(written["low_freq_factor"], 1.0, rel_tol=1e-4)
-        assert math.isclose(written["high_freq_factor"], 8.0, rel_tol=1e-4)
+        assert written["rope_type"] == "llama3" and written["original_max_position_embeddings"] == original
+        assert math.isclose(written["low_freq_factor"], low, rel_tol=1e-4)
+        assert math.isclose(written["high_freq_factor"], high, rel_tol=1e-4)
+        assert written["rope_theta"] == THETA
 
 
 def test_linear_rope_scaling_keys(tmp_path: Path) -> None:

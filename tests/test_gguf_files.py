@@ -249,3 +249,48 @@ def test_a_gguf_without_some_tensors_is_refused(tmp_path: Path) -> None:
     _write_gguf(path, skip_layer=1)
     _refused(path, r"lacks 9 of the model's tensors .*model\.layers\.1\..*llama-gguf-split --merge")
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("gguf-")]
+
+
+def test_gemma3_linear_scaling_goes_to_the_global_layers(tmp_path: Path) -> None:
+    """Gemma 3's rope is per layer type in transformers 5: llama.cpp's linear scaling (Gemma 3 4B-27B, factor
+    8) is the global layers' and the windowed layers keep theirs; it had been put beside the per-type
+    settings, where nothing read it (the global layers ran unscaled)."""
+    import gguf
+
+    from tp_runtime.config import _rope_config
+    from tp_runtime.gguf_checkpoint import _carry_rope_scaling
+
+    path = tmp_path / "gemma3.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(8.0)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=300)  # fmt: skip
+    config = transformers.Gemma3TextConfig(**shape)
+    _carry_rope_scaling(path, config)
+    want = transformers.Gemma3TextConfig(**shape, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})  # fmt: skip
+    for layer in ("full_attention", "sliding_attention"):
+        got, expected = _rope_config(config, 16, layer), _rope_config(want, 16, layer)
+        assert got.rope_type == expected.rope_type
+        torch.testing.assert_close(torch.as_tensor(got.inv_freq), torch.as_tensor(expected.inv_freq))
+    assert _rope_config(config, 16, "full_attention").rope_type == "linear"
+
+
+def test_files_converted_by_an_earlier_conversion_are_converted_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tp_runtime import gguf_checkpoint
+
+    path = tmp_path / "plain.gguf"
+    _write_gguf(path)
+    first = gguf_checkpoint.gguf_checkpoint_dir(path)
+    assert gguf_checkpoint.gguf_checkpoint_dir(path) == first
+    monkeypatch.setattr(gguf_checkpoint, "_CONVERSION", gguf_checkpoint._CONVERSION + 1)
+    assert gguf_checkpoint.gguf_checkpoint_dir(path) != first

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -114,5 +115,57 @@ def test_a_gpu_with_no_room_left_says_what_took_it() -> None:
     error = plan.no_room(rank=1)
     assert isinstance(error, ConfigError)
     for says in ("rank 1", "gives 72.00 GiB of the GPU's 80.00 GiB", "weights take 68.00 GiB",
-                 "activations 2.00 GiB", "decoding 3.00 GiB", "raise gpu_memory_utilization"):  # fmt: skip
+                 "activations 2.00 GiB", "graphs 3.00 GiB", "raise gpu_memory_utilization"):  # fmt: skip
         assert says in str(error)
+
+
+def test_every_rank_stops_on_the_rank_with_no_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two GPU ranks sizing at once (stubbed), one of them without room: both raise a ConfigError after the
+    agreed minimum; the rank without room says what took it, the other names that rank (the driver
+    reports whichever comes first). With room on both, both get the smaller count."""
+    import threading
+    import types
+
+    from tp_runtime.errors import ConfigError
+    from tp_runtime.worker.worker import Worker
+
+    def size(weights_gib: dict[int, int]) -> dict[int, Any]:
+        barrier, offered, results = threading.Barrier(2), {}, {}
+
+        def all_reduce_min_int(value: int, device: torch.device) -> int:
+            offered[device.index] = value
+            barrier.wait()
+            return min(offered.values())
+
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: weights_gib[d.index] * GIB)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (0, 80 * GIB))
+
+        def rank(r: int) -> None:
+            runner = types.SimpleNamespace(
+                kv_bytes_per_block=lambda: 512 * MIB, profile_peak_memory=lambda: (weights_gib[r] + 2) * GIB,
+                decode_gather_bytes=lambda: 3 * GIB, mixed_graph_pool_bytes=lambda activations: 0,
+            )  # fmt: skip
+            cache = types.SimpleNamespace(num_kv_blocks=None, gpu_memory_utilization=0.9, block_size=16)
+            tp = types.SimpleNamespace(all_reduce_min_int=all_reduce_min_int)
+            worker = types.SimpleNamespace(
+                _runner=lambda: runner, config=types.SimpleNamespace(cache=cache), rank=r, world_size=2,
+                device=torch.device("cuda", r), tp=tp, _report=lambda line: None,
+            )  # fmt: skip
+            try:
+                results[r] = Worker.determine_num_kv_blocks(worker)  # type: ignore[arg-type]
+            except ConfigError as exc:
+                results[r] = exc
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        return results
+
+    # 72 GiB allowed: 60 + 2 + 3 leaves 7 GiB (14 blocks); 68 + 2 + 3 is one GiB over (-2 blocks)
+    results = size({0: 60, 1: 68})
+    assert isinstance(results[0], ConfigError) and isinstance(results[1], ConfigError)
+    assert "no room for a KV cache on rank 1's GPU" in str(results[0])
+    assert "rank 1: gpu_memory_utilization=0.9 gives 72.00 GiB" in str(results[1])
+    assert size({0: 60, 1: 64}) == {0: 6, 1: 6}  # 64 + 2 + 3 leaves 3 GiB

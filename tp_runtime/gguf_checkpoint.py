@@ -94,6 +94,8 @@ def convert_gguf(gguf: Path, out: Path, edit_config: Callable[[Any], None] | Non
     return out
 
 
+# Raised whenever a conversion would come out otherwise, so that files converted before are converted again.
+_CONVERSION = 2
 # llama.cpp's default original context for Llama 3's rope; any value fits the same factors (see below).
 _LLAMA3_ORIGINAL_CONTEXT = 8192
 
@@ -110,8 +112,12 @@ def _carry_rope_scaling(gguf: Path, config: Any) -> None:
     exactly are refused rather than run as another model."""
     from gguf import GGUFReader
 
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    if params.get("rope_type", "default") != "default":
+    given = dict(getattr(config, "rope_parameters", None) or {})
+    # Per layer type (Gemma 3): llama.cpp's scaling is the global layers' (the windowed ones run unscaled).
+    per_type = any(isinstance(v, dict) for v in given.values())
+    params = dict(given.get("full_attention") or {}) if per_type else given
+    layers = [params, *(v for v in given.values() if isinstance(v, dict))]
+    if any(layer.get("rope_type", "default") != "default" for layer in layers):
         return  # transformers read it
     reader = GGUFReader(str(gguf))
     prefix = f"{_field(reader, 'general.architecture')}.rope.scaling."
@@ -144,7 +150,7 @@ def _carry_rope_scaling(gguf: Path, config: Any) -> None:
         params.update(fitted)
     else:
         return
-    config.rope_parameters = params
+    config.rope_parameters = {**given, "full_attention": params} if per_type else params
 
 
 def _llama3_factors(
@@ -216,5 +222,6 @@ def gguf_checkpoint_dir(path: str | os.PathLike[str]) -> Path:
     if not gguf.is_file():
         raise ConfigError(f"GGUF file {path} does not exist")
     stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}\0{_CONVERSION}"
+    key = hashlib.sha1(key.encode()).hexdigest()[:16]
     return cached_dir(f"gguf-{gguf.stem[:64]}-{key}", lambda out: convert_gguf(gguf, out))

@@ -211,12 +211,15 @@ class Worker:
             blocks = cpu_kv_cache_blocks(
                 per_block, self.config.scheduler.max_num_seqs, runner.max_blocks, available, share, ranks
             )
-        own, blocks = blocks, self.tp.all_reduce_min_int(blocks, self.device)
+        # The fewest blocks over the ranks, and the first rank with that few (one minimum of both).
+        blocks, fewest_rank = divmod(
+            self.tp.all_reduce_min_int(blocks * self.world_size + self.rank, self.device), self.world_size
+        )
         if blocks < 0:  # every rank sees the minimum, so all of them stop here
-            if plan is not None and own < 0:
+            if plan is not None and fewest_rank == self.rank:
                 raise plan.no_room(self.rank)
             raise ConfigError(
-                "no room for a KV cache on another rank's GPU; raise gpu_memory_utilization or lower "
+                f"no room for a KV cache on rank {fewest_rank}'s GPU; raise gpu_memory_utilization or lower "
                 "max_num_batched_tokens, max_num_seqs or max_model_len"
             )
         self._report(f"sized the KV cache in {time.perf_counter() - start:.1f} s: {blocks} blocks of "

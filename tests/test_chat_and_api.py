@@ -7,6 +7,7 @@ continuation. Stop-text handling is checked against the tokenizer's decode of th
 from __future__ import annotations
 
 import importlib.util
+import io
 import re
 import shutil
 from collections.abc import Callable, Iterator
@@ -366,6 +367,10 @@ def test_chat_shows_documents_to_the_template(llm: LLM, model_dir: Path) -> None
     assert out.prompt == want and want.startswith("[doc cats: the cat sat on the mat]<s>")
     with pytest.raises(InvalidRequestError, match="documents must be a list of dicts"):
         llm.chat(conv, GREEDY, documents="the mat", chat_template=template, use_tqdm=False)  # type: ignore[arg-type]
+    # A template that is not a string: named, not a TypeError from jinja2 or from a cache's hashing.
+    for bad in (5, b"{{ 'x' }}", ["{{ 'x' }}"]):
+        with pytest.raises(InvalidRequestError, match="chat_template must be a Jinja template string"):
+            llm.chat(conv, GREEDY, chat_template=bad, use_tqdm=False)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -433,3 +438,27 @@ def test_chat_gives_earlier_tool_calls_arguments_as_objects(llm: LLM, model_dir:
     broken = [conv[0], {"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]}]
     with pytest.raises(InvalidRequestError, match="message 1: a message's tool_calls entry needs"):
         llm.chat(broken, GREEDY, chat_template=template, use_tqdm=False)
+
+
+def test_use_tqdm_takes_the_callable_that_makes_the_bar(llm: LLM) -> None:
+    """vLLM's use_tqdm may be the callable that makes the progress bar (functools.partial(tqdm, ...)): it
+    is called with the request count and updated to it; the default bar had been drawn instead."""
+    from tqdm.auto import tqdm
+
+    made: list[Any] = []
+
+    def make_bar(**kwargs: Any) -> Any:
+        bar = tqdm(**kwargs, file=io.StringIO())  # drawn, but not on the terminal
+        made.append(bar)
+        return bar
+
+    prompts = ["one", "two", "three"]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=make_bar)
+    assert [o.prompt for o in outputs] == prompts
+    (bar,) = made
+    assert bar.total == 3 and bar.n == 3
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)
+    ]
+    (chat,) = llm.chat(CONVERSATIONS[0], GREEDY, use_tqdm=make_bar)
+    assert len(made) == 2 and made[1].total == 1 and chat.outputs[0].token_ids

@@ -169,3 +169,15 @@ def test_every_rank_stops_on_the_rank_with_no_room(monkeypatch: pytest.MonkeyPat
     assert "no room for a KV cache on rank 1's GPU" in str(results[0])
     assert "rank 1: gpu_memory_utilization=0.9 gives 72.00 GiB" in str(results[1])
     assert size({0: 60, 1: 64}) == {0: 6, 1: 6}  # 64 + 2 + 3 leaves 3 GiB
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_kv_cache_too_large_to_allocate_is_a_config_error(tp: int) -> None:
+    """num_kv_blocks past what can be allocated (here past any address space, so no overcommit policy can
+    grant it): a ConfigError saying so, from every TP size (it was torch's allocator error, and at TP 2 a
+    worker's traceback)."""
+    from tp_runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"the KV cache of 2147483647 blocks of 4096 tokens .* could not be "
+                       r"allocated .*lower num_kv_blocks"):  # fmt: skip
+        LLM("tiny-llama-tp", device="cpu", tensor_parallel_size=tp, num_kv_blocks=2**31 - 1, block_size=4096)

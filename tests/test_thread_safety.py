@@ -125,3 +125,37 @@ def test_tp1_engine_leaves_the_host_programs_process_group(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_shutdown_from_another_thread_ends_a_tp1_generate_with_engine_closed() -> None:
+    """LLM.shutdown() while another thread is inside generate() on an in-process (TP=1) engine: the call
+    in progress ends with EngineClosedError, as at TP 2 (shutdown had dropped the weights under the running
+    step: "internal: worker used before load_model()")."""
+    from tp_runtime.errors import EngineClosedError
+
+    llm = LLM("tiny-llama-tp", device="cpu", max_model_len=1024)
+    executor = llm.engine.executor
+    stepping, outcome = threading.Event(), {}
+    submit = executor.submit
+
+    def observed_submit(so: Any) -> None:
+        stepping.set()
+        submit(so)
+
+    executor.submit = observed_submit  # type: ignore[method-assign]
+
+    def generate() -> None:
+        try:
+            llm.generate(["x"] * 8, SamplingParams(max_tokens=1000, ignore_eos=True), use_tqdm=False)
+            outcome["error"] = None
+        except Exception as exc:
+            outcome["error"] = exc
+
+    caller = threading.Thread(target=generate)
+    caller.start()
+    assert stepping.wait(timeout=120)
+    llm.shutdown()
+    caller.join(timeout=120)
+    assert isinstance(outcome["error"], EngineClosedError), outcome
+    with pytest.raises(EngineClosedError):
+        llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)

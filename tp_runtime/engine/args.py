@@ -43,6 +43,10 @@ AttentionBackend = Literal["auto", "torch", "triton", "triton_one_split"]
 FusedKernels = Literal["auto", "torch", "triton"]
 Quantization = Literal["fp8"]
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
+# The most any count option may be (sequences, tokens, blocks, logprobs): far past what a machine holds,
+# but within what tensors' sizes and the ranks' messages take (past it they failed with torch's or
+# msgpack's overflow errors, differently at each TP size).
+MAX_COUNT = 2**31 - 1
 
 
 def meta(
@@ -122,9 +126,11 @@ class EngineArgs:
             help="longest sequence, prompt and output", default_help="the model's own limit", at_least=2
         ),
     )
-    max_num_seqs: int = field(default=256, metadata=meta(help="sequences run at once", at_least=1))
+    max_num_seqs: int = field(
+        default=256, metadata=meta(help="sequences run at once", at_least=1, at_most=MAX_COUNT)
+    )
     max_num_batched_tokens: int = field(
-        default=8192, metadata=meta(help="tokens one step may process", at_least=1)
+        default=8192, metadata=meta(help="tokens one step may process", at_least=1, at_most=MAX_COUNT)
     )
     load_format: LoadFormat = field(
         default="auto",
@@ -150,7 +156,8 @@ class EngineArgs:
         ),
     )
     block_size: int = field(
-        default=16, metadata=meta(help="tokens per KV-cache block (a power of two)", power_of_two=True)
+        default=16,
+        metadata=meta(help="tokens per KV-cache block (a power of two)", power_of_two=True, at_most=2**16),
     )
     num_kv_blocks: int | None = field(
         default=None,
@@ -158,6 +165,7 @@ class EngineArgs:
             help="KV-cache blocks per rank",
             default_help="sized from memory: gpu-memory-utilization on a GPU, cpu-kv-cache-gib on the CPU",
             at_least=1,
+            at_most=MAX_COUNT,
         ),
     )
     gpu_memory_utilization: float = field(
@@ -173,6 +181,7 @@ class EngineArgs:
             default_help="what max-num-seqs sequences of max-model-len tokens need, at most 10%% of the "
             "available RAM shared by the ranks",
             above=0.0,
+            at_most=float(2**30),
         ),
     )
     step_timeout_s: float = field(
@@ -241,7 +250,10 @@ class EngineArgs:
         ),
     )
     max_logprobs: int = field(
-        default=20, metadata=meta(help="the most logprobs a request may ask for, per token", at_least=0)
+        default=20,
+        metadata=meta(
+            help="the most logprobs a request may ask for, per token", at_least=0, at_most=MAX_COUNT
+        ),
     )
     generation_config: str | os.PathLike[str] = field(
         default="auto",
@@ -488,18 +500,20 @@ def _problem(name: str, value: Any) -> str | None:
 
 
 def _bounds(value: float, meta: Mapping[str, Any]) -> str | None:
+    def shown(x: float) -> str:  # ints in full (an int bound of 2**31 - 1 is not "2.14748e+09")
+        return str(x) if isinstance(x, int) else f"{x:g}"
+
     low, above, high = meta["at_least"], meta["above"], meta["at_most"]
-    shown = f"{value:g}" if isinstance(value, float) else str(value)
     if above is not None and high is not None and not above < value <= high:
-        return f"must be in ({above:g}, {high:g}], got {shown}"
+        return f"must be in ({shown(above)}, {shown(high)}], got {shown(value)}"
     if low is not None and not value >= low:
-        return f"must be at least {low:g}, got {shown}"
+        return f"must be at least {shown(low)}, got {shown(value)}"
     if above is not None and not value > above:
-        return f"must be more than {above:g}, got {shown}"
+        return f"must be more than {shown(above)}, got {shown(value)}"
     if high is not None and not value <= high:
-        return f"must be at most {high:g}, got {shown}"
+        return f"must be at most {shown(high)}, got {shown(value)}"
     if meta["power_of_two"] and (value < 1 or int(value) & (int(value) - 1)):
-        return f"must be a power of two (1, 2, 4, 8, 16, ...), got {shown}"
+        return f"must be a power of two (1, 2, 4, 8, 16, ...), got {shown(value)}"
     return None
 
 

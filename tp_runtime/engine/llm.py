@@ -10,7 +10,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tp_runtime.config import EngineConfig, load_tokenizer
@@ -269,10 +269,12 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt. `sampling_params`: one for every prompt or one per prompt; None:
-        `get_default_sampling_params()` (the model's generation config's defaults, as in vLLM)."""
+        `get_default_sampling_params()` (the model's generation config's defaults, as in vLLM). `use_tqdm`:
+        a progress bar, or, as in vLLM, the callable that makes it (tqdm's keyword arguments; e.g.
+        `functools.partial(tqdm, leave=False)`)."""
         with self._lock:
             return self._generate(prompts, sampling_params, use_tqdm)
 
@@ -280,7 +282,7 @@ class LLM:
         self,
         messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -316,6 +318,10 @@ class LLM:
                     f"conversation {i} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
                     f"got {_preview(conv)}"
                 )
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise InvalidRequestError(
+                f"chat_template must be a Jinja template string (or None), got {_preview(chat_template)}"
+            )
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 f"the tokenizer of {self.config.tokenizer_source} has no chat template; pass chat_template= "
@@ -351,7 +357,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        use_tqdm: bool,
+        use_tqdm: bool | Callable[..., Any],
     ) -> list[RequestOutput]:
         if self._closed:  # the error a call to an engine that died raises too
             raise EngineClosedError("this LLM has been shut down; create a new one")
@@ -427,7 +433,7 @@ class LLM:
             result.outputs = best_samples(params, result.outputs)
         return results
 
-    def _run(self, total: int, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, total: int, use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         """Step until every request finished; returns their (whole) outputs."""
         if not use_tqdm:
             finished: list[RequestOutput] = []
@@ -436,11 +442,12 @@ class LLM:
             return finished
         from tqdm.auto import tqdm
 
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
         finished = []
         engine = self.engine
         start, tokens_before = time.perf_counter(), engine.num_output_tokens
         shown = start
-        with tqdm(total=total, desc="generate", dynamic_ncols=True) as bar:
+        with make_bar(total=total, desc="generate", dynamic_ncols=True) as bar:
             while engine.has_unfinished_requests():
                 done = engine.step()
                 finished.extend(done)

@@ -15,6 +15,7 @@ host can queue step N+1 while step N still runs (async scheduling), and ranks > 
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from tp_runtime.config import EngineConfig
-from tp_runtime.errors import ProtocolError
+from tp_runtime.errors import ConfigError, ProtocolError
 from tp_runtime.layers import kv_fp8
 from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk, make_attention_backend
 from tp_runtime.layers.linear import decode_graph_pass
@@ -248,13 +249,22 @@ class ModelRunner:
         dtype = self.kv_cache_dtype
         # One block more than the scheduler owns: the decode graphs' padding rows write into it.
         shape = (num_blocks + 1, self.block_size, self.model.num_local_kv_heads, self.config.model.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=dtype, device=self.device),
-                torch.zeros(shape, dtype=dtype, device=self.device),
-            )
-            for _ in range(self.config.model.num_layers)
-        ]
+        try:
+            self.kv_caches = [
+                (
+                    torch.zeros(shape, dtype=dtype, device=self.device),
+                    torch.zeros(shape, dtype=dtype, device=self.device),
+                )
+                for _ in range(self.config.model.num_layers)
+            ]
+        except (torch.OutOfMemoryError, RuntimeError) as exc:  # the CPU's allocator raises RuntimeError
+            self.kv_caches = []
+            size = math.prod(shape) * dtype.itemsize * 2 * self.config.model.num_layers / 2**30
+            raise ConfigError(
+                f"the KV cache of {num_blocks} blocks of {self.block_size} tokens ({size:.2f} GiB a rank) "
+                f"could not be allocated ({type(exc).__name__}); lower num_kv_blocks (or "
+                "gpu_memory_utilization)"
+            ) from None
         mode = self.config.cuda_graphs
         if mode == "auto":
             mode = "capture" if self.device.type == "cuda" else "off"

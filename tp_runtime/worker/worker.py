@@ -494,9 +494,12 @@ def _serve(
                     replies.send(call_id, "result", result=result)
             elif not isinstance(message, Flush):
                 raise ProtocolError(f"unexpected driver message {type(message).__name__}")
-        except Exception:
+        except Exception as exc:
             report = traceback.format_exc()
-            replies.send(call_id, "error", error=report)
+            if isinstance(exc, ConfigError):  # the user's to fix (no room for the KV cache): no traceback
+                replies.send(call_id, "error", error=str(exc), config_error=str(exc))
+            else:
+                replies.send(call_id, "error", error=report)
             if exit_on_error:
                 print(f"tp-runtime: error: rank {rank} failed:\n{report}", file=sys.stderr, flush=True)
                 time.sleep(0.5)  # let the report leave (a driver that is not blocked reads it)

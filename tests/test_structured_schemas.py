@@ -58,6 +58,11 @@ _FORMATS: dict[str, Any] = {
         re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)", v) is not None
         and _parses(lambda t: datetime.datetime.fromisoformat(t.replace("Z", "+00:00")), v)
     ),
+    # RFC 3339's full-time (Python's time reads no second 60, which RFC 3339 has only at 23:59 UTC)
+    "time": lambda v: (
+        re.fullmatch(r"\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)", v) is not None
+        and _parses(lambda t: datetime.time.fromisoformat(t.replace("Z", "+00:00")), v)
+    ),
 }
 
 
@@ -396,6 +401,31 @@ def test_keywords_xgrammar_would_drop_are_clear_errors_and_the_batch_serves_on(l
         llm.engine.grammars.compile(_spec(json=schema))
 
 
+# Schemas whose outputs broke them, each refused now: a listed name that a patternProperties pattern also
+# matches (JSON Schema checks both schemas; xgrammar the listed one: 4328 beside maximum 9), an integer
+# past 64 bits in an enum (xgrammar wrote 1.8446744073709552e+19).
+OVERLAPS_AND_WIDE: list[Any] = [
+    {"type": "object", "properties": {"n_items": {"type": "integer"}}, "required": ["n_items"],
+     "patternProperties": {"^n_": {"type": "integer", "maximum": 9}}, "additionalProperties": False},
+    {"type": "object", "required": ["n_x"], "patternProperties": {"_x$": {"type": "integer"}},
+     "additionalProperties": {"type": "string"}},
+    {"type": "object", "properties": {"id": {"enum": [18446744073709551617, 1]}}},
+    {"const": {"a": [-(2**63) - 1]}},
+]  # fmt: skip
+
+
+def test_overlapping_names_and_wide_integers_are_refused(llm: LLM) -> None:
+    for schema in OVERLAPS_AND_WIDE:
+        with pytest.raises(InvalidRequestError, match="not supported") as info:
+            llm.engine.grammars.compile(_spec(json=schema))
+        assert info.value.field == "json"
+    # a pattern that matches none of the listed names, and integers that fit 64 bits, stay fine
+    llm.engine.grammars.compile(_spec(json={
+        "type": "object", "properties": {"items": {"type": "integer"}},
+        "patternProperties": {"^n_": {"type": "integer"}}, "additionalProperties": False}))  # fmt: skip
+    llm.engine.grammars.compile(_spec(json={"enum": [2**63 - 1, -(2**63), 2**53 + 1]}))
+
+
 # Invalid schemas that xgrammar compiled all the same, into grammars that break them: an empty anyOf or
 # oneOf (no value is valid) came out as an empty value ("", `{"a": }`, `[,]`), maxLength -1 as no limit,
 # and `"type": []` (no value is valid) as any value.
@@ -473,6 +503,9 @@ def _takes(llm: LLM, spec: StructuredOutputsParams, text: str) -> bool:
         ({"type": "string", "format": "date"}, ["2024-02-29", "2000-02-29"], ["2023-02-29", "2023-04-31"]),
         ({"type": "string", "format": "date-time"}, ["2024-01-01T00:00:00.5Z", "2024-02-29T23:59:59+05:30"],
          ["2024-01-01T00:00:005Z", "1900-02-29T00:00:00Z"]),
+        # xgrammar's time took a second 60 at any minute
+        ({"type": "string", "format": "time"}, ["04:41:59.42+12:44", "23:59:00Z"],
+         ["04:41:60Z", "24:00:00Z"]),
         # ECMA-262 reads "{ 1}" as text (xgrammar read it as a count); characters past ASCII and a "]"
         # outside a class as themselves
         ({"type": "string", "pattern": "^a{ 1}$"}, ["a{ 1}"], ["a"]),
@@ -592,3 +625,41 @@ def test_targets_inside_targets_are_rewritten_whichever_ref_comes_first() -> Non
         written = out["components"]["A"]["x-in"]["B"]
         assert "format" not in written and written["pattern"].startswith("^"), (order, written)
         assert json.dumps(schema) == before
+
+
+def test_byte_tokens_never_spell_what_is_not_utf8(llm: LLM) -> None:
+    """xgrammar's byte-level rules for a string's characters and negated classes took byte tokens that
+    spell no UTF-8 (an overlong form, an encoded surrogate, past U+10FFFF): the text got one U+FFFD a byte,
+    past maxLength 1 (`"���"`) or a pattern. Each such byte is refused (and masked) where UTF-8 has none;
+    valid characters spelled byte by byte still go through."""
+    import xgrammar
+
+    tokenizer = llm.get_tokenizer()
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=llm.engine.config.model.vocab_size)
+    ids: dict[bytes, int] = {}
+    for i, spelled in enumerate(info.decoded_vocab):
+        ids.setdefault(bytes(spelled), i)
+    grammars = llm.engine.grammars
+    one_char, not_a = _spec(json={"type": "string", "maxLength": 1}), _spec(regex="[^a]{1,2}")
+    cases = [  # (constraint, UTF-8 bytes, the first byte that breaks UTF-8 or None)
+        (one_char, b'"\xf0\x88\x88\xa7"', 2),  # U+0827 in four bytes (overlong)
+        (one_char, b'"\xf0\x9f\x98\x80"', None),  # U+1F600
+        (not_a, b"\xed\xa8\xbd", 1),  # a surrogate
+        (not_a, b"\xed\x9f\xbf", None),  # U+D7FF
+        (not_a, b"\xe0\x93\xb6", 1),  # overlong
+        (not_a, b"\xf4\x90\x80\x80", 1),  # past U+10FFFF
+        (not_a, b"\xc3\xa9\xc3", None),  # é, then the start of another character
+    ]
+    for spec, spelled, breaks in cases:
+        state = grammars.matcher(grammars.compile(spec))
+        taken = [state.accept(ids[bytes([b])]) for b in spelled]
+        want = [True] * len(spelled) if breaks is None else [True] * breaks + [False]
+        assert taken[: len(want)] == want, (spelled, taken)
+        if breaks is not None:  # nor does the mask offer it, at that point
+            state = grammars.matcher(grammars.compile(spec))
+            for b in spelled[:breaks]:
+                assert state.accept(ids[bytes([b])])
+            row = xgrammar.allocate_token_bitmask(1, llm.engine.config.model.vocab_size)
+            state.fill(row, 0)
+            token = ids[bytes([spelled[breaks]])]
+            assert not (int(row[0, token // 32]) >> (token % 32)) & 1, spelled

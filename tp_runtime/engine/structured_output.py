@@ -54,8 +54,9 @@ _NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"
 _STRING_KEYWORDS = ("minLength", "maxLength", "pattern", "format")
 # Formats whose xgrammar rule lets out invalid strings, as patterns that hold only valid ones: ipv4 took
 # leading zeros ("004.163.088.191"), hostname labels past 63 characters and names past 253, date (and
-# date-time) days a month does not have ("2023-02-29"). The hostname pattern takes up to four labels (the
-# last at most 61 characters, so no name passes 253), date-time an upper-case T and Z, no leap second.
+# date-time) days a month does not have ("2023-02-29"), time a second 60 at any minute (RFC 3339 has it
+# only at 23:59 UTC). The hostname pattern takes up to four labels (the last at most 61 characters, so no
+# name passes 253), date-time an upper-case T and Z, no leap second.
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _LAST_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,59}[A-Za-z0-9])?"
@@ -70,6 +71,7 @@ _FORMAT_PATTERNS = {
     "hostname": rf"^({_LABEL}\.){{0,3}}{_LAST_LABEL}$",
     "date": rf"^{_DATE}$",
     "date-time": rf"^{_DATE}T{_TIME}$",
+    "time": rf"^{_TIME}$",
 }
 # JSON Schema's own formats that xgrammar has no rule for: it takes any string there ("idn-email" let out
 # "https://example.com/email-address"). Other names (OpenAPI's "int32", "password", ...) are annotations
@@ -390,6 +392,8 @@ def _schema_for_xgrammar(
         if others or ("enum" in schema and "const" in schema):
             raise refuse(f"{'enum' if 'enum' in schema else 'const'!r} beside {others or ['const']}")
         values = schema["enum"] if "enum" in schema else [schema["const"]]
+        if _has_wide_integer(values):  # xgrammar writes it as a double, another number
+            raise refuse("an integer beyond 64 bits in 'enum' or 'const'")
         if kinds and all(k in _JSON_TYPES for k in kinds) and isinstance(values, list):
             # xgrammar takes every listed value, whatever the type says: only those of the type remain.
             fits = [v for v in values if any(_JSON_TYPES[k](v) for k in kinds)]
@@ -511,6 +515,14 @@ def _schema_for_xgrammar(
             raise refuse(f"'required' {missing} beyond 'properties'")
         if missing:
             out["properties"] = {**props, **{n: {} if extra is True else extra for n in missing}}
+    # JSON Schema checks a listed name against every patternProperties pattern it matches (re.search) as
+    # well; xgrammar against its properties schema only.
+    listed_names = out.get("properties")  # with the required names added above
+    if isinstance(schema.get("patternProperties"), dict) and isinstance(listed_names, dict):
+        name_patterns = [str(p) for p in schema["patternProperties"]]
+        both = [n for n in listed_names if any(_searches(p, str(n)) for p in name_patterns)]
+        if both:
+            raise refuse(f"properties {both[:4]} that a 'patternProperties' pattern matches too")
     # xgrammar applies propertyNames to additional names only: a listed (or required) name must fit it.
     names_schema, listed = schema.get("propertyNames"), out.get("properties")
     if isinstance(names_schema, dict) and isinstance(listed, dict):
@@ -536,6 +548,27 @@ def _schema_for_xgrammar(
                 _schema_for_xgrammar(s, f"{path}/{key}/{i}", root, refs) for i, s in enumerate(schema[key])
             ]
     return out
+
+
+def _has_wide_integer(value: Any) -> bool:
+    """Whether a JSON value holds an integer that 64 bits (signed) cannot hold."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return not -(2**63) <= value < 2**63
+    if isinstance(value, list):
+        return any(_has_wide_integer(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_wide_integer(v) for v in value.values())
+    return False
+
+
+def _searches(pattern: str, name: str) -> bool:
+    """Whether regex `pattern` matches somewhere in `name` (True where Python cannot read it: assume so)."""
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:
+        return True
 
 
 _RANGE_DECIMALS = 6  # the decimals xgrammar writes the numbers of a bounded 'number' range with
@@ -966,6 +999,7 @@ class GrammarCompiler:
         # id stays theirs): the server compiles in its request threads and the engine thread then takes
         # the same object's grammar without compiling again, whatever xgrammar's cache evicted since.
         self._recent: OrderedDict[int, tuple[StructuredOutputsParams, Any]] = OrderedDict()
+        self._utf8: Utf8Masks | None = None  # made with the xgrammar compiler
 
     def _xgrammar_compiler(self) -> Any:
         with self._lock:
@@ -993,6 +1027,9 @@ class GrammarCompiler:
                 # Bounded: a server caches the grammars its clients send.
                 self._compiler = xgrammar.GrammarCompiler(
                     info, max_threads=4, cache_enabled=True, cache_limit_bytes=256 << 20
+                )
+                self._utf8 = Utf8Masks(
+                    [b"" if i in hidden else t for i, t in enumerate(info.decoded_vocab)], self.vocab_size
                 )
             return self._compiler
 
@@ -1054,7 +1091,10 @@ class GrammarCompiler:
         except InvalidRequestError:
             raise
         except (RuntimeError, ValueError, TypeError) as exc:
-            detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            lines = [line for line in str(exc).strip().splitlines() if line.strip(" ^")]
+            # the line that says what is wrong (a Lark error's last lines quote the grammar and mark it)
+            last = lines[-1] if lines else type(exc).__name__
+            detail = next((line for line in lines if "error" in line.lower()), last)
             # xgrammar prefixes its messages with a timestamp and a source location.
             detail = detail.split(": ", 1)[-1] if detail.startswith("[") else detail
             raise InvalidRequestError(f"{what} is not valid: {detail}", field) from None
@@ -1075,18 +1115,88 @@ class GrammarCompiler:
     def matcher(self, compiled: Any) -> GrammarState:
         import xgrammar
 
-        return GrammarState(xgrammar.GrammarMatcher(compiled))
+        self._xgrammar_compiler()  # (the UTF-8 masks come with it)
+        assert self._utf8 is not None
+        return GrammarState(xgrammar.GrammarMatcher(compiled), self._utf8)
+
+
+# UTF-8's byte automaton (RFC 3629): state 0 lies between characters; 1 awaits one more continuation byte
+# (80-BF), 3 two; 2, 4, 5, 6 and 7 await the first continuation after E0 (A0-BF: no overlong form), ED
+# (80-9F: no surrogate), F0 (90-BF), F1-F3 (80-BF) and F4 (80-8F: nothing past U+10FFFF). -1: not UTF-8.
+_UTF8_STATES = 8
+
+
+def _utf8_table() -> list[list[int]]:
+    table = [[-1] * 256 for _ in range(_UTF8_STATES)]
+    for byte in range(256):
+        if byte < 0x80:
+            table[0][byte] = 0
+        elif 0xC2 <= byte <= 0xDF:
+            table[0][byte] = 1
+        elif 0xE0 <= byte <= 0xEF:
+            table[0][byte] = {0xE0: 2, 0xED: 4}.get(byte, 3)
+        elif 0xF0 <= byte <= 0xF4:
+            table[0][byte] = {0xF0: 5, 0xF4: 7}.get(byte, 6)
+    for state, (low, high, then) in {1: (0x80, 0xBF, 0), 2: (0xA0, 0xBF, 1), 3: (0x80, 0xBF, 1),
+                                     4: (0x80, 0x9F, 1), 5: (0x90, 0xBF, 3), 6: (0x80, 0xBF, 3),
+                                     7: (0x80, 0x8F, 3)}.items():  # fmt: skip
+        for byte in range(low, high + 1):
+            table[state][byte] = then
+    return table
+
+
+class Utf8Masks:
+    """For each UTF-8 state, the tokens whose bytes may follow it, as an xgrammar bitmask row, and the state
+    each one leaves. xgrammar's byte-level rules for negated classes (a string's characters, `[^a]`) took
+    byte tokens that spell no UTF-8 (overlong forms, surrogates): the text then held one U+FFFD per byte,
+    past a maxLength or a pattern. Tokens without bytes (special ones) change nothing."""
+
+    def __init__(self, token_bytes: list[bytes], vocab_size: int) -> None:
+        import torch
+
+        table = _utf8_table()
+        # next_state[s, t]: the state after token t from state s; -1 where t may not follow s
+        self.next_state = np.full((_UTF8_STATES, vocab_size), -1, dtype=np.int8)
+        self.next_state[:, len(token_bytes) :] = np.arange(_UTF8_STATES)[:, None]  # (the grammar's to refuse)
+        for token, spelled in enumerate(token_bytes[:vocab_size]):
+            if not spelled:
+                self.next_state[:, token] = np.arange(_UTF8_STATES)
+                continue
+            if spelled.isascii():  # most tokens: only between characters, and they stay there
+                self.next_state[0, token] = 0
+                continue
+            for start in range(_UTF8_STATES):
+                state = start
+                for byte in spelled:
+                    state = table[state][byte]
+                    if state < 0:
+                        break
+                self.next_state[start, token] = state
+        words = (vocab_size + 31) // 32
+        allowed = np.zeros((_UTF8_STATES, words * 32), dtype=bool)
+        allowed[:, :vocab_size] = self.next_state >= 0
+        bits = allowed.reshape(_UTF8_STATES, words, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
+        packed = bits.sum(axis=2).astype(np.uint32).view(np.int32)
+        self.masks = torch.from_numpy(np.ascontiguousarray(packed))
 
 
 class GrammarState:
-    """One request's position in its grammar."""
+    """One request's position in its grammar, and in UTF-8 (see Utf8Masks)."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, utf8: Utf8Masks) -> None:
         self._matcher = matcher
+        self._utf8 = utf8
+        self._utf8_state = 0
 
     def accept(self, token: int) -> bool:
-        """Advance on a sampled token; False if the grammar does not allow it (then nothing changes)."""
-        return bool(self._matcher.accept_token(token))
+        """Advance on a sampled token; False if the grammar (or UTF-8) does not allow it (then nothing
+        changes)."""
+        table = self._utf8.next_state
+        following = int(table[self._utf8_state, token]) if 0 <= token < table.shape[1] else -1
+        if following < 0 or not self._matcher.accept_token(token):
+            return False
+        self._utf8_state = following
+        return True
 
     @property
     def finished(self) -> bool:
@@ -1095,6 +1205,7 @@ class GrammarState:
 
     def fill(self, bitmask: Any, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        bitmask[row].bitwise_and_(self._utf8.masks[self._utf8_state])
 
 
 def pack_bitmasks(states: list[GrammarState | None], vocab_size: int) -> bytes:

@@ -181,7 +181,7 @@ class EngineArgs:
             default_help="what max-num-seqs sequences of max-model-len tokens need, at most 10%% of the "
             "available RAM shared by the ranks",
             above=0.0,
-            at_most=float(2**30),
+            at_most=2**30,
         ),
     )
     step_timeout_s: float = field(

@@ -157,8 +157,8 @@ class LLM:
     Thread safety: `generate` and `chat` may be called from several threads at once; the calls are
     serialized (a lock held for the whole call, tokenization included), so each caller gets exactly the
     outputs it would get alone while the engine's step loop stays single-threaded. A second caller waits
-    for the first to finish. `shutdown()` does not wait: calling it while another thread generates ends
-    that call with an error.
+    for the first to finish. `shutdown()` does not wait for that call: calling it while another thread
+    generates ends the call with EngineClosedError (after the step in progress, at TP 1).
     """
 
     def __init__(self, model: str | os.PathLike[str], **options: Any) -> None:

@@ -519,10 +519,16 @@ def _schema_for_xgrammar(
     # well; xgrammar against its properties schema only.
     listed_names = out.get("properties")  # with the required names added above
     if isinstance(schema.get("patternProperties"), dict) and isinstance(listed_names, dict):
-        name_patterns = [str(p) for p in schema["patternProperties"]]
-        both = [n for n in listed_names if any(_searches(p, str(n)) for p in name_patterns)]
+        by_pattern = schema["patternProperties"].items()
+        both = [
+            name for name, listed in listed_names.items()
+            if any(sub not in ({}, True, listed) and _searches(str(p), str(name)) for p, sub in by_pattern)
+        ]  # fmt: skip
         if both:
-            raise refuse(f"properties {both[:4]} that a 'patternProperties' pattern matches too")
+            raise refuse(
+                f"properties {both[:4]} that a 'patternProperties' pattern of another schema matches too "
+                "(or may: one that Python's re cannot read)"
+            )
     # xgrammar applies propertyNames to additional names only: a listed (or required) name must fit it.
     names_schema, listed = schema.get("propertyNames"), out.get("properties")
     if isinstance(names_schema, dict) and isinstance(listed, dict):
@@ -564,9 +570,10 @@ def _has_wide_integer(value: Any) -> bool:
 
 
 def _searches(pattern: str, name: str) -> bool:
-    """Whether regex `pattern` matches somewhere in `name` (True where Python cannot read it: assume so)."""
+    """Whether ECMA-262 regex `pattern` matches somewhere in `name`, as Python reads it (ASCII classes,
+    `(?<name>` groups); True where Python cannot read it (then it may)."""
     try:
-        return re.search(pattern, name) is not None
+        return re.search(re.sub(r"\(\?<(?![=!])", "(?P<", pattern), name, re.ASCII) is not None
     except re.error:
         return True
 
@@ -1189,13 +1196,12 @@ class GrammarState:
         self._utf8_state = 0
 
     def accept(self, token: int) -> bool:
-        """Advance on a sampled token; False if the grammar (or UTF-8) does not allow it (then nothing
-        changes)."""
-        table = self._utf8.next_state
-        following = int(table[self._utf8_state, token]) if 0 <= token < table.shape[1] else -1
-        if following < 0 or not self._matcher.accept_token(token):
+        """Advance on a sampled token; False if the grammar does not allow it (then nothing changes)."""
+        if not self._matcher.accept_token(token):
             return False
-        self._utf8_state = following
+        table = self._utf8.next_state
+        following = int(table[self._utf8_state, token]) if token < table.shape[1] else 0
+        self._utf8_state = max(following, 0)  # (not UTF-8 only where fill() had to allow it: start again)
         return True
 
     @property
@@ -1205,7 +1211,11 @@ class GrammarState:
 
     def fill(self, bitmask: Any, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
-        bitmask[row].bitwise_and_(self._utf8.masks[self._utf8_state])
+        valid = bitmask[row] & self._utf8.masks[self._utf8_state]
+        # A class whose every valid continuation the grammar excludes (`[^\uD000-\uD7FF]` after byte
+        # ED) leaves nothing valid: the grammar's own choice then, rather than no token at all.
+        if bool(valid.any()):
+            bitmask[row] = valid
 
 
 def pack_bitmasks(states: list[GrammarState | None], vocab_size: int) -> bytes:

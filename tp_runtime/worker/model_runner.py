@@ -257,14 +257,18 @@ class ModelRunner:
                 )
                 for _ in range(self.config.model.num_layers)
             ]
-        except (torch.OutOfMemoryError, RuntimeError) as exc:  # the CPU's allocator raises RuntimeError
+        except RuntimeError as exc:
+            # torch.OutOfMemoryError on a GPU, a plain RuntimeError from the CPU's allocator; any other
+            # error (a CUDA fault) is not the cache's size
+            if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in str(exc):
+                raise
             self.kv_caches = []
             size = math.prod(shape) * dtype.itemsize * 2 * self.config.model.num_layers / 2**30
             raise ConfigError(
                 f"the KV cache of {num_blocks} blocks of {self.block_size} tokens ({size:.2f} GiB a rank) "
                 f"could not be allocated ({type(exc).__name__}); lower num_kv_blocks (or "
                 "gpu_memory_utilization)"
-            ) from None
+            ) from exc
         mode = self.config.cuda_graphs
         if mode == "auto":
             mode = "capture" if self.device.type == "cuda" else "off"

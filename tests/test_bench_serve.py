@@ -385,9 +385,10 @@ class Stub:
 
             def chunk(i: int) -> str:
                 # The first `held` tokens come with empty text (a server holding an incomplete character
-                # back); the chunk after them brings their text.
+                # back); the chunk after them brings their text. With `pairs`, chunk i holds tokens 2i, 2i+1.
                 text = "" if i < self.held else "".join(f"t{j} " for j in range(self.held)) + f"t{i} " \
                     if i == self.held else f"t{i} "
+                text = f"t{2 * i} t{2 * i + 1} " if self.pairs else text
                 text += self.text_suffix if text else ""
                 if chat:
                     choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
@@ -405,7 +406,8 @@ class Stub:
                     if chat:  # a role-only first chunk carries no text: it must not count as a token
                         role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
                         yield "data: " + json.dumps({"choices": [role]}) + "\n\n"
-                    for i in range(n - 1 if self.last_token_in_finish else n):
+                    chunks = (n + 1) // 2 if self.pairs else n - 1 if self.last_token_in_finish else n
+                    for i in range(chunks):
                         await asyncio.sleep(self.delay)
                         yield chunk(i)
                         if (broken or crash) and i == 1:
@@ -483,6 +485,7 @@ class Stub:
         self.final_line_end: bool = settings.get("final_line_end", True)  # after `data: [DONE]`
         # The last token comes in the finish chunk, with empty text (a stop token), not before it.
         self.last_token_in_finish: bool = settings.get("last_token_in_finish", False)
+        self.pairs: bool = settings.get("pairs", False)  # two tokens a chunk, then OpenAI's end mark
         self.arrived = 0
         self.active = 0
         self.max_active = 0
@@ -833,6 +836,21 @@ def test_a_last_token_without_text_counts_when_usage_says_so(
                   tmp_path=tmp_path)  # fmt: skip
     assert result["summary"]["completed"] == 2
     assert all(len(r["token_times_s"]) == (5 if send_usage else 4) for r in result["requests"])
+
+
+def test_an_end_mark_after_chunks_of_several_tokens_is_no_token(
+    stub: tuple[Stub, str], tmp_path: Path
+) -> None:
+    """A server sending two tokens a chunk, then OpenAI's end mark: usage counts more tokens than chunks,
+    but the end mark carried none (it had been timed as the last token: E2E, TPOT and the ITL all grew by
+    the wait before it)."""
+    server, url = stub
+    server.reset(pairs=True, delay=0.01)
+    result = _run(url, "--num-prompts", "2", "--input-len", "4", "--output-len", "6", tmp_path=tmp_path)
+    assert result["summary"]["completed"] == 2
+    for r in result["requests"]:
+        assert r["output_tokens"] == 6 and len(r["token_times_s"]) == 3
+        assert r["e2el_ms"] == pytest.approx(1e3 * (r["token_times_s"][-1] - r["sent_s"]))
 
 
 def test_chat_endpoint(stub: tuple[Stub, str], tmp_path: Path) -> None:

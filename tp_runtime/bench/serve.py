@@ -20,13 +20,14 @@ Arrivals: request 0 is sent at t=0 and the gaps between requests are
 `numpy.random.default_rng(seed).exponential(1 / request_rate, num_prompts - 1)`; the prompts and lengths
 come from `numpy.random.default_rng([seed, 1])`.
 
-Metrics, per successful request (times from the moment the request is sent, after any wait for a
-concurrency slot): TTFT, the first chunk that carries a token; E2E latency, the last such chunk (as vLLM's
-benchmark); ITL, the gaps between consecutive such chunks. A chunk carries a token when it has text, or
-when its text is empty before the end (a server that streams every token, as vLLM's and this project's
-do, while it holds back an incomplete character); chat's opening role chunk carries none, and a last
-chunk with no text only when `usage` counts no token more than the chunks before it did (OpenAI's end mark
-against a last token whose text is empty, such as a stop token). TPOT = (E2E - TTFT) / (output tokens - 1),
+Metrics, per successful request (times from the moment the request is sent, after any wait for a concurrency
+slot): TTFT, the first chunk that carries a token; E2E latency, the last such chunk (as vLLM's benchmark);
+ITL, the gaps between consecutive such chunks. A chunk carries a token when it has text, or when its text is
+empty before the end (a server that streams every token, as vLLM's and this project's do, while it holds
+back an incomplete character); chat's opening role chunk carries none, and a last chunk with no text one
+only when `usage` counts exactly one token more than the chunks before it (a last token whose text is empty,
+such as a stop token, in a stream of a chunk a token); else it is OpenAI's end mark (a server that sends
+several tokens a chunk cannot say which chunk carried one). TPOT = (E2E - TTFT) / (output tokens - 1),
 undefined for a one-token output. Throughputs divide by the benchmark's duration, from the first request
 sent to the last one finished. A request fails on an HTTP error status, a connection error or timeout, an
 `error` object in the stream, a stream that ends without `data: [DONE]`, or no token at all; failures are
@@ -481,9 +482,10 @@ async def send_request(
                 if text:
                     rec.text_parts.append(text)
             # The last token's text may be empty (an EOS or stop token, a stop string cut off): when usage
-            # counts a token more than the chunks did, the finish chunk carried it.
+            # counts one token more than the chunks did, the finish chunk carried it. (With several tokens
+            # a chunk usage counts more: an end mark after them is no token's arrival.)
             usage_tokens = rec.usage_output_tokens
-            if finish_s is not None and usage_tokens is not None and usage_tokens > len(rec.token_times_s):
+            if finish_s is not None and usage_tokens == len(rec.token_times_s) + 1:
                 rec.token_times_s.append(finish_s)
             if not done:
                 rec.error = "broken stream: it ended without `data: [DONE]`"

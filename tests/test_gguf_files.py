@@ -122,19 +122,18 @@ def _write_gguf(
     writer.close()
 
 
-def _llama3_divisors(factor: float, low: float, high: float, original: float) -> np.ndarray:
-    """Per-frequency divisors as llama.cpp's converter computes them for Llama 3's rope."""
-    out = []
-    for i in range(HEAD_DIM // 2):
-        wavelength = 2 * math.pi * THETA ** (2 * i / HEAD_DIM)
-        if wavelength < original / high:
-            out.append(1.0)
-        elif wavelength > original / low:
-            out.append(factor)
-        else:
-            smooth = (original / wavelength - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
+def _llama3_divisors(factor: float, low: float, high: float, original: int) -> np.ndarray:
+    """Per-frequency divisors as llama.cpp's converter writes them for Llama 3's rope: the plain rope's
+    frequencies over transformers' own llama3 ones."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = dict(rope_type="llama3", rope_theta=THETA, factor=factor, low_freq_factor=low,
+                high_freq_factor=high, original_max_position_embeddings=original)  # fmt: skip
+    config = transformers.LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, rope_parameters=rope,
+                                      max_position_embeddings=32768)  # fmt: skip
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))
+    plain = 1.0 / THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+    return (plain / scaled.double()).numpy().astype(np.float32)
 
 
 PROMPTS = [[1, *range(5, 45)], [1, *range(200, 260, 2)]]

@@ -1462,6 +1462,23 @@ def test_gemma3_rope_per_layer_type_and_head_norms_change_the_output(
     assert reference_greedy(no_head_norms, PROMPTS[:3]) != want
 
 
+def test_gemma3_attention_soft_cap_in_the_config_is_not_applied(
+    family_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """transformers' Gemma3Attention reads attn_logit_softcapping but never applies it (Gemma 2's does), so
+    a Gemma 3 config that sets one gives HF's tokens and logprobs here too; the cap is small enough that
+    applying it would change them (Gemma 2's tests hold the cap to HF's where HF applies it)."""
+    capped = tmp_path / "gemma3-capped"
+    shutil.copytree(family_dir("gemma3"), capped)
+    config = json.loads((capped / "config.json").read_text())
+    config["attn_logit_softcapping"] = 0.5
+    (capped / "config.json").write_text(json.dumps(config))
+    assert build_model_config(capped, device="cpu").attn_logit_softcapping is None
+    assert reference_greedy(capped, PROMPTS[:3]) == reference_greedy(family_dir("gemma3"), PROMPTS[:3])
+    with make_llm(capped, 1) as llm:
+        check_against_hf(llm, capped, PROMPTS[:3])
+
+
 def test_gemma3_rope_of_transformers_4_configs() -> None:
     """transformers 4.x's Gemma 3 config keeps the windowed layers' base apart (rope_local_base_freq; 5.x
     folds it into rope_parameters per layer type): the windowed layers get their own rope from it too."""

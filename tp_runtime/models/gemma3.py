@@ -4,7 +4,9 @@ transformers' modeling_gemma3 differences:
 - an RMSNorm of Gemma's kind over each query and key head, before rotary (q_norm, k_norm);
 - the windowed ("sliding_attention") layers rotate with their own rope (rope_parameters per layer type:
   a local base frequency, no scaling), the global ones with the model's (possibly scaled) rope;
-- five windowed layers to one global by default, and no soft-caps unless the config sets them.
+- five windowed layers to one global by default, and no final soft-cap unless the config sets one;
+- attention scores are never soft-capped: transformers' Gemma3Attention keeps `attn_logit_softcapping`
+  but does not apply it, so a config that sets it runs as transformers runs it.
 
 The multimodal releases (Gemma3ForConditionalGeneration: 4B, 12B, 27B) run as this model on text: their
 config.json's text_config is its config (config.build_model_config reads it), and only the language model's
@@ -36,7 +38,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
 
 def gemma3_config(hf: Any) -> dict[str, Any]:
-    return gemma2_config(hf, "Gemma 3")
+    return {**gemma2_config(hf, "Gemma 3"), "attn_logit_softcapping": None}
 
 
 def gemma3_multimodal_config(hf_text: Any) -> dict[str, Any]:

@@ -47,6 +47,10 @@ for dtype in TOL:
                     err = ((got.double() - want).abs() / scale).max().item()
                     assert err <= TOL[dtype], (dtype, rows, n, k, silu, with_bias, cfg, err)
                     checked += 1
+# No columns: zeros, or the bias (the kernel would read a first weight tile, so it is not launched).
+b5 = torch.randn(5)
+assert torch.equal(skinny_linear(torch.randn(2, 0), torch.randn(5, 0)), torch.zeros(2, 5))
+assert torch.equal(skinny_linear(torch.randn(2, 0), torch.randn(5, 0), b5), b5.expand(2, 5))
 # The few-rows kernel (tensor-core dot products). Not bfloat16 here: the interpreter's bfloat16 dot is
 # wrong (scripts/check_skinny_gemm.py checks it on the GPU).
 for dtype in (torch.float32, torch.float16):

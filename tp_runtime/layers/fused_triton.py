@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_runtime.layers import pdl
 from tp_runtime.layers.kv_fp8 import f32_reciprocal
+from tp_runtime.layers.pdl import release_and_wait
 
 
 @triton.jit
@@ -82,7 +84,9 @@ def _add_rms_norm_kernel(
     QUANT: tl.constexpr = False,
     FP8_MAX: tl.constexpr = 448.0,
     MIN_AMAX: tl.constexpr = 1e-12,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (layers/pdl.py)
 ):
+    release_and_wait(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride past 2**31 in a long step must not wrap
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -127,6 +131,7 @@ def launch_add_rms_norm(
             x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0), n_cols, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols), UNIT_OFFSET=unit_offset,
             scale_ptr=fp8_scale, QUANT=fp8_scale is not None, FP8_MAX=fp8_max, MIN_AMAX=min_amax,
+            PDL=pdl.enabled(x), launch_pdl=pdl.enabled(x),
         )  # fmt: skip
 
 
@@ -232,7 +237,9 @@ def _rotary_and_cache_kernel(
     HEADS_BLOCK: tl.constexpr,
     KV_HEADS_BLOCK: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    release_and_wait(PDL)
     token = tl.program_id(0).to(tl.int64)  # token * stride past 2**31 must not wrap
     table = token * table_stride
     c1, c2, s1, s2 = _rope_cos_sin(cos_ptr + table, sin_ptr + table, half, HALF_BLOCK, q_ptr.dtype.element_ty)
@@ -318,6 +325,7 @@ def rotary_and_cache_(
             heads, kv_heads, head_dim // 2, f32_reciprocal(kv_scales[0]), f32_reciprocal(kv_scales[1]),
             HALF_BLOCK=triton.next_power_of_2(head_dim // 2), HEADS_BLOCK=triton.next_power_of_2(heads),
             KV_HEADS_BLOCK=triton.next_power_of_2(kv_heads), KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+            PDL=pdl.enabled(q), launch_pdl=pdl.enabled(q),
             enable_fp_fusion=False,  # as in rotary_
         )  # fmt: skip
 
@@ -353,8 +361,10 @@ def _gelu_tanh_mul_value(gate, up):
 
 @triton.jit
 def _gated_act_and_mul_kernel(
-    gate_up_ptr, out_ptr, in_stride, out_stride, n_cols, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr
+    gate_up_ptr, out_ptr, in_stride, out_stride, n_cols, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    release_and_wait(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride past 2**31 in a long step must not wrap
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -374,7 +384,8 @@ def _gated_act_and_mul(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     block = 1024
     if rows:
         _gated_act_and_mul_kernel[(rows, triton.cdiv(n_cols, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), n_cols, GELU_TANH=gelu_tanh, BLOCK=block
+            gate_up, out, gate_up.stride(0), out.stride(0), n_cols, GELU_TANH=gelu_tanh, BLOCK=block,
+            PDL=pdl.enabled(gate_up), launch_pdl=pdl.enabled(gate_up),
         )
     return out
 

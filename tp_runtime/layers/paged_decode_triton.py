@@ -31,8 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_runtime.layers import pdl
 from tp_runtime.layers.fused_triton import to_float16_clamped
 from tp_runtime.layers.kv_fp8 import is_fp8
+from tp_runtime.layers.pdl import release_and_wait
 
 # Tuning knobs (H200 defaults, barely tuned). Tile sizes count tokens per loop iteration, independent
 # of the cache block size; they must be powers of two >= 16 (tl.dot's minimum). They are the sizes for
@@ -147,7 +149,9 @@ def _decode_kernel(
     SOFTCAP: tl.constexpr,  # attention logit soft-cap; 0: off
     IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,  # the caches hold e4m3
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (layers/pdl.py)
 ):
+    release_and_wait(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -228,8 +232,10 @@ def _combine_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Log-sum-exp merge of one (sequence, head)'s splits."""
+    release_and_wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     base = (seq * tl.num_programs(1) + head) * NUM_SPLITS
@@ -439,12 +445,14 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, SOFTCAP=cap, IEEE=q.dtype == torch.float32, KV_FP8=kv_fp8,
+        PDL=pdl.enabled(q), launch_pdl=pdl.enabled(q),
         num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
     )  # fmt: skip
     if num_splits > 1:
         _combine_kernel[(seqs, heads)](
             m, l, acc, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            PDL=pdl.enabled(q), launch_pdl=pdl.enabled(q),
             num_warps=1 if head_dim_pad <= 128 else 2, num_stages=1,
         )  # fmt: skip
     return out

@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_runtime.layers import pdl
 from tp_runtime.layers.fused_triton import silu_mul_value, to_float16_clamped
+from tp_runtime.layers.pdl import release_and_wait, release_dependents, wait_for_previous
 
 
 @triton.jit
@@ -45,33 +47,58 @@ def _load_x(
 
 
 @triton.jit
+def _load_w_tile(w_rows, k_start, n_mask, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    k = k_start + tl.arange(0, BLOCK_K)
+    if EVEN:
+        return tl.load(w_rows + k[None, :], eviction_policy="evict_first")
+    w_mask = n_mask[:, None] & (k < K)[None, :]
+    return tl.load(w_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _add_row_tile(
+    acc, w, x_row, k_start, n, n_mask, K, scale_ptr, scale_stride, SILU_MUL: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """acc + the products of weight tile `w` (columns k_start...) and x's matching elements."""
+    k = k_start + tl.arange(0, BLOCK_K)
+    xk = _load_x(x_row, k, k < K, K, SILU_MUL, EVEN_K).to(tl.float32)
+    if SCALE == 2:
+        s = tl.load(scale_ptr + n.to(tl.int64) * scale_stride + k_start // SCALE_BLOCK_K, mask=n_mask)
+        return acc + w.to(tl.float32) * xk[None, :] * s[:, None]
+    return acc + w.to(tl.float32) * xk[None, :]
+
+
+@triton.jit
 def _skinny_row_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, scale_ptr, N, K, x_stride, w_stride, out_stride, scale_stride,
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (BLOCK_N output features, row). SCALE (FP8 weights): 1, one scale per row, applied
-    to the sum; 2, one per row and SCALE_BLOCK_K columns (a multiple of BLOCK_K), applied per tile."""
+    to the sum; 2, one per row and SCALE_BLOCK_K columns (a multiple of BLOCK_K), applied per tile. PDL:
+    launched with programmatic dependent launch (layers/pdl.py); the first weight tile is loaded before
+    waiting for the kernel before, which no kernel of a step writes, so that load overlaps its end."""
+    release_dependents(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1)
     n_mask = n < N
-    x_row = x_ptr + row.to(tl.int64) * x_stride
     w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
+    w = _load_w_tile(w_rows, 0, n_mask, K, BLOCK_K, EVEN_N and EVEN_K)
+    wait_for_previous(PDL)
+    x_row = x_ptr + row.to(tl.int64) * x_stride
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        k = k_start + tl.arange(0, BLOCK_K)
-        k_mask = k < K
-        xk = _load_x(x_row, k, k_mask, K, SILU_MUL, EVEN_K).to(tl.float32)
-        if EVEN_N and EVEN_K:
-            w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
-        else:
-            w_mask = n_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-        if SCALE == 2:
-            s = tl.load(scale_ptr + n.to(tl.int64) * scale_stride + k_start // SCALE_BLOCK_K, mask=n_mask)
-            acc += w.to(tl.float32) * xk[None, :] * s[:, None]
-        else:
-            acc += w.to(tl.float32) * xk[None, :]
+    acc = _add_row_tile(
+        acc, w, x_row, 0, n, n_mask, K, scale_ptr, scale_stride, SILU_MUL, BLOCK_K, EVEN_K, SCALE,
+        SCALE_BLOCK_K,
+    )  # fmt: skip
+    for k_start in range(BLOCK_K, K, BLOCK_K):
+        w = _load_w_tile(w_rows, k_start, n_mask, K, BLOCK_K, EVEN_N and EVEN_K)
+        acc = _add_row_tile(
+            acc, w, x_row, k_start, n, n_mask, K, scale_ptr, scale_stride, SILU_MUL, BLOCK_K, EVEN_K, SCALE,
+            SCALE_BLOCK_K,
+        )  # fmt: skip
     y = tl.sum(acc, axis=1)
     if SCALE == 1:
         y *= tl.load(scale_ptr + n.to(tl.int64) * scale_stride, mask=n_mask, other=0.0)
@@ -85,13 +112,14 @@ def _few_rows_dot_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, scale_ptr, M, N, K, x_stride, w_stride, out_stride, scale_stride,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FP32: tl.constexpr, SCALE: tl.constexpr,
-    SCALE_BLOCK_K: tl.constexpr, F16_PRODUCTS: tl.constexpr,
+    SCALE_BLOCK_K: tl.constexpr, F16_PRODUCTS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per BLOCK_N output features for all (up to BLOCK_M) rows: tensor-core products (exact
     float32 products for float32, no TF32), each weight tile read once. FP8 weights (SCALE 1 or 2, as in
     _skinny_row_kernel) are converted to x's dtype in registers; F16_PRODUCTS (FP8 under a bfloat16 x): to
     float16 instead, and x too (fused_triton.to_float16_clamped): at one row an H200 ran the Llama-3-8B and
     70B layers through this kernel 1.26-1.45x faster so."""
+    release_and_wait(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     m = tl.arange(0, BLOCK_M)
@@ -211,6 +239,8 @@ def skinny_linear(
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
+    if k == 0:  # the kernel reads a first weight tile unconditionally
+        return out.zero_() if bias is None else out.copy_(bias.expand(rows, n))
     cfg = config or default_config(n, num_sms)
     mode, block_k = _scale_mode(scale, scale_block_k, cfg.block_k)
     _skinny_row_kernel[(triton.cdiv(n, cfg.block_n), rows)](
@@ -218,7 +248,7 @@ def skinny_linear(
         x.stride(0), weight.stride(0), out.stride(0), 0 if scale is None else scale.stride(0),
         SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % block_k == 0, SCALE=mode, SCALE_BLOCK_K=max(scale_block_k, 1),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=pdl.enabled(x), launch_pdl=pdl.enabled(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
@@ -282,7 +312,7 @@ def few_rows_linear(
         BLOCK_N=config.block_n, BLOCK_K=block_k, EVEN_N=n % config.block_n == 0,
         EVEN_K=k % block_k == 0, FP32=x.dtype == torch.float32, SCALE=mode,
         SCALE_BLOCK_K=max(scale_block_k, 1),
-        F16_PRODUCTS=scale is not None and x.dtype == torch.bfloat16,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        F16_PRODUCTS=scale is not None and x.dtype == torch.bfloat16, PDL=pdl.enabled(x),
+        launch_pdl=pdl.enabled(x), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

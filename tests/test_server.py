@@ -654,6 +654,7 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
         ({"model": NAME, "prompt": "hi", "n": 0}, "n must be"),
         ({"model": NAME, "prompt": "hi", "logprobs": 50}, "logprobs=50 exceeds"),
         ({"model": NAME, "prompt": "hi", "stop": [""]}, "stop must be"),
+        ({"model": NAME, "prompt": "hi", "stop": ""}, "stop must be"),  # as [""], not dropped
         ({"model": NAME, "prompt": [1, 2, 99999]}, "outside the vocabulary"),
         # vLLM extensions this server does not serve are refused, not silently ignored.
         ({"model": NAME, "prompt": "hi", "prompt_logprobs": 50}, "prompt_logprobs=50 exceeds"),
@@ -686,6 +687,14 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
     assert "messages is empty" in error["message"]
     error = _error(httpx.post(chat, json={"messages": MESSAGES, "logprobs": False, "top_logprobs": 2}), 400)
     assert error["param"] == "top_logprobs"
+    # top_logprobs 0 is vLLM's default for the field, so it is no request for logprobs.
+    fields = {"max_tokens": 2, "logprobs": False, "top_logprobs": 0}
+    reply = httpx.post(chat, json={"messages": MESSAGES, **fields})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["logprobs"] is None, reply.text
+    # A null max_tokens in a completion is OpenAI's default, 16 (as vLLM's), not the rest of the context.
+    body = {"prompt": "hi", "max_tokens": None, "ignore_eos": True, "temperature": 0}
+    reply = httpx.post(url, json=body)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 16, reply.text
     # Errors name the request's own fields, and a limit the server sets by its own flag.
     for fields, param, fragment in (
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs=21 exceeds this server's"),

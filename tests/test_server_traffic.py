@@ -114,7 +114,7 @@ def _request(rng: random.Random, prefixes: list[str]) -> dict[str, Any]:
     roll = rng.random()
     if roll < 0.25 and body["stream"]:
         fault = ("drop", rng.randint(1, 3))
-        # Up to the context, EOS ignored: tens of tokens to go when dropped; only an abort ends it soon.
+        # Up to the context (a chat's null; a completion's is 16), EOS ignored: tokens to go when dropped.
         for name in ("stop", "stop_token_ids", "structured_outputs", "min_tokens"):
             body.pop(name, None)
         body.update(max_tokens=None, ignore_eos=True)
@@ -184,7 +184,8 @@ def _params(body: dict[str, Any], chat: bool) -> SamplingParams:
     logprobs = body.get("top_logprobs") if chat else body.get("logprobs")
     bias = body.get("logit_bias")
     return SamplingParams(
-        temperature=body["temperature"], seed=body.get("seed"), n=body["n"], max_tokens=body["max_tokens"],
+        temperature=body["temperature"], seed=body.get("seed"), n=body["n"],
+        max_tokens=16 if body["max_tokens"] is None and not chat else body["max_tokens"],  # completions' null
         min_tokens=body.get("min_tokens", 0), stop=body.get("stop"),
         stop_token_ids=body.get("stop_token_ids"), logprobs=logprobs if body.get("logprobs") else None,
         logit_bias={int(k): v for k, v in bias.items()} if bias else None,
@@ -207,7 +208,7 @@ def _reference(llm: LLM, req: dict[str, Any]) -> tuple[list[Any], int] | None:
         prompts = [{"prompt_token_ids": prompt}] if is_ids else prompt if several else [prompt]
         outputs = llm.generate(prompts, params, use_tqdm=False)
     for out in outputs:
-        if body["max_tokens"] is not None and len(out.prompt_token_ids) + body["max_tokens"] > MAX_LEN:
+        if params.max_tokens is not None and len(out.prompt_token_ids) + params.max_tokens > MAX_LEN:
             return None
     choices = [
         (c.text, c.finish_reason, len(c.token_ids),

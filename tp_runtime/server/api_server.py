@@ -516,7 +516,7 @@ class _Context:
         # No plan (no tools, or `tools: []`): the tools as given, as /tokenize and vLLM pass them.
         ids = self.chat_prompt(body, body.tools if plan is None else plan.template_tools(body.tools or []))
         ids = self.truncated(body, ids)
-        if body.top_logprobs is not None and not body.logprobs:
+        if body.top_logprobs not in (None, 0) and not body.logprobs:  # 0 is the field's default in vLLM's
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

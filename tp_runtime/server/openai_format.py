@@ -187,7 +187,7 @@ def sampling_params(
             top_k=given(body.top_k, -1, "top_k"),
             min_p=given(body.min_p, 0.0, "min_p"),
             seed=body.seed,
-            stop=body.stop or None,
+            stop=body.stop,  # "" is refused as [""] is (an empty list: no stop strings)
             stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,

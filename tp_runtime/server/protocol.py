@@ -207,7 +207,7 @@ class SamplingFields(_Request):
 class CompletionRequest(SamplingFields):
     # A string, a list of strings, a list of token ids, or a list of such lists (one choice per prompt).
     prompt: str | Items[str] | Items[int] | Items[Items[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions; None: up to the context length
+    max_tokens: int = 16  # OpenAI's default for completions; a null means it too, as vLLM's (not chat's)
     logprobs: int | None = None  # the top tokens to return per position, besides the sampled one
     echo: bool = False  # each choice's text (and logprobs) begins with its prompt's
     add_special_tokens: bool = True  # vLLM's: a string prompt gets the tokenizer's special tokens (BOS)

@@ -131,7 +131,7 @@ def launch_add_rms_norm(
             x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0), n_cols, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols), UNIT_OFFSET=unit_offset,
             scale_ptr=fp8_scale, QUANT=fp8_scale is not None, FP8_MAX=fp8_max, MIN_AMAX=min_amax,
-            PDL=pdl.enabled(x), launch_pdl=pdl.enabled(x),
+            **pdl.launch_args(x),
         )  # fmt: skip
 
 
@@ -325,7 +325,7 @@ def rotary_and_cache_(
             heads, kv_heads, head_dim // 2, f32_reciprocal(kv_scales[0]), f32_reciprocal(kv_scales[1]),
             HALF_BLOCK=triton.next_power_of_2(head_dim // 2), HEADS_BLOCK=triton.next_power_of_2(heads),
             KV_HEADS_BLOCK=triton.next_power_of_2(kv_heads), KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
-            PDL=pdl.enabled(q), launch_pdl=pdl.enabled(q),
+            **pdl.launch_args(q),
             enable_fp_fusion=False,  # as in rotary_
         )  # fmt: skip
 
@@ -385,7 +385,7 @@ def _gated_act_and_mul(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     if rows:
         _gated_act_and_mul_kernel[(rows, triton.cdiv(n_cols, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), n_cols, GELU_TANH=gelu_tanh, BLOCK=block,
-            PDL=pdl.enabled(gate_up), launch_pdl=pdl.enabled(gate_up),
+            **pdl.launch_args(gate_up),
         )
     return out
 

@@ -445,14 +445,14 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, SOFTCAP=cap, IEEE=q.dtype == torch.float32, KV_FP8=kv_fp8,
-        PDL=pdl.enabled(q), launch_pdl=pdl.enabled(q),
+        **pdl.launch_args(q),
         num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
     )  # fmt: skip
     if num_splits > 1:
         _combine_kernel[(seqs, heads)](
             m, l, acc, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            PDL=pdl.enabled(q), launch_pdl=pdl.enabled(q),
+            **pdl.launch_args(q),
             num_warps=1 if head_dim_pad <= 128 else 2, num_stages=1,
         )  # fmt: skip
     return out

@@ -55,3 +55,10 @@ def enabled(t: torch.Tensor) -> bool:
     if not t.is_cuda:
         return False
     return _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def launch_args(t: torch.Tensor) -> dict[str, bool]:
+    """A kernel's `PDL` argument and Triton's `launch_pdl` option together, so the two always agree (a
+    kernel launched with PDL must run its waits)."""
+    on = enabled(t)
+    return {"PDL": on, "launch_pdl": on}

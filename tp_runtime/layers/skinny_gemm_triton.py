@@ -248,7 +248,7 @@ def skinny_linear(
         x.stride(0), weight.stride(0), out.stride(0), 0 if scale is None else scale.stride(0),
         SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % block_k == 0, SCALE=mode, SCALE_BLOCK_K=max(scale_block_k, 1),
-        PDL=pdl.enabled(x), launch_pdl=pdl.enabled(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch_args(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
@@ -312,7 +312,7 @@ def few_rows_linear(
         BLOCK_N=config.block_n, BLOCK_K=block_k, EVEN_N=n % config.block_n == 0,
         EVEN_K=k % block_k == 0, FP32=x.dtype == torch.float32, SCALE=mode,
         SCALE_BLOCK_K=max(scale_block_k, 1),
-        F16_PRODUCTS=scale is not None and x.dtype == torch.bfloat16, PDL=pdl.enabled(x),
-        launch_pdl=pdl.enabled(x), num_warps=config.num_warps, num_stages=config.num_stages,
+        F16_PRODUCTS=scale is not None and x.dtype == torch.bfloat16, **pdl.launch_args(x),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

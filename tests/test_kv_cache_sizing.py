@@ -102,6 +102,41 @@ def test_memory_profile_runs_the_largest_step(make_checkpoint: Callable[..., Pat
         llm.shutdown()
 
 
+def test_memory_profile_holds_the_penalty_state_through_its_prefill(
+    make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The penalties' per-row token state, once made, lives beside every later prefill: the profile whose
+    peak sizes the KV cache holds it through its prefill too, not only through its sampling."""
+    import weakref
+
+    from tp_runtime.worker import model_runner
+
+    for name in ("reset_peak_memory_stats", "synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: 0)
+    made: list[weakref.ref[Any]] = []
+    real_state = model_runner.PenaltyState
+
+    def tracked(*args: Any) -> Any:
+        state = real_state(*args)
+        made.append(weakref.ref(state))
+        return state
+
+    monkeypatch.setattr(model_runner, "PenaltyState", tracked)
+    with LLM(make_checkpoint(), device="cpu", dtype="float32", max_model_len=64) as llm:
+        runner = llm.engine.executor.worker.runner  # type: ignore[attr-defined]
+        assert runner.batch.penalties is None  # no penalized request yet
+        prefill, alive_in_prefill = runner.run_largest_prefill, []
+
+        def watched_prefill() -> torch.Tensor:
+            alive_in_prefill.append(sum(ref() is not None for ref in made))
+            return prefill()
+
+        monkeypatch.setattr(runner, "run_largest_prefill", watched_prefill)
+        runner.profile_peak_memory()
+    assert alive_in_prefill == [1] and len(made) == 1  # one state, made before the prefill, used by both
+
+
 def test_a_gpu_with_no_room_left_says_what_took_it() -> None:
     """Llama-3-70B FP8 on an 80 GB card at the defaults: the sizing came out at -1449 blocks, which the
     worker then refused as a protocol error ("allocate_kv_cache needs a number of blocks >= 0")."""

@@ -386,9 +386,14 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_peak_memory(self) -> int:
         """Run the largest prefill a step can hold, then the largest sampling, once and return the peak
-        device memory in bytes."""
+        device memory in bytes. The penalties' per-row token state is held through both: made for the
+        first penalized request, it then stays beside every later step's prefill."""
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.run_largest_sampling(self.run_largest_prefill())
+        penalties = self.batch.penalties
+        if penalties is None:
+            penalties = PenaltyState(len(self.batch.token_feed), self.batch.vocab_size, self.device)
+        self.run_largest_sampling(self.run_largest_prefill(), penalties)
+        del penalties
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
@@ -424,12 +429,15 @@ class ModelRunner:
             self.kv_caches = kv_caches
 
     @torch.inference_mode()
-    def run_largest_sampling(self, logits: torch.Tensor) -> SamplerOutput:
+    def run_largest_sampling(
+        self, logits: torch.Tensor, penalties: PenaltyState | None = None
+    ) -> SamplerOutput:
         """What a step allocates after its forward, at its largest, on the largest prefill's `logits`: one
         slice of prompt logprobs packed with max_logprobs top entries, then the sampler on as many rows as
         a step samples with every option that takes memory (penalties with their per-row token state,
         min-p, top-k, top-p, a seeded row, max_logprobs logprobs, min_tokens' stop ids masked in a copy).
-        A sampler of its own draws the noise, so the engine's random stream is untouched."""
+        A sampler of its own draws the noise, so the engine's random stream is untouched. `penalties`:
+        the token state to use (default: the batch's, or one made here)."""
         sched, k = self.config.scheduler, self.config.max_logprobs
         # Rank 0 packs a step's prompt logprobs and holds them while the step samples.
         packed = None
@@ -437,7 +445,8 @@ class ModelRunner:
             targets = torch.zeros(len(logits), dtype=torch.int64, device=self.device)
             packed = pack_prompt_logprobs(logits, targets, k)
         rows = min(sched.max_num_seqs, sched.max_num_batched_tokens, len(logits))
-        penalties = self.batch.penalties
+        if penalties is None:
+            penalties = self.batch.penalties
         if penalties is None:  # made when the first penalized request arrives: counted here
             penalties = PenaltyState(len(self.batch.token_feed), self.batch.vocab_size, self.device)
 

@@ -154,6 +154,52 @@ def test_a_gpu_with_no_room_left_says_what_took_it() -> None:
         assert says in str(error)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_decode_reserve_is_what_the_attention_path_holds(tp: int) -> None:
+    """Llama-3-8B's shape at the defaults (256 sequences of 8192 tokens, 16-token blocks, 132 SMs). The
+    gather path holds a full batch's keys and values of one layer in the model dtype; the Triton kernels
+    read the blocks in place and hold only their split-KV partials (float32 sums, maxima and totals per
+    split) for the batch a decode graph pads to, and the graphs' float32 logits of every row."""
+    import types
+
+    from tp_runtime.layers.attention import TorchAttention, TritonAttention
+    from tp_runtime.layers.paged_decode_triton import choose_num_splits
+    from tp_runtime.worker.model_runner import ModelRunner
+
+    seqs, max_len, block, heads, kv_heads, head_dim, vocab, layers = 256, 8192, 16, 32, 8, 128, 128256, 32
+    kv_heads_here, heads_here = kv_heads // tp, heads // tp
+    per_block = layers * 2 * block * kv_heads_here * head_dim * 2  # bf16 keys and values of every layer
+
+    def reserve(attention: Any) -> int:
+        runner = types.SimpleNamespace(
+            attention=attention, max_blocks=max_len // block, kv_cache_dtype=torch.bfloat16,
+            kv_bytes_per_block=lambda: per_block, model=types.SimpleNamespace(dtype=torch.bfloat16),
+            config=types.SimpleNamespace(
+                scheduler=types.SimpleNamespace(max_num_seqs=seqs),
+                parallel=types.SimpleNamespace(tensor_parallel_size=tp),
+                model=types.SimpleNamespace(
+                    num_layers=layers, num_heads=heads, head_dim=head_dim, vocab_size=vocab
+                ),
+            ),
+        )  # fmt: skip
+        return ModelRunner.decode_reserve_bytes(runner)  # type: ignore[arg-type]
+
+    gather = reserve(TorchAttention())
+    assert gather == seqs * max_len * 2 * kv_heads_here * head_dim * 2  # 8 GiB at TP 1
+    triton = reserve(TritonAttention(kv_heads_here, block, num_sms=132, split_kv=True))
+    # Every batch size, padded as the decode graphs pad it (16-row steps past 8), split as the kernels split
+    # a batch whose longest row is max_model_len long.
+    widest = 0
+    for n in range(1, seqs + 1):
+        padded = next(b for b in (1, 2, 4, 8, *range(16, seqs + 1, 16)) if b >= n)
+        splits = choose_num_splits(padded, kv_heads_here, max_len // block, block, 132)
+        widest = max(widest, padded * heads_here * splits * (head_dim + 2) * 4)
+    assert triton == widest + seqs * vocab * 4
+    assert triton < gather / 30
+    one_split = reserve(TritonAttention(kv_heads_here, block, num_sms=132, split_kv=False))
+    assert one_split == seqs * heads_here * (head_dim + 2) * 4 + seqs * vocab * 4
+
+
 def test_every_rank_stops_on_the_rank_with_no_room(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two GPU ranks sizing at once (stubbed), one of them without room: both raise a ConfigError after the
     agreed minimum; the rank without room says what took it, the other names that rank (the driver
@@ -178,7 +224,7 @@ def test_every_rank_stops_on_the_rank_with_no_room(monkeypatch: pytest.MonkeyPat
         def rank(r: int) -> None:
             runner = types.SimpleNamespace(
                 kv_bytes_per_block=lambda: 512 * MIB, profile_peak_memory=lambda: (weights_gib[r] + 2) * GIB,
-                decode_gather_bytes=lambda: 3 * GIB, mixed_graph_pool_bytes=lambda activations: 0,
+                decode_reserve_bytes=lambda: 3 * GIB, mixed_graph_pool_bytes=lambda activations: 0,
             )  # fmt: skip
             cache = types.SimpleNamespace(num_kv_blocks=None, gpu_memory_utilization=0.9, block_size=16)
             tp = types.SimpleNamespace(all_reduce_min_int=all_reduce_min_int)

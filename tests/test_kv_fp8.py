@@ -270,7 +270,7 @@ def test_fp8_cache_holds_four_times_the_fp32_blocks(make_checkpoint: Callable[..
             blocks[kv] = llm.engine.scheduler.kv.pool.num_blocks
             elements = (2 * runner.config.scheduler.max_num_seqs * runner.max_blocks * runner.block_size
                         * runner.model.num_local_kv_heads * runner.config.model.head_dim)  # fmt: skip
-            reserve_per_element[kv] = runner.decode_gather_bytes() / elements
+            reserve_per_element[kv] = runner.decode_reserve_bytes() / elements
     assert blocks["fp8"] // 4 == blocks["auto"]  # the same bytes, each count rounded down
     assert reserve_per_element == {"auto": 4, "fp8": 5}
 

@@ -37,8 +37,9 @@ class GpuMemoryPlan:
             f"{self.total * self.share / gib:.2f} GiB of the GPU's {self.total / gib:.2f} GiB, and the "
             f"weights take {self.weights / gib:.2f} GiB, the largest step's activations "
             f"{(self.peak - self.weights) / gib:.2f} GiB (max_num_batched_tokens), the room kept for "
-            f"decoding and the mixed-step graphs {self.reserve / gib:.2f} GiB (max_num_seqs x "
-            "max_model_len, max_num_batched_tokens); raise gpu_memory_utilization or lower those settings"
+            f"decoding and the mixed-step graphs {self.reserve / gib:.2f} GiB (max_num_seqs, x max_model_len "
+            "with attention_backend='torch'; max_num_batched_tokens); raise gpu_memory_utilization or lower "
+            "those settings"
         )
 
 

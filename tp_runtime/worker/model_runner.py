@@ -30,7 +30,7 @@ from tp_runtime.layers import kv_fp8
 from tp_runtime.layers.attention import AttentionMetadata, PrefillChunk, make_attention_backend
 from tp_runtime.layers.linear import decode_graph_pass
 from tp_runtime.messages import GrammarMask, SchedulerOutput
-from tp_runtime.worker.cuda_graphs import DecodeGraphs
+from tp_runtime.worker.cuda_graphs import DecodeGraphs, batch_buckets
 from tp_runtime.worker.inputs import (
     GraphDecodeBatch,
     InputBuilder,
@@ -235,15 +235,27 @@ class ModelRunner:
         graphed = min(sched.max_num_batched_tokens, MIXED_GRAPH_MAX_TOKENS)
         return int(profiled_activation_bytes * min(1.0, graphed / profiled[-1][1]))
 
-    def decode_gather_bytes(self) -> int:
-        """Keys and values one layer gathers for a full decode batch at max_model_len: on the gather path
-        in the model dtype (an FP8 cache's bytes gathered first, then converted); the Triton kernels read
-        blocks in place and keep the cache's own bytes as headroom."""
-        per_block_layer = self.kv_bytes_per_block() // self.config.model.num_layers
-        cache_item = self.kv_cache_dtype.itemsize
-        if self.attention.reads_table_padding and cache_item != self.model.dtype.itemsize:
-            per_block_layer = per_block_layer // cache_item * (cache_item + self.model.dtype.itemsize)
-        return self.config.scheduler.max_num_seqs * self.max_blocks * per_block_layer
+    def decode_reserve_bytes(self) -> int:
+        """What a decode step holds beyond the profiled prefill. The gather path: the keys and values one
+        layer gathers for a full batch at max_model_len, in the model dtype (an FP8 cache's bytes gathered
+        first, then converted). The Triton kernels read the blocks in place: only the split-KV partials of
+        the widest decode batch (float32 sums per split, with their maximum and sum) and the decode graphs'
+        logits, held outside the graphs' pool."""
+        rows = self.config.scheduler.max_num_seqs
+        if self.attention.reads_table_padding:
+            per_block_layer = self.kv_bytes_per_block() // self.config.model.num_layers
+            cache_item = self.kv_cache_dtype.itemsize
+            if cache_item != self.model.dtype.itemsize:
+                per_block_layer = per_block_layer // cache_item * (cache_item + self.model.dtype.itemsize)
+            return rows * self.max_blocks * per_block_layer
+        mc = self.config.model
+        heads = mc.num_heads // self.config.parallel.tensor_parallel_size
+        split_rows = max(
+            r * self.attention.num_decode_splits(r, self.max_blocks) for r in batch_buckets(rows)
+        )
+        partials = split_rows * heads * (mc.head_dim + 2) * 4
+        logits = rows * mc.vocab_size * 4  # at most float32 logits of every row
+        return partials + logits
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         dtype = self.kv_cache_dtype

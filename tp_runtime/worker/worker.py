@@ -193,10 +193,10 @@ class Worker:
             before = torch.cuda.memory_allocated(self.device)
             peak = runner.profile_peak_memory()
             _, total = torch.cuda.mem_get_info(self.device)
-            # The profile runs a prefill; a full decode batch at max_model_len needs its gathered keys
-            # and values (one layer at a time) on top, and the mixed-step graphs keep a prefill's
-            # activations of their own, so reserve both too rather than OOM mid-run.
-            reserve = runner.decode_gather_bytes() + runner.mixed_graph_pool_bytes(peak - before)
+            # The profile runs a prefill; a decode step holds more on top (on the gather path a full
+            # batch's keys and values at max_model_len, one layer at a time), and the mixed-step graphs
+            # keep a prefill's activations of their own, so reserve both too rather than OOM mid-run.
+            reserve = runner.decode_reserve_bytes() + runner.mixed_graph_pool_bytes(peak - before)
             plan = GpuMemoryPlan(total, cache.gpu_memory_utilization, before, peak, reserve)
             blocks = plan.blocks(per_block)
         else:

@@ -150,23 +150,32 @@ def test_a_gpu_with_no_room_left_says_what_took_it() -> None:
     error = plan.no_room(rank=1)
     assert isinstance(error, ConfigError)
     for says in ("rank 1", "gives 72.00 GiB of the GPU's 80.00 GiB", "weights take 68.00 GiB",
-                 "activations 2.00 GiB", "graphs 3.00 GiB", "raise gpu_memory_utilization"):  # fmt: skip
+                 "activations 2.00 GiB", "graphs 3.00 GiB", "outside PyTorch (the CUDA context, NCCL, other "
+                 "processes) 0.00 GiB", "raise gpu_memory_utilization"):  # fmt: skip
         assert says in str(error)
+    # What the card holds outside PyTorch's allocator comes off the share too.
+    outside = GpuMemoryPlan(80 * GIB, 0.95, 68 * GIB, 70 * GIB, 3 * GIB, outside=GIB)
+    assert outside.blocks(512 * MIB) == 4
+    assert "other processes) 1.00 GiB" in str(outside.no_room(rank=0))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_decode_reserve_is_what_the_attention_path_holds(tp: int) -> None:
-    """Llama-3-8B's shape at the defaults (256 sequences of 8192 tokens, 16-token blocks, 132 SMs). The
-    gather path holds a full batch's keys and values of one layer in the model dtype; the Triton kernels
-    read the blocks in place and hold only their split-KV partials (float32 sums, maxima and totals per
-    split) for the batch a decode graph pads to, and the graphs' float32 logits of every row."""
+@pytest.mark.parametrize(
+    ("tp", "seqs", "graphs"), [(1, 256, True), (2, 256, True), (1, 40, True), (1, 40, False)]
+)
+def test_decode_reserve_is_what_the_attention_path_holds(tp: int, seqs: int, graphs: bool) -> None:
+    """Llama-3-8B's shape (sequences of 8192 tokens, 16-token blocks, 132 SMs). The gather path holds a
+    full batch's keys and values of one layer in the model dtype; the Triton kernels read the blocks in
+    place and hold only their split-KV partials (float32 sums, maxima and totals per split) for the widest
+    batch a decode graph pads to that splits (one split writes its output directly); with CUDA graphs,
+    both add the graphs' float32 logits of every row. At 40 sequences the widest is the 32-row batch, in
+    two splits, not the 40-row one."""
     import types
 
     from tp_runtime.layers.attention import TorchAttention, TritonAttention
     from tp_runtime.layers.paged_decode_triton import choose_num_splits
     from tp_runtime.worker.model_runner import ModelRunner
 
-    seqs, max_len, block, heads, kv_heads, head_dim, vocab, layers = 256, 8192, 16, 32, 8, 128, 128256, 32
+    max_len, block, heads, kv_heads, head_dim, vocab, layers = 8192, 16, 32, 8, 128, 128256, 32
     kv_heads_here, heads_here = kv_heads // tp, heads // tp
     per_block = layers * 2 * block * kv_heads_here * head_dim * 2  # bf16 keys and values of every layer
 
@@ -174,6 +183,7 @@ def test_decode_reserve_is_what_the_attention_path_holds(tp: int) -> None:
         runner = types.SimpleNamespace(
             attention=attention, max_blocks=max_len // block, kv_cache_dtype=torch.bfloat16,
             kv_bytes_per_block=lambda: per_block, model=types.SimpleNamespace(dtype=torch.bfloat16),
+            _captures_graphs=lambda: graphs,
             config=types.SimpleNamespace(
                 scheduler=types.SimpleNamespace(max_num_seqs=seqs),
                 parallel=types.SimpleNamespace(tensor_parallel_size=tp),
@@ -184,20 +194,24 @@ def test_decode_reserve_is_what_the_attention_path_holds(tp: int) -> None:
         )  # fmt: skip
         return ModelRunner.decode_reserve_bytes(runner)  # type: ignore[arg-type]
 
+    logits = seqs * vocab * 4 if graphs else 0
     gather = reserve(TorchAttention())
-    assert gather == seqs * max_len * 2 * kv_heads_here * head_dim * 2  # 8 GiB at TP 1
+    assert gather == seqs * max_len * 2 * kv_heads_here * head_dim * 2 + logits  # 8 GiB + logits at 256, TP 1
     triton = reserve(TritonAttention(kv_heads_here, block, num_sms=132, split_kv=True))
     # Every batch size, padded as the decode graphs pad it (16-row steps past 8), split as the kernels split
     # a batch whose longest row is max_model_len long.
     widest = 0
     for n in range(1, seqs + 1):
-        padded = next(b for b in (1, 2, 4, 8, *range(16, seqs + 1, 16)) if b >= n)
+        padded = next(b for b in (1, 2, 4, 8, *range(16, seqs + 16, 16)) if b >= n)
+        padded = min(padded, seqs)
         splits = choose_num_splits(padded, kv_heads_here, max_len // block, block, 132)
-        widest = max(widest, padded * heads_here * splits * (head_dim + 2) * 4)
-    assert triton == widest + seqs * vocab * 4
+        if splits > 1:
+            widest = max(widest, padded * heads_here * splits * (head_dim + 2) * 4)
+    assert triton == widest + logits
+    if seqs == 40 and tp == 1:
+        assert widest == 32 * 2 * heads_here * (head_dim + 2) * 4
     assert triton < gather / 30
-    one_split = reserve(TritonAttention(kv_heads_here, block, num_sms=132, split_kv=False))
-    assert one_split == seqs * heads_here * (head_dim + 2) * 4 + seqs * vocab * 4
+    assert reserve(TritonAttention(kv_heads_here, block, num_sms=132, split_kv=False)) == logits
 
 
 def test_every_rank_stops_on_the_rank_with_no_room(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,7 +233,12 @@ def test_every_rank_stops_on_the_rank_with_no_room(monkeypatch: pytest.MonkeyPat
             return min(offered.values())
 
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: weights_gib[d.index] * GIB)
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (0, 80 * GIB))
+        # The card holds what PyTorch's allocator reserves (the weights) and, on rank 1, 1 GiB besides
+        # (its CUDA context, say).
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: weights_gib[d.index] * GIB)
+        monkeypatch.setattr(
+            torch.cuda, "mem_get_info", lambda d: ((80 - weights_gib[d.index] - d.index) * GIB, 80 * GIB)
+        )
 
         def rank(r: int) -> None:
             runner = types.SimpleNamespace(
@@ -244,12 +263,13 @@ def test_every_rank_stops_on_the_rank_with_no_room(monkeypatch: pytest.MonkeyPat
             t.join(timeout=60)
         return results
 
-    # 72 GiB allowed: 60 + 2 + 3 leaves 7 GiB (14 blocks); 68 + 2 + 3 is one GiB over (-2 blocks)
-    results = size({0: 60, 1: 68})
+    # 72 GiB allowed: 60 + 2 + 3 leaves 7 GiB (14 blocks); 67 + 2 + 3 + 1 outside is one GiB over (-2 blocks)
+    results = size({0: 60, 1: 67})
     assert isinstance(results[0], ConfigError) and isinstance(results[1], ConfigError)
     assert "no room for a KV cache on rank 1's GPU" in str(results[0])
     assert "rank 1: gpu_memory_utilization=0.9 gives 72.00 GiB" in str(results[1])
-    assert size({0: 60, 1: 64}) == {0: 6, 1: 6}  # 64 + 2 + 3 leaves 3 GiB
+    assert "other processes) 1.00 GiB" in str(results[1])
+    assert size({0: 60, 1: 63}) == {0: 6, 1: 6}  # 63 + 2 + 3 + 1 leaves 3 GiB
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -108,6 +108,28 @@ def test_mixed_graphs_at_tp2_match_hf(make_checkpoint: Callable[..., Path]) -> N
     assert any(isinstance(s.model, MixedStepBatch) and s.model.meta.num_decode_tokens for s in steps)
 
 
+def test_static_bytes_counts_the_shared_buffers(make_checkpoint: Callable[..., Path]) -> None:
+    """What the KV sizing keeps back for the pieces' shared buffers (MixedStepGraphs.static_bytes) is what
+    they hold: inputs, q, k, v, attention output and hidden rows of the largest bucket."""
+    from tp_runtime.worker.mixed_graphs import MixedStepGraphs
+
+    model_dir = make_checkpoint("LlamaForCausalLM")
+    for budget in (100, 4096):
+        options: dict[str, Any] = {"cuda_graphs": "padded", "max_num_batched_tokens": budget}
+        with LLM(model_dir, device="cpu", dtype="float32", **options) as llm:
+            runner = llm.engine.executor.worker.runner  # type: ignore[attr-defined]
+            graphs, mc = runner.mixed_graphs, runner.config.model
+            held = sum(
+                t.numel() * t.element_size()
+                for t in (graphs._inputs, graphs._q, graphs._k, graphs._v, graphs._attn_out, graphs._hidden)
+            )
+            want = MixedStepGraphs.static_bytes(
+                min(budget, MIXED_GRAPH_MAX_TOKENS), mc.hidden_size, mc.num_heads,
+                runner.model.num_local_kv_heads, mc.head_dim, runner.model.dtype,
+            )  # fmt: skip
+            assert held == want, budget
+
+
 def test_attention_warm_up_touches_no_sequence_block(make_checkpoint: Callable[..., Path]) -> None:
     """The start-up attention step (a decode row at every split count, a fresh prompt, a continuation
     chunk) writes only the trash block, even when max_model_len is under two blocks or layers window."""

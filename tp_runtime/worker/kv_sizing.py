@@ -18,17 +18,19 @@ CPU_KV_CACHE_RAM_SHARE = 0.1
 class GpuMemoryPlan:
     """One GPU's memory as the KV cache is sized, in bytes: the card's `total`, the `share` of it the engine
     may take (gpu_memory_utilization), what the weights hold, the peak of the profiled largest step (weights
-    included) and what is kept back for decoding and the mixed-step graphs."""
+    included), what is kept back for decoding and the mixed-step graphs, and what PyTorch's allocator does
+    not hold but the card does (`outside`: the CUDA context, NCCL's buffers, other processes)."""
 
     total: int
     share: float
     weights: int
     peak: int
     reserve: int
+    outside: int = 0
 
     def blocks(self, per_block_bytes: int) -> int:
         """KV blocks that fit in what is left; negative where nothing is (see `no_room`)."""
-        return int((self.total * self.share - self.peak - self.reserve) // per_block_bytes)
+        return int((self.total * self.share - self.peak - self.reserve - self.outside) // per_block_bytes)
 
     def no_room(self, rank: int) -> ConfigError:
         gib = 1 << 30
@@ -38,7 +40,8 @@ class GpuMemoryPlan:
             f"weights take {self.weights / gib:.2f} GiB, the largest step's activations "
             f"{(self.peak - self.weights) / gib:.2f} GiB (max_num_batched_tokens), the room kept for "
             f"decoding and the mixed-step graphs {self.reserve / gib:.2f} GiB (max_num_seqs, x max_model_len "
-            "with attention_backend='torch'; max_num_batched_tokens); raise gpu_memory_utilization or lower "
+            "with attention_backend='torch'; max_num_batched_tokens), and outside PyTorch (the CUDA context, "
+            f"NCCL, other processes) {self.outside / gib:.2f} GiB; raise gpu_memory_utilization or lower "
             "those settings"
         )
 

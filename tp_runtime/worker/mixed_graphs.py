@@ -105,6 +105,7 @@ class MixedStepGraphs:
         self._token_feed = token_feed
         self._pool = pool
         rows = self.max_tokens
+        # (static_bytes counts the device buffers below)
         self._staging = torch.zeros((rows, 4), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._staging_np = self._staging.numpy()
         self._inputs = torch.zeros((rows, 4), dtype=torch.int64, device=device)
@@ -119,6 +120,17 @@ class MixedStepGraphs:
         self._pieces: dict[int, _Pieces] = {}
         self._stream: torch.cuda.Stream | None = None
         self._staging_free = torch.cuda.Event() if device.type == "cuda" else None
+
+    @staticmethod
+    def static_bytes(
+        max_tokens: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:  # fmt: skip
+        """The device bytes of the buffers the pieces share (allocated with the graphs, outside their
+        pool): inputs, q, k, v, attention output and hidden rows of the largest bucket."""
+        rows = token_buckets(max_tokens)[-1]
+        widths = (2 * num_heads + 2 * num_kv_heads) * head_dim + hidden_size
+        return rows * (4 * 8 + widths * dtype.itemsize)
 
     def _reset_inputs(self) -> None:
         """Every token a padding token (what start-up records the pieces on)."""

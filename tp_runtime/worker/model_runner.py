@@ -224,38 +224,47 @@ class ModelRunner:
         per_layer = 2 * self.block_size * self.model.num_local_kv_heads * self.config.model.head_dim * elem
         return per_layer * self.config.model.num_layers
 
+    def _captures_graphs(self) -> bool:
+        return self.device.type == "cuda" and self.config.cuda_graphs == "auto"
+
     def mixed_graph_pool_bytes(self, profiled_activation_bytes: int) -> int:
-        """What the mixed-step graphs' memory pool will hold (captured after the KV cache is allocated, so
-        the cache must leave room for it): the activations of their largest bucket, estimated from the
-        profiled prefill's by the ratio of their token counts (0 when graphs are not captured)."""
-        if self.device.type != "cuda" or self.config.cuda_graphs != "auto":
+        """What the mixed-step graphs will hold (made after the KV cache is allocated, so the cache must
+        leave room for it): their pool, the activations of their largest bucket, estimated from the
+        profiled prefill's by the ratio of their token counts, and the buffers their pieces share (0 when
+        graphs are not captured)."""
+        if not self._captures_graphs():
             return 0
         sched, mc = self.config.scheduler, self.config.model
         profiled = largest_prefill_chunks(sched.max_num_batched_tokens, sched.max_num_seqs, mc.max_model_len)
         graphed = min(sched.max_num_batched_tokens, MIXED_GRAPH_MAX_TOKENS)
-        return int(profiled_activation_bytes * min(1.0, graphed / profiled[-1][1]))
+        pool = int(profiled_activation_bytes * min(1.0, graphed / profiled[-1][1]))
+        tp = self.config.parallel.tensor_parallel_size
+        shared = MixedStepGraphs.static_bytes(
+            graphed, mc.hidden_size, mc.num_heads // tp, self.model.num_local_kv_heads, mc.head_dim,
+            self.model.dtype,
+        )  # fmt: skip
+        return pool + shared
 
     def decode_reserve_bytes(self) -> int:
-        """What a decode step holds beyond the profiled prefill. The gather path: the keys and values one
-        layer gathers for a full batch at max_model_len, in the model dtype (an FP8 cache's bytes gathered
-        first, then converted). The Triton kernels read the blocks in place: only the split-KV partials of
-        the widest decode batch (float32 sums per split, with their maximum and sum) and the decode graphs'
-        logits, held outside the graphs' pool."""
+        """What decoding holds beyond the profiled prefill. The gather path: the keys and values one layer
+        gathers for a full batch at max_model_len, in the model dtype (an FP8 cache's bytes gathered first,
+        then converted). The Triton kernels read the blocks in place: only the split-KV partials of the
+        widest batch that splits (float32 sums per split, with their maximum and total). Either way, with
+        CUDA graphs, the decode graphs' logits of every row, held outside the graphs' pool (counted at
+        float32, the widest logits a model makes)."""
         rows = self.config.scheduler.max_num_seqs
+        logits = rows * self.config.model.vocab_size * 4 if self._captures_graphs() else 0
         if self.attention.reads_table_padding:
             per_block_layer = self.kv_bytes_per_block() // self.config.model.num_layers
             cache_item = self.kv_cache_dtype.itemsize
             if cache_item != self.model.dtype.itemsize:
                 per_block_layer = per_block_layer // cache_item * (cache_item + self.model.dtype.itemsize)
-            return rows * self.max_blocks * per_block_layer
+            return rows * self.max_blocks * per_block_layer + logits
         mc = self.config.model
         heads = mc.num_heads // self.config.parallel.tensor_parallel_size
-        split_rows = max(
-            r * self.attention.num_decode_splits(r, self.max_blocks) for r in batch_buckets(rows)
-        )
-        partials = split_rows * heads * (mc.head_dim + 2) * 4
-        logits = rows * mc.vocab_size * 4  # at most float32 logits of every row
-        return partials + logits
+        splits = ((r, self.attention.num_decode_splits(r, self.max_blocks)) for r in batch_buckets(rows))
+        split_rows = max((r * n for r, n in splits if n > 1), default=0)  # one split writes no partials
+        return split_rows * heads * (mc.head_dim + 2) * 4 + logits
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         dtype = self.kv_cache_dtype
@@ -447,7 +456,8 @@ class ModelRunner:
         """What a step allocates after its forward, at its largest, on the largest prefill's `logits`: one
         slice of prompt logprobs packed with max_logprobs top entries, then the sampler on as many rows as
         a step samples with every option that takes memory (penalties with their per-row token state,
-        min-p, top-k, top-p, a seeded row, max_logprobs logprobs, min_tokens' stop ids masked in a copy).
+        min-p, top-k, top-p, a seeded row, max_logprobs logprobs, min_tokens' stop ids masked in a copy,
+        a grammar's allowed tokens).
         A sampler of its own draws the noise, so the engine's random stream is untouched. `penalties`:
         the token state to use (default: the batch's, or one made here)."""
         sched, k = self.config.scheduler, self.config.max_logprobs
@@ -475,8 +485,10 @@ class ModelRunner:
         sampler = Sampler(self.device, 0, fused=self._fused_sampling)
         raw = logits[:rows].float()
         masked = raw.clone()  # as _process_logits makes (min_tokens, logit_bias, allowed_token_ids)
+        # Structured outputs' allowed tokens of every row (GrammarMasks.allowed), alive through the sampler.
+        allowed = torch.ones((rows, logits.shape[1]), dtype=torch.bool, device=self.device)
         sampled = sampler(masked, penalties.for_rows(sampling, rows_dev), raw=raw)
-        del packed
+        del packed, allowed
         return sampled
 
     # ----------------------------------------------------------------- step

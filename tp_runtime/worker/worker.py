@@ -192,12 +192,13 @@ class Worker:
         elif self.device.type == "cuda":
             before = torch.cuda.memory_allocated(self.device)
             peak = runner.profile_peak_memory()
-            _, total = torch.cuda.mem_get_info(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            outside = max(0, total - free - torch.cuda.memory_reserved(self.device))
             # The profile runs a prefill; a decode step holds more on top (on the gather path a full
             # batch's keys and values at max_model_len, one layer at a time), and the mixed-step graphs
             # keep a prefill's activations of their own, so reserve both too rather than OOM mid-run.
             reserve = runner.decode_reserve_bytes() + runner.mixed_graph_pool_bytes(peak - before)
-            plan = GpuMemoryPlan(total, cache.gpu_memory_utilization, before, peak, reserve)
+            plan = GpuMemoryPlan(total, cache.gpu_memory_utilization, before, peak, reserve, outside)
             blocks = plan.blocks(per_block)
         else:
             # What every sequence at full length needs, capped by the size asked for or a share of the RAM.

@@ -404,15 +404,20 @@ class ModelRunner:
     ) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, meta)
 
+    def _penalty_state(self) -> PenaltyState:
+        """The batch's penalty state, or (before the first penalized request makes it, so that it is
+        counted) one of its size."""
+        if self.batch.penalties is not None:
+            return self.batch.penalties
+        return PenaltyState(len(self.batch.token_feed), self.batch.vocab_size, self.device)
+
     @torch.inference_mode()
     def profile_peak_memory(self) -> int:
         """Run the largest prefill a step can hold, then the largest sampling, once and return the peak
         device memory in bytes. The penalties' per-row token state is held through both: made for the
         first penalized request, it then stays beside every later step's prefill."""
         torch.cuda.reset_peak_memory_stats(self.device)
-        penalties = self.batch.penalties
-        if penalties is None:
-            penalties = PenaltyState(len(self.batch.token_feed), self.batch.vocab_size, self.device)
+        penalties = self._penalty_state()
         self.run_largest_sampling(self.run_largest_prefill(), penalties)
         del penalties
         torch.cuda.synchronize(self.device)
@@ -468,9 +473,7 @@ class ModelRunner:
             packed = pack_prompt_logprobs(logits, targets, k)
         rows = min(sched.max_num_seqs, sched.max_num_batched_tokens, len(logits))
         if penalties is None:
-            penalties = self.batch.penalties
-        if penalties is None:  # made when the first penalized request arrives: counted here
-            penalties = PenaltyState(len(self.batch.token_feed), self.batch.vocab_size, self.device)
+            penalties = self._penalty_state()
 
         def full(value: float) -> torch.Tensor:
             return torch.full((rows,), value, dtype=torch.float32, device=self.device)

@@ -5,6 +5,7 @@ Ctrl-C is one line too, with no ChildFailedError report; commands that run once 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import subprocess
@@ -282,18 +283,81 @@ def test_a_signal_swallowed_by_a_finalizer_still_stops_the_command(
     assert "ready on" not in output and "Exception ignored" not in output and "Traceback" not in output
 
 
-def test_a_ctrl_c_during_the_torch_import_is_held_until_it_ends() -> None:
-    """The CLI imports torch with SIGINT held (a KeyboardInterrupt inside its C++ set-up aborts the
-    process): a Ctrl-C that arrives inside is raised when the block ends, not before."""
-    from tp_runtime.cli import _interrupts_held
+def _raised_within(seconds: float) -> None:
+    """Sleep in short steps (an interrupt from another thread is seen between bytecodes) for at most
+    `seconds`: the KeyboardInterrupt awaited ends it."""
+    for _ in range(int(seconds / 0.005)):
+        time.sleep(0.005)
 
-    reached_end = False
-    with pytest.raises(KeyboardInterrupt):
-        with _interrupts_held():
+
+def test_a_ctrl_c_inside_an_import_is_raised_when_the_import_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt raised inside an extension module's C++ set-up (torch's, through pybind11)
+    aborts the process: the CLI's handler lets an import finish first, and raises outside any import."""
+    (tmp_path / "interrupted_module.py").write_text(
+        "import os, signal\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "total = sum(i * i for i in range(200_000))  # many bytecodes, where a handler would raise\n"
+        "FINISHED = True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    previous = signal.signal(signal.SIGINT, cli._interrupt_outside_imports)
+    after_import = False
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            importlib.import_module("interrupted_module")
+
+            after_import = True
+            _raised_within(30)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.modules.pop("interrupted_module", None)
+    assert after_import
+
+
+def test_a_ctrl_c_outside_imports_is_raised_at_once() -> None:
+    previous = signal.signal(signal.SIGINT, cli._interrupt_outside_imports)
+    reached = False
+    try:
+        with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)  # the handler has run by now (signals are handled between bytecodes)
-            reached_end = True
-    assert reached_end and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            sum(i for i in range(200_000))  # the handler runs between these bytecodes
+            reached = True
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert not reached
+
+
+_CTRL_C_IN_TORCH_IMPORT = """
+import importlib.abc, os, signal, sys
+
+class CtrlCAtTorchsExtension(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):  # half-way through torch/__init__.py
+        if name == "torch._C":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlCAtTorchsExtension())
+import tp_runtime.cli as cli
+try:
+    cli.main(sys.argv[1:])
+finally:
+    print("torch imported:", "torch" in sys.modules, flush=True)
+"""
+
+
+def test_a_ctrl_c_during_the_commands_torch_import_waits_for_it() -> None:
+    """The commands import torch in their checks (resolve_device), before any engine: a Ctrl-C half-way
+    through that import is raised after it, and the command still ends with one line."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_IN_TORCH_IMPORT, *GENERATE],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 130, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.strip() == "torch imported: True", proc.stdout + proc.stderr[-3000:]
+    assert proc.stderr.strip() == "tp-runtime: interrupted", proc.stderr[-3000:]
 
 
 def test_output_json_check_leaves_the_file_as_it_was(tmp_path: Path) -> None:

@@ -543,18 +543,30 @@ def _exit_interrupted(signum: int, frame: Any) -> None:
     os._exit(EXIT_INTERRUPTED)
 
 
-@contextlib.contextmanager
-def _interrupts_held() -> Any:
-    """Inside, a Ctrl-C is held and raised as KeyboardInterrupt on leaving: one raised inside torch's
-    import, in its C++ module set-up, is an exception pybind11 cannot carry, and the process aborts."""
-    held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if held:
+def _in_import(frame: Any) -> bool:
+    """Whether `frame` runs inside an import (a module's body, or the C set-up of an extension module)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _interrupt_outside_imports(signum: int, frame: Any) -> None:
+    """The CLI's SIGINT handler: a KeyboardInterrupt as usual, except inside an import, where it waits for
+    the import to end. One raised inside an extension module's set-up (torch's, Triton's: C++ that runs
+    Python through pybind11) is an exception pybind11 cannot carry, and the process aborts; the commands
+    import torch from several places (their checks, transformers, the model's load)."""
+    if not _in_import(frame):
         raise KeyboardInterrupt
+    main_id = threading.main_thread().ident or 0
+
+    def deliver_after_the_import() -> None:
+        while _in_import(sys._current_frames().get(main_id)):
+            time.sleep(0.005)
+        _thread.interrupt_main()  # to this handler again, which looks again
+
+    threading.Thread(target=deliver_after_the_import, name="tp-runtime-interrupt", daemon=True).start()
 
 
 def _redeliver_interrupts_from_finalizers() -> Any:
@@ -585,25 +597,27 @@ def _redeliver_interrupts_from_finalizers() -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
+    previous_handler = None
     if os.environ.get(LAUNCHED_ENV) and torchrun_rank() is not None:
         signal.signal(signal.SIGINT, _exit_interrupted)
+    elif (
+        threading.current_thread() is threading.main_thread()  # where signal handlers are set
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (not a caller's own)
+    ):
+        previous_handler = signal.signal(signal.SIGINT, _interrupt_outside_imports)
     previous_hook = _redeliver_interrupts_from_finalizers()
     try:
         _main(argv)
     finally:
-        sys.unraisablehook = previous_hook  # (main may run in a process that goes on: tests, a script)
+        # (main may run in a process that goes on: tests, a script)
+        sys.unraisablehook = previous_hook
+        if previous_handler is not None:
+            signal.signal(signal.SIGINT, previous_handler)
 
 
 def _main(argv: list[str] | None) -> None:
     try:
         args = parse_and_check(argv, under_torchrun=torchrun_rank() is not None)
-        if (
-            hasattr(args, "model")
-            and threading.current_thread() is threading.main_thread()  # where signal handlers are set
-            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        ):
-            with _interrupts_held():  # a command that starts an engine imports torch
-                import torch  # noqa: F401
         if torchrun_rank() and hasattr(args, "model"):  # a rank > 0, of a command that starts an engine
             serve_torchrun_rank(args)
         else:

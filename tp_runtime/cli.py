@@ -543,10 +543,13 @@ def _exit_interrupted(signum: int, frame: Any) -> None:
     os._exit(EXIT_INTERRUPTED)
 
 
+_IMPORT_SYSTEM = ("importlib._bootstrap", "importlib._bootstrap_external")  # (frozen or not)
+
+
 def _in_import(frame: Any) -> bool:
     """Whether `frame` runs inside an import (a module's body, or the C set-up of an extension module)."""
     while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+        if frame.f_globals.get("__name__") in _IMPORT_SYSTEM:
             return True
         frame = frame.f_back
     return False

@@ -186,9 +186,15 @@ FAMILIES = {f.name: f for f in families()}
 
 
 def adversarial(f: Family) -> list[list[int]]:
-    """Hand-made outputs: where a later byte rewrites text that bytes made, or completes a character."""
+    """Hand-made outputs: where a later byte rewrites text that bytes made, or completes a character; where
+    a cleanup of tokenization spaces matches across the pieces ("a ' ' the" is "a'' the")."""
     if f.byte is None:
-        return []
+        vocab = f.tokenizer.get_vocab()
+        spelled = [
+            "a ' ' the cat cat", "' ' ' t", "a ' ' ' ' the", "don ' t ' s", "a . ' s", "x ' ' m ' ve",
+            "the ' ' , ' re !", "n ' ' ' ' ' t",
+        ]  # fmt: skip
+        return [[vocab[p] for p in text.split()] for text in spelled]
     b, word, special = f.bytes_of, f.words[0], f.specials[-1]
     zhong = b("中".encode())
     return [
@@ -428,6 +434,10 @@ def stop_cases(f: Family, rng: random.Random) -> Iterator[tuple[list[int], list[
         yield [word, *b("中".encode()), *b(b"\xff"), word], [FFFD * 2, "zz"]
         yield [word, *b("é".encode()), *b("中".encode()), word], ["中", "é"]
         yield [*b(b"AB"), *b(b"\x80"), word], ["B"]
+    for ids in adversarial(f) if f.byte is None else []:  # stop strings across a cleaned-up quote
+        text = f.decode(ids)
+        if "'" in text:
+            yield ids, [text[text.index("'") : text.index("'") + 3], "zzz"]
     for _ in range(25):
         ids = f.random_ids(rng, rng.randrange(2, 25))
         text = f.decode(ids)

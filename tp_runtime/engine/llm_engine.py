@@ -156,8 +156,9 @@ class IncrementalDetokenizer:
     The text is that of `context + ids` past the text of `context` (the prompt's last tokens): a
     SentencePiece decoder drops the leading space of a text's first word, so the output decoded alone
     would lose the space its first token begins with (vLLM and transformers' text-generation pipeline keep
-    it). Each call decodes the tokens from the start of the previous piece on, so the decoder sees the same
-    context as in the whole text, and keeps what that window adds past the previous piece.
+    it). Each call decodes the tokens from the start of the previous piece on (from the start, for a
+    tokenizer that cleans up tokenization spaces), so the decoder sees the same context as in the whole
+    text, and keeps what that window adds past the previous piece.
 
     `text` only ever grows by text that no later token can change (`finality`, TextFinality): a window
     whose text ends in U+FFFD is held back (its last bytes may begin a character the next token completes:
@@ -211,7 +212,12 @@ class IncrementalDetokenizer:
         piece = window[len(prefix) :]
         unchanged = len(self.text) + _common_prefix(self.pending, piece)
         if self._final.is_final(self._decode, tokens, window):
-            self._prefix_offset, self._read_offset = read, len(self._context) + len(ids)
+            # A cleanup of tokenization spaces matches its patterns left to right through the spaces the
+            # decoder puts between tokens: a window from inside the text may match where the whole text
+            # does not (" ' ' the" cleans up to "''the" alone, "' the" after "a"), so those windows
+            # start where the text does (a decode of the whole output per step, for those tokenizers only).
+            start = 0 if self._final.tails else read
+            self._prefix_offset, self._read_offset = start, len(self._context) + len(ids)
             self.text += piece
             self.pending = ""
         else:

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ from test_streaming_engine import (
 from tp_runtime import LLM, SamplingParams
 from tp_runtime.config import build_model_config
 from tp_runtime.engine.async_engine import AsyncLLMEngine
-from tp_runtime.errors import WorkerError
+from tp_runtime.errors import InvalidRequestError, WorkerError
 from tp_runtime.presets import build_preset_tokenizer
 from tp_runtime.server.api_server import build_app
 from tp_runtime.server.openai_format import CompletionFormat, TextOffsets, TokenBytes
@@ -1118,6 +1119,39 @@ def test_tokenizing_does_not_block_the_event_loop(scripted_config: Any, byte_tok
     with InProcess(scripted_config, byte_tokenizer, executor, front_tokenizer=front) as served:
         asyncio.run(main(served))
     assert not front.timed_out, "the held tokenizer blocked the event loop"
+
+
+def test_grammar_compiles_do_not_hold_up_other_requests(scripted_config: Any, byte_tokenizer: Any) -> None:
+    """A schema can compile for minutes (a large enum): more such requests than the threads that parse
+    every request leave those threads free, so a request without a grammar is answered meanwhile; each held
+    compile's error then reaches its own request as a 400."""
+    executor = ScriptedExecutor(closed_form)
+    entered, go = threading.Semaphore(0), threading.Event()
+
+    def held_compile(spec: Any) -> Any:
+        entered.release()
+        go.wait(60)
+        raise InvalidRequestError("this schema took too long", "choice")
+
+    async def main(served: InProcess) -> None:
+        # Fewer parsing threads than held compiles, whatever the machine's cores.
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(4))
+        served.engine.engine.grammars.compile = held_compile  # type: ignore[method-assign]
+        constrained = {"prompt": "Hi", "max_tokens": 3, "structured_outputs": {"choice": ["yes", "no"]}}
+        async with served.client() as client:
+            held = [asyncio.create_task(client.post("/v1/completions", json=constrained)) for _ in range(8)]
+            assert await asyncio.to_thread(entered.acquire, True, 60)
+            other = await asyncio.wait_for(
+                client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}), 60
+            )
+            assert other.status_code == 200 and other.json()["choices"][0]["finish_reason"] == "length"
+            assert not go.is_set()
+            go.set()
+            for response in await asyncio.gather(*held):
+                assert response.status_code == 400 and "took too long" in response.text, response.text
+
+    with InProcess(scripted_config, byte_tokenizer, executor) as served:
+        asyncio.run(main(served))
 
 
 def test_key_is_checked_before_the_body_and_the_body_is_capped(

@@ -37,6 +37,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -102,6 +103,8 @@ MAX_CHOICES = 128
 _MiB = 1 << 20
 _Body = TypeVar("_Body", bound=pydantic.BaseModel)
 _EngineRequests = list[tuple[list[int], SamplingParams]]
+_GRAMMAR_COMPILE_THREADS = 2  # each compile spreads its token masks over xgrammar's own threads
+
 # An engine output with more tokens than this (or with prompt logprobs) is formatted in a worker thread.
 _PIECE_OFF_LOOP_TOKENS = 64
 # The deepest nesting (objects and arrays) of a JSON schema a request may constrain its output with. The
@@ -111,6 +114,15 @@ MAX_SCHEMA_DEPTH = 64
 _TOKENIZE_REQUEST: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(TokenizeRequest)
 # POSTs outside /v1 whose bodies are JSON too (and so refused as any other type, see _JSONBodiesOnly).
 _JSON_POST_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
+@dataclass(frozen=True)
+class _Grammar:
+    """A request's constraint, to compile before its engine requests are added, and the request's field
+    that gave it (None: the constraint's own), for a 400's message."""
+
+    spec: StructuredOutputsParams
+    field: str | None
 
 
 def json_depth(value: Any) -> int:
@@ -176,6 +188,11 @@ class _Context:
     # GenerationDefaults.overrides()), for the options a request leaves out.
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     draining: bool = False
+    # Grammars compile here, not in the threads that parse every request and build every response: a
+    # schema with a large enum compiles for seconds to minutes, and requests without one must not wait.
+    grammar_compiles: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(_GRAMMAR_COMPILE_THREADS, "tp-runtime-grammar")
+    )
 
     def failure(self, exc: BaseException) -> APIError:
         """A request the engine could not finish: it died (named by what killed it), or a bug (logged)."""
@@ -403,12 +420,13 @@ class _Context:
         self, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None, param: str,
         logprobs: int | None, logprobs_param: str, prompt_param: str, prompt_logprobs: int | None = None,
         prompt_logprobs_per_sample: bool = False, constraint: StructuredOutputsParams | None = None,
-    ) -> _EngineRequests:  # fmt: skip
+    ) -> tuple[_EngineRequests, _Grammar | None]:  # fmt: skip
         """Check every prompt and the sampling options; one engine request per prompt and sample (choice
-        index = prompt index * n + sample index). `param`, `logprobs_param`, `prompt_param`: the request's
-        names of the output budget, the number of top logprobs and the prompt, for error messages;
-        `prompt_logprobs`: the top logprobs per prompt position that a prompt's first sample computes (or
-        every sample, with `prompt_logprobs_per_sample`); None: none."""
+        index = prompt index * n + sample index), and the grammar they share, to compile (compile_grammar)
+        before they are added. `param`, `logprobs_param`, `prompt_param`: the request's names of the
+        output budget, the number of top logprobs and the prompt, for error messages; `prompt_logprobs`:
+        the top logprobs per prompt position that a prompt's first sample computes (or every sample, with
+        `prompt_logprobs_per_sample`); None: none."""
         limit = self.engine.engine.config.max_logprobs
         for name, count in ((logprobs_param, logprobs), ("prompt_logprobs", body.prompt_logprobs)):
             if count is not None and count < 0:
@@ -425,24 +443,22 @@ class _Context:
             raise bad_request(f"{unsupported} is not supported by this server", unsupported)
         check_choices(len(prompts), body.n)
         requests = []
+        grammar = None
         names = {"max_tokens": param, "logprobs": logprobs_param}
-        for k, ids in enumerate(prompts):
+        for ids in prompts:
             budget = self.max_tokens(max_tokens, len(ids), param, prompt_param)
             params = sampling_params(body, budget, logprobs, names, prompt_logprobs, self.sampling_defaults)
             if constraint is not None:
                 params = replace(params, structured_outputs=constraint)
-            if params.structured_outputs is not None:
-                spec = params.structured_outputs
+            spec = params.structured_outputs
+            if spec is not None and grammar is not None:  # every prompt's is the same: the one compiled
+                params = replace(params, structured_outputs=grammar.spec)
+            elif spec is not None:
+                given = "tools" if constraint is not None else body.constraint_field()
                 schema = spec.json if spec.json is not None else spec.structural_tag  # (one holding schemas)
-                if k == 0 and schema is not None:  # every prompt's is the same
-                    given = "tools" if constraint is not None else body.constraint_field()
+                if schema is not None:
                     check_schema_depth(schema, given or "structured_outputs")
-                # Compiled here, off the engine's thread; the engine's own compile is then a cache hit.
-                try:
-                    self.engine.engine.grammars.compile(params.structured_outputs)
-                except InvalidRequestError as exc:
-                    field = "tools" if constraint is not None else body.constraint_field() or exc.field
-                    raise bad_request(str(exc), field) from None
+                grammar = _Grammar(spec, given)
             try:
                 ids = self.engine.engine.check_request(ids, child_params(params, 0))
             except InvalidRequestError as exc:
@@ -450,13 +466,26 @@ class _Context:
             for j in range(params.n):
                 wanted = prompt_logprobs if j == 0 or prompt_logprobs_per_sample else None
                 requests.append((ids, replace(child_params(params, j), prompt_logprobs=wanted)))
-        return requests
+        return requests, grammar
+
+    async def compile_grammar(self, grammar: _Grammar | None) -> None:
+        """Compile a request's grammar (a 400 naming the field for a bad one) in the grammar threads, off
+        the engine's thread: the engine's own compile, when the request is added, is then a cache hit."""
+        if grammar is None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(
+                self.grammar_compiles, self.engine.engine.grammars.compile, grammar.spec
+            )
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), grammar.field or exc.field) from None
 
     def prepare_completion(
         self, raw: bytes
-    ) -> tuple[CompletionRequest, _EngineRequests, int, list[Echo] | None]:
-        """The request, its engine requests, its prompt tokens and, with echo, each choice's prompt text
-        (as given, or its token ids decoded)."""
+    ) -> tuple[CompletionRequest, _EngineRequests, _Grammar | None, int, list[Echo] | None]:
+        """The request, its engine requests, their grammar to compile, its prompt tokens and, with echo,
+        each choice's prompt text (as given, or its token ids decoded)."""
         body = self.parse(CompletionRequest, raw)
         # Before any prompt is tokenized: a request for too many choices is refused at no cost.
         many = isinstance(body.prompt, list) and not all(isinstance(p, int) for p in body.prompt)
@@ -473,7 +502,7 @@ class _Context:
         echo_logprobs = body.logprobs if body.echo else None
         wanted = [k for k in (body.prompt_logprobs, echo_logprobs) if k is not None]
         per_sample = echo_logprobs is not None and body.stream
-        requests = self.engine_requests(
+        requests, grammar = self.engine_requests(
             body, prompts, 1 if prompt_only else body.max_tokens, "max_tokens", body.logprobs, "logprobs",
             "prompt", max(wanted, default=None), prompt_logprobs_per_sample=per_sample,
         )  # fmt: skip
@@ -495,7 +524,7 @@ class _Context:
                 )
             ]  # fmt: skip
             echoes = [per_prompt[k // body.n] for k in range(len(requests))]
-        return body, requests, sum(map(len, prompts)), echoes
+        return body, requests, grammar, sum(map(len, prompts)), echoes
 
     @functools.cached_property
     def added_in_front(self) -> int:
@@ -506,8 +535,9 @@ class _Context:
 
     def prepare_chat(
         self, raw: bytes
-    ) -> tuple[ChatCompletionRequest, _EngineRequests, int, ToolPlan | None]:
-        """The request, its engine requests, its prompt tokens and what its tools ask for."""
+    ) -> tuple[ChatCompletionRequest, _EngineRequests, _Grammar | None, int, ToolPlan | None]:
+        """The request, its engine requests, their grammar to compile, its prompt tokens and what its tools
+        ask for."""
         body = self.parse(ChatCompletionRequest, raw)
         check_choices(1, body.n)  # before the template and the tokenizer run
         plan = self.tool_plan(body)
@@ -527,11 +557,11 @@ class _Context:
                 f"tool_choice {body.tool_choice!r} constrains the output already; leave out response_format "
                 "and structured_outputs", "tool_choice",
             )  # fmt: skip
-        requests = self.engine_requests(
+        requests, grammar = self.engine_requests(
             body, [ids], max_tokens, param, logprobs, "top_logprobs", "messages", body.prompt_logprobs,
             constraint=constraint,
         )  # fmt: skip
-        return body, requests, len(ids), plan
+        return body, requests, grammar, len(ids), plan
 
     # --------------------------------------------------------------------------------- the event loop's
     def submit(self, requests: _EngineRequests, num_prompt_tokens: int) -> RequestStream:
@@ -883,7 +913,10 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if on_ready is not None:
             on_ready()
-        yield
+        try:
+            yield
+        finally:  # a compile still running is left to end on its own; none queued starts
+            ctx.grammar_compiles.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="tp_runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     # The last one added runs first: the Host check, CORS (its headers on every answer, 415s included),
@@ -958,9 +991,10 @@ def build_app(
         arrival = time.monotonic()
         ctx.authorize(request)
         ctx.check_available()
-        body, requests, num_prompt_tokens, echoes = await asyncio.to_thread(
+        body, requests, grammar, num_prompt_tokens, echoes = await asyncio.to_thread(
             ctx.prepare_completion, await ctx.read_body(request)
         )
+        await ctx.compile_grammar(grammar)
         fmt = CompletionFormat(body, [ids for ids, _ in requests], tokenizer, echoes)
         return await _serve(ctx, request, (body, requests, num_prompt_tokens), fmt, arrival)
 
@@ -969,9 +1003,10 @@ def build_app(
         arrival = time.monotonic()
         ctx.authorize(request)
         ctx.check_available()
-        body, requests, num_prompt_tokens, plan = await asyncio.to_thread(
+        body, requests, grammar, num_prompt_tokens, plan = await asyncio.to_thread(
             ctx.prepare_chat, await ctx.read_body(request)
         )
+        await ctx.compile_grammar(grammar)
         fmt = ChatFormat(body, ctx.tokenizer, plan)
         return await _serve(ctx, request, (body, requests, num_prompt_tokens), fmt, arrival)
 

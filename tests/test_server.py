@@ -650,6 +650,8 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
     url = f"{server1.url}/v1/completions"
     cases: list[tuple[dict[str, Any] | bytes, str]] = [
         (b"{not json", "not valid JSON"),
+        # past what a number may hold (pydantic's parser): said so, where
+        (b'{"prompt": "hi", "temperature": 1' + b"0" * 5000 + b"}", "number out of range at line 1"),
         ({"model": NAME}, "prompt"),
         ({"model": NAME, "prompt": 3}, "prompt: 3 is none of the types"),
         ({"model": NAME, "prompt": "hi", "n": 0}, "n must be"),

@@ -261,6 +261,18 @@ def test_config_nested_as_compression_config(make_checkpoint: Any, tmp_path: Pat
     assert_matches_hf(out, 1)
 
 
+@pytest.mark.parametrize("config_key", ["quantization_config", "compression_config"])
+def test_an_fp8_phi3_checkpoint_is_refused_under_either_name(
+    make_checkpoint: Any, tmp_path: Path, config_key: str
+) -> None:
+    """Its fused qkv_proj / gate_up_proj scales are not read: a clear refusal, whichever name the config
+    has (not an unexpected-tensor error at load)."""
+    src = make_checkpoint("Phi3ForCausalLM", seed=5)
+    out = write_variant(src, tmp_path, compressed_tensors("tensor"), "tensor", config_key=config_key)
+    with pytest.raises(ConfigError, match="quantized Phi-3 checkpoints"):
+        build_model_config(out / "fp8", dtype="float32")
+
+
 # --------------------------------------------------------------------------- transformers / AutoFP8 "fp8"
 
 

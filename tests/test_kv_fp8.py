@@ -204,19 +204,23 @@ def _with_quantization_config(model_dir: Path, quantization_config: dict[str, An
     return model_dir
 
 
-@pytest.mark.parametrize("attention_group", [False, True])
+@pytest.mark.parametrize(
+    ("architecture", "attention_group"),
+    [("LlamaForCausalLM", False), ("LlamaForCausalLM", True), ("Phi3ForCausalLM", False)],
+)
 def test_compressed_tensors_kv_only_checkpoints(
-    make_checkpoint: Callable[..., Path], attention_group: bool
+    make_checkpoint: Callable[..., Path], architecture: str, attention_group: bool
 ) -> None:
     """llm-compressor's KV-cache-only checkpoints (no weight groups, a kv_cache_scheme, 16-bit weights) and
-    its attention-quantized ones (a group targeting attention, with query scales) load with their scales."""
-    base = make_checkpoint("LlamaForCausalLM")
+    its attention-quantized ones (a group targeting attention, with query scales) load with their scales;
+    also for Phi-3, whose FP8-weight checkpoints are refused."""
+    base = make_checkpoint(architecture)
     names = {"k_scale": lambda i: SCALES[i][0], "v_scale": lambda i: SCALES[i][1]}
     groups: dict[str, Any] = {}
     if attention_group:
         names["q_scale"] = lambda i: 0.25
         groups["group_0"] = {"targets": ["LlamaAttention"], "input_activations": KV_SCHEME}
-    model_dir = _with_kv_scales(base, names, f"ct-{attention_group}")
+    model_dir = _with_kv_scales(base, names, f"ct-{architecture}-{attention_group}")
     _with_quantization_config(model_dir, {"quant_method": "compressed-tensors", "format": "dense",
                                           "config_groups": groups, "kv_cache_scheme": KV_SCHEME})  # fmt: skip
     assert engine_greedy(model_dir, PROMPTS, kv_cache_dtype="fp8") == hf_fp8_greedy(base, PROMPTS, SCALES)

@@ -214,7 +214,7 @@ def _checkpoint_quant_config(hf_quantization: Any, requested: str | None) -> Qua
     )
 
 
-def _hf_quantization(hf: Any) -> Any:
+def hf_quantization_config(hf: Any) -> Any:
     """A checkpoint config's quantization_config; older llm-compressor (compressed-tensors) releases
     name it `compression_config` (vLLM reads both)."""
     found = getattr(hf, "quantization_config", None)
@@ -1200,7 +1200,9 @@ def build_model_config(
         eos_token_ids=eos_token_ids,
         no_eos=no_eos,
         bos_token_id=_outer_first(checkpoint_hf, hf, "bos_token_id"),
-        quantization=quant_config(_hf_quantization(checkpoint_hf) or _hf_quantization(hf), quantization),
+        quantization=quant_config(
+            hf_quantization_config(checkpoint_hf) or hf_quantization_config(hf), quantization
+        ),
         generation_defaults=defaults,
         **specific,
     )

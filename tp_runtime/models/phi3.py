@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tp_runtime.config import hf_quantization_config, quant_config
 from tp_runtime.errors import ConfigError
 from tp_runtime.models.llama import LlamaForCausalLM
 
@@ -36,7 +37,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
 
 def phi3_config(hf: Any) -> dict[str, Any]:
-    if getattr(hf, "quantization_config", None) is not None:
+    # Under either name of the field; a checkpoint that quantizes only its KV cache loads as 16-bit.
+    stored = quant_config(hf_quantization_config(hf), None)
+    if stored is not None and stored.checkpoint_format != "online":
         raise ConfigError(
             "quantized Phi-3 checkpoints (scales of fused qkv_proj / gate_up_proj tensors) are not "
             "supported; load the 16-bit checkpoint, with quantization='fp8' for FP8 weights"

@@ -32,6 +32,7 @@ from tp_runtime.engine.args import (
     resolve_model_arg,
 )
 from tp_runtime.errors import ConfigError, InvalidRequestError, TPRuntimeError
+from tp_runtime.interrupts import DeferredSignals, in_import
 from tp_runtime.models_catalog import (
     DEFAULT_MODEL,
     FALLBACK_MODEL,
@@ -543,33 +544,28 @@ def _exit_interrupted(signum: int, frame: Any) -> None:
     os._exit(EXIT_INTERRUPTED)
 
 
-_IMPORT_SYSTEM = ("importlib._bootstrap", "importlib._bootstrap_external")  # (frozen or not)
+class _InterruptsOutsideImports:
+    """The CLI's SIGINT handler while `main` runs: a KeyboardInterrupt as usual, except inside an import,
+    where it is sent again once the import has ended (tp_runtime.interrupts: the commands import torch
+    from several places, their checks, transformers and the model's load among them). Once stopped (main
+    is returning) a Ctrl-C is too late to stop anything and is dropped."""
 
+    def __init__(self) -> None:
+        self.deferred = DeferredSignals()
+        self.stopped = False
 
-def _in_import(frame: Any) -> bool:
-    """Whether `frame` runs inside an import (a module's body, or the C set-up of an extension module)."""
-    while frame is not None:
-        if frame.f_globals.get("__name__") in _IMPORT_SYSTEM:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _interrupt_outside_imports(signum: int, frame: Any) -> None:
-    """The CLI's SIGINT handler: a KeyboardInterrupt as usual, except inside an import, where it waits for
-    the import to end. One raised inside an extension module's set-up (torch's, Triton's: C++ that runs
-    Python through pybind11) is an exception pybind11 cannot carry, and the process aborts; the commands
-    import torch from several places (their checks, transformers, the model's load)."""
-    if not _in_import(frame):
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.deferred.arrived(signum)
+        if self.stopped:
+            return
+        if in_import(frame):
+            self.deferred.defer(signum)
+            return
         raise KeyboardInterrupt
-    main_id = threading.main_thread().ident or 0
 
-    def deliver_after_the_import() -> None:
-        while _in_import(sys._current_frames().get(main_id)):
-            time.sleep(0.005)
-        _thread.interrupt_main()  # to this handler again, which looks again
-
-    threading.Thread(target=deliver_after_the_import, name="tp-runtime-interrupt", daemon=True).start()
+    def stop(self) -> None:
+        self.stopped = True
+        self.deferred.stop()
 
 
 def _redeliver_interrupts_from_finalizers() -> Any:
@@ -600,22 +596,24 @@ def _redeliver_interrupts_from_finalizers() -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    previous_handler = None
+    interrupts = None
     if os.environ.get(LAUNCHED_ENV) and torchrun_rank() is not None:
         signal.signal(signal.SIGINT, _exit_interrupted)
     elif (
         threading.current_thread() is threading.main_thread()  # where signal handlers are set
         and signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (not a caller's own)
     ):
-        previous_handler = signal.signal(signal.SIGINT, _interrupt_outside_imports)
+        interrupts = _InterruptsOutsideImports()
+        signal.signal(signal.SIGINT, interrupts)
     previous_hook = _redeliver_interrupts_from_finalizers()
     try:
         _main(argv)
     finally:
         # (main may run in a process that goes on: tests, a script)
         sys.unraisablehook = previous_hook
-        if previous_handler is not None:
-            signal.signal(signal.SIGINT, previous_handler)
+        if interrupts is not None:
+            interrupts.stop()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _main(argv: list[str] | None) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from tp_runtime import cli
 from tp_runtime.config import MAX_TIMEOUT_S
+from tp_runtime.interrupts import DeferredSignals, in_import
 
 _QUIET_STATUSES = (cli.EXIT_USAGE, cli.EXIT_INTERRUPTED)
 # Past serve's drain, before torchrun's SIGKILL: time for the server to shut its workers down and exit.
@@ -72,10 +73,15 @@ class _Interrupts:
         self.seen = False
         self.torchrun_log_dir: str | None = None
         self.in_torchrun = False
+        self.deferred = DeferredSignals()  # one that came inside an import (torch's), sent again after it
 
     def __call__(self, signum: int, frame: Any) -> None:
+        self.deferred.arrived(signum)
         self.seen = True
         if not self.in_torchrun:
+            if in_import(frame):
+                self.deferred.defer(signum)
+                return
             raise KeyboardInterrupt
         if self.torchrun_log_dir is not None:
             shutil.rmtree(self.torchrun_log_dir, ignore_errors=True)

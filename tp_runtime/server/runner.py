@@ -33,6 +33,7 @@ import uvicorn
 
 from tp_runtime.engine.async_engine import AsyncLLMEngine
 from tp_runtime.errors import ConfigError
+from tp_runtime.interrupts import DeferredSignals, in_import
 from tp_runtime.server.api_server import build_app
 from tp_runtime.server.connections import guarded_protocol
 
@@ -115,14 +116,19 @@ class _Signals:
         self.stopping = False
         self.requested = False  # a signal came while the model loaded
         self._raised = False
+        self._deferred = DeferredSignals()  # one that came inside an import, sent again after it
 
     def _handle(self, signum: int, frame: Any) -> None:
+        self._deferred.arrived(signum)
         if self.stopping:
             return
         if self.server is not None:
             self.server.handle_exit(signum, frame)
             return
         self.requested = True
+        if in_import(frame):  # (the model's load imports zmq, the tokenizer's modules, Triton)
+            self._deferred.defer(signum)
+            return
         if not self._raised:
             self._raised = True
             raise _ShutdownRequested
@@ -149,6 +155,8 @@ class _Signals:
         try:
             yield
         finally:
+            self.stopping = True
+            self._deferred.stop()
             sys.unraisablehook = default_hook
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -337,6 +337,25 @@ def test_plain_tokens_cost_two_decodes_each(name: str) -> None:
     assert len(calls) <= 2 * len(ids) + len(words), len(calls)
 
 
+def test_a_cleanup_tokenizer_decodes_its_text_once_a_token() -> None:
+    """With a cleanup of tokenization spaces each window starts at the text's start: one decode per token
+    (the prefix's decode is the previous window's), not two."""
+    f = FAMILIES["wordpiece-cleanup"]
+    calls = []
+
+    def counting(ids: list[int]) -> str:
+        calls.append(len(ids))
+        return f.decode(ids)
+
+    vocab = f.tokenizer.get_vocab()
+    ids = [vocab[w] for w in ("the", "cat", "don", "'", "t", "a", ".")] * 30
+    detok = IncrementalDetokenizer(counting, [], f.finality)
+    for n in range(1, len(ids) + 1):
+        detok.step(ids[:n])
+    assert detok.text + detok.pending == f.decode(ids)
+    assert len(calls) <= len(ids) + 2, len(calls)
+
+
 def _held_reference(f: Family, word: int | None, ids: list[int]) -> list[int]:
     """Brute force: token i starts where the text of the tokens before it stops agreeing with the whole
     text."""

@@ -174,7 +174,9 @@ class IncrementalDetokenizer:
     completes it, although those bytes' text may still change).
     """
 
-    __slots__ = ("_context", "_decode", "_final", "_prefix_offset", "_read_offset", "pending", "text")
+    __slots__ = (
+        "_context", "_decode", "_final", "_prefix_offset", "_prefix_text", "_read_offset", "pending", "text",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -188,6 +190,7 @@ class IncrementalDetokenizer:
         # Offsets into context + ids.
         self._prefix_offset = 0  # start of the previous piece's tokens
         self._read_offset = len(self._context)  # tokens already in `text`
+        self._prefix_text: str | None = None  # their decode from _prefix_offset, where kept from a step
         self.text = ""
         self.pending = ""
 
@@ -205,7 +208,7 @@ class IncrementalDetokenizer:
             return None
         start, read = self._prefix_offset, self._read_offset
         tokens = self._tokens(ids, start)
-        prefix = self._decode(tokens[: read - start]) if read > start else ""
+        prefix = self._prefix(tokens, start, read)
         window = self._decode(tokens)
         if len(window) <= len(prefix) or window.endswith("\ufffd"):
             return None
@@ -215,14 +218,22 @@ class IncrementalDetokenizer:
             # A cleanup of tokenization spaces matches its patterns left to right through the spaces the
             # decoder puts between tokens: a window from inside the text may match where the whole text
             # does not (" ' ' the" cleans up to "''the" alone, "' the" after "a"), so those windows
-            # start where the text does (a decode of the whole output per step, for those tokenizers only).
+            # start where the text does (a decode of the whole output per step, for those tokenizers only;
+            # the prefix's decode is this window's).
             start = 0 if self._final.tails else read
             self._prefix_offset, self._read_offset = start, len(self._context) + len(ids)
+            self._prefix_text = window if self._final.tails else None
             self.text += piece
             self.pending = ""
         else:
             self.pending = piece
         return unchanged
+
+    def _prefix(self, tokens: list[int], start: int, read: int) -> str:
+        """The decode of tokens[: read - start], the window's tokens already in `text`."""
+        if self._prefix_text is not None:
+            return self._prefix_text
+        return self._decode(tokens[: read - start]) if read > start else ""
 
     def unchanged(self, later: str) -> int:
         """How many leading characters of `text + pending` stay in `later`, a later decode of the output
@@ -240,7 +251,7 @@ class IncrementalDetokenizer:
         if len(self._context) + len(ids) <= read:
             return 0
         tokens = self._tokens(ids, start)
-        prefix = self._decode(tokens[: read - start]) if read > start else ""
+        prefix = self._prefix(tokens, start, read)
         before = self._decode(tokens)
         after = self._final_part([*tokens, next_id], prefix)
         return max(0, _common_prefix(before, after) - len(prefix))

@@ -1156,6 +1156,29 @@ def test_grammar_compiles_do_not_hold_up_other_requests(scripted_config: Any, by
         asyncio.run(main(served))
 
 
+def test_grammar_compiles_outlive_a_lifespan(scripted_config: Any, byte_tokenizer: Any) -> None:
+    """The app's grammar threads go with its lifespan, and the next request makes new ones (an app may
+    run its lifespan more than once)."""
+    executor = ScriptedExecutor(closed_form)
+
+    def refuse(spec: Any) -> Any:
+        raise InvalidRequestError("refused by the test", "choice")
+
+    async def main(served: InProcess) -> None:
+        served.engine.engine.grammars.compile = refuse  # type: ignore[method-assign]
+        constrained = {"prompt": "Hi", "max_tokens": 3, "structured_outputs": {"choice": ["yes", "no"]}}
+        async with served.client() as client:
+            for _ in range(2):
+                async with served.app.router.lifespan_context(served.app):
+                    response = await client.post("/v1/completions", json=constrained)
+                    assert response.status_code == 400 and "refused by the test" in response.text
+            response = await client.post("/v1/completions", json=constrained)
+            assert response.status_code == 400 and "refused by the test" in response.text, response.text
+
+    with InProcess(scripted_config, byte_tokenizer, executor) as served:
+        asyncio.run(main(served))
+
+
 def test_key_is_checked_before_the_body_and_the_body_is_capped(
     scripted_config: Any, byte_tokenizer: Any
 ) -> None:

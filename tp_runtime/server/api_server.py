@@ -188,11 +188,10 @@ class _Context:
     # GenerationDefaults.overrides()), for the options a request leaves out.
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     draining: bool = False
-    # Grammars compile here, not in the threads that parse every request and build every response: a
-    # schema with a large enum compiles for seconds to minutes, and requests without one must not wait.
-    grammar_compiles: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(_GRAMMAR_COMPILE_THREADS, "tp-runtime-grammar")
-    )
+    # Grammars compile in threads of their own (made on first use, dropped with the app's lifespan), not
+    # in those that parse every request and build every response: a schema with a large enum compiles for
+    # seconds to minutes, and requests without one must not wait.
+    grammar_compiles: ThreadPoolExecutor | None = None
 
     def failure(self, exc: BaseException) -> APIError:
         """A request the engine could not finish: it died (named by what killed it), or a bug (logged)."""
@@ -473,6 +472,8 @@ class _Context:
         the engine's thread: the engine's own compile, when the request is added, is then a cache hit."""
         if grammar is None:
             return
+        if self.grammar_compiles is None:  # (only the event loop's thread comes here)
+            self.grammar_compiles = ThreadPoolExecutor(_GRAMMAR_COMPILE_THREADS, "tp-runtime-grammar")
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(
@@ -915,8 +916,10 @@ def build_app(
             on_ready()
         try:
             yield
-        finally:  # a compile still running is left to end on its own; none queued starts
-            ctx.grammar_compiles.shutdown(wait=False, cancel_futures=True)
+        finally:  # none queued starts; one running ends on its own (the interpreter's exit waits for it)
+            pool, ctx.grammar_compiles = ctx.grammar_compiles, None
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="tp_runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     # The last one added runs first: the Host check, CORS (its headers on every answer, 415s included),

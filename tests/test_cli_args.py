@@ -370,6 +370,32 @@ def test_a_ctrl_c_held_when_the_command_ends_is_dropped(
     sum(i for i in range(100_000))  # where a signal sent since would be raised
 
 
+def test_a_ctrl_c_swallowed_by_a_finalizer_wakes_a_blocking_wait() -> None:
+    """It is sent again as a real signal: _thread.interrupt_main, as before, left an Event().wait to
+    run its course."""
+
+    class Probe:
+        def __del__(self) -> None:  # the handler's KeyboardInterrupt is swallowed here
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(i for i in range(100_000))
+
+    previous_hook = cli._redeliver_interrupts_from_finalizers()
+    signal.signal(signal.SIGINT, cli._InterruptsOutsideImports())
+    waited = 0.0
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Probe()
+            start = time.monotonic()
+            try:
+                threading.Event().wait(120)
+            finally:
+                waited = time.monotonic() - start
+    finally:
+        sys.unraisablehook = previous_hook
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert waited < 60
+
+
 def test_a_ctrl_c_outside_imports_is_raised_at_once() -> None:
     previous = signal.signal(signal.SIGINT, cli._InterruptsOutsideImports())
     reached = False

@@ -9,7 +9,6 @@ Ctrl-C exits with status 130 and the line `tp-runtime: interrupted`.
 
 from __future__ import annotations
 
-import _thread
 import argparse
 import contextlib
 import json
@@ -585,7 +584,9 @@ def _redeliver_interrupts_from_finalizers() -> Any:
         def redeliver() -> None:
             returned.wait()
             time.sleep(0.01)  # past the hook's own last instructions
-            _thread.interrupt_main()
+            if callable(signal.getsignal(signal.SIGINT)):  # (SIG_IGN, SIG_DFL: nothing to deliver to)
+                # A real signal, not _thread.interrupt_main: it also wakes a blocking call.
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
 
         with contextlib.suppress(RuntimeError):  # (the interpreter is shutting down: nothing to stop)
             threading.Thread(target=redeliver, name="tp-runtime-interrupt", daemon=True).start()

@@ -313,6 +313,10 @@ def interrupted_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
         importlib.import_module(name)
 
     yield run
+    handler = signal.getsignal(signal.SIGINT)
+    if isinstance(handler, cli._InterruptsOutsideImports):  # nothing held is sent after the test
+        handler.stop()
+    assert _signal_threads_done()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for name in names:
         sys.modules.pop(name, None)

@@ -17,7 +17,10 @@ from typing import Any
 
 _IMPORT_SYSTEM = ("importlib._bootstrap", "importlib._bootstrap_external")  # (frozen or not)
 _POLL_S = 0.005
-_FLUSH_S = 1.0  # how long stop() waits for a signal already sent to reach its handler
+# A signal sent just as the main thread begins a blocking call (it lets the sender run by releasing the
+# GIL there) only trips a flag and does not wake the call: sent again until the handler has seen it.
+_RESEND_S = 0.05
+_FLUSH_S = 0.25  # how long stop() waits for a signal already sent to reach its handler
 
 
 def in_import(frame: Any) -> bool:
@@ -29,46 +32,62 @@ def in_import(frame: Any) -> bool:
     return False
 
 
-class DeferredSignals:
-    """Sends a signal held back inside an import to the main thread again (a real signal, which also
-    wakes a blocking call) once no import is on its stack; one delivery per signal number however often
-    it came meanwhile. A handler that uses it calls `arrived` first and `defer` where it holds one back;
-    `stop` (before the handler is replaced) sends nothing more and lets one already sent reach it."""
+class _Held:
+    """One signal held back: whether it has been sent again, and whether the handler has seen it since."""
+
+    __slots__ = ("seen", "sent")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waiting: set[int] = set()  # signal numbers to send once the import ends
-        self._sent = 0  # sent and not yet seen by the handler
+        self.sent = False
+        self.seen = False
+
+
+class DeferredSignals:
+    """Sends a signal held back inside an import to the main thread again, as a real signal, once no
+    import is on its stack: one delivery per signal number however often it came meanwhile. A handler
+    that uses it calls `arrived` first and `defer` where it holds one back; `stop` (before the handler is
+    replaced) sends nothing more and lets one already sent reach it.
+
+    The handler's side takes no lock: CPython may run a second handler inside the first (a signal that
+    arrives meanwhile), which would wait forever on a lock the first holds."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # between the senders and stop(), never taken by a handler
+        self._held: dict[int, _Held] = {}
         self._stopped = False
 
     def arrived(self, signum: int) -> None:
-        with self._lock:
-            self._sent = max(0, self._sent - 1)
+        held = self._held.pop(signum, None)
+        if held is not None:
+            held.seen = True
 
     def defer(self, signum: int) -> None:
-        with self._lock:
-            if self._stopped or signum in self._waiting:
-                return
-            self._waiting.add(signum)
-        threading.Thread(
-            target=self._send_after_imports, args=(signum,), name="tp-runtime-signal", daemon=True
-        ).start()
+        if self._stopped or signum in self._held:
+            return
+        held = self._held[signum] = _Held()
+        try:
+            threading.Thread(
+                target=self._send_after_imports, args=(signum, held), name="tp-runtime-signal", daemon=True
+            ).start()
+        except RuntimeError:  # the interpreter is shutting down: nothing left to stop
+            self._held.pop(signum, None)
 
-    def _send_after_imports(self, signum: int) -> None:
+    def _send_after_imports(self, signum: int, held: _Held) -> None:
         main = threading.main_thread()
-        while main.is_alive() and in_import(sys._current_frames().get(main.ident or 0)):
-            time.sleep(_POLL_S)
-        with self._lock:
-            self._waiting.discard(signum)
-            if self._stopped or not main.is_alive():
-                return
-            self._sent += 1
-            signal.pthread_kill(main.ident or 0, signum)  # to the handler, which looks again
+        while not held.seen:
+            while main.is_alive() and in_import(sys._current_frames().get(main.ident or 0)):
+                time.sleep(_POLL_S)
+            with self._lock:
+                if self._stopped or held.seen or not main.is_alive():
+                    return
+                held.sent = True
+                signal.pthread_kill(main.ident or 0, signum)  # to the handler, which looks again
+            time.sleep(_RESEND_S)
 
     def stop(self) -> None:
         """Called on the main thread, with the handler still installed."""
         with self._lock:
             self._stopped = True
         deadline = time.monotonic() + _FLUSH_S
-        while self._sent and time.monotonic() < deadline:  # the handler runs between these bytecodes
-            time.sleep(_POLL_S)
+        while any(h.sent and not h.seen for h in list(self._held.values())) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)  # the handler runs between these bytecodes

@@ -20,6 +20,7 @@ _POLL_S = 0.005
 # A signal sent just as the main thread begins a blocking call (it lets the sender run by releasing the
 # GIL there) only trips a flag and does not wake the call: sent again until the handler has seen it.
 _RESEND_S = 0.05
+_MAX_SENDS = 20  # (a handler that never calls `arrived`, installed since, gets a few at most)
 _FLUSH_S = 0.25  # how long stop() waits for a signal already sent to reach its handler
 
 
@@ -62,27 +63,42 @@ class DeferredSignals:
             held.seen = True
 
     def defer(self, signum: int) -> None:
+        """Called by the handler (on the main thread)."""
         if self._stopped or signum in self._held:
             return
         held = self._held[signum] = _Held()
+        handler = signal.getsignal(signum)
         try:
             threading.Thread(
-                target=self._send_after_imports, args=(signum, held), name="tp-runtime-signal", daemon=True
-            ).start()
+                target=self._send_after_imports, args=(signum, held, handler), name="tp-runtime-signal",
+                daemon=True,
+            ).start()  # fmt: skip
         except RuntimeError:  # the interpreter is shutting down: nothing left to stop
             self._held.pop(signum, None)
 
-    def _send_after_imports(self, signum: int, held: _Held) -> None:
+    def _send_after_imports(self, signum: int, held: _Held, handler: Any) -> None:
+        try:
+            self._send(signum, held, handler)
+        finally:  # a later signal of this number is held back again (not taken for this one); stop()
+            # waits for a sent one itself
+            if not self._stopped and self._held.get(signum) is held:
+                self._held.pop(signum, None)
+
+    def _send(self, signum: int, held: _Held, handler: Any) -> None:
         main = threading.main_thread()
-        while not held.seen:
+        for _ in range(_MAX_SENDS):
             while main.is_alive() and in_import(sys._current_frames().get(main.ident or 0)):
                 time.sleep(_POLL_S)
             with self._lock:
                 if self._stopped or held.seen or not main.is_alive():
                     return
+                if held.sent and signal.getsignal(signum) is not handler:
+                    return  # another handler took it (one that does not answer here): once is enough
                 held.sent = True
                 signal.pthread_kill(main.ident or 0, signum)  # to the handler, which looks again
             time.sleep(_RESEND_S)
+            if held.seen:
+                return
 
     def stop(self) -> None:
         """Called on the main thread, with the handler still installed."""

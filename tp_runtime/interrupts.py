@@ -64,9 +64,10 @@ class DeferredSignals:
 
     def defer(self, signum: int) -> None:
         """Called by the handler (on the main thread)."""
-        if self._stopped or signum in self._held:
+        held = _Held()
+        # setdefault runs no Python code, where a second handler could run (nested) and take the number too
+        if self._stopped or self._held.setdefault(signum, held) is not held:
             return
-        held = self._held[signum] = _Held()
         handler = signal.getsignal(signum)
         try:
             threading.Thread(
@@ -87,7 +88,7 @@ class DeferredSignals:
     def _send(self, signum: int, held: _Held, handler: Any) -> None:
         main = threading.main_thread()
         for _ in range(_MAX_SENDS):
-            while main.is_alive() and in_import(sys._current_frames().get(main.ident or 0)):
+            while not held.seen and main.is_alive() and in_import(sys._current_frames().get(main.ident or 0)):
                 time.sleep(_POLL_S)
             with self._lock:
                 if self._stopped or held.seen or not main.is_alive():

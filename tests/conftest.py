@@ -336,11 +336,17 @@ def count_checkpoint_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return read
 
 
-def run_interpreted(script: str, *args: str) -> str:
+def run_interpreted(script: str, *args: str, stderr_tail: int = 3000) -> str:
     """Run `script` (python -c, with `args`) under Triton's CPU interpreter, which must be chosen before
-    Triton is imported, hence a subprocess; its last line of output. A failure shows its stderr."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    Triton is imported, hence a subprocess; its last line of output. A failure shows its stderr. The
+    script imports tests/triton_interpreter.py first (the interpreter without its repeated patching)."""
+    tests_dir = Path(__file__).resolve().parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tests_dir.parent), str(tests_dir)]),
+        "TRITON_INTERPRET": "1",
+    }
+    proc = subprocess.run([sys.executable, "-c", "import triton_interpreter\n" + script, *args], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-stderr_tail:]
     return proc.stdout.strip().splitlines()[-1]

@@ -16,20 +16,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as tmp
+from conftest import run_interpreted
 
 from tp_runtime import distributed as D
 from tp_runtime.config import build_model_config
 from tp_runtime.distributed import DistAllReduce, TPGroup
 
-REPO = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="Triton is not installed"
 )
@@ -160,12 +158,7 @@ print(f"OK {checked}")
 
 @needs_triton
 def test_kernel_matches_brute_force_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-c", KERNEL_CHECKS], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    assert proc.stdout.strip() == "OK 252", proc.stdout
+    assert run_interpreted(KERNEL_CHECKS, stderr_tail=6000) == "OK 252"
 
 
 # ----------------------------------------------------------------------------- the model at TP=2 (gloo)

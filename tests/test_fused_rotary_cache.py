@@ -15,15 +15,11 @@ way). On CUDA every dtype must match PyTorch exactly (the script passed on an H2
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-REPO = Path(__file__).resolve().parents[1]
 
 CHECKS = """
 import sys, torch
@@ -135,8 +131,4 @@ print("OK", cases)
 
 
 def test_rotary_and_cache_matches_pytorch_ops() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", CHECKS, "cpu"], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "OK 72"
+    assert run_interpreted(CHECKS, "cpu") == "OK 72"

@@ -4,15 +4,11 @@ form in sampler.py on the same noise, and the fused Sampler against the unfused 
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import torch
@@ -73,10 +69,5 @@ print("OK", checked)
 
 
 def test_race_kernels_match_pytorch() -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    status, checked = proc.stdout.split()[-2:]
+    status, checked = run_interpreted(SCRIPT).split()
     assert status == "OK" and int(checked) == 4 * 2 * 2 + 2

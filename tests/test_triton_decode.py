@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GEMMA2, hf_greedy
+from conftest import GEMMA2, hf_greedy, run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 REPO = Path(__file__).resolve().parents[1]
@@ -194,9 +194,9 @@ print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "preemptions
 
 
 def _run(script: str, *args: str, interpret: bool = True) -> str:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     if interpret:
-        env["TRITON_INTERPRET"] = "1"
+        return run_interpreted(script, *args)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,9 @@ from tp_runtime.distributed import TPGroup
 from tp_runtime.layers.activation import silu_and_mul
 from tp_runtime.layers.normed_input import NormedInput
 from tp_runtime.layers.quantization import UNQUANTIZED, LinearMethod, Shard, copy_checked
+
+if TYPE_CHECKING:
+    from tp_runtime.layers.skinny_gemm_triton import SkinnyConfig
 
 
 class TensorSource(Protocol):
@@ -68,17 +71,21 @@ class TritonMatmul(Matmul):
     decode) keep cuBLAS, whose launch costs the host a few µs where a Triton launch costs tens: a batch-1
     prefill of 32 layers is bound by the host's launches."""
 
-    def __init__(self, num_sms: int, graphs_only: bool) -> None:
+    def __init__(self, num_sms: int, graphs_only: bool, interpreted: bool = False) -> None:
         self.num_sms = num_sms
         self.graphs_only = graphs_only
+        # Triton's interpreter: one-row products in 16-row tiles (the GPU's shape for wide layers) whatever
+        # the width. The interpreter's cost is per program, and the GPU's 4-row tiles made the one-row
+        # kernel most of an interpreted engine run; the kernel tests check the GPU's shapes themselves.
+        self.interpreted = interpreted
         self._in_graph_pass = False
 
     @classmethod
     def for_device(cls, device: torch.device) -> TritonMatmul:
         if device.type == "cuda":
             return cls(torch.cuda.get_device_properties(device).multi_processor_count, graphs_only=True)
-        # Triton's interpreter (tests): every call, with an H200's SM count so launches match the GPU's.
-        return cls(132, graphs_only=False)
+        # Triton's interpreter (tests): every call, with an H200's SM count for the few-rows shapes.
+        return cls(132, graphs_only=False, interpreted=True)
 
     @contextmanager
     def decode_graph_pass(self) -> Iterator[None]:
@@ -88,6 +95,12 @@ class TritonMatmul(Matmul):
             yield
         finally:
             self._in_graph_pass = outer
+
+    def _one_row(self) -> SkinnyConfig | None:
+        """The one-row kernel's launch shape; None: the GPU's for each layer (default_config)."""
+        from tp_runtime.layers.skinny_gemm_triton import SkinnyConfig
+
+        return SkinnyConfig(16, 256, 4) if self.interpreted else None
 
     def _use_kernels(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and (self._in_graph_pass or not self.graphs_only)
@@ -99,7 +112,7 @@ class TritonMatmul(Matmul):
 
         if 1 <= x.shape[0] <= kernels.MAX_FEW_ROWS and self._use_kernels(x):
             if x.shape[0] == 1:
-                return kernels.skinny_linear(x, weight, bias, num_sms=self.num_sms)
+                return kernels.skinny_linear(x, weight, bias, config=self._one_row(), num_sms=self.num_sms)
             n, k = weight.shape
             cfg = kernels.few_rows_config(x.shape[0], n, k, x.dtype, self.num_sms, lm_head=lm_head)
             if cfg is not None:
@@ -118,7 +131,9 @@ class TritonMatmul(Matmul):
         if gate_up.shape[0] == 1 and self._use_kernels(gate_up):
             from tp_runtime.layers.skinny_gemm_triton import skinny_linear
 
-            return skinny_linear(gate_up, weight, bias, silu_mul=True, num_sms=self.num_sms)
+            return skinny_linear(
+                gate_up, weight, bias, silu_mul=True, config=self._one_row(), num_sms=self.num_sms
+            )
         return self.linear(silu_and_mul(gate_up, fused=True), weight, bias)
 
 

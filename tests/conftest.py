@@ -336,10 +336,11 @@ def count_checkpoint_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return read
 
 
-def run_interpreted(script: str, *args: str, stderr_tail: int = 3000) -> str:
+def run_interpreted(script: str, *args: str, stderr_tail: int = 3000, whole_output: bool = False) -> str:
     """Run `script` (python -c, with `args`) under Triton's CPU interpreter, which must be chosen before
-    Triton is imported, hence a subprocess; its last line of output. A failure shows its stderr. The
-    script imports tests/triton_interpreter.py first (the interpreter without its repeated patching)."""
+    Triton is imported, hence a subprocess; its last line of output (`whole_output`: all of it, stripped).
+    A failure shows its stderr. The script imports tests/triton_interpreter.py first (the interpreter
+    without its repeated patching)."""
     tests_dir = Path(__file__).resolve().parent
     env = {
         **os.environ,
@@ -349,4 +350,4 @@ def run_interpreted(script: str, *args: str, stderr_tail: int = 3000) -> str:
     proc = subprocess.run([sys.executable, "-c", "import triton_interpreter\n" + script, *args], env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-stderr_tail:]
-    return proc.stdout.strip().splitlines()[-1]
+    return proc.stdout.strip() if whole_output else proc.stdout.strip().splitlines()[-1]

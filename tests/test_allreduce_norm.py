@@ -158,7 +158,7 @@ print(f"OK {checked}")
 
 @needs_triton
 def test_kernel_matches_brute_force_in_the_interpreter() -> None:
-    assert run_interpreted(KERNEL_CHECKS, stderr_tail=6000) == "OK 252"
+    assert run_interpreted(KERNEL_CHECKS, stderr_tail=6000, whole_output=True) == "OK 252"
 
 
 # ----------------------------------------------------------------------------- the model at TP=2 (gloo)

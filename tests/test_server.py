@@ -560,6 +560,20 @@ def test_prompt_logprobs_extension(server1: Server, llm1: LLM) -> None:
     got = httpx.post(f"{server1.url}/v1/chat/completions", json=body, timeout=60).json()
     assert [p and {t: e["logprob"] for t, e in p.items()} for p in got["prompt_logprobs"]] == expected(ref, 1)
 
+    # A stream takes prompt_logprobs 0 (vLLM's check refuses only a positive count) and sends none.
+    prompts = {"completions": {"prompt": PROMPTS[0]}, "chat/completions": {"messages": MESSAGES}}
+    for path, extra in prompts.items():
+        texts = []
+        for top in (None, 0):
+            body = {"model": NAME, "max_tokens": 3, "temperature": 0, "stream": True, "prompt_logprobs": top}
+            with httpx.stream("POST", f"{server1.url}/v1/{path}", json={**body, **extra}, timeout=60) as r:
+                assert r.status_code == 200
+                lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert lines[-1] == "[DONE]" and all("prompt_logprobs" not in line for line in lines)
+            choices = [c for line in lines[:-1] for c in json.loads(line)["choices"]]
+            texts.append("".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in choices))
+        assert texts[0] == texts[1] and texts[0]
+
 
 def test_32_concurrent_streaming_clients(server2: Server, llm2: LLM) -> None:
     prompts = [f"Client {i} asks about item {i * 7 % 13}" for i in range(32)]

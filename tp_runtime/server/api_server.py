@@ -435,8 +435,10 @@ class _Context:
                     f"{name}={count} exceeds this server's maximum of {limit}; ask for fewer (the server's "
                     "--max-logprobs sets the maximum)", name,
                 )  # fmt: skip
-        if body.prompt_logprobs is not None and body.stream:
-            raise bad_request("prompt_logprobs is not available with stream", "prompt_logprobs")
+        if body.prompt_logprobs and body.stream:  # 0 passes, as vLLM's check lets it (a stream shows none)
+            raise bad_request(
+                "prompt_logprobs is not available with stream; leave it out or give 0", "prompt_logprobs"
+            )
         unsupported = body.unsupported()
         if unsupported:
             raise bad_request(f"{unsupported} is not supported by this server", unsupported)
@@ -501,7 +503,8 @@ class _Context:
         # Echo with logprobs shows the prompt tokens' too; a stream, in every choice's first chunk, so there
         # each sample computes them (else the prompt's first sample does, for all its choices).
         echo_logprobs = body.logprobs if body.echo else None
-        wanted = [k for k in (body.prompt_logprobs, echo_logprobs) if k is not None]
+        prompt_top = None if body.stream else body.prompt_logprobs  # a stream's chunks carry none
+        wanted = [k for k in (prompt_top, echo_logprobs) if k is not None]
         per_sample = echo_logprobs is not None and body.stream
         requests, grammar = self.engine_requests(
             body, prompts, 1 if prompt_only else body.max_tokens, "max_tokens", body.logprobs, "logprobs",
@@ -559,8 +562,8 @@ class _Context:
                 "and structured_outputs", "tool_choice",
             )  # fmt: skip
         requests, grammar = self.engine_requests(
-            body, [ids], max_tokens, param, logprobs, "top_logprobs", "messages", body.prompt_logprobs,
-            constraint=constraint,
+            body, [ids], max_tokens, param, logprobs, "top_logprobs", "messages",
+            None if body.stream else body.prompt_logprobs, constraint=constraint,
         )  # fmt: skip
         return body, requests, grammar, len(ids), plan
 

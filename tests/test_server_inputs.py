@@ -184,6 +184,14 @@ _HOSTILE: list[tuple[str, dict[str, Any] | bytes]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": {"text": "x"}}]}),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL], "tool_choice": ["f"]}),
+    # A bad constraint beside one that tool_choice makes (it was a 500).
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL], "tool_choice": "required",
+                              "response_format": {"type": "bogus"}}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL], "tool_choice": "required",
+                              "structured_outputs": {"foo": 1}}),
+    # A pattern whose groups nest 30,000 deep (xgrammar's conversion crashed the server).
+    ("/v1/completions", {**_COMPLETION, "structured_outputs": {
+        "json": {"type": "string", "pattern": "(" * 30_000 + "a" + ")" * 30_000}}}),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"function": {"name": "f", "parameters": 1}}]}),
     ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 10**400}),
     ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 2**64}),

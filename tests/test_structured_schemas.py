@@ -6,10 +6,12 @@ strict mode would refuse compile; a constraint that allows no first token is ref
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import json
 import re
+import time
 import urllib.parse
 from collections.abc import Iterator
 from typing import Any
@@ -431,6 +433,58 @@ def test_overlapping_names_and_wide_integers_are_refused(llm: LLM) -> None:
         schema = {"type": "object", "properties": {"café": name}, "patternProperties": {pattern: sub}}
         llm.engine.grammars.compile(_spec(json=schema))
     llm.engine.grammars.compile(_spec(json={"enum": [2**63 - 1, -(2**63), 2**53 + 1]}))
+
+
+def test_hostile_schemas_are_refused_or_checked_in_bounded_time(llm: LLM) -> None:
+    """Schemas made to hurt the checks or xgrammar: a pattern of 30,000 nested groups crashed the process
+    inside xgrammar; a pattern that backtracks exponentially (`(a|a)*$`) against a long property name held
+    a compile thread for minutes in Python's re; a oneOf of 2,000 consts took 15 s to be told apart, pair
+    by pair; an integer bound past a float's range raised OverflowError."""
+    deep = "(" * 30_000 + "a" + ")" * 30_000
+    for schema in ({"type": "string", "pattern": deep},
+                   {"type": "object", "patternProperties": {deep: {"type": "integer"}}},
+                   {"type": "object", "propertyNames": {"pattern": deep}}):  # fmt: skip
+        with pytest.raises(InvalidRequestError, match="nested 30000 deep"):
+            llm.engine.grammars.compile(_spec(json=schema))
+    with pytest.raises(InvalidRequestError, match="nested"):
+        llm.engine.grammars.compile(_spec(regex=deep))
+    llm.engine.grammars.compile(_spec(json={"type": "string", "pattern": "(" * 20 + "a" + ")" * 20}))
+
+    name = "a" * 40 + "!"
+    slow = [  # a search that cannot finish counts as a possible match (refused), or an unknown fit
+        {"type": "object", "properties": {name: {"type": "integer"}},
+         "patternProperties": {"^(a|a)*$": {"type": "string"}}},
+        {"type": "object", "properties": {name: {"type": "integer"}},
+         "propertyNames": {"pattern": "^(a|a)*$"}},
+    ]  # fmt: skip
+    for schema in slow:
+        start = time.perf_counter()
+        with pytest.raises(InvalidRequestError, match="not supported"):
+            llm.engine.grammars.compile(_spec(json=schema))
+        assert time.perf_counter() - start < 5
+    # The same patterns against a name they do not match quickly are checked as before.
+    fine = {
+        "type": "object", "properties": {"b": {"type": "integer"}}, "propertyNames": {"pattern": "^(a|b)*$"},
+        "patternProperties": {"^(a|a)*$": {"type": "string"}},
+    }  # fmt: skip
+    llm.engine.grammars.compile(_spec(json=fine))
+
+    start = time.perf_counter()
+    llm.engine.grammars.compile(_spec(json={"oneOf": [{"const": i} for i in range(2000)]}))
+    twice = [{"const": i} for i in range(1999)] + [{"enum": ["x", 5.0]}]  # 5.0 is 5
+    with pytest.raises(InvalidRequestError, match="could match together"):
+        llm.engine.grammars.compile(_spec(json={"oneOf": twice}))
+    assert time.perf_counter() - start < 10
+    many = [{"type": "object", "properties": {"k": {"const": i}}, "required": ["k"]} for i in range(300)]
+    with pytest.raises(InvalidRequestError, match="too many to check apart"):
+        llm.engine.grammars.compile(_spec(json={"oneOf": many}))
+    llm.engine.grammars.compile(_spec(json={"oneOf": many[:20]}))  # few enough: told apart by "k"
+
+    huge = 10**400
+    for schema in ({"type": "number", "minimum": huge}, {"type": "number", "maximum": -huge},
+                   {"type": "integer", "minimum": 1.5, "maximum": huge}):  # fmt: skip
+        with contextlib.suppress(InvalidRequestError):  # refused with a message, or compiled: not a crash
+            llm.engine.grammars.compile(_spec(json=schema))
 
 
 # Invalid schemas that xgrammar compiled all the same, into grammars that break them: an empty anyOf or

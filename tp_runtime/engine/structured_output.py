@@ -21,6 +21,7 @@ import json
 import math
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -88,6 +89,18 @@ _OBJECT_KEYWORDS = ("minProperties", "maxProperties", "patternProperties", "prop
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 # The longest string length bound written as a pattern (about 0.07 s of compile time; 1,000 took 0.25 s).
 _MAX_LENGTH_AS_PATTERN = 512
+# Group nesting a pattern or regex may have: xgrammar's JSON-schema pattern conversion recursed until the
+# process crashed on 30,000 nested groups (its `regex` parser refuses past about 1,000), and Python's own
+# regex parsers, which the schema checks here use, fail past about 1,000.
+_MAX_GROUP_NESTING = 100
+# The schema checks match its own patterns against its property names (JSON Schema's rules, which
+# xgrammar skips). Those are backtracking matches, exponential in the name for a pattern like `(a|a)*$`:
+# one schema's searches share this time budget, and a search it cuts short counts as a possible match.
+_PATTERN_SEARCH_BUDGET_S = 0.25
+# Property names times patterns checked one by one at one object schema, at most.
+_MAX_NAME_SEARCHES = 4096
+# Branch pairs of a oneOf compared one by one, at most (const and enum branches are hashed instead).
+_MAX_ONEOF_PAIRS = 20_000
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems",
                "unevaluatedItems", "propertyNames")  # fmt: skip
@@ -111,7 +124,8 @@ def _document_for_xgrammar(schema: Any) -> Any:
     any JSON pointer xgrammar resolves): each is checked and rewritten at its place in a copy of the
     document, so that no subschema an output must match escapes the checks."""
     refs: list[str] = []
-    out = _schema_for_xgrammar(schema, refs=refs)
+    searches = _PatternSearches()
+    out = _schema_for_xgrammar(schema, refs=refs, searches=searches)
     rewrites: dict[tuple[str, ...], Any] = {}
     while refs:
         parts = _pointer_parts(refs.pop())
@@ -120,7 +134,7 @@ def _document_for_xgrammar(schema: Any) -> Any:
         target = _at(schema, parts)
         if target is None:
             continue  # a pointer that leads nowhere: xgrammar refuses it
-        rewrites[parts] = _schema_for_xgrammar(target, _pointer_text(parts), schema, refs)
+        rewrites[parts] = _schema_for_xgrammar(target, _pointer_text(parts), schema, refs, searches)
     # Each container along the paths copied once (by its id; the caller's objects left as they are), an
     # enclosing target before the targets inside it, which then land in its rewrite.
     copies: set[int] = set()
@@ -319,17 +333,20 @@ def _put(document: Any, parts: tuple[str, ...], value: Any, copies: set[int], wh
 
 
 def _schema_for_xgrammar(
-    schema: Any, path: str = "#", root: Any = None, refs: list[str] | None = None
-) -> Any:
+    schema: Any, path: str = "#", root: Any = None, refs: list[str] | None = None,
+    searches: _PatternSearches | None = None,
+) -> Any:  # fmt: skip
     """`schema` (parsed JSON) as xgrammar should compile it: InvalidRequestError for a keyword, or a
     combination, that xgrammar would silently drop (its outputs could then break the schema), and with what
     xgrammar's strict mode (no properties or items beyond those the schema names) would make unsatisfiable
     opened again: an object's minProperties beyond its properties, an array's minItems beyond its
     prefixItems, where the schema leaves additional ones unsaid (JSON Schema then allows any). `root`: the
-    whole schema, which `$ref`s point into (default: `schema`); `refs` collects the `$ref`s met on the way."""
+    whole schema, which `$ref`s point into (default: `schema`); `refs` collects the `$ref`s met on the way;
+    `searches`: the pattern searches' shared budget (a new one by default)."""
     if not isinstance(schema, dict):
         return schema  # booleans, and what xgrammar refuses itself
     root = schema if root is None else root
+    searches = searches or _PatternSearches()
 
     def refuse(why: str) -> InvalidRequestError:
         return InvalidRequestError(
@@ -357,14 +374,21 @@ def _schema_for_xgrammar(
     if schema.get("type") == []:
         raise invalid("'type' must name at least one type")
     branches = schema.get("oneOf")
-    if isinstance(branches, list) and not _apart(branches, root):
-        # xgrammar takes oneOf as anyOf: an output matching two branches would break it
-        # ({"oneOf": [{"type": "integer"}, {"type": "number"}]} gave 2004).
-        raise refuse(
-            "'oneOf' whose branches a value could match together (structured outputs take it as anyOf); "
-            "use anyOf, or branches of different types, of different literal values, or objects told apart "
-            "by a required property's const"
-        )
+    if isinstance(branches, list):
+        pairs = len(branches) * (len(branches) - 1) // 2
+        if pairs > _MAX_ONEOF_PAIRS and not all(isinstance(b, dict) and _literal_values(b) for b in branches):
+            raise refuse(
+                f"'oneOf' with {len(branches)} branches, too many to check apart unless each is a const or "
+                "an enum; use anyOf"
+            )
+        if not _apart(branches, root):
+            # xgrammar takes oneOf as anyOf: an output matching two branches would break it
+            # ({"oneOf": [{"type": "integer"}, {"type": "number"}]} gave 2004).
+            raise refuse(
+                "'oneOf' whose branches a value could match together (structured outputs take it as anyOf); "
+                "use anyOf, or branches of different types, of different literal values, or objects told "
+                "apart by a required property's const"
+            )
     ref = schema.get("$ref")
     if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
         # xgrammar resolves JSON pointers into this schema only, and takes any other $ref (another
@@ -520,25 +544,35 @@ def _schema_for_xgrammar(
     listed_names = out.get("properties")  # with the required names added above
     if isinstance(schema.get("patternProperties"), dict) and isinstance(listed_names, dict):
         by_pattern = schema["patternProperties"].items()
+        if len(by_pattern) * len(listed_names) > _MAX_NAME_SEARCHES:
+            raise refuse(
+                f"{len(listed_names)} properties beside {len(by_pattern)} 'patternProperties' patterns, too "
+                f"many to check against each other (at most {_MAX_NAME_SEARCHES} pairs)"
+            )
         both = [
-            name for name, listed in listed_names.items()
-            if any(sub not in ({}, True, listed) and _searches(str(p), str(name)) for p, sub in by_pattern)
+            n for n, listed in listed_names.items()
+            if any(sub not in ({}, True, listed) and searches.may_match(str(p), n) for p, sub in by_pattern)
         ]  # fmt: skip
         if both:
             raise refuse(
                 f"properties {both[:4]} that a 'patternProperties' pattern of another schema matches too "
-                "(or may: one that Python's re cannot read)"
+                "(or may: a pattern that cannot be read here, or whose search took too long)"
             )
     # xgrammar applies propertyNames to additional names only: a listed (or required) name must fit it.
     names_schema, listed = schema.get("propertyNames"), out.get("properties")
     if isinstance(names_schema, dict) and isinstance(listed, dict):
-        unfit = [name for name in listed if not _name_fits(name, names_schema)]
+        if len(listed) > _MAX_NAME_SEARCHES:
+            raise refuse(
+                f"{len(listed)} properties beside 'propertyNames', too many to check (at most "
+                f"{_MAX_NAME_SEARCHES})"
+            )
+        unfit = [name for name in listed if not _name_fits(name, names_schema, searches)]
         if unfit:
             raise refuse(f"properties {unfit[:4]} that 'propertyNames' does not allow (or cannot be checked)")
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {
-                name: _schema_for_xgrammar(sub, f"{path}/{key}/{name}", root, refs)
+                name: _schema_for_xgrammar(sub, f"{path}/{key}/{name}", root, refs, searches)
                 for name, sub in out[key].items()
             }
     for key in _SUBSCHEMAS:
@@ -547,11 +581,12 @@ def _schema_for_xgrammar(
             if key == "propertyNames" and isinstance(sub, dict) and "type" not in sub:
                 # a name is a string: its string keywords need no type (xgrammar enforces them there)
                 sub = {**sub, "type": "string"} if any(k in sub for k in _STRING_KEYWORDS) else sub
-            out[key] = _schema_for_xgrammar(sub, f"{path}/{key}", root, refs)
+            out[key] = _schema_for_xgrammar(sub, f"{path}/{key}", root, refs, searches)
     for key in _SUBSCHEMA_LISTS:
         if isinstance(schema.get(key), list):
             out[key] = [
-                _schema_for_xgrammar(s, f"{path}/{key}/{i}", root, refs) for i, s in enumerate(schema[key])
+                _schema_for_xgrammar(s, f"{path}/{key}/{i}", root, refs, searches)
+                for i, s in enumerate(schema[key])
             ]
     return out
 
@@ -569,13 +604,31 @@ def _has_wide_integer(value: Any) -> bool:
     return False
 
 
-def _searches(pattern: str, name: str) -> bool:
-    """Whether ECMA-262 regex `pattern` matches somewhere in `name`, as Python reads it (ASCII classes,
-    `(?<name>` groups); True where Python cannot read it (then it may)."""
-    try:
-        return re.search(re.sub(r"\(\?<(?![=!])", "(?P<", pattern), name, re.ASCII) is not None
-    except re.error:
-        return True
+class _PatternSearches:
+    """Searches of a schema's patterns in its property names, with the `regex` module (transformers' own
+    dependency), which can stop a search: all of one schema's share _PATTERN_SEARCH_BUDGET_S."""
+
+    def __init__(self) -> None:
+        self.deadline = time.monotonic() + _PATTERN_SEARCH_BUDGET_S
+
+    def search(self, pattern: str, name: str, ascii_classes: bool = False) -> bool | None:
+        """Whether `pattern` matches somewhere in `name`; None where that is not known: a pattern the module
+        cannot read or nests too deep, or a search the budget stopped."""
+        import regex  # type: ignore[import-untyped]
+
+        left = self.deadline - time.monotonic()
+        if left <= 0 or _nesting_problem(pattern):
+            return None
+        try:
+            found = regex.search(pattern, name, regex.ASCII if ascii_classes else 0, timeout=left)
+        except (regex.error, TimeoutError, RecursionError, OverflowError, ValueError):
+            return None
+        return found is not None
+
+    def may_match(self, pattern: str, name: str) -> bool:
+        """Whether ECMA-262 regex `pattern` may match somewhere in `name` (ASCII classes): True where that
+        is not known."""
+        return self.search(pattern, name, ascii_classes=True) is not False
 
 
 _RANGE_DECIMALS = 6  # the decimals xgrammar writes the numbers of a bounded 'number' range with
@@ -599,7 +652,9 @@ def _scaled_bounds(schema: dict[str, Any], scale: int) -> tuple[int | None, int 
     first, last = None, None
     for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
         bound = schema.get(key)
-        if not isinstance(bound, (int, float)) or isinstance(bound, bool) or not math.isfinite(bound):
+        if not isinstance(bound, (int, float)) or isinstance(bound, bool):
+            continue
+        if isinstance(bound, float) and not math.isfinite(bound):  # (an int past a float's range is exact)
             continue
         at = Fraction(repr(bound)) * scale
         if key.endswith("inimum"):
@@ -681,12 +736,35 @@ def _pattern_problem(pattern: str) -> str | None:
     return None
 
 
+def _nesting_problem(regex: str) -> str | None:
+    """Groups nested deeper than _MAX_GROUP_NESTING, else None."""
+    depth = deepest = 0
+    in_class = False
+    for match in _PATTERN_TOKEN.finditer(regex):
+        token = match.group()
+        if in_class:
+            in_class = token != "]"
+        elif token.startswith("["):
+            in_class = True
+        elif token.startswith("("):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token == ")":
+            depth = max(0, depth - 1)
+    if deepest > _MAX_GROUP_NESTING:
+        return f"groups nested {deepest} deep (at most {_MAX_GROUP_NESTING})"
+    return None
+
+
 def _regex_problem(regex: str, json_pattern: bool = False) -> str | None:
     """Why xgrammar would not enforce `regex` (the `regex` field's, else a JSON schema's `pattern`) as
-    written: an escape it reads as a letter, an octal escape (`\\01` it read as NUL and "1"), a class
-    that begins with `]` (Python's literal, ECMA-262's empty class: xgrammar ends the class there), in the
-    `regex` field a class that begins with an escaped `^` (xgrammar negated `[\\^a]`), an anchor inside
-    it; else None."""
+    written: groups nested too deep, an escape it reads as a letter, an octal escape (`\\01` it read as
+    NUL and "1"), a class that begins with `]` (Python's literal, ECMA-262's empty class: xgrammar ends the
+    class there), in the `regex` field a class that begins with an escaped `^` (xgrammar negated
+    `[\\^a]`), an anchor inside it; else None."""
+    nesting = _nesting_problem(regex)
+    if nesting:
+        return nesting
     tokens = [m.group() for m in _PATTERN_TOKEN.finditer(regex)]
     for i, token in enumerate(tokens):
         after = tokens[i + 1] if i + 1 < len(tokens) else ""
@@ -838,9 +916,9 @@ def _regex_text_for_xgrammar(regex: str) -> str:
     return "".join(written(match.group(), inside) for match, inside in _classified(regex))
 
 
-def _name_fits(name: str, names_schema: dict[str, Any]) -> bool:
+def _name_fits(name: str, names_schema: dict[str, Any], searches: _PatternSearches) -> bool:
     """Whether property name `name` is valid under a propertyNames schema of string keywords; False for a
-    schema with any other keyword (not checked here)."""
+    schema with any other keyword, or a pattern whose search `searches` cannot finish (not checked here)."""
     keys = {k for k in names_schema if k not in _ANNOTATIONS and not k.startswith("x-")}
     if not keys <= {"type", "minLength", "maxLength", "pattern", "enum", "const"}:
         return False
@@ -855,8 +933,8 @@ def _name_fits(name: str, names_schema: dict[str, Any]) -> bool:
         if "const" in names_schema and name != names_schema["const"]:
             return False
         pattern = names_schema.get("pattern")
-        return pattern is None or re.search(pattern, name) is not None
-    except (re.error, TypeError):
+        return pattern is None or (isinstance(pattern, str) and searches.search(pattern, name) is True)
+    except TypeError:
         return False
 
 
@@ -896,21 +974,24 @@ def _types(schema: dict[str, Any]) -> set[str] | None:
     return {"number" if k == "integer" else str(k) for k in named}
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    """JSON equality: 1 and 1.0 are the same number, true is not 1."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return a == b
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
-    return type(a) is type(b) and bool(a == b)
+def _value_key(value: Any) -> Any:
+    """A hashable key of a JSON value, equal for the same JSON value: 1 and 1.0 alike, true apart from 1
+    (non-finite numbers, which JSON lacks, by their text)."""
+    if isinstance(value, bool) or value is None:
+        return (type(value).__name__, value)
+    if isinstance(value, (int, float)):
+        return ("number", Fraction(value) if math.isfinite(value) else repr(value))
+    if isinstance(value, str):
+        return ("string", value)
+    if isinstance(value, list):
+        return ("array", tuple(_value_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("object", frozenset((k, _value_key(v)) for k, v in value.items()))
+    return ("other", repr(value))
 
 
 def _disjoint_values(a: list[Any], b: list[Any]) -> bool:
-    return not any(_same_value(x, y) for x in a for y in b)
+    return not {_value_key(v) for v in a} & {_value_key(v) for v in b}
 
 
 def _discriminated(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -936,6 +1017,14 @@ def _apart(branches: list[Any], root: Any) -> bool:
     schemas = [_resolved(b, root) for b in branches]
     if not all(isinstance(s, dict) for s in schemas):
         return len(schemas) == 1 and schemas[0] is not None
+    literals = [_literal_values(s) for s in schemas]
+    if all(values is not None for values in literals):  # every branch a const or enum: one pass
+        owner: dict[Any, int] = {}
+        for i, values in enumerate(literals):
+            for value in values or ():
+                if owner.setdefault(_value_key(value), i) != i:
+                    return False
+        return True
     for i, a in enumerate(schemas):
         for b in schemas[i + 1 :]:
             types_a, types_b = _types(a), _types(b)

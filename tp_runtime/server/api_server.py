@@ -556,7 +556,11 @@ class _Context:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         constraint = plan.constraint() if plan is not None else None
-        if constraint is not None and body.structured() is not None:
+        try:
+            other = body.structured() if constraint is not None else None
+        except InvalidRequestError as exc:  # a bad constraint beside the tools': the same 400 as alone
+            raise bad_request(str(exc), exc.field) from None
+        if other is not None:
             raise bad_request(
                 f"tool_choice {body.tool_choice!r} constrains the output already; leave out response_format "
                 "and structured_outputs", "tool_choice",

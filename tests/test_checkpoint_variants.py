@@ -205,6 +205,24 @@ def test_impossible_expert_routing_is_config_error(
         build_model_config(tmp_path / "Qwen3MoeForCausalLM", device="cpu")
 
 
+def test_stacked_experts_from_a_raw_state_dict_save_say_what_to_do(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """transformers 5 holds a mixture of experts' weights stacked ([experts, ...] tensors) in memory and
+    writes one tensor per expert with save_pretrained; a raw state_dict save keeps the stacked names, which
+    the error now explains."""
+    experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    built = make_checkpoint("Qwen3MoeForCausalLM", num_hidden_layers=1, **experts)
+    model = transformers.AutoModelForCausalLM.from_pretrained(built, dtype=torch.float32)
+    model_dir = tmp_path / "raw"
+    shutil.copytree(built, model_dir)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"stacked experts.*save_pretrained"):
+        LLM(str(model_dir), dtype="float32", max_model_len=64)
+
+
 def test_kv_heads_that_do_not_divide_the_heads_and_no_layers_are_config_errors(
     make_checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:

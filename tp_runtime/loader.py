@@ -374,6 +374,21 @@ class HeadRowsReordered:
         return self.narrow(0, 0, self.shape[0])
 
 
+# transformers 5's in-memory names of a mixture of experts' stacked weights ([experts, ...] tensors).
+_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj|gate_proj|up_proj)(_scale\w*)?$")
+
+
+def _unexpected_tensor(path: str, stored: str) -> str:
+    message = f"{os.path.basename(path)} holds unexpected tensor {stored!r}"
+    if _STACKED_EXPERTS.search(stored):
+        message += (
+            " (transformers' in-memory layout of stacked experts, as a raw state_dict save writes it; "
+            "save the model with save_pretrained, which writes one tensor per expert, as the model's own "
+            "checkpoints have them)"
+        )
+    return message
+
+
 def _split_fused(model: CausalLM, path: str, name: str, tensor: CheckpointTensor) -> list[tuple[str, Any]]:
     """(name, source) for each tensor the model takes from checkpoint tensor `name`: its parts where it
     fuses several (CausalLM.fused_checkpoint_parts), else itself."""
@@ -667,8 +682,7 @@ def load_weights(
                 try:
                     name = checkpoint_names.model_name(stored)
                 except KeyError:
-                    unexpected = f"{os.path.basename(path)} holds unexpected tensor {stored!r}"
-                    raise ConfigError(unexpected) from None
+                    raise ConfigError(_unexpected_tensor(path, stored)) from None
                 if name is None:
                     continue
                 if name in tied:  # checked against (or standing in for) its twin once all are loaded
@@ -685,8 +699,7 @@ def load_weights(
                     try:
                         targets = list(model.checkpoint_targets(part))
                     except KeyError:
-                        unexpected = f"{os.path.basename(path)} holds unexpected tensor {stored!r}"
-                        raise ConfigError(unexpected) from None
+                        raise ConfigError(_unexpected_tensor(path, stored)) from None
                     # Each rank reads only its slice, so a tensor of the wrong size could load part of itself.
                     if part in expected and tensor.shape != tuple(expected[part]):
                         raise ConfigError(

@@ -206,8 +206,10 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (as vLLM's): later requests compute theirs anew. Between
-        `generate` calls nothing is running, so it always does (True)."""
-        return self.engine.reset_prefix_cache()
+        `generate` calls nothing is running, so it always does (True); from another thread it waits for
+        the running call (the scheduler's blocks are the engine thread's)."""
+        with self._lock:
+            return self.engine.reset_prefix_cache()
 
     def get_tokenizer(self) -> Any:
         """The Hugging Face tokenizer the engine encodes prompts and decodes outputs with."""

@@ -1348,7 +1348,9 @@ def test_phi3_longrope_takes_the_set_its_context_needs_as_hf(
                 assert set(entry) == set(top_ids.tolist()), (max_len, pos)
                 for tid, lp in zip(top_ids.tolist(), top_lp.tolist(), strict=True):
                     assert entry[tid].logprob == pytest.approx(lp, abs=1e-4), (max_len, pos, tid)
-    with make_llm(longrope_dir, 1, max_model_len=64) as llm:
+    # Past the original length short prompts differ from transformers', and the engine says so (as vLLM).
+    warned = pytest.warns(UserWarning, match="max_model_len <= 16")
+    with warned, make_llm(longrope_dir, 1, max_model_len=64) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in short_prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] != hf_greedy(longrope_dir, short_prompts, 8)
 

@@ -916,6 +916,23 @@ def _max_positions(hf_config: Any) -> int:
     return int(max_positions * factor)
 
 
+def _warn_long_factors(params: dict[str, Any], hf_config: Any, max_model_len: int | None) -> None:
+    """A warning (once per process, as vLLM logs one) where LongRoPE takes its long factors."""
+    original = params.get("original_max_position_embeddings")
+    original = original or getattr(hf_config, "original_max_position_embeddings", None)
+    if max_model_len is None or not isinstance(original, int) or max_model_len <= original:
+        return
+    import warnings
+
+    warnings.warn(
+        f"LongRoPE: max_model_len {max_model_len} is past the model's original context of {original} "
+        "tokens, so every sequence takes the long rope factors (as in vLLM); transformers takes the short "
+        f"ones for a sequence within {original} tokens, so such outputs differ from its. Set max_model_len "
+        f"<= {original} to compute them as transformers does.",
+        stacklevel=2,
+    )
+
+
 def _rope_config(
     hf_config: Any, head_dim: int, layer_type: str | None = None, max_model_len: int | None = None,
     partial: bool = False,
@@ -954,6 +971,7 @@ def _rope_config(
             kwargs: dict[str, Any] = {"layer_type": layer_type} if _per_layer_type_rope(hf_config) else {}
             if rope_type == "longrope":
                 kwargs["seq_len"] = max_model_len  # the long set where it exceeds the original length
+                _warn_long_factors(params, hf_config, max_model_len)
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
         except (TypeError, ValueError, KeyError, ZeroDivisionError) as exc:
             # A parameter of the wrong type (a "2.0" string factor) failed here as a bare TypeError.

@@ -188,6 +188,23 @@ def test_cli_error_names_the_flag() -> None:
         EngineArgs.from_cli(args, model="m")
 
 
+def test_a_torch_dtype_is_taken_as_its_name() -> None:
+    """vLLM's dtype takes a torch.dtype too (LLM(model, dtype=torch.float16))."""
+    import torch
+
+    assert EngineArgs(model="m", dtype=torch.float16).dtype == "float16"  # type: ignore[arg-type]
+    assert EngineArgs(model="m", dtype=torch.bfloat16).dtype == "bfloat16"  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"dtype must be one of .*; got 'int8'"):
+        EngineArgs(model="m", dtype=torch.int8)  # type: ignore[arg-type]
+
+
+def test_a_batch_too_large_for_memory_names_its_options() -> None:
+    """max_num_seqs up to its bound passed the checks, then the running batch's host arrays (rows x
+    max_model_len) raised numpy's MemoryError from inside the worker."""
+    with pytest.raises(ConfigError, match=r"max_num_seqs=2147483647 rows of max_model_len=64 .* lower"):
+        LLM("tiny-llama", device="cpu", max_num_seqs=2**31 - 1, max_model_len=64)
+
+
 def test_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         EngineArgs(model="m").seed = 1  # type: ignore[misc]

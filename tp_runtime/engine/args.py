@@ -267,6 +267,9 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
+        dtype = self.dtype
+        if type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":  # torch.float16, as vLLM
+            object.__setattr__(self, "dtype", str(dtype).removeprefix("torch."))
         _validate({f.name: getattr(self, f.name) for f in fields(self)}, cli=False)
 
     # ------------------------------------------------------------------------------------- conversions

@@ -188,10 +188,17 @@ class ModelRunner:
         self.max_blocks = -(-mc.max_model_len // self.block_size)
         # cuda_graphs="padded" keeps the device-side token feed ops, so CPU tests run the GPU's code path.
         numpy_feed = device.type == "cpu" and config.cuda_graphs != "padded"
-        self.batch = PersistentBatch(
-            config.scheduler.max_num_seqs, mc.max_model_len, self.max_blocks, mc.vocab_size, device,
-            numpy_feed=numpy_feed,
-        )  # fmt: skip
+        try:
+            self.batch = PersistentBatch(
+                config.scheduler.max_num_seqs, mc.max_model_len, self.max_blocks, mc.vocab_size, device,
+                numpy_feed=numpy_feed,
+            )  # fmt: skip
+        except (MemoryError, torch.OutOfMemoryError) as exc:  # (a numpy array of rows x tokens first)
+            raise ConfigError(
+                f"the running batch's arrays for max_num_seqs={config.scheduler.max_num_seqs} rows of "
+                f"max_model_len={mc.max_model_len} tokens could not be allocated ({type(exc).__name__}); "
+                "lower max_num_seqs or max_model_len"
+            ) from None
         self.attention = make_attention_backend(
             config.attention_backend, device, model.num_local_kv_heads, self.block_size,
             num_heads=mc.num_heads // config.parallel.tensor_parallel_size, head_dim=mc.head_dim,

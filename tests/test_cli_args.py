@@ -162,6 +162,9 @@ def _no_torchrun_report(proc: subprocess.CompletedProcess[str]) -> None:
         (["make-smollm2", "somewhere"], ["runs once"]),
         # the launcher's own --tensor-parallel-size (NPROC x nodes) had won over it unseen
         (["generate", "--model", "tiny-llama-tp", "-tp", "4"], ["--tensor-parallel-size: 4 is not the 2"]),
+        # also an explicit 1 (the default), in any spelling argparse takes
+        (["generate", "--model", "tiny-llama-tp", "-tp", "1"], ["--tensor-parallel-size: 1 is not the 2"]),
+        (["generate", "--model", "tiny-llama-tp", "--tensor-parallel=1"], ["1 is not the 2"]),
     ],
 )
 def test_torchrun_argument_error_is_one_line(args: list[str], fragments: list[str]) -> None:

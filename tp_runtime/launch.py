@@ -103,6 +103,13 @@ def _quiet_interrupts_in_finalizers(interrupts: _Interrupts) -> None:
     sys.unraisablehook = hook
 
 
+def _names_tp_flag(word: str) -> bool:
+    """Whether a command-line word gives -tp/--tensor-parallel-size (also as `=value`, `-tpN`, or a prefix
+    of the long name, which argparse takes)."""
+    name = word.split("=", 1)[0]
+    return name.startswith("-tp") or (len(name) > 3 and "--tensor-parallel-size".startswith(name))
+
+
 def _refuse_another_tp_size(command_argv: list[str], command: Any) -> None:
     """launch_tp.sh gives the command --tensor-parallel-size NPROC x nodes, after the user's arguments: one
     the user gave as well, and otherwise, lost to it unseen (`-tp 4` ran at TP 2): a user error."""
@@ -111,8 +118,10 @@ def _refuse_another_tp_size(command_argv: list[str], command: Any) -> None:
     last = max((i for i, w in enumerate(words[:-1]) if w == "--tensor-parallel-size"), default=None)
     if given is None or last is None:
         return
-    users = cli.build_parser().parse_args(command_argv[:last] + command_argv[last + 2 :])
-    if users.tensor_parallel_size not in (1, given):  # (1: the default, or said so)
+    own = command_argv[:last] + command_argv[last + 2 :]
+    users = cli.build_parser().parse_args(own)
+    said = any(_names_tp_flag(w) for w in (own[: own.index("--")] if "--" in own else own))
+    if users.tensor_parallel_size != given and (said or users.tensor_parallel_size != 1):
         cli.fail(
             f"argument -tp/--tensor-parallel-size: {users.tensor_parallel_size} is not the {given} ranks "
             f"torchrun starts (NPROC x nodes); leave it out, or start {users.tensor_parallel_size} ranks"

@@ -12,6 +12,7 @@ import contextlib
 import os
 import pickle
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -425,6 +426,37 @@ def test_torchrun_failed_start_cleans_up_and_a_new_engine_starts(checkpoint: Pat
     for start in ("SECOND", "THIRD"):
         assert f"{start} RUNNING {want} [] True" in output, output[-3000:]
     assert not [p.name for p in sockets.iterdir() if p.name.startswith("tp-runtime-")], output[-2000:]
+
+
+_TORCHRUN_RANK_NEVER_JOINS = """
+import os, sys, time
+from tp_runtime import LLM
+if os.environ["RANK"] == "0":
+    start = time.monotonic()
+    try:
+        LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", dtype="float32", startup_timeout_s=5)
+    except Exception as exc:
+        print("RANK 0", type(exc).__name__, round(time.monotonic() - start), exc, flush=True)
+"""
+
+
+def test_torchrun_rank_that_never_joins_is_named_in_the_startup_timeout(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """A torchrun program whose rank 1 never calls run_torchrun_worker: rank 0 waited the collectives'
+    timeout (step_timeout_s + 60, 6 minutes by default) and failed with torch's DistStoreError; it now
+    says what is wrong once startup_timeout_s has passed."""
+    script = tmp_path / "job.py"
+    script.write_text(_TORCHRUN_RANK_NEVER_JOINS)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(script), str(checkpoint)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
+    output = proc.stdout + proc.stderr
+    found = re.search(r"RANK 0 TPRuntimeError (\d+) rank 0: not every one of the 2 ranks joined", output)
+    assert found and int(found.group(1)) < 60, output[-3000:]
+    assert "run_torchrun_worker(model, **the same options)" in output, output[-3000:]
 
 
 # ----------------------------------------------------------------------------- (c) the driver is killed

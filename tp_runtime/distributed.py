@@ -842,9 +842,12 @@ def init_process_group(
     all_reduce_strategy: str = "auto",
     max_message_bytes: int = 0,
     model_dtype: torch.dtype | None = None,
+    join_timeout_s: float | None = None,
 ) -> TPGroup:
     """Join the process group and choose the all-reduce (see make_all_reduce; collective on CUDA). With
-    `model_dtype`, a strategy that fuses the all-reduce with the RMSNorm after it is prepared for it."""
+    `model_dtype`, a strategy that fuses the all-reduce with the RMSNorm after it is prepared for it.
+    `timeout_s`: the collectives'; `join_timeout_s` (default the same): how long joining waits for every
+    rank (the store's waits)."""
     if all_reduce_strategy not in STRATEGIES:
         raise ValueError(f"all-reduce strategy must be one of {STRATEGIES}, got {all_reduce_strategy!r}")
     disable_nvlink_multicast()
@@ -852,11 +855,16 @@ def init_process_group(
     if device.type == "cuda":
         kwargs["device_id"] = device
     timeout = timedelta(seconds=timeout_s)
-    store, _, _ = next(dist.rendezvous(init_method, rank=rank, world_size=world_size, timeout=timeout))
+    join_timeout = timedelta(seconds=timeout_s if join_timeout_s is None else join_timeout_s)
+    store, _, _ = next(dist.rendezvous(init_method, rank=rank, world_size=world_size, timeout=join_timeout))
     # A torchrun program may start engines one after another, each joining a group through the same store
     # (torchrun's): under a prefix of their own, the ranks of the next group do not read the addresses
     # the last one left there (torch names every default group alike).
     store = dist.PrefixStore(f"tp_runtime/{next(_GROUPS_JOINED)}/", store)
+    # Every rank checks in and waits for the others for the join's own time: gloo's and NCCL's joins wait
+    # for the collectives' timeout and then fail inside torch.
+    store.set(f"joined/{rank}", "1")
+    store.wait([f"joined/{r}" for r in range(world_size)], join_timeout)
     dist.init_process_group(
         backend=backend,
         store=store,

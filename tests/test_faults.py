@@ -454,7 +454,7 @@ def test_torchrun_rank_that_never_joins_is_named_in_the_startup_timeout(
            str(script), str(checkpoint)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
     output = proc.stdout + proc.stderr
-    found = re.search(r"RANK 0 TPRuntimeError (\d+) rank 0: not every one of the 2 ranks joined", output)
+    found = re.search(r"RANK 0 TPRuntimeError (\d+) rank 0: ranks \[1\] of 2 did not join", output)
     assert found and int(found.group(1)) < 60, output[-3000:]
     assert "run_torchrun_worker(model, **the same options)" in output, output[-3000:]
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tp_runtime import LLM, SamplingParams, StructuredOutputsParams
+from tp_runtime.engine.structured_output import _document_for_xgrammar
 from tp_runtime.errors import InvalidRequestError
 
 pytest.importorskip("xgrammar")
@@ -459,7 +460,7 @@ def test_hostile_schemas_are_refused_or_checked_in_bounded_time(llm: LLM) -> Non
     ]  # fmt: skip
     for schema in slow:
         start = time.perf_counter()
-        with pytest.raises(InvalidRequestError, match="not supported"):
+        with pytest.raises(InvalidRequestError, match="searches in its property names take more than"):
             llm.engine.grammars.compile(_spec(json=schema))
         assert time.perf_counter() - start < 5
     # The same patterns against a name they do not match quickly are checked as before.
@@ -475,10 +476,20 @@ def test_hostile_schemas_are_refused_or_checked_in_bounded_time(llm: LLM) -> Non
     with pytest.raises(InvalidRequestError, match="could match together"):
         llm.engine.grammars.compile(_spec(json={"oneOf": twice}))
     assert time.perf_counter() - start < 10
-    many = [{"type": "object", "properties": {"k": {"const": i}}, "required": ["k"]} for i in range(300)]
+    many = [{"type": "object", "properties": {"k": {"const": i}}, "required": ["k"]} for i in range(700)]
     with pytest.raises(InvalidRequestError, match="too many to check apart"):
         llm.engine.grammars.compile(_spec(json={"oneOf": many}))
-    llm.engine.grammars.compile(_spec(json={"oneOf": many[:20]}))  # few enough: told apart by "k"
+    _document_for_xgrammar({"oneOf": many[:300]})  # few enough: told apart by "k", pair by pair
+    # Branches that $ref consts are consts too, however many.
+    consts = {"$defs": {f"c{i}": {"const": f"v{i}"} for i in range(700)},
+              "oneOf": [{"$ref": f"#/$defs/c{i}"} for i in range(700)]}  # fmt: skip
+    _document_for_xgrammar(consts)
+    # The search budget is search time: a long schema's other checks do not use it up.
+    wide = {"type": "object", "properties": {
+        **{f"p{i}": {"type": "string", "pattern": "^[a-z]{1,8}$"} for i in range(6000)},
+        "o": {"type": "object", "properties": {"x": {}}, "patternProperties": {"^y_": {"type": "string"}}},
+    }}  # fmt: skip
+    _document_for_xgrammar(wide)
 
     huge = 10**400
     for schema in ({"type": "number", "minimum": huge}, {"type": "number", "maximum": -huge},

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tp_runtime.errors import TPRuntimeError
+
 logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------------------
@@ -864,7 +866,16 @@ def init_process_group(
     # Every rank checks in and waits for the others for the join's own time: gloo's and NCCL's joins wait
     # for the collectives' timeout and then fail inside torch.
     store.set(f"joined/{rank}", "1")
-    store.wait([f"joined/{r}" for r in range(world_size)], join_timeout)
+    try:
+        store.wait([f"joined/{r}" for r in range(world_size)], join_timeout)
+    except dist.DistStoreError as exc:
+        missing = [r for r in range(world_size) if not store.check([f"joined/{r}"])]
+        raise TPRuntimeError(
+            f"rank {rank}: ranks {missing} of {world_size} did not join the process group within "
+            f"{join_timeout.total_seconds():g} s (startup_timeout_s). Under torchrun every rank runs the "
+            "program: rank 0 makes the LLM, every other rank calls run_torchrun_worker(model, **the same "
+            "options)"
+        ) from exc
     dist.init_process_group(
         backend=backend,
         store=store,

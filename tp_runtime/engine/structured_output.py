@@ -95,12 +95,13 @@ _MAX_LENGTH_AS_PATTERN = 512
 _MAX_GROUP_NESTING = 100
 # The schema checks match its own patterns against its property names (JSON Schema's rules, which
 # xgrammar skips). Those are backtracking matches, exponential in the name for a pattern like `(a|a)*$`:
-# one schema's searches share this time budget, and a search it cuts short counts as a possible match.
+# one schema's searches share this much search time, and a schema whose searches need more is refused.
 _PATTERN_SEARCH_BUDGET_S = 0.25
 # Property names times patterns checked one by one at one object schema, at most.
 _MAX_NAME_SEARCHES = 4096
-# Branch pairs of a oneOf compared one by one, at most (const and enum branches are hashed instead).
-_MAX_ONEOF_PAIRS = 20_000
+# Branch pairs of a oneOf compared one by one, at most (a few µs each; const and enum branches are
+# hashed instead).
+_MAX_ONEOF_PAIRS = 200_000
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems",
                "unevaluatedItems", "propertyNames")  # fmt: skip
@@ -376,7 +377,9 @@ def _schema_for_xgrammar(
     branches = schema.get("oneOf")
     if isinstance(branches, list):
         pairs = len(branches) * (len(branches) - 1) // 2
-        if pairs > _MAX_ONEOF_PAIRS and not all(isinstance(b, dict) and _literal_values(b) for b in branches):
+        resolved = (_resolved(b, root) for b in branches)
+        literal = all(isinstance(b, dict) and _literal_values(b) is not None for b in resolved)
+        if pairs > _MAX_ONEOF_PAIRS and not literal:
             raise refuse(
                 f"'oneOf' with {len(branches)} branches, too many to check apart unless each is a const or "
                 "an enum; use anyOf"
@@ -553,6 +556,8 @@ def _schema_for_xgrammar(
             n for n, listed in listed_names.items()
             if any(sub not in ({}, True, listed) and searches.may_match(str(p), n) for p, sub in by_pattern)
         ]  # fmt: skip
+        if searches.cut_short:
+            raise refuse(searches.too_long())
         if both:
             raise refuse(
                 f"properties {both[:4]} that a 'patternProperties' pattern of another schema matches too "
@@ -567,6 +572,8 @@ def _schema_for_xgrammar(
                 f"{_MAX_NAME_SEARCHES})"
             )
         unfit = [name for name in listed if not _name_fits(name, names_schema, searches)]
+        if searches.cut_short:
+            raise refuse(searches.too_long())
         if unfit:
             raise refuse(f"properties {unfit[:4]} that 'propertyNames' does not allow (or cannot be checked)")
     for key in _SUBSCHEMA_MAPS:
@@ -606,24 +613,41 @@ def _has_wide_integer(value: Any) -> bool:
 
 class _PatternSearches:
     """Searches of a schema's patterns in its property names, with the `regex` module (transformers' own
-    dependency), which can stop a search: all of one schema's share _PATTERN_SEARCH_BUDGET_S."""
+    dependency), which can stop a search: all of one schema's share _PATTERN_SEARCH_BUDGET_S of search
+    time; `cut_short` once one ran out of it."""
 
     def __init__(self) -> None:
-        self.deadline = time.monotonic() + _PATTERN_SEARCH_BUDGET_S
+        self.spent_s = 0.0
+        self.cut_short = False
 
     def search(self, pattern: str, name: str, ascii_classes: bool = False) -> bool | None:
         """Whether `pattern` matches somewhere in `name`; None where that is not known: a pattern the module
         cannot read or nests too deep, or a search the budget stopped."""
         import regex  # type: ignore[import-untyped]
 
-        left = self.deadline - time.monotonic()
-        if left <= 0 or _nesting_problem(pattern):
+        left = _PATTERN_SEARCH_BUDGET_S - self.spent_s
+        if left <= 0:
+            self.cut_short = True
             return None
+        if _nesting_problem(pattern):
+            return None
+        start = time.perf_counter()
         try:
             found = regex.search(pattern, name, regex.ASCII if ascii_classes else 0, timeout=left)
-        except (regex.error, TimeoutError, RecursionError, OverflowError, ValueError):
+        except TimeoutError:
+            self.cut_short = True
             return None
+        except (regex.error, RecursionError, OverflowError, ValueError):
+            return None
+        finally:
+            self.spent_s += time.perf_counter() - start
         return found is not None
+
+    def too_long(self) -> str:
+        return (
+            f"patterns whose searches in its property names take more than {_PATTERN_SEARCH_BUDGET_S:g} s "
+            "in all (a pattern such as '(a|a)*$' backtracks exponentially)"
+        )
 
     def may_match(self, pattern: str, name: str) -> bool:
         """Whether ECMA-262 regex `pattern` may match somewhere in `name` (ASCII classes): True where that

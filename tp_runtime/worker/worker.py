@@ -31,7 +31,7 @@ import zmq
 from tp_runtime import distributed
 from tp_runtime.config import EngineConfig
 from tp_runtime.distributed import TPGroup
-from tp_runtime.errors import ConfigError, ProtocolError, TPRuntimeError
+from tp_runtime.errors import ConfigError, ProtocolError
 from tp_runtime.loader import init_dummy_weights, load_weights
 from tp_runtime.messages import (
     ControlCall,
@@ -145,20 +145,12 @@ class Worker:
                 * self.config.model.hidden_size
                 * _DTYPES[self.config.model.dtype].itemsize
             )
-            startup_s = self.config.parallel.startup_timeout_s
-            try:
-                self.tp = distributed.init_process_group(
-                    backend, init_method, self.rank, self.world_size, timeout_s, self.device,
-                    all_reduce_strategy=self.config.parallel.all_reduce, max_message_bytes=max_message_bytes,
-                    model_dtype=_DTYPES[self.config.model.dtype], join_timeout_s=startup_s,
-                )  # fmt: skip
-            except torch.distributed.DistError as exc:  # a rank that never joins: the store's wait ran out
-                raise TPRuntimeError(
-                    f"rank {self.rank}: not every one of the {self.world_size} ranks joined the process "
-                    f"group within startup_timeout_s={startup_s:g} s ({type(exc).__name__}). Under torchrun "
-                    "every rank runs the program: rank 0 makes the LLM, every other rank calls "
-                    "run_torchrun_worker(model, **the same options)"
-                ) from None
+            self.tp = distributed.init_process_group(
+                backend, init_method, self.rank, self.world_size, timeout_s, self.device,
+                all_reduce_strategy=self.config.parallel.all_reduce, max_message_bytes=max_message_bytes,
+                model_dtype=_DTYPES[self.config.model.dtype],
+                join_timeout_s=self.config.parallel.startup_timeout_s,
+            )  # fmt: skip
 
     def _report(self, text: str) -> None:
         """A start-up phase's line on stderr: rank 0, on GPUs (where start-up takes long enough to ask)."""

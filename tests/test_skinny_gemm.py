@@ -26,7 +26,9 @@ torch.manual_seed(0)
 # Error bound: a few units of the dtype's last place of sum |x_i w_i| + |b| (the interpreter rounds
 # float32 -> bfloat16/float16 toward zero where CUDA rounds to nearest, also inside the SiLU-mul).
 TOL = {torch.float32: 1e-6, torch.bfloat16: 4 * 2 ** -8, torch.float16: 4 * 2 ** -11}
-CONFIGS = [None, SkinnyConfig(4, 64, 4), SkinnyConfig(8, 32, 2, 2), SkinnyConfig(16, 128, 4)]
+# (the last: x in the weight tile's layout, 16-column partial sums, as FP8 weights take it)
+CONFIGS = [None, SkinnyConfig(4, 64, 4), SkinnyConfig(8, 32, 2, 2), SkinnyConfig(16, 128, 4),
+           SkinnyConfig(4, 64, 4, 1, True, 16)]
 checked = 0
 for dtype in TOL:
     # (rows, N, K): N and K that the tiles divide and that they do not; K shorter than one tile
@@ -107,7 +109,7 @@ print("OK", checked)
 
 def test_kernel_matches_float64() -> None:
     status, checked = run_interpreted(KERNEL_VS_FLOAT64).split()
-    assert status == "OK" and int(checked) == 3 * 5 * 2 * 2 * 4 + 2 * 4 * 2 * 2
+    assert status == "OK" and int(checked) == 3 * 5 * 2 * 2 * 5 + 2 * 4 * 2 * 2
 
 
 def test_launch_shapes_and_argument_checks() -> None:
@@ -122,6 +124,11 @@ def test_launch_shapes_and_argument_checks() -> None:
             waves = -(-n // 4) / (8 * sms)
             if n < 12288:
                 assert (cfg.block_n == 8) == (1 < waves < 1.8), (n, sms, cfg)
+            assert not cfg.x_tile and cfg.group == 1  # 16-bit weights keep the kernel's first form
+    # FP8 weights: 2 KB of each row per tile, x in the tile's layout, 16-column partial sums.
+    for n, k, rows_per_tile in ((6144, 4096, 4), (4096, 4096, 4), (28672, 4096, 8), (4096, 14336, 16)):
+        cfg = default_config(n, 132, k, weight_bytes=1)
+        assert (cfg.block_n, cfg.block_k, cfg.x_tile, cfg.group) == (rows_per_tile, 2048, True, 16), (n, k)
     from tp_runtime.layers.skinny_gemm_triton import few_rows_config, few_rows_linear, skinny_linear
 
     bf16 = torch.bfloat16
@@ -257,8 +264,11 @@ for rows, n, k in ((1, 64, 256), (1, 37, 200), (3, 33, 130), (17, 48, 96)):
                 want = x_in @ wd.T + (b.double() if with_bias else 0)
                 bound = x_in.abs() @ wd.abs().T + (b.double().abs() if with_bias else 0)
                 if rows == 1:
-                    got = skinny_linear(x, w, b, silu_mul=silu, config=SkinnyConfig(8, 64, 4), scale=scale,
-                                        scale_block_k=block_k or k)
+                    for one_row in (SkinnyConfig(8, 64, 4), SkinnyConfig(4, 64, 4, 1, True, 16), None):
+                        got = skinny_linear(x, w, b, silu_mul=silu, config=one_row, scale=scale,
+                                            scale_block_k=block_k or k)
+                        err = ((got.double() - want).abs() / bound).max().item()
+                        assert err <= 1e-6, (rows, n, k, block_k, with_bias, silu, one_row, err)
                 else:
                     got = few_rows_linear(x, w, b, SkinnyConfig(16, 64, 4, 2), scale=scale,
                                           scale_block_k=block_k or k)

@@ -56,17 +56,35 @@ def _load_w_tile(w_rows, k_start, n_mask, K, BLOCK_K: tl.constexpr, EVEN: tl.con
 
 
 @triton.jit
-def _add_row_tile(
-    acc, w, x_row, k_start, n, n_mask, K, scale_ptr, scale_stride, SILU_MUL: tl.constexpr,
+def _tile_products(
+    w, x_row, k_start, n, n_mask, K, scale_ptr, scale_stride, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
+    X_TILE: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
-    """acc + the products of weight tile `w` (columns k_start...) and x's matching elements."""
+    """The products of weight tile `w` (columns k_start...) and x's matching elements, each row's summed
+    over runs of GROUP neighbouring columns: [BLOCK_N, BLOCK_K // GROUP] float32.
+
+    X_TILE: x read as a [BLOCK_N, BLOCK_K] tile of one row (stride 0 down it), in the weight tile's own
+    layout; a [BLOCK_K] vector is read in another and handed to each row's threads through shared memory,
+    a barrier every tile. GROUP > 1 keeps that many fewer float32 partial sums in registers, so more
+    programs, and more weight bytes, are in flight on each SM (each thread's GROUP columns are its own:
+    the sums need no exchange)."""
     k = k_start + tl.arange(0, BLOCK_K)
-    xk = _load_x(x_row, k, k < K, K, SILU_MUL, EVEN_K).to(tl.float32)
+    if X_TILE and not SILU_MUL:
+        offs = tl.zeros([BLOCK_N], tl.int32)[:, None] + k[None, :]
+        if EVEN_K:
+            xk = tl.load(x_row + offs).to(tl.float32)
+        else:
+            xk = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+    else:
+        xk = _load_x(x_row, k, k < K, K, SILU_MUL, EVEN_K).to(tl.float32)[None, :]
+    p = w.to(tl.float32) * xk
+    if GROUP > 1:
+        p = tl.sum(tl.reshape(p, [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
     if SCALE == 2:
         s = tl.load(scale_ptr + n.to(tl.int64) * scale_stride + k_start // SCALE_BLOCK_K, mask=n_mask)
-        return acc + w.to(tl.float32) * xk[None, :] * s[:, None]
-    return acc + w.to(tl.float32) * xk[None, :]
+        p = p * s[:, None]
+    return p
 
 
 @triton.jit
@@ -74,12 +92,13 @@ def _skinny_row_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, scale_ptr, N, K, x_stride, w_stride, out_stride, scale_stride,
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, X_TILE: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """One program per (BLOCK_N output features, row). SCALE (FP8 weights): 1, one scale per row, applied
     to the sum; 2, one per row and SCALE_BLOCK_K columns (a multiple of BLOCK_K), applied per tile. PDL:
     launched with programmatic dependent launch (layers/pdl.py); the first weight tile is loaded before
-    waiting for the kernel before, which no kernel of a step writes, so that load overlaps its end."""
+    waiting for the kernel before, which no kernel of a step writes, so that load overlaps its end.
+    X_TILE, GROUP: _tile_products."""
     release_dependents(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1)
@@ -88,16 +107,15 @@ def _skinny_row_kernel(
     w = _load_w_tile(w_rows, 0, n_mask, K, BLOCK_K, EVEN_N and EVEN_K)
     wait_for_previous(PDL)
     x_row = x_ptr + row.to(tl.int64) * x_stride
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc = _add_row_tile(
-        acc, w, x_row, 0, n, n_mask, K, scale_ptr, scale_stride, SILU_MUL, BLOCK_K, EVEN_K, SCALE,
-        SCALE_BLOCK_K,
+    acc = _tile_products(
+        w, x_row, 0, n, n_mask, K, scale_ptr, scale_stride, SILU_MUL, BLOCK_N, BLOCK_K, EVEN_K, SCALE,
+        SCALE_BLOCK_K, X_TILE, GROUP,
     )  # fmt: skip
     for k_start in range(BLOCK_K, K, BLOCK_K):
         w = _load_w_tile(w_rows, k_start, n_mask, K, BLOCK_K, EVEN_N and EVEN_K)
-        acc = _add_row_tile(
-            acc, w, x_row, k_start, n, n_mask, K, scale_ptr, scale_stride, SILU_MUL, BLOCK_K, EVEN_K, SCALE,
-            SCALE_BLOCK_K,
+        acc += _tile_products(
+            w, x_row, k_start, n, n_mask, K, scale_ptr, scale_stride, SILU_MUL, BLOCK_N, BLOCK_K, EVEN_K,
+            SCALE, SCALE_BLOCK_K, X_TILE, GROUP,
         )  # fmt: skip
     y = tl.sum(acc, axis=1)
     if SCALE == 1:
@@ -157,17 +175,33 @@ def _few_rows_dot_kernel(
 
 
 class SkinnyConfig(NamedTuple):
-    """One launch shape of the kernel."""
+    """One launch shape of the kernel. `x_tile` and `group`: the one-row kernel's _tile_products (the
+    few-rows kernel ignores them)."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int = 1
+    x_tile: bool = False
+    group: int = 1
 
 
-def default_config(n: int, num_sms: int) -> SkinnyConfig:
-    """The launch shape for N output features on a GPU with `num_sms` multiprocessors (measured on an H200
-    for the Llama-3 8B and 70B shards at TP 1 and 2, scripts/check_skinny_gemm.py)."""
+def default_config(n: int, num_sms: int, k: int = 0, weight_bytes: int = 2) -> SkinnyConfig:
+    """The one-row kernel's launch shape for an [n, k] weight of `weight_bytes`-byte elements on a GPU with
+    `num_sms` multiprocessors.
+
+    16-bit weights: measured on an H200 for the Llama-3 8B and 70B shards at TP 1 and 2
+    (scripts/check_skinny_gemm.py). FP8 weights: 2 KB of each row per tile, x in the tile's layout and
+    16-column partial sums (_tile_products), from a sweep of the Llama-3-8B layers on an H100 (.exp-style
+    script; BENCHMARKS.md "GPU: FP8"): the wide merged gate/up in 8-row tiles, the narrow layers in 4-row
+    ones, 16-row ones where K is long (the down projection), against 4-16 rows of 256-1024 columns with
+    16-bit weights' kernel before (o_proj 9.2 -> 6.5 us, down 27.0 -> 21.0 us)."""
+    if weight_bytes == 1:
+        if n >= 12288:
+            return SkinnyConfig(8, 2048, 8, 1, True, 16)
+        if k >= 8192:
+            return SkinnyConfig(16, 2048, 8, 1, True, 16)
+        return SkinnyConfig(4, 2048, 4, 1, True, 16)
     if n >= 12288:  # wide (merged gate/up, LM head): 16-row tiles are plenty of programs
         return SkinnyConfig(16, 256, 4)
     # Four rows per program, unless that leaves a short last wave (about 8 such programs fit on an SM):
@@ -241,14 +275,19 @@ def skinny_linear(
         return out
     if k == 0:  # the kernel reads a first weight tile unconditionally
         return out.zero_() if bias is None else out.copy_(bias.expand(rows, n))
-    cfg = config or default_config(n, num_sms)
-    mode, block_k = _scale_mode(scale, scale_block_k, cfg.block_k)
+    cfg = config or default_config(n, num_sms, k, weight.element_size())
+    tile_k = cfg.block_k
+    if cfg.x_tile:  # (FP8's 2,048-column tiles) no wider than a small layer's K needs
+        tile_k = min(tile_k, max(16, triton.next_power_of_2(k)))
+    mode, block_k = _scale_mode(scale, scale_block_k, tile_k)
+    group = min(cfg.group, block_k)
     _skinny_row_kernel[(triton.cdiv(n, cfg.block_n), rows)](
         x, weight, weight if bias is None else bias, out, weight if scale is None else scale, n, k,
         x.stride(0), weight.stride(0), out.stride(0), 0 if scale is None else scale.stride(0),
         SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % block_k == 0, SCALE=mode, SCALE_BLOCK_K=max(scale_block_k, 1),
-        **pdl.launch_args(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        X_TILE=cfg.x_tile, GROUP=group, **pdl.launch_args(x), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 

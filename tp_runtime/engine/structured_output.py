@@ -376,15 +376,13 @@ def _schema_for_xgrammar(
         raise invalid("'type' must name at least one type")
     branches = schema.get("oneOf")
     if isinstance(branches, list):
-        pairs = len(branches) * (len(branches) - 1) // 2
-        resolved = (_resolved(b, root) for b in branches)
-        literal = all(isinstance(b, dict) and _literal_values(b) is not None for b in resolved)
-        if pairs > _MAX_ONEOF_PAIRS and not literal:
+        apart = _apart(branches, root)
+        if apart is None:
             raise refuse(
                 f"'oneOf' with {len(branches)} branches, too many to check apart unless each is a const or "
                 "an enum; use anyOf"
             )
-        if not _apart(branches, root):
+        if not apart:
             # xgrammar takes oneOf as anyOf: an output matching two branches would break it
             # ({"oneOf": [{"type": "integer"}, {"type": "number"}]} gave 2004).
             raise refuse(
@@ -1035,14 +1033,18 @@ def _discriminated(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return False
 
 
-def _apart(branches: list[Any], root: Any) -> bool:
+def _apart(branches: list[Any], root: Any) -> bool | None:
     """Whether no JSON value can match two of `branches` (oneOf's promise), as far as their types, their
-    literal values, or a required property with literal values tell them apart."""
+    literal values, or a required property with literal values tell them apart; None where there are
+    more than _MAX_ONEOF_PAIRS pairs to compare one by one (not every branch a const or an enum)."""
     schemas = [_resolved(b, root) for b in branches]
+    literals = [_literal_values(s) if isinstance(s, dict) else None for s in schemas]
+    every_literal = all(values is not None for values in literals)
+    if len(schemas) * (len(schemas) - 1) // 2 > _MAX_ONEOF_PAIRS and not every_literal:
+        return None
     if not all(isinstance(s, dict) for s in schemas):
         return len(schemas) == 1 and schemas[0] is not None
-    literals = [_literal_values(s) for s in schemas]
-    if all(values is not None for values in literals):  # every branch a const or enum: one pass
+    if every_literal:  # every branch a const or enum: one pass
         owner: dict[Any, int] = {}
         for i, values in enumerate(literals):
             for value in values or ():

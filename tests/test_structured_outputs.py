@@ -411,6 +411,25 @@ def test_structural_tags_in_xgrammars_form_and_vllms(llm: LLM) -> None:
     assert _texts(llm, [_params(0, max_tokens=4)])[0][0]  # serving on
 
 
+def test_structural_tag_strings_with_long_bounds_stay_json(llm: LLM) -> None:
+    """A length-bounded string inside a structural tag's schema (a tool's argument) took raw control
+    characters too, under xgrammar's own rule: it gets a JSON string character's rule in both forms."""
+    arg = {"type": "object", "properties": {"q": {"type": "string", "maxLength": 2000}}, "required": ["q"],
+           "additionalProperties": False}  # fmt: skip
+    sequence = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "<x>"}, {"type": "json_schema", "json_schema": arg},
+        {"type": "const_string", "value": "</x>"}]}}  # fmt: skip
+    vllm_form = {"structures": [{"begin": "<x>", "schema": arg, "end": "</x>"}], "triggers": ["<x>"]}
+    grammars, tokenizer = llm.engine.grammars, llm.get_tokenizer()
+    for tag in (sequence, vllm_form):
+        compiled = grammars.compile(StructuredOutputsParams(structural_tag=tag))
+        for value, takes in (('"a\\tb\\u0017"', True), ('"a\tb"', False), ('"a\x17"', False)):
+            state = grammars.matcher(compiled)
+            ids = tokenizer.encode('<x>{"q": ' + value + "}</x>", add_special_tokens=False)
+            assert all(state.accept(i) for i in ids) == takes, (tag, value)
+
+
+
 def test_schemas_and_regexes_deep_in_a_structural_tag_are_enforced(llm: LLM) -> None:
     """Wherever xgrammar's format holds a schema (a tag's content among triggered tags, Qwen's XML
     parameters) or a regex, it takes exactly what the schema or regex given alone takes: "2023-02-29" is

@@ -614,35 +614,32 @@ def test_a_pattern_never_lets_out_invalid_json(llm: LLM, pattern: str) -> None:
         ({"type": "string", "minLength": 2, "maxLength": 3}, 2, 3),
         ({"type": "string", "maxLength": 512}, 0, 512),
         ({"type": ["string", "null"], "minLength": 1}, 1, None),
+        ({"type": "string", "maxLength": 8000}, 0, 8000),
+        ({"type": "string", "minLength": 600}, 600, None),
+        ({"type": "string", "minLength": 3, "maxLength": 4096}, 3, 4096),
     ],
 )  # fmt: skip
 def test_length_bounded_strings_take_no_control_character(
     llm: LLM, schema: dict[str, Any], low: int, high: int | None
 ) -> None:
     """xgrammar's own rule for a string with minLength/maxLength let raw control characters in (a tab,
-    U+0017): an output that finished "stop" was no JSON. Such a string is now written as a pattern is
-    (xgrammar's JSON string rule: no raw control character; under a bound it may leave out quotes,
-    backslashes and escaped control characters too, a narrower language with every output valid). The
-    bounds count characters, as JSON Schema does."""
+    U+0017): an output that finished "stop" was no JSON; at any bound (a pattern for bounds to 512 had
+    kept them out, but longer ones went to xgrammar's rule: as a pattern, compile time grows with the
+    square of the bound, 45 s at 8,000). xgrammar's one-character rule is now a JSON string character's,
+    escapes included, each counted as one character as JSON Schema counts them."""
     spec = _spec(json=schema)
     for control in ("\t", "\x17", "\n", "\x00"):
         value = "a" * max(low, 1) + control
         assert not _takes(llm, spec, '"' + value + '"'), repr(value)  # raw: no JSON
-    for n in (low - 1, low, low + 1, 12, (high or 12) + 1):
+    for n in sorted({low - 1, low, low + 1, 12, (high or 12) + 1}):
         fits = low <= n <= (high if high is not None else n) and n >= 0
-        if 0 <= n <= 12:
+        if 0 <= n <= max(low + 1, 12):
             assert _takes(llm, spec, json.dumps("é" * n, ensure_ascii=False)) == fits, n
-
-
-def test_long_length_bounds_keep_xgrammars_rule() -> None:
-    """Past 512 characters a length bound stays xgrammar's own keyword: as a pattern its compile time grows
-    with the square of the bound (45 s at 8,000), which any client could ask for."""
-    from tp_runtime.engine.structured_output import _schema_for_xgrammar
-
-    assert _schema_for_xgrammar({"type": "string", "maxLength": 512})["pattern"].endswith("{0,512}$")
-    for bounds in ({"maxLength": 8000}, {"minLength": 600}, {"minLength": 2, "maxLength": 4096}):
-        written = _schema_for_xgrammar({"type": "string", **bounds})
-        assert "pattern" not in written and all(written[k] == v for k, v in bounds.items()), written
+    # escapes: quote, backslash, a control character and a \u escape, each one character of the bound
+    escaped = json.dumps('"\\\t\x17' + "a" * max(0, low - 4))
+    assert _takes(llm, spec, escaped) == (high is None or max(low, 4) <= high), escaped
+    if high is not None and high <= 600:
+        assert not _takes(llm, spec, json.dumps("\t" * (high + 1))), "one escape past the bound"
 
 
 def test_length_bounded_property_names_take_no_control_character(llm: LLM) -> None:

@@ -87,8 +87,14 @@ _MAX_STEPPED_WIDTH = 9999
 _ARRAY_KEYWORDS = ("minItems", "maxItems")
 _OBJECT_KEYWORDS = ("minProperties", "maxProperties", "patternProperties", "propertyNames")
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
-# The longest string length bound written as a pattern (about 0.07 s of compile time; 1,000 took 0.25 s).
-_MAX_LENGTH_AS_PATTERN = 512
+# xgrammar writes a string with minLength/maxLength as a repeat of a one-character rule with this body,
+# which takes raw control characters (invalid JSON) and no escapes; _json_strings_kept_valid gives such
+# rules the body of one JSON string character: no control character, quote or backslash, or an escape.
+_BOUNDED_STRING_CHARACTER = r' ::= (([^\"\\\r\n]))'
+_JSON_STRING_CHARACTER = (
+    r' ::= (([^\0-\x1f\"\\]) | ("\\" (([\"\\/bfnrt]) | ("u" '
+    r"[A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))"
+)
 # Group nesting a pattern or regex may have: xgrammar's JSON-schema pattern conversion recursed until the
 # process crashed on 30,000 nested groups (its `regex` parser refuses past about 1,000), and Python's own
 # regex parsers, which the schema checks here use, fail past about 1,000.
@@ -148,6 +154,8 @@ def _compile_structural_tag(compiler: Any, given: str | dict[str, Any]) -> Any:
     """xgrammar's grammar of a structural tag, its JSON schemas checked and rewritten as `json` ones are
     (_document_for_xgrammar). vLLM's form ({"structures": [{"begin", "schema", "end"}], "triggers"}) goes
     through xgrammar's items; any other is xgrammar's own ({"type": "structural_tag", "format": ...})."""
+    import xgrammar
+
     field = "structural_tag"
     try:
         tag = json.loads(given) if isinstance(given, str) else given
@@ -157,7 +165,8 @@ def _compile_structural_tag(compiler: Any, given: str | dict[str, Any]) -> Any:
         raise InvalidRequestError("the structural tag must be a JSON object", field)
     try:
         if "structures" not in tag:
-            return compiler.compile_structural_tag(json.dumps(_checked_format(tag)))
+            grammar = xgrammar.Grammar.from_structural_tag(json.dumps(_checked_format(tag)))
+            return compiler.compile_grammar(_json_strings_kept_valid(grammar))
         return _compile_structures(compiler, tag)
     except InvalidRequestError as exc:
         if exc.field == field:
@@ -184,7 +193,25 @@ def _compile_structures(compiler: Any, tag: dict[str, Any]) -> Any:
             )
         schema = json.dumps(_document_for_xgrammar(s["schema"]))
         items.append(xgrammar.StructuralTagItem(begin=s["begin"], schema=schema, end=s["end"]))
-    return compiler.compile_structural_tag(items, triggers)
+    grammar = xgrammar.Grammar.from_structural_tag(items, triggers)
+    return compiler.compile_grammar(_json_strings_kept_valid(grammar))
+
+
+def _json_strings_kept_valid(grammar: Any) -> Any:
+    """xgrammar's grammar of a JSON schema or structural tag, with the character rule of its length-bounded
+    strings (_BOUNDED_STRING_CHARACTER) made one JSON string character's. Bounds count characters, an
+    escape as one, as JSON Schema counts them."""
+    import xgrammar
+
+    text = str(grammar)
+    if _BOUNDED_STRING_CHARACTER not in text:
+        return grammar
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        name, _, body = line.partition(" ::= ")
+        if " ::= " + body == _BOUNDED_STRING_CHARACTER and name and " " not in name:
+            lines[i] = name + _JSON_STRING_CHARACTER
+    return xgrammar.Grammar.from_ebnf("\n".join(lines))
 
 
 def _checked_format(tag: dict[str, Any]) -> dict[str, Any]:
@@ -491,17 +518,6 @@ def _schema_for_xgrammar(
     for key in ("pattern", "format"):
         if key in schema and lengths and "string" in kinds:
             raise refuse(f"{key!r} beside {lengths}")
-    low, high = schema.get("minLength", 0), schema.get("maxLength")
-    if lengths and "string" in kinds and all(
-        type(v) is int and 0 <= v <= _MAX_LENGTH_AS_PATTERN for v in (low, high) if v is not None
-    ) and (high is None or low <= high):  # fmt: skip
-        # xgrammar's own rule for a length-bounded string takes raw control characters (a tab, U+0017),
-        # which make the output invalid JSON; as a pattern it keeps the JSON string's escaping. (Past
-        # _MAX_LENGTH_AS_PATTERN the pattern's compile time grows with the square of the bound: 45 s at
-        # 8,000, so longer bounds keep xgrammar's rule.)
-        for key in lengths:
-            out.pop(key)
-        out["pattern"] = f"^[^\\u0000-\\u001f]{{{low},{'' if high is None else high}}}$"
     if schema.get("format") in _UNENFORCED_FORMATS and "string" in kinds:
         raise refuse(f"'format' {schema['format']!r}")
     written = _FORMAT_PATTERNS.get(schema["format"]) if isinstance(schema.get("format"), str) else None
@@ -1172,6 +1188,8 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, spec: StructuredOutputsParams) -> Any:
+        import xgrammar
+
         compiler = self._xgrammar_compiler()
         field, what = "structured_outputs", "the constraint"
         try:
@@ -1182,7 +1200,9 @@ class GrammarCompiler:
                 except ValueError as exc:
                     raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}", "json") from None
                 schema = json.dumps(_document_for_xgrammar(parsed))
-                return compiler.compile_json_schema(schema, any_whitespace=not spec.disable_any_whitespace)
+                whitespace = not spec.disable_any_whitespace
+                grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=whitespace)
+                return compiler.compile_grammar(_json_strings_kept_valid(grammar))
             if spec.structural_tag is not None:
                 field, what = "structural_tag", "the structural tag"
                 return _compile_structural_tag(compiler, spec.structural_tag)

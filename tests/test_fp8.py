@@ -280,6 +280,21 @@ def test_blocks_that_do_not_divide_across_ranks_are_a_config_error(
         loader.load_weights(model, str(out / "fp8"), torch.float32, cfg.quantization)
 
 
+def test_blocks_cut_only_in_unquantized_layers_load_at_tp2(make_checkpoint: Any, tmp_path: Path) -> None:
+    """TP=2 cuts the 32x32 blocks only of k and v, which the checkpoint keeps unquantized with q
+    (modules_to_not_convert); and dummy weights of a block-scaled config are quantized at load, with no
+    blocks to cut. Both were refused before any weight was read; both give the same tokens as HF
+    transformers (and as TP=1)."""
+    src = make_checkpoint("LlamaForCausalLM", seed=3)
+    qkv = tuple(f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkv")
+    out = write_fp8(src, tmp_path, "fp8", "block", block=(32, 32), ignore=qkv)
+    prompts = random_prompts((5, 17), 300, seed=11)
+    assert_same_tokens(_greedy(out / "fp8", prompts, 2), hf_greedy(out / "ref", prompts, 8), prompts)
+    cut = write_fp8(src, tmp_path / "cut", "fp8", "block", block=(32, 32))
+    want = _greedy(cut / "fp8", prompts, 1, load_format="dummy")
+    assert_same_tokens(_greedy(cut / "fp8", prompts, 2, load_format="dummy"), want, prompts)
+
+
 def test_one_kv_head_in_blocks_wider_than_it_loads_at_tp2(make_checkpoint: Any, tmp_path: Path) -> None:
     """One KV head of 16 rows in 32x32 blocks: each of 2 ranks holds the whole k and v tensors, which cuts
     no block (it was refused as a cut)."""

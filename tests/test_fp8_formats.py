@@ -408,6 +408,19 @@ def test_fp8_lm_head_and_embedding_are_dequantized(tp: int, make_checkpoint: Any
     assert_matches_hf(out, tp)
 
 
+def test_a_tied_lm_head_stored_in_fp8_is_refused_as_such(make_checkpoint: Any, tmp_path: Path) -> None:
+    """A tied model whose file also holds lm_head.weight in FP8 with its scale: the error says the tied
+    tensor is FP8 (it said the scale belonged to a weight that is not FP8)."""
+    src = make_checkpoint("Qwen3ForCausalLM", seed=5, head_dim=16, tie_word_embeddings=True)
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+    out = write_variant(src, tmp_path, qc, "block", scale_name="weight_scale_inv")
+    q, scale = _quantize_as_stored(out, "model.embed_tokens.weight", "tensor")
+    head = {"lm_head.weight": q.clone(), "lm_head.weight_scale": scale.clone()}
+    _edit(out / "fp8", lambda t: t.update(head))
+    with pytest.raises(ConfigError, match=r"'lm_head\.weight' of a tied model is stored in FP8"):
+        LLM(str(out / "fp8"), dtype="float32", device="cpu")
+
+
 def test_per_channel_scales_stored_as_one_row_at_tp2(make_checkpoint: Any, tmp_path: Path) -> None:
     """Per-channel scales stored [1, N]: each rank reads its rows' values (a column-parallel layer raised
     an IndexError from inside torch)."""
@@ -467,6 +480,12 @@ def test_broken_fp8_tensors_outside_linear_layers_are_config_errors(
     _edit(fp8, lambda t: t.update({**good, "model.layers.0.self_attn.o_proj.weight": torch.ones(64, 64)}))
     with pytest.raises(ConfigError, match=r"weight scales of layers whose weights are not FP8 \(model\.layers"
                        r"\.0\.self_attn\.o_proj\.weight\)"):  # fmt: skip
+        load()
+    # An integer weight where the layer is FP8: the message names the file's dtype (it named float32, the
+    # dtype the tensor is read in).
+    ints = torch.ones(64, 64, dtype=torch.int8)
+    _edit(fp8, lambda t: t.update({**good, "model.layers.0.self_attn.o_proj.weight": ints}))
+    with pytest.raises(ConfigError, match=r"o_proj\.weight is torch\.int8, but the checkpoint's quantiza"):
         load()
     # FP8 weights whose config lost its quantization_config.
     _edit(fp8, lambda t: (t.clear(), t.update({k: v for k, v in good.items() if "scale" not in k})))

@@ -10,7 +10,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -733,27 +733,39 @@ def validate_tensor_parallel(model: ModelConfig, tp: int) -> None:
 
 
 def _fp8_block_problem(model: ModelConfig, tp: int) -> str | None:
-    """Why each rank's part of a block-scaled FP8 weight would not be whole scale blocks, or None."""
+    """Why each rank's part of a block-scaled FP8 weight would not be whole scale blocks, or None. Layers the
+    checkpoint's ignore list keeps unquantized have no blocks, nor do dummy weights (quantized at load);
+    the loader checks each layer again as it reads it."""
     quant = model.quantization
-    if quant is None or quant.block_size is None or tp == 1:
+    if quant is None or quant.block_size is None or tp == 1 or model.load_format == "dummy":
         return None
+    moe = set(model.moe_layers)
+
+    def quantized(*modules: str, layers: Iterable[int] = range(model.num_layers)) -> bool:
+        return any(not quant.is_ignored(f"model.layers.{i}.{m}") for i in layers for m in modules)
+
     block_n, block_k = quant.block_size
     if model.num_kv_heads >= tp:
         kv_local = model.num_kv_heads // tp * model.head_dim
     else:  # each rank holds one head, whole (no cut at all) where there is only one
         kv_local = model.head_dim if model.num_kv_heads > 1 else 0
     attention = model.num_heads * model.head_dim // tp
-    cuts = {"q_proj rows": (attention, block_n), "k_proj/v_proj rows": (kv_local, block_n),
-            "o_proj columns": (attention, block_k)}  # fmt: skip
-    if len(model.moe_layers) < model.num_layers:
-        mlp = model.intermediate_size // tp
-        cuts.update({"gate_proj/up_proj rows": (mlp, block_n), "down_proj columns": (mlp, block_k)})
-    if model.moe_layers and model.shared_expert_intermediate_size:
-        shared = model.shared_expert_intermediate_size // tp
-        cuts.update({"shared_expert gate_proj/up_proj rows": (shared, block_n),
-                     "shared_expert down_proj columns": (shared, block_k)})  # fmt: skip
-    for what, (size, block) in cuts.items():
-        if size % block:
+    dense = [i for i in range(model.num_layers) if i not in moe]
+    mlp = model.intermediate_size // tp
+    shared = (model.shared_expert_intermediate_size or 0) // tp
+    cuts = [  # what, its width on a rank, the block it must be whole blocks of, whether any is FP8
+        ("q_proj rows", attention, block_n, quantized("self_attn.q_proj")),
+        ("k_proj/v_proj rows", kv_local, block_n, quantized("self_attn.k_proj", "self_attn.v_proj")),
+        ("o_proj columns", attention, block_k, quantized("self_attn.o_proj")),
+        ("gate_proj/up_proj rows", mlp, block_n, quantized("mlp.gate_proj", "mlp.up_proj", layers=dense)),
+        ("down_proj columns", mlp, block_k, quantized("mlp.down_proj", layers=dense)),
+        ("shared_expert gate_proj/up_proj rows", shared, block_n,
+         quantized("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", layers=sorted(moe))),
+        ("shared_expert down_proj columns", shared, block_k,
+         quantized("mlp.shared_expert.down_proj", layers=sorted(moe))),
+    ]  # fmt: skip
+    for what, size, block, fp8 in cuts:
+        if fp8 and size % block:
             return (
                 f"tensor_parallel_size={tp} cuts the FP8 checkpoint's {block_n}x{block_k} weight-scale "
                 f"blocks: each rank's {what} ({size}) are not whole blocks of {block}; use a "

@@ -287,6 +287,10 @@ class CheckpointTensor:
     def _convert(self, t: torch.Tensor) -> torch.Tensor:
         return t if self._dtype is None or t.dtype in FP8_DTYPES else t.to(self._dtype)
 
+    @property
+    def stored_dtype(self) -> torch.dtype | str:
+        return self._handle.dtype(self.name)
+
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         return self._convert(self._handle.read(self.name, dim, start, length))
 
@@ -729,14 +733,15 @@ def load_weights(
             for param, shard_id in model.checkpoint_targets(name):
                 param.weight_loader(param, source, shard_id)  # type: ignore[attr-defined]
         missing.pop(name, None)
+    # (tied tensors first: one stored in FP8 with its scale gets its own message)
+    for name, (path, stored) in tied_found.items():
+        _load_tied(model, name, stored, tied[name], path, dtype, expected, missing)
     stray = sorted(set(quantized.plain_scales) - set(plain_fp8))
     if stray:
         raise ConfigError(
             f"checkpoint {model_dir} holds weight scales of layers whose weights are not FP8 "
             f"({', '.join(stray[:4])}): its quantization_config does not match its tensors"
         )
-    for name, (path, stored) in tied_found.items():
-        _load_tied(model, name, stored, tied[name], path, dtype, expected, missing)
     if missing:
         names = sorted(missing)
         # A checkpoint of a tied model under an untied config: the usual cause of a missing LM head.

@@ -314,7 +314,8 @@ class Fp8LinearMethod(LinearMethod):
         # as online quantization does, one scale a row, which any FP8 layout of scales holds.
         if not self.online and not getattr(source, "synthetic", False):
             raise ConfigError(
-                f"{name} is {data.dtype}, but the checkpoint's quantization_config makes its layer FP8 (name "
+                f"{name} is {getattr(source, 'stored_dtype', data.dtype)}, but the checkpoint's "
+                "quantization_config makes its layer FP8 (name "
                 "the module in the config's ignore list, or re-export the checkpoint)"
             )
         # On the layer's device: a checkpoint's slice is read on the host, and NCCL reduces device tensors.

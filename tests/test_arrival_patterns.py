@@ -346,11 +346,12 @@ def _same_logprobs(got: list[Any], want: list[Any]) -> bool:
 def test_abort_by_the_id_the_outputs_carry(small_llm: LLM, reference: Reference) -> None:
     """`RequestOutput.request_id` is the str of the id add_request returned: aborting by it ends the request
     (it used to be looked up as given, found nothing and left the request running). An id that names no
-    request, or one already finished, gives None."""
+    request, or one already finished, gives None; so does another spelling of an id ("07" for 7)."""
     engine = small_llm.engine
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     keep = engine.add_request([5, 6, 7], greedy, stream=True)
     doomed = engine.add_request([8, 9], greedy, stream=True)
+    assert engine.abort_request(f"0{keep}") is None and engine.abort_request(f"+{keep}") is None
     outputs: dict[str, list[RequestOutput]] = {}
     aborted = None
     while engine.has_unfinished_requests():

@@ -973,8 +973,8 @@ class LLMEngine:
         if isinstance(req_id, str):
             # The id the outputs carry: looked up as given it would name no request, and the request would
             # run on unaborted.
-            if not (req_id.isascii() and req_id.isdecimal()):
-                return None
+            if not (req_id.isascii() and req_id.isdecimal()) or str(int(req_id)) != req_id:
+                return None  # (not an id the outputs carry: "07" is no request "7")
             req_id = int(req_id)
         req = self.scheduler.requests.get(req_id)
         if req is None:

@@ -250,6 +250,44 @@ def test_a_gguf_without_some_tensors_is_refused(tmp_path: Path) -> None:
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("gguf-")]
 
 
+def test_one_part_of_a_split_gguf_is_refused(tmp_path: Path) -> None:
+    """A split's first part can hold every tensor but the LM head (written last): transformers then ties
+    the head to the embeddings, and the part ran as another model. Any part of a split is refused."""
+    for number in (0, 1):
+        path = tmp_path / f"model-0000{number + 1}-of-00002.gguf"
+        _write_gguf(path, lambda w, n=number: (w.add_uint16("split.no", n), w.add_uint16("split.count", 2)))
+        _refused(path, rf"is part {number + 1} of a GGUF split into 2 files; merge them first")
+
+
+def test_tensors_transformers_does_not_read_are_refused(tmp_path: Path) -> None:
+    """A llama file with attention biases (llama.cpp runs them): transformers' reader skips tensors its
+    name map lacks, so the model ran without them."""
+
+    def biases(writer: Any) -> None:
+        for i in range(LAYERS):
+            for proj, rows in (("attn_q", HEADS), ("attn_k", KV_HEADS), ("attn_v", KV_HEADS)):
+                writer.add_tensor(f"blk.{i}.{proj}.bias", np.full(rows * HEAD_DIM, 0.1, dtype=np.float32))
+
+    path = tmp_path / "biased.gguf"
+    _write_gguf(path, biases)
+    _refused(path, r"holds 256 weights more than transformers reads .*blk\.N\.attn_k\.bias")
+
+
+@pytest.mark.parametrize("factor", [None, 0.0])
+def test_linear_scaling_without_a_factor_is_no_scaling(tmp_path: Path, factor: float | None) -> None:
+    """As llama.cpp reads it (a missing factor raised TypeError; 0 blamed config.json's rope)."""
+    import gguf
+
+    def extra(writer: Any) -> None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        if factor is not None:
+            writer.add_rope_scaling_factor(factor)
+
+    path = tmp_path / "Linear-Rope.GGUF"  # (the extension in capitals, as some downloads name it)
+    _write_gguf(path, extra)
+    assert _engine_tokens(path) == _hf_tokens({"rope_type": "default"})
+
+
 def test_gemma3_linear_scaling_goes_to_the_global_layers(tmp_path: Path) -> None:
     """Gemma 3's rope is per layer type in transformers 5: llama.cpp's linear scaling (Gemma 3 4B-27B, factor
     8) is the global layers' and the windowed layers keep theirs; it had been put beside the per-type

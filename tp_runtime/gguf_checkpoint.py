@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import math
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ def convert_gguf(gguf: Path, out: Path, edit_config: Callable[[Any], None] | Non
     from tp_runtime.models.registry import ARCHITECTURES
 
     folder, name = gguf.parent, gguf.name
+    file_elements = _check_whole_file(gguf)
     try:
         loaded: Any = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=name, dtype=torch.float32, output_loading_info=True
@@ -66,6 +68,15 @@ def convert_gguf(gguf: Path, out: Path, edit_config: Callable[[Any], None] | Non
             f"{gguf} lacks {len(absent)} of the model's tensors or holds them in another shape "
             f"({', '.join(absent[:4])}{', ...' if len(absent) > 4 else ''}); a split GGUF must be merged "
             "first (llama.cpp's llama-gguf-split --merge)"
+        )
+    # ... and skips the file's tensors its name map lacks (a llama file's attention biases): the model
+    # would run without them. Counted in elements, which stacking experts or fusing projections keeps.
+    read = sum(t.numel() for t in model.state_dict().values())
+    if file_elements > read:
+        raise ConfigError(
+            f"{gguf} holds {file_elements - read} weights more than transformers reads into its "
+            f"{architecture} ({_unread_names(gguf, model)}); tp_runtime would run the model without "
+            "them: use the model's HF checkpoint folder instead"
         )
     # A model read from GGUF refuses save_pretrained, so the pieces are written by hand. The config
     # loses its GGUF quantization_config: the tensors written are plain float32.
@@ -95,9 +106,47 @@ def convert_gguf(gguf: Path, out: Path, edit_config: Callable[[Any], None] | Non
 
 
 # Raised whenever a conversion would come out otherwise, so that files converted before are converted again.
-_CONVERSION = 2
+_CONVERSION = 3
 # llama.cpp's default original context for Llama 3's rope; any value fits the same factors (see below).
 _LLAMA3_ORIGINAL_CONTEXT = 8192
+
+
+def _check_whole_file(gguf: Path) -> int:
+    """The elements of the file's weight tensors (llama.cpp's rope_freqs.weight aside: a rope setting,
+    not a weight); ConfigError for one part of a split GGUF (its first part may hold every tensor but
+    the LM head, which transformers then takes as tied to the embeddings)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(gguf))
+    except Exception as exc:  # the header or tensor table cut short, a wrong magic, ...
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise ConfigError(f"{gguf} could not be read as a GGUF model: {reason}") from None
+    parts = _field(reader, "split.count")
+    if isinstance(parts, int) and parts > 1:
+        number = _field(reader, "split.no")
+        raise ConfigError(
+            f"{gguf} is {'one' if not isinstance(number, int) else f'part {number + 1}'} of a GGUF split "
+            f"into {parts} files; merge them first (llama.cpp's llama-gguf-split --merge)"
+        )
+    return sum(int(t.n_elements) for t in reader.tensors if not t.name.startswith("rope_"))
+
+
+def _unread_names(gguf: Path, model: Any) -> str:
+    """The file's tensor names (blocks as N) that transformers' name map for `model` lacks, or a note
+    where that map cannot be had."""
+    try:
+        from gguf import GGUFReader
+        from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+        known = get_gguf_hf_weights_map(model, TensorProcessor())
+        names = {t.name for t in GGUFReader(str(gguf)).tensors if not t.name.startswith("rope_")}
+    except Exception:  # transformers' internals: a name is only for the message
+        return "tensors its name map lacks"
+    unread = sorted({re.sub(r"\.\d+\.", ".N.", n) for n in names - set(known)})
+    if not unread:
+        return "tensors it merged away"
+    return ", ".join(unread[:6]) + (", ..." if len(unread) > 6 else "")
 
 
 def _field(reader: Any, key: str) -> Any:
@@ -134,8 +183,11 @@ def _carry_rope_scaling(gguf: Path, config: Any) -> None:
             f"{gguf} holds a rope scaling that tp_runtime does not read from GGUF "
             f"({', '.join(unsupported)}); use the model's HF checkpoint folder instead"
         )
-    if kind == "linear":
-        params.update(rope_type="linear", factor=float(_field(reader, prefix + "factor")))
+    factor = _field(reader, prefix + "factor")
+    if kind == "linear" and factor:
+        params.update(rope_type="linear", factor=float(factor))
+    elif kind == "linear":
+        return  # no factor, or 0: llama.cpp runs these unscaled
     elif divisors is not None:
         fitted = _llama3_rope(
             [float(v) for v in divisors.data.reshape(-1)],

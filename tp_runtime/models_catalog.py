@@ -157,7 +157,7 @@ def resolve_tokenizer_name(tokenizer: str | os.PathLike[str]) -> str:
     file, the folder resolve_model_name makes of it (its tokenizer with it); else a Hub id, which
     transformers fetches."""
     name = os.path.expanduser(os.fspath(tokenizer))
-    if not os.path.isdir(name) and (name in _BY_NAME or name.endswith(".gguf")):
+    if not os.path.isdir(name) and (name in _BY_NAME or name.lower().endswith(".gguf")):
         return resolve_model_name(name)
     return name
 
@@ -185,7 +185,7 @@ def resolve_model_name(model: str | os.PathLike[str] | None, load_format: str = 
     home = os.path.expanduser(model)  # "~/ckpt" from Python, where no shell expanded it
     if home != model and os.path.isdir(home):
         return home
-    if model.endswith(".gguf"):
+    if model.lower().endswith(".gguf"):  # (llama.cpp does not care for the case either)
         from tp_runtime.gguf_checkpoint import gguf_checkpoint_dir
 
         return str(gguf_checkpoint_dir(model))

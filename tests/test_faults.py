@@ -256,6 +256,28 @@ def test_worker_exception_reaches_driver_with_remote_traceback(
     assert_engine_closed(llm)
 
 
+def test_an_error_with_a_huge_message_still_reaches_the_driver(
+    start_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception whose text passes the driver's reply frame limit (ipc.message_limits): the frame was
+    dropped by the driver's socket, which then waited for the step until step_timeout_s. The error's
+    start and end arrive, the middle left out."""
+    from tp_runtime.ipc import message_limits
+    from tp_runtime.worker.worker import MAX_ERROR_CHARS
+
+    monkeypatch.setenv(FAULT_INJECTION_ENV, "1")
+    llm = start_llm(max_num_seqs=2, max_num_batched_tokens=64)
+    huge = message_limits(llm.engine.config)[1] + (1 << 20)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        llm.engine.executor.collective_rpc("debug_raise", ["0123456789", huge // 10])
+    assert time.monotonic() - t0 < 10
+    assert "RuntimeError: 01234567890123" in info.value.remote_traceback
+    assert info.value.remote_traceback.rstrip().endswith("0123456789")
+    assert "characters left out" in info.value.remote_traceback
+    assert len(info.value.remote_traceback) < 2 * MAX_ERROR_CHARS
+
+
 def test_an_error_reply_from_a_rank_that_then_exits_keeps_its_traceback() -> None:
     """A rank that reports an error and exits of it (a failed start-up, say) is named by its error and
     traceback, however soon its exit shows; a different rank's death still comes first (it broke the

@@ -261,10 +261,10 @@ class Worker:
             "copy_bandwidth": measure_copy_bandwidth(self.device),
         }
 
-    def debug_raise(self, message: str) -> None:
-        """Raise inside the worker (tests check that remote errors reach the driver); a fault-injection
-        method."""
-        raise RuntimeError(message)
+    def debug_raise(self, message: str, repeat: int = 1) -> None:
+        """Raise inside the worker (tests check that remote errors reach the driver), with `message` repeated
+        `repeat` times; a fault-injection method."""
+        raise RuntimeError(message * repeat)
 
     def execute_model(self, so: SchedulerOutput) -> PendingOutput | None:
         """The step queued; None for one that waits for its GrammarMask (`apply_grammar_mask`)."""
@@ -399,6 +399,19 @@ def _connect(
     return sub, push
 
 
+# Characters of a reply's error text kept (its start and end): the driver's socket drops a frame past its
+# zmq.MAXMSGSIZE (ipc.message_limits leaves 1 MiB beside the largest output), and an error dropped so left
+# the driver waiting for the step until step_timeout_s.
+MAX_ERROR_CHARS = 1 << 16
+
+
+def _bounded(text: str | None) -> str | None:
+    if text is None or len(text) <= MAX_ERROR_CHARS:
+        return text
+    keep = MAX_ERROR_CHARS // 2
+    return f"{text[:keep]}\n[... {len(text) - 2 * keep} characters left out ...]\n{text[-keep:]}"
+
+
 class _Replies:
     """A rank's signed replies to the driver. With async scheduling, rank 0 holds back the answer of a step
     whose ids are not on the host yet until the next message arrives (see the module doc)."""
@@ -411,6 +424,9 @@ class _Replies:
         self._held: PendingOutput | None = None  # a queued step not yet answered
 
     def send(self, call_id: int, kind: ReplyKind, **fields: Any) -> None:
+        for key in ("error", "config_error"):
+            if key in fields:
+                fields[key] = _bounded(fields[key])
         reply = WorkerReply(rank=self._rank, call_id=call_id, kind=kind, **fields)
         self._push.send(self._writer.encode(reply))
 

@@ -182,6 +182,23 @@ def test_torchrun_error_inside_the_ranks_is_one_line() -> None:
     _no_torchrun_report(proc)
 
 
+def test_torchrun_rendezvous_port_in_use_is_one_line() -> None:
+    """A --master-port another process holds: torch's DistNetworkError came out as a ~30-frame traceback."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        rendezvous = f"--nnodes 1 --node-rank 0 --master-addr 127.0.0.1 --master-port {port}"
+        proc = subprocess.run(
+            ["bash", "scripts/launch_tp.sh", "2", "generate", "--model", "tiny-llama-tp"],
+            cwd=REPO, env={**ENV, "TORCHRUN_ARGS": rendezvous}, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    _one_error_line(proc, "could not set up its rendezvous", "address already in use", "--master-port")
+    _no_torchrun_report(proc)
+
+
 def test_torchrun_help_prints_once() -> None:
     proc = _launch("2", "generate", "--help")
     assert proc.returncode == 0

@@ -192,8 +192,10 @@ def shutdown_timeout_s(drain_s: float) -> int:
 def _run_torchrun(
     torchrun_argv: list[str], command_argv: list[str], interrupts: _Interrupts, drain_s: float | None
 ) -> int:
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     for name in (
@@ -226,6 +228,16 @@ def _run_torchrun(
             return 0
         except SignalException as exc:
             return cli.EXIT_INTERRUPTED if interrupts.seen else 128 + int(exc.sigval)
+        except (DistError, RendezvousError) as exc:  # before any rank starts: a port in use, a bad host
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            detail = lines[0] if lines else type(exc).__name__
+            print(
+                f"{cli.PROG}: error: torchrun could not set up its rendezvous ({detail}); check the "
+                "--master-addr and --master-port given in TORCHRUN_ARGS",
+                file=sys.stderr,
+                flush=True,
+            )
+            return cli.EXIT_USAGE
         except ChildFailedError as exc:
             rank, failure = exc.get_first_failure()
             status = failure.exitcode

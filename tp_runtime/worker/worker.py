@@ -353,10 +353,12 @@ def _send_heartbeats(
     rank: int,
     stop: threading.Event,
     driver_monitor: zmq.Socket[bytes] | None,
+    driver_gone: threading.Event | None = None,
 ) -> None:
     """Heartbeat thread: an authenticated empty frame every HEARTBEAT_INTERVAL_S on its own socket. With
     `driver_monitor` (torchrun ranks > 0, which have no pipe from the driver), it also ends the process
-    when the driver's connection closes and no Shutdown follows: the driver died."""
+    when the driver's connection closes and no Shutdown follows: the driver died (`driver_gone` is set
+    as soon as the connection closes)."""
     assert addresses.heartbeat is not None
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
@@ -370,6 +372,8 @@ def _send_heartbeats(
             with contextlib.suppress(zmq.Again):
                 push.send(signer.seal(b""), zmq.NOBLOCK)
             if driver_monitor is not None and driver_monitor.poll(0):
+                if driver_gone is not None:
+                    driver_gone.set()
                 if not stop.wait(_DRIVER_GONE_GRACE_S):
                     print(f"tp-runtime worker rank {rank}: the driver's connection closed; exiting",
                           file=sys.stderr, flush=True)  # fmt: skip
@@ -461,12 +465,14 @@ def _serve(
     replies: _Replies,
     spin_s: float,
     exit_on_error: bool = False,
+    driver_gone: threading.Event | None = None,
 ) -> None:
     """Execute the driver's messages until Shutdown. Frames that fail authentication are dropped (and logged,
     rate-limited); an error, an authentic frame that is not a valid message included, is reported to the
     driver, and the worker keeps serving; with `exit_on_error` (a torchrun rank > 0, whose driver may be
     blocked in a collective with it and cannot read the report) the process prints it and exits, which
-    the driver's watchdog sees."""
+    the driver's watchdog sees. An error while `driver_gone` is set, or soon after it (a collective broken
+    by the driver's death), is that death's: one line, not the collective's traceback."""
     greeted = False
     while True:
         data = recv_spinning(sub, spin_s, -1)
@@ -519,6 +525,10 @@ def _serve(
             else:
                 replies.send(call_id, "error", error=report)
             if exit_on_error:
+                if driver_gone is not None and driver_gone.wait(_DRIVER_GONE_GRACE_S / 2):
+                    print(f"tp-runtime worker rank {rank}: the driver (rank 0) is gone; exiting",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    os._exit(1)
                 print(f"tp-runtime: error: rank {rank} failed:\n{report}", file=sys.stderr, flush=True)
                 time.sleep(0.5)  # let the report leave (a driver that is not blocked reads it)
                 os._exit(1)  # no clean-up: this rank's queued collectives may never complete
@@ -562,15 +572,16 @@ def run_worker_loop(
     stop_heartbeats = threading.Event()
     heartbeats = None
     monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED) if exit_if_driver_leaves else None
+    driver_gone = threading.Event() if monitor is not None and addresses.heartbeat is not None else None
     if addresses.heartbeat is not None:
         heartbeats = threading.Thread(
-            target=_send_heartbeats, args=(ctx, addresses, rank, stop_heartbeats, monitor),
+            target=_send_heartbeats, args=(ctx, addresses, rank, stop_heartbeats, monitor, driver_gone),
             name=f"tp-runtime-heartbeat-{rank}", daemon=True,
         )  # fmt: skip
         heartbeats.start()
 
     spin_s = config.parallel.spin_wait_s
-    _serve(worker, rank, sub, reader, replies, spin_s, exit_on_error=exit_if_driver_leaves)
+    _serve(worker, rank, sub, reader, replies, spin_s, exit_if_driver_leaves, driver_gone)
     stop_heartbeats.set()  # before anything slow: a torchrun rank must not take the driver's exit for a death
     if heartbeats is not None:
         heartbeats.join()

@@ -195,7 +195,7 @@ def test_torchrun_rendezvous_port_in_use_is_one_line() -> None:
             ["bash", "scripts/launch_tp.sh", "2", "generate", "--model", "tiny-llama-tp"],
             cwd=REPO, env={**ENV, "TORCHRUN_ARGS": rendezvous}, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
-    _one_error_line(proc, "could not set up its rendezvous", "address already in use", "--master-port")
+    _one_error_line(proc, "torchrun's rendezvous failed", "address already in use", "--master-port")
     _no_torchrun_report(proc)
 
 

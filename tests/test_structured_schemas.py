@@ -642,6 +642,25 @@ def test_length_bounded_strings_take_no_control_character(
         assert not _takes(llm, spec, json.dumps("\t" * (high + 1))), "one escape past the bound"
 
 
+def test_only_json_strings_get_the_json_string_character(llm: LLM) -> None:
+    """A structural tag's regex with the class xgrammar writes a bounded JSON string's character with keeps
+    its own language (a raw tab, no escapes), beside a length-bounded JSON string that gets the JSON rule;
+    and a token named by its text still resolves (the tag is compiled with the tokenizer)."""
+    regex = '"[^"\\\\\\r\\n]{1,8}"'  # quote, up to 8 of anything but a quote, backslash or line end, quote
+    bounded = {"type": "string", "maxLength": 4}
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "regex", "pattern": regex}, {"type": "const_string", "value": "="},
+        {"type": "json_schema", "json_schema": bounded}]}}  # fmt: skip
+    spec = _spec(structural_tag=tag)
+    assert _takes(llm, spec, '"a\tb"="ab"') and not _takes(llm, spec, '"a\\nb"="ab"')
+    assert _takes(llm, spec, '"ab"="a\\nb"') and not _takes(llm, spec, '"ab"="a\tb"')
+    tokenizer = llm.get_tokenizer()
+    token = tokenizer.convert_ids_to_tokens(tokenizer.encode("hello", add_special_tokens=False))[0]
+    named = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "json_schema", "json_schema": bounded}, {"type": "token", "token": token}]}}  # fmt: skip
+    assert llm.engine.grammars.compile(_spec(structural_tag=named)) is not None
+
+
 def test_length_bounded_property_names_take_no_control_character(llm: LLM) -> None:
     names = {"maxLength": 4}
     spec = _spec(json={"type": "object", "propertyNames": names, "additionalProperties": {"type": "integer"}})

@@ -228,11 +228,11 @@ def _run_torchrun(
             return 0
         except SignalException as exc:
             return cli.EXIT_INTERRUPTED if interrupts.seen else 128 + int(exc.sigval)
-        except (DistError, RendezvousError) as exc:  # before any rank starts: a port in use, a bad host
+        except (DistError, RendezvousError) as exc:  # its store: a port in use, a host not reached
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             detail = lines[0] if lines else type(exc).__name__
             print(
-                f"{cli.PROG}: error: torchrun could not set up its rendezvous ({detail}); check the "
+                f"{cli.PROG}: error: torchrun's rendezvous failed ({detail}); check the "
                 "--master-addr and --master-port given in TORCHRUN_ARGS",
                 file=sys.stderr,
                 flush=True,

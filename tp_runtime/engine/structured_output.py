@@ -154,8 +154,6 @@ def _compile_structural_tag(compiler: Any, given: str | dict[str, Any]) -> Any:
     """xgrammar's grammar of a structural tag, its JSON schemas checked and rewritten as `json` ones are
     (_document_for_xgrammar). vLLM's form ({"structures": [{"begin", "schema", "end"}], "triggers"}) goes
     through xgrammar's items; any other is xgrammar's own ({"type": "structural_tag", "format": ...})."""
-    import xgrammar
-
     field = "structural_tag"
     try:
         tag = json.loads(given) if isinstance(given, str) else given
@@ -165,8 +163,7 @@ def _compile_structural_tag(compiler: Any, given: str | dict[str, Any]) -> Any:
         raise InvalidRequestError("the structural tag must be a JSON object", field)
     try:
         if "structures" not in tag:
-            grammar = xgrammar.Grammar.from_structural_tag(json.dumps(_checked_format(tag)))
-            return compiler.compile_grammar(_json_strings_kept_valid(grammar))
+            return _compiled_tag(compiler, json.dumps(_checked_format(tag)))
         return _compile_structures(compiler, tag)
     except InvalidRequestError as exc:
         if exc.field == field:
@@ -193,25 +190,43 @@ def _compile_structures(compiler: Any, tag: dict[str, Any]) -> Any:
             )
         schema = json.dumps(_document_for_xgrammar(s["schema"]))
         items.append(xgrammar.StructuralTagItem(begin=s["begin"], schema=schema, end=s["end"]))
-    grammar = xgrammar.Grammar.from_structural_tag(items, triggers)
-    return compiler.compile_grammar(_json_strings_kept_valid(grammar))
+    return _compiled_tag(compiler, items, triggers)
 
 
 def _json_strings_kept_valid(grammar: Any) -> Any:
-    """xgrammar's grammar of a JSON schema or structural tag, with the character rule of its length-bounded
-    strings (_BOUNDED_STRING_CHARACTER) made one JSON string character's. Bounds count characters, an
-    escape as one, as JSON Schema counts them."""
+    """xgrammar's grammar of a JSON schema or structural tag (before compiling: rule names as its JSON
+    converter writes them), with the character rule of its length-bounded JSON strings
+    (_BOUNDED_STRING_CHARACTER; named `..._characters` and repeated between two quotes) made one JSON string
+    character's. Bounds count characters, an escape as one, as JSON Schema counts them. Rules of a
+    structural tag's regex or grammar with that body keep it."""
     import xgrammar
 
     text = str(grammar)
     if _BOUNDED_STRING_CHARACTER not in text:
         return grammar
+    strings = set(re.findall(r'"\\"" (\S+_characters)\{\d+, -?\d+\} "\\""', text))
     lines = text.splitlines()
     for i, line in enumerate(lines):
         name, _, body = line.partition(" ::= ")
-        if " ::= " + body == _BOUNDED_STRING_CHARACTER and name and " " not in name:
+        if name in strings and " ::= " + body == _BOUNDED_STRING_CHARACTER:
             lines[i] = name + _JSON_STRING_CHARACTER
     return xgrammar.Grammar.from_ebnf("\n".join(lines))
+
+
+def _compiled_tag(compiler: Any, *tag: Any) -> Any:
+    """A structural tag compiled with its JSON strings kept valid (_json_strings_kept_valid). A tag that
+    names tokens by their text needs the tokenizer to become a grammar, which only the compiler has: it
+    is compiled as xgrammar writes it (its length-bounded strings may then take raw control
+    characters)."""
+    import xgrammar
+
+    try:
+        grammar = xgrammar.Grammar.from_structural_tag(*tag)
+    except (RuntimeError, ValueError) as exc:
+        if "tokenizer" not in str(exc):
+            raise
+        return compiler.compile_structural_tag(*tag)
+    return compiler.compile_grammar(_json_strings_kept_valid(grammar))
 
 
 def _checked_format(tag: dict[str, Any]) -> dict[str, Any]:

@@ -520,15 +520,16 @@ def _serve(
                 raise ProtocolError(f"unexpected driver message {type(message).__name__}")
         except Exception as exc:
             report = traceback.format_exc()
+            # (asked before this rank's report goes: a driver that reads it may exit at once)
+            if exit_on_error and driver_gone is not None and driver_gone.wait(_DRIVER_GONE_GRACE_S / 2):
+                print(f"tp-runtime worker rank {rank}: the driver (rank 0) is gone; exiting",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                os._exit(1)
             if isinstance(exc, ConfigError):  # the user's to fix (no room for the KV cache): no traceback
                 replies.send(call_id, "error", error=str(exc), config_error=str(exc))
             else:
                 replies.send(call_id, "error", error=report)
             if exit_on_error:
-                if driver_gone is not None and driver_gone.wait(_DRIVER_GONE_GRACE_S / 2):
-                    print(f"tp-runtime worker rank {rank}: the driver (rank 0) is gone; exiting",
-                          file=sys.stderr, flush=True)  # fmt: skip
-                    os._exit(1)
                 print(f"tp-runtime: error: rank {rank} failed:\n{report}", file=sys.stderr, flush=True)
                 time.sleep(0.5)  # let the report leave (a driver that is not blocked reads it)
                 os._exit(1)  # no clean-up: this rank's queued collectives may never complete

@@ -206,11 +206,13 @@ def _json_strings_kept_valid(grammar: Any) -> Any:
         return grammar
     strings = set(re.findall(r'"\\"" (\S+_characters)\{\d+, -?\d+\} "\\""', text))
     lines = text.splitlines()
+    changed = False
     for i, line in enumerate(lines):
         name, _, body = line.partition(" ::= ")
         if name in strings and " ::= " + body == _BOUNDED_STRING_CHARACTER:
-            lines[i] = name + _JSON_STRING_CHARACTER
-    return xgrammar.Grammar.from_ebnf("\n".join(lines))
+            lines[i], changed = name + _JSON_STRING_CHARACTER, True
+    # (the body only in a regex's or grammar's rules: nothing to parse again)
+    return xgrammar.Grammar.from_ebnf("\n".join(lines)) if changed else grammar
 
 
 def _compiled_tag(compiler: Any, *tag: Any) -> Any:

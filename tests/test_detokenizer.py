@@ -429,15 +429,16 @@ def test_engine_streams_join_into_the_decoded_text(model_config: Any, name: str)
 def first_stop(f: Family, word: int | None, ids: list[int], stops: list[str], include: bool) -> Any:
     """Brute force: the first token after which the decode of the tokens so far holds a stop string,
     where that decode does not end inside a character (U+FFFD: vLLM's detokenizer waits for the character
-    there), or at the last token; the text up to the earliest stop string there (first listed on a tie)."""
+    there), or at the last token; the text up to the stop string there that ends first (first listed on a
+    tie)."""
     for n in range(1, len(ids) + 1):
         text = reference(f, word, ids[:n])
         if text.endswith(FFFD) and n < len(ids):
             continue
-        hits = [(text.find(s), i) for i, s in enumerate(stops) if s in text]
+        hits = [(text.find(s) + len(s), i) for i, s in enumerate(stops) if s in text]
         if hits:
-            idx, i = min(hits)
-            return n, text[: idx + (len(stops[i]) if include else 0)], stops[i]
+            stop_end, i = min(hits)
+            return n, text[: stop_end - (0 if include else len(stops[i]))], stops[i]
     return None
 
 

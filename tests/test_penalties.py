@@ -399,6 +399,59 @@ def test_bad_words_match_brute_force(llm: LLM, hf_model: Any) -> None:
     assert changed >= 4, "bad_words changed too few outputs for the test to mean much"
 
 
+def test_masks_that_leave_no_token_refuse_or_abort(model_dir: Path) -> None:
+    """allowed_token_ids that one-token bad_words ban whole, or ban but for stop tokens min_tokens holds
+    back, are refused. Where the masks empty only later (a two-token bad word, a grammar's one way on
+    banned), the request ends "abort" without the token the empty mask gave, streamed or not, and a
+    request beside it runs on as alone."""
+    from tp_runtime.engine.llm_engine import bad_word_ids
+
+    with LLM(model_dir, dtype="float32", device="cpu") as llm:
+        tokenizer = llm.get_tokenizer()
+        eos = tokenizer.eos_token_id
+        f, g = (bad_word_ids(tokenizer, [w], VOCAB) for w in ("F", "G"))
+        ff = bad_word_ids(tokenizer, ["FF"], VOCAB)
+        assert len(f) == len(g) == 1 and len(f[0]) == len(g[0]) == 1 and ff == [f[0] * 2], (f, g, ff)
+        f_id, g_id = f[0][0], g[0][0]
+        prompt = {"prompt_token_ids": [1, 5, 6, 7]}
+        for params, message in (
+            (greedy(4, allowed_token_ids=[f_id, g_id], bad_words=["F", "G"]), "bad_words ban every token"),
+            (
+                SamplingParams(max_tokens=4, allowed_token_ids=[eos, f_id], bad_words=["F"], min_tokens=2),
+                "holds only stop tokens .* besides those bad_words ban",
+            ),
+        ):
+            with pytest.raises(InvalidRequestError, match=message):
+                llm.generate(prompt, params, use_tqdm=False)
+        alone = llm.generate(prompt, greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+        # F, then G banned and F banned after F: nothing left. The same with a stop token (0) allowed that
+        # min_tokens holds back: the empty mask's token 0 is dropped, not taken as an output.
+        cases = [
+            greedy(6, allowed_token_ids=[f_id, g_id], bad_words=["G", "FF"], logprobs=1),
+            SamplingParams(
+                temperature=0, max_tokens=6, allowed_token_ids=[0, f_id], bad_words=["FF"], min_tokens=4,
+                stop_token_ids=[0],
+            ),
+            greedy(6, structured_outputs=StructuredOutputsParams(choice=["F"]), bad_words=["F"]),
+        ]  # fmt: skip
+        want = [[f_id], [f_id], []]
+        engine = llm.engine
+        for params, tokens in zip(cases, want, strict=True):
+            ids = [engine.add_request([1, 5, 6, 7], params, stream=stream) for stream in (False, True)]
+            beside = engine.add_request([1, 5, 6, 7], greedy(6))
+            got: dict[str, list[Any]] = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    got.setdefault(out.request_id, []).append(out)
+            for req_id in ids:
+                outs = got[str(req_id)]
+                assert [t for o in outs for t in o.outputs[0].token_ids] == tokens, (params, outs)
+                assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+                if params.logprobs is not None:
+                    assert sum(len(o.outputs[0].logprobs or []) for o in outs) == len(tokens)
+            assert got[str(beside)][-1].outputs[0].token_ids == alone
+
+
 def test_bad_words_encoding_follows_vllm(model_dir: Path) -> None:
     """Each word alone (leading spaces dropped), and with a space before it only where that gives as many
     tokens with another first token; words outside the vocabulary, empty ones, and bad types are refused."""

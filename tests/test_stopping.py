@@ -134,6 +134,40 @@ def test_the_earliest_stop_string_wins(llm: LLM, model_dir: Path, reference: lis
     assert out.text == before and out.stop_reason == first  # type: ignore[attr-defined]
 
 
+def test_the_stop_string_that_ends_first_wins(llm: LLM, model_dir: Path, reference: list[int]) -> None:
+    """A token completes two stop strings: one that starts in the text before it and ends after the
+    other, which is the token's first character alone. The one that ends first wins, as where the text
+    grew a character at a time: the output ends before that character (vLLM's choice with it listed first,
+    here listed second)."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    texts = [tok.decode(reference[:j], skip_special_tokens=True) for j in range(N + 1)]
+    end, before, new = next(
+        (j, texts[j - 1], texts[j][len(texts[j - 1]) :])
+        for j in range(2, N + 1)
+        if texts[j].startswith(texts[j - 1])
+        and len(texts[j - 1]) >= 1
+        and len(new := texts[j][len(texts[j - 1]) :]) >= 2
+        and new[0].strip() and new[0] != "\ufffd" and new[0] not in texts[j - 1]
+        and texts[j - 1][-1] + new[:2] not in texts[j - 1] + new[:1]
+    )  # fmt: skip
+    longer, shorter = before[-1] + new[:2], new[0]
+    out = _greedy(llm, ignore_eos=True, stop=[longer, shorter])
+    assert out.token_ids == reference[:end]  # type: ignore[attr-defined]
+    assert out.text == before and out.stop_reason == shorter  # type: ignore[attr-defined]
+    out = _greedy(llm, ignore_eos=True, stop=[longer, shorter], include_stop_str_in_output=True)
+    assert out.text == before + shorter and out.stop_reason == shorter  # type: ignore[attr-defined]
+
+
+def test_min_tokens_holds_eos_back_also_with_ignore_eos(llm: LLM, reference: list[int]) -> None:
+    """As vLLM and HF's min_new_tokens: EOS cannot be sampled before min_tokens outputs, whatever
+    ignore_eos says (which only lets it through as an output after them)."""
+    eos = llm.get_tokenizer().eos_token_id
+    out = _greedy(llm, ignore_eos=True, min_tokens=4, logit_bias={eos: 100.0})
+    tokens = out.token_ids  # type: ignore[attr-defined]
+    assert eos not in tokens[:4] and tokens[4:] == [eos] * (N - 4), tokens
+    assert tokens[0] == reference[0]  # the raw greedy token, EOS held back
+
+
 def test_eos_list_from_generation_config(model_dir: Path, reference: list[int], tmp_path: Path) -> None:
     local = tmp_path / "model"
     shutil.copytree(model_dir, local)

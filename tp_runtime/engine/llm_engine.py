@@ -9,6 +9,7 @@ add, their logprobs; `finished` on the last), else one when it finishes, with th
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import gc
@@ -527,7 +528,8 @@ class LLMEngine:
             seed=params.seed,
             # No request outlives max_model_len, so a larger min_tokens means the same (and fits int64).
             min_tokens=min(params.min_tokens, self.config.model.max_model_len),
-            stop_token_ids=sorted(stop_ids) if params.min_tokens else [],
+            # As vLLM (and HF's min_new_tokens): EOS is held back too where ignore_eos lets it through.
+            stop_token_ids=sorted(stop_ids | self.eos_token_ids) if params.min_tokens else [],
             num_logprobs=-1 if params.logprobs is None else int(params.logprobs),
             repetition_penalty=float(params.repetition_penalty),
             presence_penalty=float(params.presence_penalty),
@@ -627,15 +629,23 @@ class LLMEngine:
                 "allowed_token_ids cannot be combined with structured_outputs: the grammar decides which "
                 "tokens may come next", "allowed_token_ids",
             )  # fmt: skip
-        if allowed is not None and params.min_tokens:
-            held_back = set(params.stop_token_ids or ()) | (
-                set() if params.ignore_eos else self.eos_token_ids
-            )
-            if held_back.issuperset(allowed):
+        if allowed is not None and params.bad_words:
+            # A one-token bad word is banned at every step.
+            banned = {ids[0] for ids in self._bad_word_ids(tuple(params.bad_words)) if len(ids) == 1}
+            if banned.issuperset(allowed):
                 raise InvalidRequestError(
-                    f"allowed_token_ids holds only stop tokens (EOS, stop_token_ids), which min_tokens="
-                    f"{params.min_tokens} holds back: no token could be sampled; allow others, or drop "
-                    "min_tokens", "allowed_token_ids",
+                    "bad_words ban every token of allowed_token_ids: no token could be sampled; allow "
+                    "others, or drop those words", "bad_words",
+                )  # fmt: skip
+            allowed = [t for t in allowed if t not in banned]
+        if allowed is not None and params.min_tokens:
+            held_back = set(params.stop_token_ids or ()) | self.eos_token_ids
+            if held_back.issuperset(allowed):
+                besides = " besides those bad_words ban" if params.bad_words else ""
+                raise InvalidRequestError(
+                    f"allowed_token_ids holds only stop tokens (EOS, stop_token_ids){besides}, which "
+                    f"min_tokens={params.min_tokens} holds back: no token could be sampled; allow others, "
+                    "or drop min_tokens", "allowed_token_ids",
                 )  # fmt: skip
 
     # ----------------------------------------------------------------- stepping
@@ -740,13 +750,17 @@ class LLMEngine:
         self.num_output_tokens += len(updated)
         states = self._text_states
         for req in updated:
-            reason = self._check_stop(req)
-            # Sampled under the grammar's mask, so it fits (else a bug: the request is aborted); once the
-            # grammar is done nothing may follow.
-            if req.grammar is not None and req.req_id in self._constrained:
-                if not req.grammar.accept(req.output_token_ids[-1]):
-                    reason = "abort"
-                elif req.grammar.finished:
+            grammar = req.grammar if req.req_id in self._constrained else None
+            if _outside_its_tokens(req) or (
+                grammar is not None and not grammar.accept(req.output_token_ids[-1])
+            ):
+                # Its masks (grammar, allowed_token_ids, bad_words, min_tokens) left no token to sample,
+                # and the one taken breaks them: it is dropped, and the request aborted.
+                _drop_last_token(req)
+                reason: str | None = "abort"
+            else:
+                reason = self._check_stop(req)
+                if grammar is not None and grammar.finished:
                     # The grammar's end token completed the output: a stop, also when that token reached
                     # max_tokens or max_model_len too (as a stop token there stops; ignore_eos lets EOS
                     # pass _check_stop, but not the grammar's end).
@@ -945,18 +959,19 @@ class LLMEngine:
     def _find_stop_string(self, req: Request, state: _TextState, text: str, searched: int) -> bool:
         """Look for the request's stop strings in `text` (the output's text so far, or all of it) where
         they may end past its first `searched` characters, which earlier steps searched. On a match set the
-        request's stop reason and final text. The earliest match wins (the text before it holds no stop
-        string), the first listed on a tie. A match ending within the searched text was looked for already
-        (or, within the first min_tokens tokens' text, is not one)."""
+        request's stop reason and final text. The match that ends first wins, the first listed where two
+        end together: the one a text growing a character at a time completes first, however the text was
+        cut into tokens. A match ending within the searched text was looked for already (or, within the
+        first min_tokens tokens' text, is not one)."""
         stops = state.stop_strings
         found = []
         for i, stop in enumerate(stops):
             idx = text.find(stop, max(0, searched + 1 - len(stop)))
             if idx >= 0:
-                found.append((idx, i))
+                found.append((idx + len(stop), i, idx))
         if not found:
             return False
-        idx, i = min(found)
+        _, i, idx = min(found)
         stop = stops[i]
         req.stop_reason = stop
         if req.params.include_stop_str_in_output:
@@ -1007,6 +1022,30 @@ class LLMEngine:
             # What start-up froze can be collected again, this engine's cycles among it (and, the freeze
             # being the process's, those of another engine still running, which only costs it pauses).
             gc.unfreeze()
+
+
+def _outside_its_tokens(req: Request) -> bool:
+    """Whether the request's last token is one its allowed_token_ids, bad_words or min_tokens exclude:
+    sampled only where its masks left no token at all (the workers mask the others)."""
+    sampling = req.sampling
+    ids = req.output_token_ids
+    token = ids[-1]
+    if len(ids) <= sampling.min_tokens and token in sampling.stop_token_ids:
+        return True
+    allowed = sampling.allowed_token_ids  # sorted
+    if allowed:
+        at = bisect.bisect_left(allowed, token)
+        if at == len(allowed) or allowed[at] != token:
+            return True
+    return any(len(word) <= len(ids) and ids[len(ids) - len(word) :] == word for word in sampling.bad_words)
+
+
+def _drop_last_token(req: Request) -> None:
+    """Take back the request's last token (and its logprobs): one its constraints forbid."""
+    if len(req.logprobs) == len(req.output_token_ids):
+        req.logprobs.pop()
+    req.output_token_ids.pop()
+    req.num_tokens -= 1
 
 
 def bad_word_ids(tokenizer: Any, words: list[str], vocab: int) -> list[list[int]]:

@@ -253,9 +253,24 @@ def test_chat_content_parts_render_as_their_text(llm: LLM) -> None:
     [got] = llm.chat(parts, GREEDY, use_tqdm=False)
     assert got.prompt_token_ids == want.prompt_token_ids
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    # Parts that are text by other names (vLLM reads them so): input_text, output_text, a refusal.
+    refused = [{"type": "refusal", "refusal": "no"}, {"type": "output_text", "text": "ok"}]
+    other_names = [
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"role": "assistant", "content": refused},
+        {"role": "user", "content": "What is the capital\nof France?"},
+    ]  # fmt: skip
+    as_strings = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "no\nok"}, plain[0]]
+    [want] = llm.chat(as_strings, GREEDY, use_tqdm=False)
+    [got] = llm.chat(other_names, GREEDY, use_tqdm=False)
+    assert got.prompt_token_ids == want.prompt_token_ids
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
     not_text = [{"role": "user", "content": 5}]
-    for bad, match in ((image, "only text content parts"), (not_text, "content must be")):
+    refusal_without_text = [{"role": "assistant", "content": [{"type": "refusal", "text": "no"}]}]
+    for bad, match in (
+        (image, "only text content parts"), (not_text, "content must be"),
+        (refusal_without_text, "a refusal content part needs its refusal as a string"),
+    ):  # fmt: skip
         with pytest.raises(InvalidRequestError, match=match):
             llm.chat(bad, GREEDY, use_tqdm=False)
 

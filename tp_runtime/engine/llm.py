@@ -95,6 +95,11 @@ def loops_over_content(template: str) -> bool:
     return any(content_of(loop.iter) for loop in tree.find_all(nodes.For))
 
 
+# Content parts that are text, and the key that holds it (vLLM's parts read as text; OpenAI's Responses
+# style input_text / output_text, and an assistant's refusal).
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 def chat_content_parts(content: Any, index: int) -> list[dict[str, str]]:
     """A chat message's content as the parts a template that loops over them gets (loops_over_content):
     its text parts, a string as one text part, None as none (vLLM's "openai" content format)."""
@@ -102,36 +107,40 @@ def chat_content_parts(content: Any, index: int) -> list[dict[str, str]]:
         return []
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    chat_content_text(content, index)  # (the same checks)
-    return [{"type": "text", "text": part["text"]} for part in content]
+    return [{"type": "text", "text": text} for text in _part_texts(content, index)]
 
 
 def chat_content_text(content: Any, index: int) -> str:
     """A chat message's content as the text the template gets: a string (None: empty), or OpenAI-style
-    content parts of which only text parts ({"type": "text", "text": ...}) are supported, one per line
-    (as vLLM joins them)."""
+    content parts of which only text ones are supported (`_TEXT_PARTS`), one per line (as vLLM joins
+    them)."""
     if content is None or isinstance(content, str):
         return content or ""
+    return "\n".join(_part_texts(content, index))
+
+
+def _part_texts(content: Any, index: int) -> list[str]:
     if not isinstance(content, (list, tuple)):
         raise InvalidRequestError(
             f"message {index}: content must be a string or a list of content parts, got {_preview(content)}"
         )
-    parts = []
+    texts = []
     for part in content:
-        if isinstance(part, dict) and part.get("type") == "text" and not isinstance(part.get("text"), str):
-            # A text part without its text: say so (the message below would call it no text part).
-            raise InvalidRequestError(
-                f"message {index}: a text content part needs its text as a string, "
-                f"got {_preview(part.get('text'))}"
-            )
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        key = _TEXT_PARTS.get(kind) if isinstance(part, dict) and isinstance(kind, str) else None
+        if key is None:
             raise InvalidRequestError(
                 f"message {index}: only text content parts ({{'type': 'text', 'text': ...}}) are supported, "
                 f"got {kind!r}"
             )
-        parts.append(part["text"])
-    return "\n".join(parts)
+        if not isinstance(part.get(key), str):
+            # A text part without its text: say so (the message above would call it no text part).
+            raise InvalidRequestError(
+                f"message {index}: a {kind} content part needs its {key} as a string, "
+                f"got {_preview(part.get(key))}"
+            )
+        texts.append(part[key])
+    return texts
 
 
 def _template_message(message: ChatMessage, index: int, parts: bool) -> ChatMessage:

@@ -178,3 +178,17 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(url: str) -> None:
         response = _post(url, "/v1/completions", {**base, "prompt": ids, "truncate_prompt_tokens": keep})
         assert response.status_code == status, response.text
         assert response.json()["error"]["param"] == "truncate_prompt_tokens", response.text
+
+
+def test_spaces_between_special_tokens_is_a_checked_field(url: str) -> None:
+    """vLLM's spaces_between_special_tokens reaches SamplingParams: false is taken (a fast tokenizer's
+    text is the same), a value that is not a boolean is a 400 naming it."""
+    body = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
+    plain = _post(url, "/v1/completions", body)
+    spaced = _post(url, "/v1/completions", {**body, "spaces_between_special_tokens": False})
+    assert plain.status_code == spaced.status_code == 200, spaced.text
+    assert spaced.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    bad = _post(url, "/v1/chat/completions", {**chat, "spaces_between_special_tokens": "no"})
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"] == "spaces_between_special_tokens", bad.text

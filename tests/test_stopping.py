@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -239,6 +241,47 @@ def test_n_samples_are_seeded_children(llm: LLM) -> None:
     single = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=12)
     alone = llm.generate({"prompt_token_ids": PROMPT}, single, use_tqdm=False)[0].outputs[0]
     assert alone.token_ids == first.outputs[1].token_ids  # child j uses seed + j
+
+
+def test_detokenize_false_leaves_the_text_out(llm: LLM, reference: list[int]) -> None:
+    """vLLM's detokenize=False: the same tokens and logprobs, streamed or not, with empty text and no
+    decoded tokens; stop strings, which need the text, are refused."""
+    with pytest.raises(InvalidRequestError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+    for name in ("detokenize", "spaces_between_special_tokens"):
+        with pytest.raises(InvalidRequestError, match=f"{name} must be True or False, got 1"):
+            SamplingParams(**{name: 1})  # type: ignore[arg-type]
+    fields = dict(temperature=0, max_tokens=N, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    with_text = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(**fields), use_tqdm=False)[0]
+    params = SamplingParams(**fields, detokenize=False)  # type: ignore[arg-type]
+    without = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0]
+    out = without.outputs[0]
+    assert out.token_ids == with_text.outputs[0].token_ids == reference and with_text.outputs[0].text
+    assert out.text == ""
+    assert [{t: lp.logprob for t, lp in p.items()} for p in out.logprobs] == [
+        {t: lp.logprob for t, lp in p.items()} for p in with_text.outputs[0].logprobs
+    ]
+    assert all(lp.decoded_token is None for p in out.logprobs for lp in p.values())
+    assert all(lp.decoded_token is None for p in without.prompt_logprobs[1:] for lp in p.values())
+    engine = llm.engine
+    streamed = engine.add_request(PROMPT, replace(params, prompt_logprobs=None), stream=True)
+    pieces = []
+    while engine.has_unfinished_requests():
+        pieces += [o.outputs[0] for o in engine.step() if o.request_id == str(streamed)]
+    assert [t for p in pieces for t in p.token_ids] == reference and {p.text for p in pieces} == {""}
+
+
+def test_spaces_between_special_tokens_reach_a_slow_tokenizers_decode() -> None:
+    """Given to the decode of a tokenizer without a Rust backend (a slow one, whose decode reads it);
+    a fast one's decode does the same either way (as vLLM's), through its backend."""
+    from tp_runtime.engine.llm_engine import _make_decode
+
+    class Slow:
+        def decode(self, ids: list[int], skip_special_tokens: bool, **options: Any) -> str:
+            return f"{ids} {skip_special_tokens} {options}"
+
+    assert _make_decode(Slow(), False, False)([3]) == "[3] False {'spaces_between_special_tokens': False}"
+    assert _make_decode(Slow(), True, True)([3]) == "[3] True {}"
 
 
 def test_skip_special_tokens(llm: LLM, model_dir: Path) -> None:

@@ -112,6 +112,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the text
     skip_special_tokens: bool = True  # the text leaves special tokens out (<|im_end|>, </s>), as vLLM's
+    # vLLM's: a space between special tokens in the text (only slow tokenizers' decode reads it; a fast
+    # tokenizer's decode, as vLLM's, does the same either way).
+    spaces_between_special_tokens: bool = True
+    # vLLM's: False leaves the outputs without text (text "", logprobs without decoded tokens).
+    detokenize: bool = True
     prompt_logprobs: int | None = None  # top logprobs per prompt position (the first is None), as vLLM
     # A grammar the output must follow (JSON schema, regex, choice, EBNF); None: unconstrained.
     structured_outputs: StructuredOutputsParams | None = None
@@ -181,7 +186,10 @@ class SamplingParams:
         # Workers hold it as float32: it must stay a positive finite number there too.
         if not is_real(rep) or not _FLOAT32_TINY <= rep <= _FLOAT32_MAX:
             raise bad(f"repetition_penalty must be a number > 0 (1 disables it), got {rep!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in (
+            "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+            "spaces_between_special_tokens", "detokenize",
+        ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.stop_token_ids is not None and (
@@ -237,6 +245,8 @@ class SamplingParams:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
                 raise bad(f"stop must be a non-empty string or a list of them, got {_shown(self.stop)}")
+            if stops and not self.detokenize:
+                raise bad("stop strings need detokenize=True: they are looked for in the output's text")
 
     @property
     def samples(self) -> int:

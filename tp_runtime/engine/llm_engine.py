@@ -352,17 +352,21 @@ def _decode_only(so: SchedulerOutput) -> bool:
     return all(n == 1 for n in so.num_scheduled_tokens)
 
 
-def _make_decode(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+def _make_decode(
+    tokenizer: Any, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+) -> Callable[[list[int]], str]:
     """How the engine turns output ids into text: the tokenizer's decode, with or without special tokens
     (its Rust backend directly when that gives the same text, a few times faster: streaming decodes every
-    token)."""
+    token; a fast tokenizer's decode puts no spaces between special tokens either way)."""
     if tokenizer is None:  # tests drive the engine with token ids only
         return lambda ids: ""
     skip = skip_special_tokens
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return lambda ids: str(backend.decode(ids, skip_special_tokens=skip))
-    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip))
+    # A slow tokenizer's option, True by default: given only when False.
+    options = {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip, **options))
 
 
 @dataclass(frozen=True)
@@ -374,8 +378,10 @@ class _TextCodec:
     finality: TextFinality
 
     @classmethod
-    def of(cls, tokenizer: Any, skip_special_tokens: bool) -> _TextCodec:
-        decode = _make_decode(tokenizer, skip_special_tokens)
+    def of(cls, tokenizer: Any, params: SamplingParams) -> _TextCodec:
+        if not params.detokenize:
+            return cls(_make_decode(None), NO_RULES)
+        decode = _make_decode(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
         return cls(decode, TextFinality.of(tokenizer, decode))
 
 
@@ -427,8 +433,10 @@ class LLMEngine:
         # tokens.
         self._primary_eos = tokenizer_eos if isinstance(tokenizer_eos, int) else None
         self._next_req_id = 0
-        # By skip_special_tokens; the other one is made when a request first asks for it.
-        self._text_codecs = {True: _TextCodec.of(tokenizer, True)}
+        # By (detokenize, skip_special_tokens, spaces_between_special_tokens); the default's made now, any
+        # other when a request first asks for it.
+        self._text_codecs: dict[tuple[bool, bool, bool], _TextCodec] = {}
+        self._text_codec(SamplingParams())
         self._text_states: dict[int, _TextState] = {}
         self.num_output_tokens = 0  # generated so far, over the engine's life (progress bars read it)
         # Per-step timings (seconds) of the driver's own phases, when enabled (benchmarks).
@@ -785,12 +793,15 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- outputs
     def _text_codec(self, params: SamplingParams) -> _TextCodec:
-        codec = self._text_codecs.get(params.skip_special_tokens)
+        key = (params.detokenize, params.skip_special_tokens, params.spaces_between_special_tokens)
+        codec = self._text_codecs.get(key)
         if codec is None:
-            codec = self._text_codecs[params.skip_special_tokens] = _TextCodec.of(
-                self.tokenizer, params.skip_special_tokens
-            )
+            codec = self._text_codecs[key] = _TextCodec.of(self.tokenizer, params)
         return codec
+
+    def _logprob_tokenizer(self, params: SamplingParams) -> Any:
+        """What decodes the logprobs' tokens: None (no decoded tokens) with detokenize=False."""
+        return self.tokenizer if params.detokenize else None
 
     def _final_text(self, req: Request) -> str:
         if req.stop_text is not None:
@@ -805,7 +816,7 @@ class LLMEngine:
         logprobs = None
         cumulative = None
         if req.params.logprobs is not None:
-            logprobs = [decode_logprobs(self.tokenizer, e) for e in req.logprobs]
+            logprobs = [decode_logprobs(self._logprob_tokenizer(req.params), e) for e in req.logprobs]
             cumulative = sum(lp[1][0] for lp in req.logprobs)
         completion = CompletionOutput(
             index=0,
@@ -849,7 +860,7 @@ class LLMEngine:
         cumulative = None
         if req.params.logprobs is not None:
             entries = req.logprobs[state.sent_tokens :]
-            logprobs = [decode_logprobs(self.tokenizer, e) for e in entries]
+            logprobs = [decode_logprobs(self._logprob_tokenizer(req.params), e) for e in entries]
             state.cumulative_logprob += sum(e[1][0] for e in entries)
             cumulative = state.cumulative_logprob
         state.sent_tokens = len(req.output_token_ids)
@@ -876,7 +887,8 @@ class LLMEngine:
     def _prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None] | None:
         if req.prompt_logprobs is None:
             return None
-        return [None, *(e and decode_logprobs(self.tokenizer, e) for e in req.prompt_logprobs)]
+        tokenizer = self._logprob_tokenizer(req.params)
+        return [None, *(e and decode_logprobs(tokenizer, e) for e in req.prompt_logprobs)]
 
     def _record_timings(
         self,

@@ -123,6 +123,7 @@ class SamplingFields(_Request):
     guided_whitespace_pattern: Any = None  # refused: xgrammar takes no whitespace pattern
     response_format: dict[str, Any] | None = None
     skip_special_tokens: bool = True  # the text leaves special tokens out, unless false
+    spaces_between_special_tokens: bool = True  # vLLM's (only slow tokenizers' decode reads it)
     # vLLM's: keep only the prompt's last k tokens (-1: max_model_len of them).
     truncate_prompt_tokens: int | None = None
     bad_words: Items[str] | None = None  # vLLM's: words never generated (SamplingParams.bad_words)

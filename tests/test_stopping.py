@@ -272,8 +272,8 @@ def test_detokenize_false_leaves_the_text_out(llm: LLM, reference: list[int]) ->
 
 
 def test_spaces_between_special_tokens_reach_a_slow_tokenizers_decode() -> None:
-    """Given to the decode of a tokenizer without a Rust backend (a slow one, whose decode reads it);
-    a fast one's decode does the same either way (as vLLM's), through its backend."""
+    """Given to the decode of a tokenizer without a Rust backend (a slow one: transformers 4's decode reads
+    it, 5's does not); a fast one's decode does the same either way (as vLLM's), through its backend."""
     from tp_runtime.engine.llm_engine import _make_decode
 
     class Slow:

@@ -21,7 +21,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" (abort_request); None while unfinished
+    # "stop" | "length" | "abort" (abort_request, or masks that left no token); None while unfinished
+    finish_reason: str | None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     cumulative_logprob: float | None = None
     # One dict per generated token: token id -> Logprob (the sampled token plus the top `logprobs`).

@@ -112,8 +112,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the text
     skip_special_tokens: bool = True  # the text leaves special tokens out (<|im_end|>, </s>), as vLLM's
-    # vLLM's: a space between special tokens in the text (only slow tokenizers' decode reads it; a fast
-    # tokenizer's decode, as vLLM's, does the same either way).
+    # vLLM's: a space between special tokens in the text. Given to a slow tokenizer's decode, which reads
+    # it in transformers 4 only; a fast tokenizer's text is the same either way, as in vLLM.
     spaces_between_special_tokens: bool = True
     # vLLM's: False leaves the outputs without text (text "", logprobs without decoded tokens).
     detokenize: bool = True

@@ -9,7 +9,6 @@ add, their logprobs; `finished` on the last), else one when it finishes, with th
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import functools
 import gc
@@ -554,6 +553,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * (len(prompt_ids) - 1)
         request.stop_ids = frozenset(stop_ids)
+        request.masks = TokenMasks.of(sampling)
         codec = self._text_codec(params)
         request.decode_context = decode_context(codec.decode, prompt_ids, codec.finality)
         if params.structured_outputs is not None:
@@ -759,12 +759,17 @@ class LLMEngine:
         states = self._text_states
         for req in updated:
             grammar = req.grammar if req.req_id in self._constrained else None
-            if _outside_its_tokens(req) or (
+            if (req.masks is not None and req.masks.broken_by(req.output_token_ids)) or (
                 grammar is not None and not grammar.accept(req.output_token_ids[-1])
             ):
                 # Its masks (grammar, allowed_token_ids, bad_words, min_tokens) left no token to sample,
-                # and the one taken breaks them: it is dropped, and the request aborted.
-                _drop_last_token(req)
+                # and the one taken breaks them: it is taken back (with its logprobs), and the request
+                # aborted.
+                if len(req.logprobs) == len(req.output_token_ids):
+                    req.logprobs.pop()
+                req.output_token_ids.pop()
+                req.num_tokens -= 1
+                self.num_output_tokens -= 1
                 reason: str | None = "abort"
             else:
                 reason = self._check_stop(req)
@@ -1036,28 +1041,41 @@ class LLMEngine:
             gc.unfreeze()
 
 
-def _outside_its_tokens(req: Request) -> bool:
-    """Whether the request's last token is one its allowed_token_ids, bad_words or min_tokens exclude:
-    sampled only where its masks left no token at all (the workers mask the others)."""
-    sampling = req.sampling
-    ids = req.output_token_ids
-    token = ids[-1]
-    if len(ids) <= sampling.min_tokens and token in sampling.stop_token_ids:
-        return True
-    allowed = sampling.allowed_token_ids  # sorted
-    if allowed:
-        at = bisect.bisect_left(allowed, token)
-        if at == len(allowed) or allowed[at] != token:
+@dataclass(frozen=True)
+class TokenMasks:
+    """A request's token masks that can leave no token to sample (allowed_token_ids, bad_words, the stop
+    tokens min_tokens holds back), to tell on the host that a sampled token breaks them: taken only where
+    they left none (the workers mask the others). Looked up per token in O(1) unless the token ends a
+    bad word."""
+
+    allowed: frozenset[int] | None
+    held_back: frozenset[int]
+    min_tokens: int
+    words_by_last: dict[int, list[list[int]]]
+
+    @classmethod
+    def of(cls, sampling: RequestSampling) -> TokenMasks | None:
+        if not sampling.allowed_token_ids and not sampling.bad_words and not sampling.min_tokens:
+            return None
+        words_by_last: dict[int, list[list[int]]] = {}
+        for word in sampling.bad_words:
+            words_by_last.setdefault(word[-1], []).append(word)
+        allowed = frozenset(sampling.allowed_token_ids) if sampling.allowed_token_ids else None
+        return cls(allowed, frozenset(sampling.stop_token_ids), sampling.min_tokens, words_by_last)
+
+    def broken_by(self, ids: list[int]) -> bool:
+        """Whether the last of the output `ids` is a token the masks forbade."""
+        token = ids[-1]
+        if len(ids) <= self.min_tokens and token in self.held_back:
             return True
-    return any(len(word) <= len(ids) and ids[len(ids) - len(word) :] == word for word in sampling.bad_words)
+        if self.allowed is not None and token not in self.allowed:
+            return True
+        words = self.words_by_last.get(token)
+        return words is not None and any(
+            len(word) <= len(ids) and ids[len(ids) - len(word) :] == word for word in words
+        )
 
 
-def _drop_last_token(req: Request) -> None:
-    """Take back the request's last token (and its logprobs): one its constraints forbid."""
-    if len(req.logprobs) == len(req.output_token_ids):
-        req.logprobs.pop()
-    req.output_token_ids.pop()
-    req.num_tokens -= 1
 
 
 def bad_word_ids(tokenizer: Any, words: list[str], vocab: int) -> list[list[int]]:

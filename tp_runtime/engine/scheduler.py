@@ -66,6 +66,8 @@ class Request:
     decode_context: list[int] = field(default_factory=list)
     # Structured outputs: where the request is in its grammar (engine/structured_output.GrammarState).
     grammar: Any = None
+    # What its sampled tokens may not be, where its masks could leave none (llm_engine.TokenMasks).
+    masks: Any = None
     # When it was added, first scheduled, and got its first token back; its outputs share the object.
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 

@@ -111,8 +111,8 @@ class _EngineCollector(Collector):
             yield counter
         finished = CounterMetricFamily(
             f"{PREFIX}request_success",
-            "Requests (one per sample) finished, by finish reason (abort: the client went away or the server "
-            "shut down first)",
+            "Requests (one per sample) finished, by finish reason (abort: the client went away, the server "
+            "shut down first, or the request's token masks left no token to sample)",
             labels=["model_name", "finished_reason"],
         )
         for reason, count in s.finished:

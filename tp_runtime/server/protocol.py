@@ -225,7 +225,7 @@ class CompletionRequest(SamplingFields):
 
 class ChatMessage(_Request):
     role: str
-    # A string, or content parts of which only {"type": "text", "text": ...} are supported.
+    # A string, or content parts of which only text ones are supported (llm.chat_content_text).
     content: str | Items[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: Items[dict[str, Any]] | None = None  # an assistant's earlier calls

@@ -364,6 +364,7 @@ def test_abort_by_the_id_the_outputs_carry(small_llm: LLM, reference: Reference)
     assert aborted is not None
     assert [t for o in outputs[str(keep)] for t in o.outputs[0].token_ids] == reference([5, 6, 7], 8)
     assert engine.abort_request(str(keep)) is None and engine.abort_request("no such request") is None
+    assert engine.abort_request("9" * 5000) is None  # past int()'s digit limit: no ValueError
     _check_no_leftovers(small_llm, 12)
 
 

@@ -1005,7 +1005,9 @@ class LLMEngine:
         if isinstance(req_id, str):
             # The id the outputs carry: looked up as given it would name no request, and the request would
             # run on unaborted.
-            if not (req_id.isascii() and req_id.isdecimal()) or str(int(req_id)) != req_id:
+            # At most 20 digits (past int64): int() of over 4,300 would raise ValueError.
+            decimal = req_id.isascii() and req_id.isdecimal() and len(req_id) <= 20
+            if not decimal or str(int(req_id)) != req_id:
                 return None  # (not an id the outputs carry: "07" is no request "7")
             req_id = int(req_id)
         req = self.scheduler.requests.get(req_id)

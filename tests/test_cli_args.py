@@ -65,7 +65,7 @@ BAD_ARGUMENTS = [
     (["generate", "--step-timeout", "0"], ["--step-timeout"]),
     (["generate", "--temperature", "-1"], ["--temperature"]),
     (["generate", "--top-p", "0"], ["--top-p"]),
-    (["generate", "--top-k", "0"], ["--top-k"]),
+    (["generate", "--top-k", "-2"], ["--top-k", "-1 or 0 (off)"]),
     (["generate", "--min-p", "2"], ["--min-p"]),
     (["generate", "--seed", "-1"], ["--seed"]),
     (["generate", "--block-size", "3"], ["--block-size", "power of two"]),

@@ -131,8 +131,8 @@ def check_ranges(args: argparse.Namespace) -> None:
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ConfigError(f"argument --top-p: must be in (0, 1], got {top_p:g}")
     top_k = values.get("top_k")
-    if top_k is not None and top_k != -1 and top_k < 1:
-        raise ConfigError(f"argument --top-k: must be -1 (off) or at least 1, got {top_k}")
+    if top_k is not None and top_k < -1:  # 0 is off too, as in SamplingParams and vLLM
+        raise ConfigError(f"argument --top-k: must be -1 or 0 (off) or at least 1, got {top_k}")
     min_p = values.get("min_p")
     if min_p is not None and min_p > 1.0:
         raise ConfigError(f"argument --min-p: must be at most 1, got {min_p:g}")
@@ -387,7 +387,7 @@ def build_parser() -> ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt, at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass")
-    gen.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest tokens; -1: all")
+    gen.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest tokens; -1 or 0: all")
     gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
     gen.add_argument(
         "--sampling-seed", type=int, default=None, help="seed of each request's sampling (default: none)"

@@ -38,6 +38,8 @@ from tp_runtime.serialize import HEARTBEATS, REPLIES, Signer, driver_message_cod
 pytestmark = pytest.mark.slow
 
 SEED = int(os.environ.get("TP_RUNTIME_CHAOS_SEED", "20261130"))
+# Random rounds after every fault once (more with TP_RUNTIME_CHAOS_ROUNDS, to search further than CI does).
+EXTRA_ROUNDS = int(os.environ.get("TP_RUNTIME_CHAOS_ROUNDS", "16"))
 ROUNDS_BUDGET_S = 150.0  # no round starts after this
 TEST_TIMEOUT_S = 420
 STEP_TIMEOUT_S = 8.0
@@ -207,7 +209,7 @@ def test_chaos(checkpoint: Path) -> None:
     want = [reference[tuple(p)] for p in PROMPTS]
     # Every fault once, in random order, then random ones (more survivable than fatal ones).
     schedule = rng.sample(SURVIVABLE + FATAL, len(SURVIVABLE + FATAL))
-    schedule += [rng.choice(SURVIVABLE * 3 + FATAL) for _ in range(40)]
+    schedule += [rng.choice(SURVIVABLE * 3 + FATAL) for _ in range(EXTRA_ROUNDS)]
     before = spawned_children()
     ctx = zmq.Context()
     llm: LLM | None = None

@@ -361,15 +361,16 @@ def test_bench_throughput_keep_prefix_cache_serves_the_repeat_from_the_cache(tmp
 
 def test_bench_throughput_refuses_requests_longer_than_the_model() -> None:
     command = [sys.executable, "-m", "tp_runtime.cli", "bench", "throughput", "--model", "tiny-llama",
-               "--input-len", "1800", "--output-len", "300", "--range-ratio", "0.2"]  # fmt: skip
+               "--max-model-len", "512", "--input-len", "450", "--output-len", "75",
+               "--range-ratio", "0.2"]  # fmt: skip
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "may take 2520 tokens, over the model's max_model_len=2048" in proc.stderr, proc.stderr
-    # The output lengths' own ratio bounds them: 1450 * 1.2 in and 300 * 1.2 out may take 2100 tokens;
-    # with --output-range-ratio 0 the output is 300, 2040 tokens, which fits.
-    shared = [*command[:7], "--input-len", "1450", "--output-len", "300", "--range-ratio", "0.2"]
+    assert "may take 630 tokens, over the model's max_model_len=512" in proc.stderr, proc.stderr
+    # The output lengths' own ratio bounds them: 360 * 1.2 in and 75 * 1.2 out may take 522 tokens;
+    # with --output-range-ratio 0 the output is 75, 507 tokens, which fits.
+    shared = [*command[:9], "--input-len", "360", "--output-len", "75", "--range-ratio", "0.2"]
     proc = subprocess.run(shared, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "may take 2100 tokens" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "may take 522 tokens" in proc.stderr, proc.stderr
     fits = [*shared, "--output-range-ratio", "0", "--device", "cpu", "--num-prompts", "1",
             "--num-passes", "1"]  # fmt: skip
     proc = subprocess.run(fits, cwd=REPO, capture_output=True, text=True, timeout=300)

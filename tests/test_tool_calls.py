@@ -133,6 +133,9 @@ def test_parsers() -> None:
     # A message's earlier call goes to the template with its arguments as an object.
     call = {"id": "c1", "type": "function", "function": {"name": "time", "arguments": '{"tz": "UTC"}'}}
     assert template_tool_call(call)["function"]["arguments"] == {"tz": "UTC"}
+    for none in ({"arguments": ""}, {"arguments": None}, {}):  # a call without arguments: {} (vLLM's)
+        bare = {"id": "c2", "type": "function", "function": {"name": "time", **none}}
+        assert template_tool_call(bare)["function"] == {"name": "time", "arguments": {}}
 
 
 def _format(tool_choice: Any, parser: str | None) -> ChatFormat:

@@ -271,14 +271,16 @@ def parse_llama3_json(text: str) -> ParsedCalls | None:
 
 def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     """An assistant message's tool call as chat templates take it: its arguments as an object (OpenAI's
-    are JSON text), as vLLM gives them."""
+    are JSON text; none, null or "" is {}), as vLLM gives them."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict):
         raise InvalidRequestError(
             'a message\'s tool_calls entry needs {"function": {"name", "arguments"}}', "messages"
         )
     arguments = function.get("arguments")
-    if isinstance(arguments, str):
+    if arguments is None or arguments == "":
+        arguments = {}  # a call without arguments
+    elif isinstance(arguments, str):
         # Not JSON, or JSON nested past what json reads (RecursionError): given to the template as it is.
         with contextlib.suppress(ValueError, RecursionError):
             arguments = json.loads(arguments)

@@ -617,6 +617,10 @@ def test_a_pattern_never_lets_out_invalid_json(llm: LLM, pattern: str) -> None:
         ({"type": "string", "maxLength": 8000}, 0, 8000),
         ({"type": "string", "minLength": 600}, 600, None),
         ({"type": "string", "minLength": 3, "maxLength": 4096}, 3, 4096),
+        # a bound of one: xgrammar writes the class as an optional rule, or inline between the quotes
+        ({"type": "string", "maxLength": 1}, 0, 1),
+        ({"type": "string", "minLength": 1, "maxLength": 1}, 1, 1),
+        ({"type": ["string", "null"], "maxLength": 1}, 0, 1),
     ],
 )  # fmt: skip
 def test_length_bounded_strings_take_no_control_character(
@@ -629,8 +633,8 @@ def test_length_bounded_strings_take_no_control_character(
     escapes included, each counted as one character as JSON Schema counts them."""
     spec = _spec(json=schema)
     for control in ("\t", "\x17", "\n", "\x00"):
-        value = "a" * max(low, 1) + control
-        assert not _takes(llm, spec, '"' + value + '"'), repr(value)  # raw: no JSON
+        for value in ("a" * max(low, 1) + control, control):
+            assert not _takes(llm, spec, '"' + value + '"'), repr(value)  # raw: no JSON
     for n in sorted({low - 1, low, low + 1, 12, (high or 12) + 1}):
         fits = low <= n <= (high if high is not None else n) and n >= 0
         if 0 <= n <= max(low + 1, 12):
@@ -638,6 +642,8 @@ def test_length_bounded_strings_take_no_control_character(
     # escapes: quote, backslash, a control character and a \u escape, each one character of the bound
     escaped = json.dumps('"\\\t\x17' + "a" * max(0, low - 4))
     assert _takes(llm, spec, escaped) == (high is None or max(low, 4) <= high), escaped
+    for one in ('"', "\\", "\t", "\x17"):  # each escape alone: one character
+        assert _takes(llm, spec, json.dumps(one)) == (low <= 1 and (high is None or high >= 1)), repr(one)
     if high is not None and high <= 600:
         assert not _takes(llm, spec, json.dumps("\t" * (high + 1))), "one escape past the bound"
 
@@ -666,6 +672,24 @@ def test_length_bounded_property_names_take_no_control_character(llm: LLM) -> No
     spec = _spec(json={"type": "object", "propertyNames": names, "additionalProperties": {"type": "integer"}})
     assert _takes(llm, spec, '{"abcd": 1}') and not _takes(llm, spec, '{"abcde": 1}')
     assert not _takes(llm, spec, '{"a\tb": 1}')
+
+
+@pytest.mark.parametrize("where", ["items", "additionalProperties", "anyOf", "propertyNames"])
+def test_one_character_strings_take_no_control_character_wherever_they_sit(llm: LLM, where: str) -> None:
+    """A string of at most one character is written by xgrammar without the repeat the other bounds get
+    (its class optional, or inline between the quotes); it took a raw U+001D, in a tool's argument too."""
+    one = {"type": "string", "maxLength": 1}
+    schema: dict[str, Any] = {
+        "items": {"type": "array", "items": one},
+        "additionalProperties": {"type": "object", "additionalProperties": one},
+        "anyOf": {"anyOf": [one, {"type": "integer"}]},
+        "propertyNames": {"type": "object", "propertyNames": one, "additionalProperties": {"type": "number"}},
+    }[where]
+    spec = _spec(json=schema)
+    wrap = {"items": "[{}]", "additionalProperties": '{{"k":{}}}', "anyOf": "{}", "propertyNames": "{{{}:1}}"}
+    assert _takes(llm, spec, wrap[where].format('"x"')) and _takes(llm, spec, wrap[where].format('"\\t"'))
+    for control in ("\t", "\x1d", "\x00"):
+        assert not _takes(llm, spec, wrap[where].format(f'"{control}"')), repr(control)
 
 
 @pytest.mark.parametrize(

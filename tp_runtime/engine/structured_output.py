@@ -87,14 +87,18 @@ _MAX_STEPPED_WIDTH = 9999
 _ARRAY_KEYWORDS = ("minItems", "maxItems")
 _OBJECT_KEYWORDS = ("minProperties", "maxProperties", "patternProperties", "propertyNames")
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
-# xgrammar writes a string with minLength/maxLength as a repeat of a one-character rule with this body,
-# which takes raw control characters (invalid JSON) and no escapes; _json_strings_kept_valid gives such
-# rules the body of one JSON string character: no control character, quote or backslash, or an escape.
-_BOUNDED_STRING_CHARACTER = r' ::= (([^\"\\\r\n]))'
-_JSON_STRING_CHARACTER = (
-    r' ::= (([^\0-\x1f\"\\]) | ("\\" (([\"\\/bfnrt]) | ("u" '
-    r"[A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))"
+# xgrammar writes a string with minLength/maxLength with this class as its one character: a repeat of a
+# rule whose body it is (`X_characters{m, n}`), for a bound of 1 a rule `("" | (CLASS))` or, for exactly
+# one character, the class itself between the quotes. It takes raw control characters (invalid JSON) and
+# no escapes; _json_strings_kept_valid puts one JSON string character in its place: no control character,
+# quote or backslash, or an escape.
+_BOUNDED_STRING_CLASS = r"[^\"\\\r\n]"
+_BOUNDED_STRING_CHARACTER = f" ::= (({_BOUNDED_STRING_CLASS}))"
+_BOUNDED_STRING_OPTIONAL = f' ::= ("" | ({_BOUNDED_STRING_CLASS}))'
+_JSON_CHARACTER = (
+    r'(([^\0-\x1f\"\\]) | ("\\" (([\"\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
 )
+_QUOTE = r'"\""'
 # Group nesting a pattern or regex may have: xgrammar's JSON-schema pattern conversion recursed until the
 # process crashed on 30,000 nested groups (its `regex` parser refuses past about 1,000), and Python's own
 # regex parsers, which the schema checks here use, fail past about 1,000.
@@ -195,23 +199,30 @@ def _compile_structures(compiler: Any, tag: dict[str, Any]) -> Any:
 
 def _json_strings_kept_valid(grammar: Any) -> Any:
     """xgrammar's grammar of a JSON schema or structural tag (before compiling: rule names as its JSON
-    converter writes them), with the character rule of its length-bounded JSON strings
-    (_BOUNDED_STRING_CHARACTER; named `..._characters` and repeated between two quotes) made one JSON string
-    character's. Bounds count characters, an escape as one, as JSON Schema counts them. Rules of a
-    structural tag's regex or grammar with that body keep it."""
+    converter writes them), with the character of its length-bounded JSON strings (_BOUNDED_STRING_CLASS)
+    made one JSON string character. Bounds count characters, an escape as one, as JSON Schema counts them.
+    Only the class between a string's two quotes changes: a structural tag's regex or grammar rules with
+    the same body keep it."""
     import xgrammar
 
     text = str(grammar)
-    if _BOUNDED_STRING_CHARACTER not in text:
+    if _BOUNDED_STRING_CLASS not in text:
         return grammar
-    strings = set(re.findall(r'"\\"" (\S+_characters)\{\d+, -?\d+\} "\\""', text))
+    # Exactly one character: the class inline between the quotes.
+    inline = f"{_QUOTE} {_BOUNDED_STRING_CLASS} {_QUOTE}"
+    changed = inline in text
+    text = text.replace(inline, f"{_QUOTE} {_JSON_CHARACTER} {_QUOTE}")
+    quote = re.escape(_QUOTE)
+    repeated = set(re.findall(rf"{quote} (\S+_characters)\{{\d+, -?\d+\}} {quote}", text))
+    optional = set(re.findall(rf"{quote} (\S+) {quote}", text))
     lines = text.splitlines()
-    changed = False
     for i, line in enumerate(lines):
         name, _, body = line.partition(" ::= ")
-        if name in strings and " ::= " + body == _BOUNDED_STRING_CHARACTER:
-            lines[i], changed = name + _JSON_STRING_CHARACTER, True
-    # (the body only in a regex's or grammar's rules: nothing to parse again)
+        if name in repeated and " ::= " + body == _BOUNDED_STRING_CHARACTER:
+            lines[i], changed = f"{name} ::= {_JSON_CHARACTER}", True
+        elif name in optional and " ::= " + body == _BOUNDED_STRING_OPTIONAL:  # at most one character
+            lines[i], changed = f'{name} ::= ("" | {_JSON_CHARACTER})', True
+    # (the class only in a regex's or grammar's rules: nothing to parse again)
     return xgrammar.Grammar.from_ebnf("\n".join(lines)) if changed else grammar
 
 

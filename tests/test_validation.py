@@ -162,6 +162,50 @@ def test_prompt_the_tokenizer_cannot_encode(llm: LLM, prompt: str) -> None:
         llm.generate(["fine", prompt], GREEDY4, use_tqdm=False)
 
 
+def test_a_bad_word_that_is_no_unicode_text_is_refused(llm: LLM) -> None:
+    """It reached the tokenizer, whose TypeError came out as it was."""
+    params = SamplingParams(max_tokens=2, bad_words=["fine", "ok\udc80"])
+    with pytest.raises(InvalidRequestError, match=r"bad word 'ok\\udc80'.*lone surrogate") as info:
+        llm.generate(PROBE, params, use_tqdm=False)
+    assert info.value.field == "bad_words"
+
+
+@pytest.mark.parametrize("added", [7, "", None])
+def test_a_stop_list_changed_after_construction_is_refused(llm: LLM, added: Any) -> None:
+    """SamplingParams checks `stop` when made, but its list is the caller's. A non-string put in it later
+    failed inside add_request (a TypeError) after the request was queued: it ran on with no owner, and the
+    next generate failed on its output. Refused now, with nothing left behind (the fixture checks)."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, stop=["x"])
+    assert isinstance(params.stop, list)
+    params.stop.append(added)
+    for submit in (
+        lambda: llm.engine.add_request([1, 17, 42], params),
+        lambda: llm.generate(PROBE, params, use_tqdm=False),
+    ):
+        with pytest.raises(InvalidRequestError, match="stop must be a non-empty string") as info:
+            submit()
+        assert info.value.field == "stop"
+
+
+def test_a_request_that_fails_while_being_added_leaves_nothing_behind(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever fails while add_request builds a request (here its detokenizer), the request is not
+    queued, nor its grammar or text state kept."""
+    import tp_runtime.engine.llm_engine as llm_engine
+    from tp_runtime.sampling_params import StructuredOutputsParams
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("no detokenizer")
+
+    monkeypatch.setattr(llm_engine, "IncrementalDetokenizer", broken)
+    params = SamplingParams(max_tokens=4, stop=["x"], structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(RuntimeError, match="no detokenizer"):
+        llm.engine.add_request([1, 17, 42], params)
+    assert not llm.engine._constrained and not llm.engine._text_states
+    monkeypatch.undo()
+
+
 def test_chat_message_the_tokenizer_cannot_encode(llm: LLM) -> None:
     conv = [{"role": "user", "content": "a\ud800b"}]
     with pytest.raises(InvalidRequestError, match=re.escape(r"'\ud800'")):

@@ -558,16 +558,21 @@ class LLMEngine:
         request.decode_context = decode_context(codec.decode, prompt_ids, codec.finality)
         if params.structured_outputs is not None:
             request.grammar = self.grammars.matcher(grammar)
-            self._constrained.add(req_id)
-        self.scheduler.add(request)
+        text_state = None
         if stream or params.stop_strings:
             stops = params.stop_strings
-            self._text_states[req_id] = _TextState(
+            text_state = _TextState(
                 IncrementalDetokenizer(codec.decode, request.decode_context, codec.finality),
                 stream=stream,
                 stop_strings=stops,
                 hold=max(map(len, stops)) - 1 if stops else 0,
             )
+        # Registered only once all of it is built: a request that failed on the way is nowhere.
+        self.scheduler.add(request)
+        if request.grammar is not None:
+            self._constrained.add(req_id)
+        if text_state is not None:
+            self._text_states[req_id] = text_state
         return req_id
 
     def _usable_bad_words(self, params: SamplingParams, prompt_len: int) -> list[list[int]]:
@@ -595,6 +600,12 @@ class LLMEngine:
                 )
         # Checked again in full: SamplingParams is frozen, but the lists and dicts it holds are not, and an
         # in-process rank runs no step check.
+        if params.stop is not None and not isinstance(params.stop, str):
+            stops = params.stop
+            if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+                raise InvalidRequestError(
+                    f"stop must be a non-empty string or a list of them, got {stops!r:.100}", "stop"
+                )
         for name, what in (
             ("stop_token_ids", "stop token id"), ("logit_bias", "logit_bias token id"),
             ("allowed_token_ids", "allowed token id"),
@@ -1101,6 +1112,14 @@ def bad_word_ids(tokenizer: Any, words: list[str], vocab: int) -> list[list[int]
         if word in encoded:
             continue
         encoded.add(word)
+        try:
+            word.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(
+                f"bad word {word!r:.100}: {exc.object[exc.start : exc.end]!r} at index {exc.start} is not "
+                "valid Unicode text (a lone surrogate); remove or replace it",
+                "bad_words",
+            ) from None
         alone = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         if not alone:
             raise InvalidRequestError(f"bad word {word!r:.100} encodes to no tokens", "bad_words")

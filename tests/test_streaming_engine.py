@@ -258,18 +258,22 @@ def test_a_stop_string_whose_last_token_begins_a_character(model_config: Any, in
     eos = tokenizer.eos_token_id
     head = [3 + b for b in b"ab STO"] + [p_euro]
     assert tokenizer.decode(head) == "ab STO" + "P\ufffd"  # the character is incomplete
-    cases = [  # (generated ids, max_tokens)
-        (head, len(head)),  # max_tokens ends the request on the stop string's last token
-        ([*head, eos], 20),  # EOS right after it
-        ([*head, 3 + 0xAC, *(3 + b for b in b"zz")], 20),  # the next token completes the "€"
+    z = 3 + ord("z")
+    cases = [  # (generated ids, max_tokens, allowed_token_ids)
+        (head, len(head), None),  # max_tokens ends the request on the stop string's last token
+        ([*head, eos], 20, None),  # EOS right after it
+        ([*head, 3 + 0xAC, z, z], 20, None),  # the next token completes the "€"
+        # the next token breaks the masks (they left none): the output ends before it, on the stop string
+        ([*head, z], 20, sorted(set(head) | {eos})),
     ]
-    for ids, max_tokens in cases:
+    for ids, max_tokens, allowed in cases:
         full = tokenizer.decode(ids, skip_special_tokens=True)
         want = full[: full.index("STOP") + (4 if include else 0)]  # brute force over the whole text
         engine = make_engine(model_config, tokenizer, ScriptedExecutor(text_script(ids, len(PROMPT))))
         params = SamplingParams(
-            temperature=0, max_tokens=max_tokens, stop="STOP", include_stop_str_in_output=include
-        )
+            temperature=0, max_tokens=max_tokens, stop="STOP", include_stop_str_in_output=include,
+            allowed_token_ids=allowed,
+        )  # fmt: skip
         streamed, whole = engine.add_request(PROMPT, params, stream=True), engine.add_request(PROMPT, params)
         outputs = run_all(engine)
         text, token_ids = joined(outputs[str(streamed)])
@@ -279,6 +283,30 @@ def test_a_stop_string_whose_last_token_begins_a_character(model_config: Any, in
             assert got_text == want, (ids, got_text)
             assert (out.finish_reason, out.stop_reason) == ("stop", "STOP"), ids
         assert token_ids == final.outputs[0].token_ids == ids[: len(token_ids)]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_whose_text_completes_a_stop_string(model_config: Any, include: bool) -> None:
+    """A stop token's text is part of the output with include_stop_str_in_output, so a stop string it
+    completes is found there, as vLLM searches it: the string is the stop reason and the text ends with
+    it. Without it the token's text is left out, and the token is the reason."""
+    tokenizer = byte_level_tokenizer([b" stop"])
+    stop_token = 259
+    ids = [*(3 + b for b in b"Hello"), stop_token]
+    engine = make_engine(model_config, tokenizer, ScriptedExecutor(text_script(ids, len(PROMPT))))
+    params = SamplingParams(
+        temperature=0, max_tokens=10, stop_token_ids=[stop_token], stop=["lo st"],
+        include_stop_str_in_output=include,
+    )  # fmt: skip
+    streamed, whole = engine.add_request(PROMPT, params, stream=True), engine.add_request(PROMPT, params)
+    outputs = run_all(engine)
+    text, token_ids = joined(outputs[str(streamed)])
+    [final] = outputs[str(whole)]
+    want = ("Hello st", "lo st") if include else ("Hello", stop_token)
+    last = outputs[str(streamed)][-1].outputs[0]
+    for got_text, out in ((text, last), (final.outputs[0].text, final.outputs[0])):
+        assert (got_text, out.finish_reason, out.stop_reason) == (want[0], "stop", want[1])
+    assert token_ids == final.outputs[0].token_ids == ids
 
 
 def test_eos_from_the_tokenizer_when_the_configs_name_none(

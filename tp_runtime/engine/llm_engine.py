@@ -782,6 +782,14 @@ class LLMEngine:
                 req.num_tokens -= 1
                 self.num_output_tokens -= 1
                 reason: str | None = "abort"
+                # Its output ends here: text held back may complete a stop string, which then ends it.
+                state = self._text_states.get(req.req_id)
+                if (
+                    state is not None and state.stop_strings
+                    and len(req.output_token_ids) > req.params.min_tokens
+                    and self._final_stop_search(req, state, req.output_token_ids)
+                ):  # fmt: skip
+                    reason = "stop"
             else:
                 reason = self._check_stop(req)
                 if grammar is not None and grammar.finished:
@@ -959,10 +967,11 @@ class LLMEngine:
             state = None
         if token in req.stop_ids and searching:
             # A stop string that the incremental text held back (its last token also begins a character)
-            # came first: the stop token's text is not part of the output either way.
+            # came first. The stop token's own text is searched too where the output keeps it
+            # (include_stop_str_in_output), as vLLM searches it.
             if state is not None:
-                text = output_text(self._text_codec(params).decode, req.decode_context, ids[:-1])
-                if self._find_stop_string(req, state, text, state.detok.unchanged(text)):
+                kept = ids if params.include_stop_str_in_output else ids[:-1]
+                if self._final_stop_search(req, state, kept):
                     return "stop"
             if token != self._primary_eos or params.ignore_eos:
                 req.stop_reason = token
@@ -976,13 +985,16 @@ class LLMEngine:
             if self._find_stop_string(req, state, text, unchanged):
                 return "stop"
         if num_out >= req.max_tokens or num_known >= self.config.model.max_model_len:
-            # The text the detokenizer still holds back is final now: it may complete a stop string.
-            if state is not None and searching:
-                text = output_text(self._text_codec(params).decode, req.decode_context, ids)
-                if self._find_stop_string(req, state, text, state.detok.unchanged(text)):
-                    return "stop"
+            if state is not None and searching and self._final_stop_search(req, state, ids):
+                return "stop"
             return "length"
         return None
+
+    def _final_stop_search(self, req: Request, state: _TextState, ids: list[int]) -> bool:
+        """Look for a stop string in the whole text of the output `ids`, which is final: the text the
+        detokenizer held back (an unfinished character) may complete one."""
+        text = output_text(self._text_codec(req.params).decode, req.decode_context, ids)
+        return self._find_stop_string(req, state, text, state.detok.unchanged(text))
 
     def _find_stop_string(self, req: Request, state: _TextState, text: str, searched: int) -> bool:
         """Look for the request's stop strings in `text` (the output's text so far, or all of it) where

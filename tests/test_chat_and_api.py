@@ -477,3 +477,68 @@ def test_use_tqdm_takes_the_callable_that_makes_the_bar(llm: LLM) -> None:
     ]
     (chat,) = llm.chat(CONVERSATIONS[0], GREEDY, use_tqdm=make_bar)
     assert len(made) == 2 and made[1].total == 1 and chat.outputs[0].token_ids
+
+
+def test_vllm_code_that_sets_sampling_params_fields(llm: LLM, model_dir: Path, reference: list[int]) -> None:
+    """vLLM's examples set fields on get_default_sampling_params()'s SamplingParams
+    (`params.max_tokens = 64`): it was frozen (FrozenInstanceError). An assignment is checked as the
+    constructor checks (a bad value is refused and the old one kept), numpy's numbers are taken as the
+    Python numbers they stand for, `clone()` is a deep copy, and a request runs with the values it had when
+    it was added."""
+    import numpy as np
+
+    params = llm.get_default_sampling_params()
+    params.temperature, params.max_tokens, params.ignore_eos = 0, 4, True
+    out = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == reference[:4]
+    for field, value, message in (
+        ("max_tokens", 0, "max_tokens must be an int >= 1"),
+        ("min_tokens", 5, r"min_tokens must be an int in \[0, max_tokens=4\]"),
+        ("top_p", float("nan"), "top_p must be a number in"),
+    ):
+        with pytest.raises(InvalidRequestError, match=message):
+            setattr(params, field, value)
+    assert (params.max_tokens, params.min_tokens) == (4, 0)
+    params.seed = -1  # normalized as on construction: no seed
+    assert params.seed is None
+    numpy_params = SamplingParams(temperature=np.float32(0.0), max_tokens=np.int64(4), seed=np.int32(3))
+    assert (type(numpy_params.max_tokens), type(numpy_params.temperature)) == (int, float)
+    numpy_params.max_tokens = np.int16(3)
+    assert type(numpy_params.max_tokens) is int and numpy_params.max_tokens == 3
+    copied = params.clone()
+    copied.stop = ["x"]
+    assert params.stop is None and copied != params
+    # A request's values are those it was added with.
+    engine = llm.engine
+    running = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    req_id = engine.add_request(PROMPT, running)
+    running.max_tokens = 9
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == str(req_id)]
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3]
+
+
+def test_vllm_keyword_arguments_are_taken_at_their_defaults(llm: LLM, model_dir: Path) -> None:
+    """Code written for vLLM passes lora_request=None, priority, chat_template_content_format and reads
+    llm.llm_engine; these were TypeErrors. What they would ask of a feature this engine lacks is refused
+    with what to pass instead."""
+    prompt = {"prompt_token_ids": [5, 6]}
+    want = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    got = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=None, priority=[0])
+    assert got[0].outputs[0].token_ids == want
+    conv = CONVERSATIONS[0]
+    chat = llm.chat(conv, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for fmt in ("auto", "string", "openai"):
+        again = llm.chat(conv, GREEDY, use_tqdm=False, lora_request=None, chat_template_content_format=fmt)
+        assert again[0].outputs[0].token_ids == chat
+    assert llm.llm_engine is llm.engine and llm.get_tokenizer(None) is llm.get_tokenizer()
+    for call, message in (
+        (lambda: llm.generate(prompt, GREEDY, lora_request=object()), "LoRA adapters are not supported"),
+        (lambda: llm.generate(prompt, GREEDY, priority=[2]), "priority scheduling is not supported"),
+        (lambda: llm.chat(conv, GREEDY, chat_template_content_format="xml"), "chat_template_content_format"),
+        (lambda: llm.chat(conv, GREEDY, mm_processor_kwargs={"a": 1}), "text-only"),
+        (lambda: llm.get_tokenizer(lora_request=object()), "LoRA adapters are not supported"),
+    ):
+        with pytest.raises(InvalidRequestError, match=message):
+            call()

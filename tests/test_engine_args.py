@@ -121,7 +121,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("max_model_len", 0, "at least 2"),
     ("max_model_len", 1, "at least 2"),
     ("max_num_seqs", 0, "at least 1"),
-    ("max_num_seqs", None, "must be given"),
+    ("model", None, "must be given"),
     # Counts past any machine failed in torch or msgpack with an overflow, differently at each TP size.
     ("max_num_seqs", 2**64, "at most 2147483647"),
     ("max_num_batched_tokens", -3, "at least 1"),
@@ -172,6 +172,14 @@ def test_bad_value_raises_config_error_naming_the_option(name: str, value: Any, 
     message = str(info.value)
     assert message.startswith(f"{name} "), message
     assert fragment in message, message
+
+
+def test_none_means_the_default_as_in_vllm() -> None:
+    """vLLM's EngineArgs takes None for an option as its default (wrappers pass seed=None,
+    enable_prefix_caching=None); it was a ConfigError, "must be given"."""
+    nones = {n: None for n, f in FIELDS.items() if n != "model" and f.default is not dataclasses.MISSING}
+    assert EngineArgs(model="m", **nones) == EngineArgs(model="m")
+    assert EngineArgs(model="m", seed=None, enable_prefix_caching=None).seed == FIELDS["seed"].default
 
 
 def test_every_field_has_a_bad_value_test() -> None:

@@ -7,8 +7,10 @@ inside a step. Checks that need the model (the vocabulary size) are in `LLMEngin
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from tp_runtime.errors import InvalidRequestError
@@ -18,6 +20,14 @@ GREEDY_EPS = 1e-5
 _INT64_END = 2**63
 _FLOAT32_TINY, _FLOAT32_MAX = 1.2e-38, 3.4e38  # normal float32 range
 
+
+_INT_FIELDS = (
+    "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "n", "best_of", "prompt_logprobs",
+    "truncate_prompt_tokens",
+)  # fmt: skip
+_REAL_FIELDS = (
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+)  # fmt: skip
 
 # StructuredOutputsParams' constraints given by value (json_object is a flag).
 CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "structural_tag")
@@ -87,8 +97,13 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
+    """A request's sampling options (vLLM's names and defaults), validated on construction and again on
+    each assignment (`params.max_tokens = 64`, as vLLM's examples set them on get_default_sampling_params()),
+    so an invalid value is an InvalidRequestError there. The engine takes a copy when a request is added:
+    later changes reach later requests only."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: disabled
@@ -142,6 +157,15 @@ class SamplingParams:
         def is_real(v: object) -> bool:
             return (is_int(v) or isinstance(v, float)) and math.isfinite(v)  # type: ignore[arg-type]
 
+        # numpy's scalars (np.int64, np.float32) as the Python numbers they stand for.
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+                object.__setattr__(self, name, int(value))
+        for name in _REAL_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (int, float, bool)):
+                object.__setattr__(self, name, float(value))
         # Workers hold it as float32: it must stay finite there too.
         if not is_real(self.temperature) or not 0 <= self.temperature <= _FLOAT32_MAX:
             got = self.temperature
@@ -248,6 +272,16 @@ class SamplingParams:
             if stops and not self.detokenize:
                 raise bad("stop strings need detokenize=True: they are looked for in the output's text")
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SAMPLING_FIELDS and name in self.__dict__:  # (set before: not __init__ setting it)
+            # Checked as a whole (a field's bounds may depend on others), and normalized as on construction.
+            value = getattr(replace(self, **{name: value}), name)
+        object.__setattr__(self, name, value)
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's): its lists and dicts are its own."""
+        return copy.deepcopy(self)
+
     @property
     def samples(self) -> int:
         """Samples drawn per prompt: best_of, else n."""
@@ -262,6 +296,9 @@ class SamplingParams:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
 def truncated_prompt(prompt_ids: Any, keep: int | None, max_model_len: int) -> Any:

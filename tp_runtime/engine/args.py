@@ -270,6 +270,12 @@ class EngineArgs:
         dtype = self.dtype
         if type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":  # torch.float16, as vLLM
             object.__setattr__(self, "dtype", str(dtype).removeprefix("torch."))
+        # None for an option that takes no None means its default, as in vLLM's EngineArgs (wrappers pass
+        # seed=None, enable_prefix_caching=None); the model alone must be given.
+        for f in fields(self):
+            unset = f.name != "model" and getattr(self, f.name) is None and f.default is not MISSING
+            if unset and not _base_type(f.name)[1]:
+                object.__setattr__(self, f.name, f.default)
         _validate({f.name: getattr(self, f.name) for f in fields(self)}, cli=False)
 
     # ------------------------------------------------------------------------------------- conversions

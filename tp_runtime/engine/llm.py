@@ -48,6 +48,18 @@ def template_variables(chat_template_kwargs: Any) -> dict[str, Any]:
     return dict(given)
 
 
+def _refuse_unsupported(lora_request: Any, priority: Any) -> None:
+    """vLLM's per-request options this engine lacks, taken only at the values that ask for nothing."""
+    if lora_request is not None:
+        raise InvalidRequestError("LoRA adapters are not supported: pass lora_request=None")
+    if priority is not None and (
+        not isinstance(priority, (list, tuple)) or any(p != 0 or isinstance(p, bool) for p in priority)
+    ):
+        raise InvalidRequestError(
+            f"priority scheduling is not supported: pass priority=None (or all 0), got {_preview(priority)}"
+        )
+
+
 @functools.lru_cache(maxsize=16)
 def loops_over_content(template: str) -> bool:
     """Whether a chat template walks a message's content as a list of parts (`{% for part in
@@ -220,9 +232,15 @@ class LLM:
         with self._lock:
             return self.engine.reset_prefix_cache()
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self, lora_request: Any = None) -> Any:
         """The Hugging Face tokenizer the engine encodes prompts and decodes outputs with."""
+        _refuse_unsupported(lora_request, None)
         return self.tokenizer
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name for it): `self.engine`."""
+        return self.engine
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no SamplingParams, as vLLM's: SamplingParams
@@ -281,11 +299,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt. `sampling_params`: one for every prompt or one per prompt; None:
         `get_default_sampling_params()` (the model's generation config's defaults, as in vLLM). `use_tqdm`:
         a progress bar, or, as in vLLM, the callable that makes it (tqdm's keyword arguments; e.g.
-        `functools.partial(tqdm, leave=False)`)."""
+        `functools.partial(tqdm, leave=False)`). `lora_request` and `priority` are vLLM's, taken as
+        code written for it passes them: None (and priorities all 0); anything else is refused."""
+        _refuse_unsupported(lora_request, priority)
         with self._lock:
             return self._generate(prompts, sampling_params, use_tqdm)
 
@@ -300,6 +322,9 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
         documents: Sequence[dict[str, Any]] | None = None,
+        lora_request: Any = None,
+        chat_template_content_format: str = "auto",
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to a list of
         them, rendered with the tokenizer's chat template (or `chat_template`, a Jinja string) as vLLM's
@@ -307,7 +332,18 @@ class LLM:
         `chat_template_kwargs`: extra template variables (e.g. Qwen3's enable_thinking); `tools`: the
         functions ({"type": "function", "function": {...}}) the template shows the model, as vLLM's;
         `documents`: the retrieved documents ({"title": ..., "text": ...}) a RAG template shows it.
-        `sampling_params` as `generate`'s (None: `get_default_sampling_params()`)."""
+        `sampling_params` as `generate`'s (None: `get_default_sampling_params()`). vLLM's
+        `chat_template_content_format` ("auto", "string" or "openai") is taken and changes nothing: text
+        content parts are joined into the text the template sees either way; `lora_request` and
+        `mm_processor_kwargs` are taken as None only."""
+        _refuse_unsupported(lora_request, None)
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise InvalidRequestError(
+                'chat_template_content_format must be "auto", "string" or "openai", got '
+                f"{_preview(chat_template_content_format)}"
+            )
+        if mm_processor_kwargs is not None:
+            raise InvalidRequestError("mm_processor_kwargs: this engine serves text-only models; pass None")
         variables = template_variables(chat_template_kwargs)
         for name, given in (("tools", tools), ("documents", documents)):
             dicts = isinstance(given, (list, tuple)) and all(isinstance(t, dict) for t in given)

@@ -10,6 +10,7 @@ add, their logprobs; `finished` on the last), else one when it finishes, with th
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import gc
 import numbers
@@ -518,6 +519,7 @@ class LLMEngine:
         reports each new token of it, else only its finished output. `grammar`: its structured_outputs
         compiled already (`self.grammars.compile`, which any thread may call: the server compiles off the
         engine's thread); else it is compiled here."""
+        params = copy.copy(params)  # what the request runs with: a caller's later changes are not seen
         prompt_ids = self.check_request(prompt_ids, params)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)

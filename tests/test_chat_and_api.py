@@ -542,3 +542,22 @@ def test_vllm_keyword_arguments_are_taken_at_their_defaults(llm: LLM, model_dir:
     ):
         with pytest.raises(InvalidRequestError, match=message):
             call()
+
+
+def test_vllm_prompt_types(llm: LLM) -> None:
+    """vLLM's TextPrompt and TokensPrompt (`from vllm import TokensPrompt`) are the dicts generate takes."""
+    from tp_runtime import TextPrompt, TokensPrompt
+
+    named = [
+        TokensPrompt(prompt_token_ids=PROMPT),
+        TextPrompt(prompt="Hello"),
+        TokensPrompt(prompt_token_ids=PROMPT, prompt="its text"),
+    ]
+    dicts: list[Any] = [
+        {"prompt_token_ids": PROMPT},
+        {"prompt": "Hello"},
+        {"prompt_token_ids": PROMPT, "prompt": "its text"},
+    ]
+    got, want = ([(o.prompt, o.outputs[0].token_ids) for o in llm.generate(p, GREEDY, use_tqdm=False)]
+                 for p in (named, dicts))  # fmt: skip
+    assert got == want and [text for text, _ in got] == [None, "Hello", "its text"]

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tp_runtime.engine.args import EngineArgs
     from tp_runtime.engine.llm import LLM, run_torchrun_worker
+    from tp_runtime.inputs import TextPrompt, TokensPrompt
     from tp_runtime.outputs import CompletionOutput, Logprob, RequestOutput
     from tp_runtime.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -19,6 +20,8 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
     "run_torchrun_worker",
 ]
 __version__ = "0.1.0"
@@ -35,6 +38,8 @@ _EXPORTS = {
     "RequestOutput": "tp_runtime.outputs",
     "SamplingParams": "tp_runtime.sampling_params",
     "StructuredOutputsParams": "tp_runtime.sampling_params",
+    "TextPrompt": "tp_runtime.inputs",
+    "TokensPrompt": "tp_runtime.inputs",
 }
 
 

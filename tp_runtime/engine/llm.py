@@ -17,11 +17,11 @@ from tp_runtime.config import EngineConfig, load_tokenizer
 from tp_runtime.engine.args import EngineArgs
 from tp_runtime.engine.llm_engine import LLMEngine, best_samples, child_params
 from tp_runtime.errors import ConfigError, EngineClosedError, InvalidRequestError
+from tp_runtime.inputs import PromptType
 from tp_runtime.outputs import RequestOutput
 from tp_runtime.sampling_params import SamplingParams, truncated_prompt
 from tp_runtime.server.tool_calls import template_tool_call
 
-PromptType = str | dict[str, Any]
 ChatMessage = dict[str, Any]
 
 
@@ -264,7 +264,7 @@ class LLM:
                 f"the tokenizer cannot encode the prompt {_preview(text)}: {type(exc).__name__}: {exc}"
             ) from None
 
-    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:  # (checked here: any value)
         if isinstance(prompt, str):
             ids = self._encode(prompt)
             if not ids:  # "" is a prompt where the tokenizer puts a BOS in front, as in vLLM

@@ -281,7 +281,25 @@ BAD = [
     (["--endpoint", "v1/completions"], ["--endpoint", "/completions"]),
     (["--endpoint", "/v1/embeddings"], ["--endpoint"]),
     (["--output-json", "/no/such/folder/x.json"], ["--output-json", "does not exist"]),
+    (["--host", "h", "--base-url", "http://h:1"], ["--host", "beside --base-url"]),
+    (["--port", "99999"], ["--base-url", "port"]),
 ]
+
+
+def test_vllm_flag_spellings() -> None:
+    """vLLM's `vllm bench serve` names: --host/--port, --dataset-name random and the --random-* lengths."""
+    vllm = _args(
+        "--host", "10.0.0.2", "--port", "8011", "--dataset-name", "random", "--random-input-len", "300",
+        "--random-output-len", "40", "--random-range-ratio", "0.5", "--random-prefix-len", "64",
+    )  # fmt: skip
+    serve.check(vllm)
+    ours = _args("--base-url", "http://10.0.0.2:8011", "--input-len", "300", "--output-len", "40",
+                 "--range-ratio", "0.5", "--prefix-len", "64")  # fmt: skip
+    serve.check(ours)
+    assert vars(vllm) == {**vars(ours), "host": "10.0.0.2", "port": 8011}
+    ipv6 = _args("--host", "::1")
+    serve.check(ipv6)
+    assert ipv6.base_url == "http://[::1]:8000"
 
 
 @pytest.mark.parametrize(("argv", "fragments"), BAD, ids=[" ".join(a) for a, _ in BAD])

@@ -85,8 +85,14 @@ _WORDS = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--base-url", default=DEFAULT_BASE_URL, help="the server: http(s)://host:port, no path"
-    )
+        "--base-url", default=None,
+        help=f"the server: http(s)://host:port, no path (default: {DEFAULT_BASE_URL})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--host", default=None,
+        help="vLLM's way to name the server: http://HOST:PORT, with --port (default: 127.0.0.1)",
+    )  # fmt: skip
+    parser.add_argument("--port", type=int, default=None, help="the server's port (default: 8000)")
     parser.add_argument(
         "--endpoint",
         default="/v1/completions",
@@ -116,11 +122,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="at most this many requests in flight; alone (with the default --request-rate inf) it runs "
         "a fixed concurrency (default: no limit)",
     )
-    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    add_dataset_argument(parser)
+    parser.add_argument(
+        "--input-len", "--random-input-len", type=int, default=128, help="prompt tokens per request"
+    )
     add_prefix_arguments(parser)
-    parser.add_argument("--output-len", type=int, default=128, help="output tokens asked per request")
+    parser.add_argument(
+        "--output-len", "--random-output-len", type=int, default=128, help="output tokens asked per request"
+    )
     parser.add_argument(
         "--range-ratio",
+        "--random-range-ratio",
         type=float,
         default=0.0,
         help="draw each length uniformly from [len*(1-r), len*(1+r)]; 0 keeps them fixed",
@@ -177,10 +189,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
+def add_dataset_argument(parser: argparse.ArgumentParser) -> None:
+    """vLLM's --dataset-name, for its commands to run as written: the one workload here is its `random`
+    (random token ids of the lengths the flags give; vLLM's --random-* names are aliases of them)."""
+    parser.add_argument(
+        "--dataset-name", choices=("random",), default="random",
+        help="the workload: random token ids of --input-len/--output-len tokens (vLLM's random dataset)",
+    )  # fmt: skip
+
+
 def add_prefix_arguments(parser: argparse.ArgumentParser) -> None:
     """The shared-prefix workload's flags (bench serve and bench throughput)."""
     parser.add_argument(
-        "--prefix-len", type=int, default=0,
+        "--prefix-len", "--random-prefix-len", type=int, default=0,
         help="tokens of a prefix shared by requests, before each one's --input-len own tokens (0: none)",
     )  # fmt: skip
     parser.add_argument(
@@ -239,6 +260,15 @@ def check(args: argparse.Namespace) -> None:
     if args.served_model is not None and not args.served_model.strip():
         _bad("--model", "a non-empty name (or left out: the first model the server lists)",
              repr(args.served_model))  # fmt: skip
+    if args.host is not None or args.port is not None:
+        if args.base_url is not None:
+            flag, value = ("--host", args.host) if args.host is not None else ("--port", args.port)
+            _bad(flag, "left out beside --base-url (name the server one way)", value)
+        host = args.host or "127.0.0.1"
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # an IPv6 address
+        args.base_url = f"http://{host}:{8000 if args.port is None else args.port}"
+    elif args.base_url is None:
+        args.base_url = DEFAULT_BASE_URL
     try:
         parts = urlsplit(args.base_url)
     except ValueError:  # an unclosed "[" of an IPv6 host: urlsplit raises rather than returning parts

@@ -22,10 +22,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tp_runtime.engine.args import add_engine_arguments
 
     add_engine_arguments(parser)
-    parser.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request")
-    parser.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    from tp_runtime.bench.serve import add_dataset_argument, add_prefix_arguments
+
+    add_dataset_argument(parser)
+    parser.add_argument(
+        "--input-len", "--random-input-len", type=int, default=1024, help="prompt tokens per request"
+    )
+    parser.add_argument(
+        "--output-len", "--random-output-len", type=int, default=128, help="generated tokens per request"
+    )
     parser.add_argument(
         "--range-ratio",
+        "--random-range-ratio",
         type=float,
         default=0.0,
         help="draw each length uniformly from [len*(1-r), len*(1+r)]; 0 keeps them fixed",
@@ -37,8 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the same for the output lengths alone (default: --range-ratio); 0 gives every request "
         "exactly --output-len tokens",
     )
-    from tp_runtime.bench.serve import add_prefix_arguments
-
     add_prefix_arguments(parser)
     parser.add_argument("--num-prompts", type=int, default=1000, help="requests per pass")
     parser.add_argument("--num-passes", type=int, default=2, help="passes over the same requests")

@@ -308,7 +308,7 @@ def test_prompt_forms_and_open_ended_max_tokens(llm: LLM, model_dir: Path) -> No
     with pytest.raises(InvalidRequestError, match=r"^prompt 1: prompt token id 999 is outside the vocab"):
         llm.generate([text, {"prompt_token_ids": [1, 999]}], GREEDY, use_tqdm=False)
     with pytest.raises(
-        InvalidRequestError, match=r"takes only 'prompt' and 'prompt_token_ids' here, got \['text'\]"
+        InvalidRequestError, match=r"'prompt_token_ids' and 'cache_salt' here, got \['text'\]"
     ):
         llm.generate({"text": text}, GREEDY, use_tqdm=False)
     # vLLM's multi-modal inputs are refused, not dropped.

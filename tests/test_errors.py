@@ -370,7 +370,7 @@ def test_out_of_vocab_token_ids(llm: LLM, bad: int) -> None:
     "prompt,message",
     [
         *((p, "a prompt must be a str or a dict with 'prompt_token_ids'") for p in (5, 1.5, None, b"bytes")),
-        ({"text": "hi"}, r"a prompt dict takes only 'prompt' and 'prompt_token_ids' here, got \['text'\]"),
+        ({"text": "hi"}, r"a prompt dict takes only 'prompt', 'prompt_token_ids' and 'cache_salt' here, got"),
         ({"prompt": None}, "a prompt must be a str or a dict with 'prompt_token_ids'"),
         *(
             ({"prompt": p, "prompt_token_ids": [1]}, f"token-id prompt's 'prompt' .* got {type(p).__name__}")

@@ -23,6 +23,7 @@ from tp_runtime import LLM, SamplingParams
 from tp_runtime.config import CacheConfig, EngineConfig, SchedulerConfig, build_model_config
 from tp_runtime.engine.kv_cache import _ROOT, KVCacheManager, block_hash
 from tp_runtime.engine.scheduler import Request, Scheduler
+from tp_runtime.errors import InvalidRequestError
 from tp_runtime.messages import ModelRunnerOutput, RequestSampling
 
 
@@ -321,3 +322,34 @@ def test_reset_prefix_cache_and_caching_off(make_checkpoint: Callable[..., Path]
     with LLM(model_dir, device="cpu", dtype="float32", block_size=BS, enable_prefix_caching=False) as llm:
         llm.generate(prompt, params, use_tqdm=False)
         assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt(make_checkpoint: Callable[..., Path]) -> None:
+    """vLLM's cache_salt: a prompt's blocks are found only by prompts with the same salt (no salt is a salt
+    of its own), so one tenant cannot time another's prompts through the cache; the tokens are the same
+    whatever the cache gives. A salt that is no non-empty text is refused."""
+    model_dir = make_checkpoint("LlamaForCausalLM")
+    ids = random_prompts((21,), 300, seed=9)[0]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    with LLM(model_dir, device="cpu", dtype="float32", block_size=BS) as llm:
+
+        def run(salt: str | None) -> tuple[int, list[int]]:
+            prompt: dict[str, Any] = {"prompt_token_ids": ids}
+            if salt is not None:
+                prompt["cache_salt"] = salt
+            out = llm.generate(prompt, params, use_tqdm=False)[0]
+            return out.num_cached_tokens, list(out.outputs[0].token_ids)
+
+        cached, tokens = zip(*(run(s) for s in (None, None, "a", "a", "b", None, "a")), strict=True)
+        assert cached == (0, 20, 0, 20, 0, 20, 20)
+        assert len(set(map(tuple, tokens))) == 1
+        # The engine's own API takes it too.
+        engine, kv = llm.engine, llm.engine.scheduler.kv
+        assert kv.num_hit_tokens == 80
+        engine.add_request(ids, params, cache_salt="b")
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert kv.num_hit_tokens == 100
+        for salt in ("", 7, "x\ud800"):
+            with pytest.raises(InvalidRequestError, match="cache_salt"):
+                llm.generate({"prompt_token_ids": ids, "cache_salt": salt}, params, use_tqdm=False)

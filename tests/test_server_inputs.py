@@ -204,3 +204,28 @@ def test_hostile_bodies_get_openai_400s(url: str) -> None:
     # The server is unharmed.
     ok = _post(url, "/v1/completions", _COMPLETION)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length", ok.text
+
+
+def test_cache_salt(url: str) -> None:
+    """vLLM's cache_salt on both endpoints: the same salt shares the prompt's cached blocks, another does
+    not (usage.prompt_tokens_details.cached_tokens says which), and the text is the same either way; an
+    empty one is a 400 naming it."""
+    prompt = list(range(40, 100))
+    cached, texts = [], []
+    for salt in ("s1", "s1", "s2", None):
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": 3, "temperature": 0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        reply = _post(url, "/v1/completions", body)
+        assert reply.status_code == 200, reply.text
+        details = reply.json()["usage"].get("prompt_tokens_details") or {}
+        cached.append(details.get("cached_tokens", 0))
+        texts.append(reply.json()["choices"][0]["text"])
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0, cached
+    assert len(set(texts)) == 1
+    chat = _post(url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "cache_salt": "s1"})
+    assert chat.status_code == 200, chat.text
+    for path, body in (
+        ("/v1/completions", {"prompt": prompt}), ("/v1/chat/completions", {"messages": MESSAGES})
+    ):  # fmt: skip
+        assert _error(_post(url, path, {**body, "cache_salt": ""}), 400)["param"] == "cache_salt"

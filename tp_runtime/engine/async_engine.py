@@ -115,6 +115,7 @@ class RequestStream:
 class _Add:
     stream: RequestStream
     requests: list[tuple[list[int], SamplingParams]]
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -175,15 +176,17 @@ class AsyncLLMEngine:
     def accepting(self) -> bool:
         return self._accepting
 
-    def add(self, requests: Sequence[tuple[list[int], SamplingParams]]) -> RequestStream:
+    def add(
+        self, requests: Sequence[tuple[list[int], SamplingParams]], cache_salt: str | None = None
+    ) -> RequestStream:
         """Queue engine requests (prompt ids, one-sample params), checked beforehand with
-        `engine.check_request`; returns their stream, read on the calling event loop. Raises
-        EngineClosedError once the engine died or began to shut down."""
+        `engine.check_request`; returns their stream, read on the calling event loop. `cache_salt`: theirs
+        (LLMEngine.add_request's). Raises EngineClosedError once the engine died or began to shut down."""
         stream = RequestStream(asyncio.get_running_loop(), len(requests))
         with self._lock:
             if not self._accepting:
                 raise self._closed_error()
-            self._commands.put(_Add(stream, list(requests)))
+            self._commands.put(_Add(stream, list(requests), cache_salt))
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -273,7 +276,8 @@ class AsyncLLMEngine:
             stream = command.stream
             try:
                 for index, (prompt_ids, params) in enumerate(command.requests):
-                    req_id = str(engine.add_request(prompt_ids, params, stream=True))
+                    added = engine.add_request(prompt_ids, params, stream=True, cache_salt=command.cache_salt)
+                    req_id = str(added)
                     stream._engine_ids[req_id] = index
                     self._owners[req_id] = (stream, index)
             except Exception as exc:  # checked by the front end already; keep the engine consistent

@@ -27,6 +27,13 @@ import numpy as np
 _ROOT = b"tp_runtime prefix cache v1"
 
 
+def salted_root(salt: str) -> bytes:
+    """The hash before the first block of a request with a cache salt (vLLM's cache_salt): its blocks are
+    found only by requests with the same salt, so tenants that do not share one cannot learn from the
+    cache's timing what others sent."""
+    return hashlib.sha256(_ROOT + b"\0salt\0" + salt.encode("utf-8")).digest()
+
+
 def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """The hash that names a full block: its parent's hash (the whole prefix before it) and its token ids."""
     return hashlib.sha256(parent + np.asarray(token_ids, dtype=np.int64).tobytes()).digest()
@@ -117,12 +124,17 @@ class KVCacheManager:
         # blocks are registered.
         self._hashes: dict[int, list[bytes]] = {}
         self._registered: dict[int, int] = {}
+        self._roots: dict[int, bytes] = {}  # the first block's parent hash of a request with a cache salt
         # Tokens looked up in the cache and tokens found, over the engine's life (the metrics' counters).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         # Blocks registered since begin_step(): the scheduler registers a step's blocks when it schedules
         # the step, before their keys and values exist, so a step that never ran must take them back.
         self._step_registered: list[int] = []
+
+    def set_cache_salt(self, req_id: int, salt: str) -> None:
+        """The request's blocks are hashed under `salt`: only requests with the same salt share them."""
+        self._roots[req_id] = salted_root(salt)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -139,7 +151,7 @@ class KVCacheManager:
                 if end <= split
                 else [*prompt[start:end], *output[max(0, start - split) : end - split]]
             )
-            hashes.append(block_hash(hashes[-1] if hashes else _ROOT, tokens))
+            hashes.append(block_hash(hashes[-1] if hashes else self._roots.get(req_id, _ROOT), tokens))
         return hashes
 
     def find_cached_prefix(self, req_id: int, prompt: Sequence[int], output: Sequence[int]) -> list[int]:
@@ -225,6 +237,7 @@ class KVCacheManager:
         """A finished request: its blocks freed and its hashes dropped."""
         self.free(req_id)
         self._hashes.pop(req_id, None)
+        self._roots.pop(req_id, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, as vLLM's does: only while no request holds blocks (a running one

@@ -15,7 +15,7 @@ from typing import Any
 
 from tp_runtime.config import EngineConfig, load_tokenizer
 from tp_runtime.engine.args import EngineArgs
-from tp_runtime.engine.llm_engine import LLMEngine, best_samples, child_params
+from tp_runtime.engine.llm_engine import LLMEngine, best_samples, check_cache_salt, child_params
 from tp_runtime.errors import ConfigError, EngineClosedError, InvalidRequestError
 from tp_runtime.inputs import PromptType
 from tp_runtime.outputs import RequestOutput
@@ -273,8 +273,8 @@ class LLM:
         if isinstance(prompt, dict) and (unserved := sorted(map(str, prompt.keys() - _PROMPT_KEYS))):
             # vLLM's multi_modal_data and the like: refused, rather than generating as if they were not there.
             raise InvalidRequestError(
-                f"a prompt dict takes only 'prompt' and 'prompt_token_ids' here, got {unserved} (this engine "
-                "serves text-only models)"
+                f"a prompt dict takes only 'prompt', 'prompt_token_ids' and 'cache_salt' here, got "
+                f"{unserved} (this engine serves text-only models)"
             )
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text = prompt.get("prompt")
@@ -439,11 +439,14 @@ class LLM:
         if shared:
             self.engine.validate_params(sampling_params)  # about no one prompt
         encoded: list[tuple[str | None, list[int]]] = []
+        salts: list[str | None] = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
             try:
                 if not shared:
                     self.engine.validate_params(params)
                 text, ids = self._prompt_ids(prompt)
+                salts.append(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
+                check_cache_salt(salts[-1])
                 max_len = self.engine.config.model.max_model_len
                 ids = truncated_prompt(ids, params.truncate_prompt_tokens, max_len)
                 encoded.append((text, self.engine._validate_prompt(ids)))
@@ -453,9 +456,10 @@ class LLM:
                 raise InvalidRequestError(f"prompt {i}: {exc}") from None
         owners: dict[str, tuple[int, int]] = {}  # engine request id -> (prompt index, sample index)
         try:
-            for i, ((_, ids), params) in enumerate(zip(encoded, params_list, strict=True)):
+            for i, ((_, ids), params, salt) in enumerate(zip(encoded, params_list, salts, strict=True)):
                 for j in range(params.samples):
-                    owners[str(self.engine.add_request(ids, child_params(params, j)))] = (i, j)
+                    req_id = self.engine.add_request(ids, child_params(params, j), cache_salt=salt)
+                    owners[str(req_id)] = (i, j)
             finished = self._run(len(owners), use_tqdm)
         except BaseException:
             self.engine.abort_all()
@@ -508,7 +512,7 @@ class LLM:
 
 
 # The keys of a prompt dict (vLLM's TextPrompt and TokensPrompt, text only).
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
 def _preview(value: Any, limit: int = 80) -> str:

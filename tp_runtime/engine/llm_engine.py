@@ -513,12 +513,19 @@ class LLMEngine:
         return prompt_ids
 
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, stream: bool = False, grammar: Any = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stream: bool = False,
+        grammar: Any = None,
+        cache_salt: str | None = None,
     ) -> int:
         """Queue a request; returns its id (`RequestOutput.request_id` is its str). `stream=True`: step()
         reports each new token of it, else only its finished output. `grammar`: its structured_outputs
         compiled already (`self.grammars.compile`, which any thread may call: the server compiles off the
-        engine's thread); else it is compiled here."""
+        engine's thread); else it is compiled here. `cache_salt` (vLLM's): its prompt's prefix-cache
+        blocks are shared only with requests given the same salt."""
+        check_cache_salt(cache_salt)
         params = copy.copy(params)  # what the request runs with: a caller's later changes are not seen
         prompt_ids = self.check_request(prompt_ids, params)
         if params.structured_outputs is not None and grammar is None:
@@ -556,6 +563,7 @@ class LLMEngine:
             request.prompt_logprobs = [None] * (len(prompt_ids) - 1)
         request.stop_ids = frozenset(stop_ids)
         request.masks = TokenMasks.of(sampling)
+        request.cache_salt = cache_salt
         codec = self._text_codec(params)
         request.decode_context = decode_context(codec.decode, prompt_ids, codec.finality)
         if params.structured_outputs is not None:
@@ -1103,6 +1111,20 @@ class TokenMasks:
         )
 
 
+
+
+def check_cache_salt(salt: Any) -> None:
+    """vLLM's cache_salt: None, or a non-empty string of valid Unicode text."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise InvalidRequestError(f"cache_salt must be a non-empty string, got {salt!r:.100}", "cache_salt")
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError(
+            "cache_salt is not valid Unicode text (a lone surrogate)", "cache_salt"
+        ) from None
 
 
 def bad_word_ids(tokenizer: Any, words: list[str], vocab: int) -> list[list[int]]:

@@ -68,6 +68,8 @@ class Request:
     grammar: Any = None
     # What its sampled tokens may not be, where its masks could leave none (llm_engine.TokenMasks).
     masks: Any = None
+    # vLLM's cache_salt: its prefix-cache blocks are shared only with requests of the same salt.
+    cache_salt: str | None = None
     # When it was added, first scheduled, and got its first token back; its outputs share the object.
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
@@ -99,6 +101,8 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        if request.cache_salt is not None:
+            self.kv.set_cache_salt(request.req_id, request.cache_salt)
         self.requests[request.req_id] = request
         self.waiting.append(request)
 

@@ -53,7 +53,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tp_runtime import __version__
 from tp_runtime.engine.async_engine import AsyncLLMEngine, RequestStream
 from tp_runtime.engine.llm import loops_over_content, template_variables
-from tp_runtime.engine.llm_engine import child_params
+from tp_runtime.engine.llm_engine import check_cache_salt, child_params
 from tp_runtime.errors import EngineClosedError, InvalidRequestError, TPRuntimeError
 from tp_runtime.outputs import CompletionOutput, RequestMetrics
 from tp_runtime.sampling_params import SamplingParams, StructuredOutputsParams, truncated_prompt
@@ -426,6 +426,10 @@ class _Context:
         output budget, the number of top logprobs and the prompt, for error messages; `prompt_logprobs`:
         the top logprobs per prompt position that a prompt's first sample computes (or every sample, with
         `prompt_logprobs_per_sample`); None: none."""
+        try:
+            check_cache_salt(body.cache_salt)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), "cache_salt") from None
         limit = self.engine.engine.config.max_logprobs
         for name, count in ((logprobs_param, logprobs), ("prompt_logprobs", body.prompt_logprobs)):
             if count is not None and count < 0:
@@ -572,10 +576,12 @@ class _Context:
         return body, requests, grammar, len(ids), plan
 
     # --------------------------------------------------------------------------------- the event loop's
-    def submit(self, requests: _EngineRequests, num_prompt_tokens: int) -> RequestStream:
+    def submit(
+        self, requests: _EngineRequests, num_prompt_tokens: int, cache_salt: str | None = None
+    ) -> RequestStream:
         self.check_available()
         try:
-            stream = self.engine.add(requests)
+            stream = self.engine.add(requests, cache_salt)
         except EngineClosedError:  # it died or began to drain since the check above
             self.check_available()
             raise
@@ -778,7 +784,8 @@ async def _serve(
 ) -> Response:  # fmt: skip
     """Add a prepared request's engine requests and answer with their outputs: as events, or whole."""
     body, requests, num_prompt_tokens = prepared
-    run = _Run(ctx, ctx.submit(requests, num_prompt_tokens), fmt, len(requests), num_prompt_tokens, arrival,
+    stream = ctx.submit(requests, num_prompt_tokens, body.cache_salt)
+    run = _Run(ctx, stream, fmt, len(requests), num_prompt_tokens, arrival,
                samples_per_prompt=getattr(body, "n", None) or 1,
                prompt_lengths=[len(ids) for ids, _ in requests])  # fmt: skip
     if body.stream:

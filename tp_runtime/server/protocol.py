@@ -106,6 +106,8 @@ class SamplingFields(_Request):
     min_tokens: int = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # vLLM's: the prompt's prefix-cache blocks are shared only with requests that give the same salt
+    cache_salt: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -665,6 +665,14 @@ def test_only_json_strings_get_the_json_string_character(llm: LLM) -> None:
     named = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
         {"type": "json_schema", "json_schema": bounded}, {"type": "token", "token": token}]}}  # fmt: skip
     assert llm.engine.grammars.compile(_spec(structural_tag=named)) is not None
+    # One character, exactly or at most: xgrammar writes those as a JSON schema's one-character string
+    # (inline, or an optional rule), which only a schema's own grammar rewrites.
+    for one in ('"[^"\\\\\\r\\n]"', '"[^"\\\\\\r\\n]?"'):
+        spec = _spec(structural_tag={"type": "structural_tag", "format": {"type": "regex", "pattern": one}})
+        assert _takes(llm, spec, '"\t"') and not _takes(llm, spec, '"\\n"'), one
+    grammar = 'root ::= "\\"" c "\\""\nc ::= "" | [^"\\\\\\r\\n]'
+    spec = _spec(structural_tag={"type": "structural_tag", "format": {"type": "grammar", "grammar": grammar}})
+    assert _takes(llm, spec, '"\t"') and not _takes(llm, spec, '"\\n"')
 
 
 def test_length_bounded_property_names_take_no_control_character(llm: LLM) -> None:

@@ -197,24 +197,27 @@ def _compile_structures(compiler: Any, tag: dict[str, Any]) -> Any:
     return _compiled_tag(compiler, items, triggers)
 
 
-def _json_strings_kept_valid(grammar: Any) -> Any:
-    """xgrammar's grammar of a JSON schema or structural tag (before compiling: rule names as its JSON
-    converter writes them), with the character of its length-bounded JSON strings (_BOUNDED_STRING_CLASS)
-    made one JSON string character. Bounds count characters, an escape as one, as JSON Schema counts them.
-    Only the class between a string's two quotes changes: a structural tag's regex or grammar rules with
-    the same body keep it."""
+def _json_strings_kept_valid(grammar: Any, only_json: bool) -> Any:
+    """xgrammar's grammar of a JSON schema (`only_json`) or of a structural tag (before compiling: rule
+    names as its JSON converter writes them), with the character of its length-bounded JSON strings
+    (_BOUNDED_STRING_CLASS) made one JSON string character. Bounds count characters, an escape as one, as
+    JSON Schema counts them. A string of at most one character is written without the repeat, in forms a
+    tag's regex or grammar may also take (the class inline between quotes, or an optional rule): those are
+    rewritten only in a JSON schema's own grammar, where every rule is the converter's; a tag's regex and
+    grammar rules keep their bodies."""
     import xgrammar
 
     text = str(grammar)
     if _BOUNDED_STRING_CLASS not in text:
         return grammar
-    # Exactly one character: the class inline between the quotes.
-    inline = f"{_QUOTE} {_BOUNDED_STRING_CLASS} {_QUOTE}"
-    changed = inline in text
-    text = text.replace(inline, f"{_QUOTE} {_JSON_CHARACTER} {_QUOTE}")
+    changed = False
+    if only_json:  # exactly one character: the class inline between the quotes
+        inline = f"{_QUOTE} {_BOUNDED_STRING_CLASS} {_QUOTE}"
+        changed = inline in text
+        text = text.replace(inline, f"{_QUOTE} {_JSON_CHARACTER} {_QUOTE}")
     quote = re.escape(_QUOTE)
     repeated = set(re.findall(rf"{quote} (\S+_characters)\{{\d+, -?\d+\}} {quote}", text))
-    optional = set(re.findall(rf"{quote} (\S+) {quote}", text))
+    optional = set(re.findall(rf"{quote} (\S+) {quote}", text)) if only_json else set()
     lines = text.splitlines()
     for i, line in enumerate(lines):
         name, _, body = line.partition(" ::= ")
@@ -239,7 +242,7 @@ def _compiled_tag(compiler: Any, *tag: Any) -> Any:
         if "tokenizer" not in str(exc):
             raise
         return compiler.compile_structural_tag(*tag)
-    return compiler.compile_grammar(_json_strings_kept_valid(grammar))
+    return compiler.compile_grammar(_json_strings_kept_valid(grammar, only_json=False))
 
 
 def _checked_format(tag: dict[str, Any]) -> dict[str, Any]:
@@ -1230,7 +1233,7 @@ class GrammarCompiler:
                 schema = json.dumps(_document_for_xgrammar(parsed))
                 whitespace = not spec.disable_any_whitespace
                 grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=whitespace)
-                return compiler.compile_grammar(_json_strings_kept_valid(grammar))
+                return compiler.compile_grammar(_json_strings_kept_valid(grammar, only_json=True))
             if spec.structural_tag is not None:
                 field, what = "structural_tag", "the structural tag"
                 return _compile_structural_tag(compiler, spec.structural_tag)

@@ -229,3 +229,11 @@ def test_cache_salt(url: str) -> None:
         ("/v1/completions", {"prompt": prompt}), ("/v1/chat/completions", {"messages": MESSAGES})
     ):  # fmt: skip
         assert _error(_post(url, path, {**body, "cache_salt": ""}), 400)["param"] == "cache_salt"
+
+
+def test_a_sample_whose_seed_comes_to_minus_one_is_seeded(url: str) -> None:
+    """Sample j is seeded with seed + j, as vLLM's: with seed -2 sample 1 has the seed -1, which the server
+    turned back into "no seed" (SamplingParams reads a given -1 so), and it came out different each time."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 1.0, "seed": -2, "n": 3, "ignore_eos": True}
+    runs = [[c["text"] for c in _post(url, "/v1/completions", body).json()["choices"]] for _ in range(2)]
+    assert runs[0] == runs[1] and len(set(runs[0])) == 3, runs

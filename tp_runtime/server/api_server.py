@@ -469,8 +469,10 @@ class _Context:
             except InvalidRequestError as exc:
                 raise bad_request(str(exc), prompt_param if exc.field == "prompt" else exc.field) from None
             for j in range(params.n):
-                wanted = prompt_logprobs if j == 0 or prompt_logprobs_per_sample else None
-                requests.append((ids, replace(child_params(params, j), prompt_logprobs=wanted)))
+                child = child_params(params, j)
+                # Assigned, not replace()d: a child's seed -1 stays the seed -1 (replace reads it as none).
+                child.prompt_logprobs = prompt_logprobs if j == 0 or prompt_logprobs_per_sample else None
+                requests.append((ids, child))
         return requests, grammar
 
     async def compile_grammar(self, grammar: _Grammar | None) -> None:

@@ -282,7 +282,8 @@ BAD = [
     (["--endpoint", "/v1/embeddings"], ["--endpoint"]),
     (["--output-json", "/no/such/folder/x.json"], ["--output-json", "does not exist"]),
     (["--host", "h", "--base-url", "http://h:1"], ["--host", "beside --base-url"]),
-    (["--port", "99999"], ["--base-url", "port"]),
+    (["--port", "99999"], ["--port", "[0, 65535]"]),
+    (["--host", ""], ["--host", "host name"]),
 ]
 
 

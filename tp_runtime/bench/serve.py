@@ -264,7 +264,11 @@ def check(args: argparse.Namespace) -> None:
         if args.base_url is not None:
             flag, value = ("--host", args.host) if args.host is not None else ("--port", args.port)
             _bad(flag, "left out beside --base-url (name the server one way)", value)
-        host = args.host or "127.0.0.1"
+        if args.host is not None and not args.host.strip():
+            _bad("--host", "a host name or address", repr(args.host))
+        if args.port is not None and not 0 <= args.port <= 65535:
+            _bad("--port", "in [0, 65535]", args.port)
+        host = "127.0.0.1" if args.host is None else args.host
         host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # an IPv6 address
         args.base_url = f"http://{host}:{8000 if args.port is None else args.port}"
     elif args.base_url is None:

@@ -561,3 +561,9 @@ def test_vllm_prompt_types(llm: LLM) -> None:
     got, want = ([(o.prompt, o.outputs[0].token_ids) for o in llm.generate(p, GREEDY, use_tqdm=False)]
                  for p in (named, dicts))  # fmt: skip
     assert got == want and [text for text, _ in got] == [None, "Hello", "its text"]
+
+
+def test_the_first_positional_sampling_parameter_is_n_as_in_vllm() -> None:
+    """vLLM's SamplingParams(2) asks for two samples; here it set the temperature to 2."""
+    params = SamplingParams(3, 3, temperature=0.5)
+    assert (params.n, params.best_of, params.temperature) == (3, 3, 0.5)

@@ -104,17 +104,7 @@ class SamplingParams:
     so an invalid value is an InvalidRequestError there. The engine takes a copy when a request is added:
     later changes reach later requests only."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: disabled
-    min_p: float = 0.0
-    seed: int | None = None  # None (or -1, as in vLLM): unseeded
-    max_tokens: int | None = 16  # None: until max_model_len
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    stop: str | list[str] | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None  # number of top logprobs to return besides the sampled token
+    # vLLM's order: the first positional argument is n (SamplingParams(2) asks for two samples).
     n: int = 1
     # Samples drawn per prompt, of which the n with the highest cumulative logprob are returned (None: n).
     best_of: int | None = None
@@ -125,14 +115,27 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the text
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None  # None (or -1, as in vLLM): unseeded
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: until max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs to return besides the sampled token
+    prompt_logprobs: int | None = None  # top logprobs per prompt position (the first is None), as vLLM
+    # vLLM's: False leaves the outputs without text (text "", logprobs without decoded tokens).
+    detokenize: bool = True
     skip_special_tokens: bool = True  # the text leaves special tokens out (<|im_end|>, </s>), as vLLM's
     # vLLM's: a space between special tokens in the text. Given to a slow tokenizer's decode, which reads
     # it in transformers 4 only; a fast tokenizer's text is the same either way, as in vLLM.
     spaces_between_special_tokens: bool = True
-    # vLLM's: False leaves the outputs without text (text "", logprobs without decoded tokens).
-    detokenize: bool = True
-    prompt_logprobs: int | None = None  # top logprobs per prompt position (the first is None), as vLLM
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the text
+    # vLLM's: keep only the prompt's last k tokens (-1: max_model_len of them); None: the whole prompt.
+    truncate_prompt_tokens: int | None = None
     # A grammar the output must follow (JSON schema, regex, choice, EBNF); None: unconstrained.
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's (OpenAI's logit_bias): token id -> a number in [-100, 100] added to its logit before the
@@ -140,8 +143,6 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: only these token ids may be sampled (None: any).
     allowed_token_ids: list[int] | None = None
-    # vLLM's: keep only the prompt's last k tokens (-1: max_model_len of them); None: the whole prompt.
-    truncate_prompt_tokens: int | None = None
     # vLLM's: words never generated. Each is tokenized alone, and with a space before it (where that is
     # another token sequence of the same length); the last token of a sequence is never sampled where
     # the output so far ends with the tokens before it.

@@ -102,6 +102,14 @@ def test_cli_defaults_are_the_field_defaults() -> None:
     assert EngineArgs.from_cli(args, model="m") == EngineArgs(model="m")
 
 
+def test_vllm_command_line_spelling() -> None:
+    """vLLM's `parser = EngineArgs.add_cli_args(parser)` then `EngineArgs.from_cli_args(args)`: the parser
+    comes back (the group did), and from_cli_args is from_cli."""
+    parser = EngineArgs.add_cli_args(cli.ArgumentParser(prog="test"))
+    args = parser.parse_args(["--model", "m", "--max-model-len", "64"])
+    assert EngineArgs.from_cli_args(args) == EngineArgs(model="m", max_model_len=64)
+
+
 def test_from_cli_fills_in_a_deferred_default() -> None:
     """generate leaves --max-num-seqs at None until it knows how many sequences it runs."""
     parser = cli.ArgumentParser(prog="test")

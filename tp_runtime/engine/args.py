@@ -343,8 +343,9 @@ class EngineArgs:
         *,
         defaults: Mapping[str, Any] | None = None,
         helps: Mapping[str, str] | None = None,
-    ) -> argparse._ArgumentGroup:
-        """Add a flag for every option to `parser`, in an "engine options" group; returns the group.
+    ) -> argparse.ArgumentParser:
+        """Add a flag for every option to `parser`, in an "engine options" group; returns the parser (as
+        vLLM's does: `parser = EngineArgs.add_cli_args(parser)`).
 
         Each flag's dest is the field name; its type, choices and help come from the field. `defaults`
         and `helps` replace a flag's default or help text for one command (a default of None there means
@@ -360,7 +361,7 @@ class EngineArgs:
             if f.name in helps:
                 kwargs["help"] = helps[f.name]
             group.add_argument(*spec.option_strings, **kwargs)
-        return group
+        return parser
 
     @classmethod
     def from_cli(cls, namespace: argparse.Namespace, **overrides: Any) -> EngineArgs:
@@ -375,6 +376,11 @@ class EngineArgs:
         if values.get("model") is None:
             values["model"] = resolve_model_name(None, values.get("load_format", "auto"))
         return cls(**values)
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
+        """vLLM's name of `from_cli`."""
+        return cls.from_cli(namespace)
 
     @classmethod
     def check_cli(cls, namespace: argparse.Namespace) -> None:

@@ -608,8 +608,8 @@ class LLMEngine:
                     + (f"the vocabulary size {vocab}" if value > vocab else f"max_logprobs={limit}")
                     + "; ask for fewer (or raise LLM(max_logprobs=...))"
                 )
-        # Checked again in full: SamplingParams is frozen, but the lists and dicts it holds are not, and an
-        # in-process rank runs no step check.
+        # Checked again in full: SamplingParams checks what is assigned to it, but the lists and dicts it
+        # holds may change in place, and an in-process rank runs no step check.
         if params.stop is not None and not isinstance(params.stop, str):
             stops = params.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
@@ -1109,8 +1109,6 @@ class TokenMasks:
         return words is not None and any(
             len(word) <= len(ids) and ids[len(ids) - len(word) :] == word for word in words
         )
-
-
 
 
 def check_cache_salt(salt: Any) -> None:

@@ -1,4 +1,4 @@
-"""User-facing sampling parameters (shaped like vLLM's), validated on construction.
+"""User-facing sampling parameters (shaped like vLLM's), validated on construction and on each assignment.
 
 Options that travel to the workers are bounded here to what the workers store (int64 ids and seeds,
 float32 settings), so a value that fits nowhere is an InvalidRequestError quoting it, never an overflow

@@ -1047,8 +1047,8 @@ def test_worker_traceback_stays_in_the_server_log(
         added = []
         add = served.engine.add
 
-        def counting_add(requests: Any) -> Any:
-            stream = add(requests)
+        def counting_add(*args: Any, **kwargs: Any) -> Any:
+            stream = add(*args, **kwargs)
             added.append(stream)
             return stream
 

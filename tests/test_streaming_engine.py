@@ -26,7 +26,7 @@ from tp_runtime.engine.async_engine import AsyncLLMEngine, describe_failure
 from tp_runtime.engine.llm_engine import LLMEngine
 from tp_runtime.errors import EngineClosedError, WorkerDiedError, WorkerError
 from tp_runtime.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
-from tp_runtime.outputs import RequestOutput
+from tp_runtime.outputs import CompletionOutput, RequestOutput
 from tp_runtime.presets import build_preset_tokenizer
 
 VOCAB = 300
@@ -248,6 +248,19 @@ def byte_level_tokenizer(extra: list[bytes]) -> Any:
     )
 
 
+def streamed_and_whole(
+    engine: LLMEngine, params: SamplingParams
+) -> tuple[list[tuple[str, CompletionOutput]], list[int]]:
+    """One request streamed and one not, with the same params, run to the end: each one's (text, last
+    output) (the streamed text joined from its pieces), and the streamed token ids."""
+    streamed, whole = engine.add_request(PROMPT, params, stream=True), engine.add_request(PROMPT, params)
+    outputs = run_all(engine)
+    text, token_ids = joined(outputs[str(streamed)])
+    [final] = outputs[str(whole)]
+    last = outputs[str(streamed)][-1].outputs[0]
+    return [(text, last), (final.outputs[0].text, final.outputs[0])], token_ids
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_a_stop_string_whose_last_token_begins_a_character(model_config: Any, include: bool) -> None:
     """The token that completes "STOP" also holds the first two bytes of "€": the incremental text holds
@@ -274,15 +287,11 @@ def test_a_stop_string_whose_last_token_begins_a_character(model_config: Any, in
             temperature=0, max_tokens=max_tokens, stop="STOP", include_stop_str_in_output=include,
             allowed_token_ids=allowed,
         )  # fmt: skip
-        streamed, whole = engine.add_request(PROMPT, params, stream=True), engine.add_request(PROMPT, params)
-        outputs = run_all(engine)
-        text, token_ids = joined(outputs[str(streamed)])
-        [final] = outputs[str(whole)]
-        last = outputs[str(streamed)][-1].outputs[0]
-        for got_text, out in ((text, last), (final.outputs[0].text, final.outputs[0])):
+        ends, token_ids = streamed_and_whole(engine, params)
+        for got_text, out in ends:
             assert got_text == want, (ids, got_text)
             assert (out.finish_reason, out.stop_reason) == ("stop", "STOP"), ids
-        assert token_ids == final.outputs[0].token_ids == ids[: len(token_ids)]
+        assert token_ids == ends[1][1].token_ids == ids[: len(token_ids)]
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -298,15 +307,11 @@ def test_a_stop_token_whose_text_completes_a_stop_string(model_config: Any, incl
         temperature=0, max_tokens=10, stop_token_ids=[stop_token], stop=["lo st"],
         include_stop_str_in_output=include,
     )  # fmt: skip
-    streamed, whole = engine.add_request(PROMPT, params, stream=True), engine.add_request(PROMPT, params)
-    outputs = run_all(engine)
-    text, token_ids = joined(outputs[str(streamed)])
-    [final] = outputs[str(whole)]
+    ends, token_ids = streamed_and_whole(engine, params)
     want = ("Hello st", "lo st") if include else ("Hello", stop_token)
-    last = outputs[str(streamed)][-1].outputs[0]
-    for got_text, out in ((text, last), (final.outputs[0].text, final.outputs[0])):
+    for got_text, out in ends:
         assert (got_text, out.finish_reason, out.stop_reason) == (want[0], "stop", want[1])
-    assert token_ids == final.outputs[0].token_ids == ids
+    assert token_ids == ends[1][1].token_ids == ids
 
 
 def test_eos_from_the_tokenizer_when_the_configs_name_none(

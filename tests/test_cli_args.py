@@ -235,6 +235,48 @@ def test_ctrl_c_under_torchrun_prints_one_line(after_s: float) -> None:
     assert output.strip() == "tp-runtime: interrupted", output[-3000:]
 
 
+_LAUNCH_INTERRUPTED_IN_IMPORT = """
+import os, signal, sys, tempfile, time
+from tp_runtime import launch
+
+folder = tempfile.mkdtemp()
+with open(os.path.join(folder, "pressing_ctrl_c.py"), "w") as module:  # a Ctrl-C inside an import
+    module.write("import os, signal\\nos.kill(os.getpid(), signal.SIGINT)\\n"
+                 "total = sum(i * i for i in range(100_000))\\n")
+sys.path.insert(0, folder)
+last_check = launch._refuse_another_tp_size
+
+def checking(*args, **kwargs):
+    last_check(*args, **kwargs)
+    import pressing_ctrl_c  # the checks' end: the launcher sees the Ctrl-C before it is sent again
+
+class SlowStderr:  # the held-back signal, sent again once the import is left, lands in the exit's print
+    def write(self, text):
+        time.sleep(0.5)
+        return sys.__stderr__.write(text)
+
+    def flush(self):
+        sys.__stderr__.flush()
+
+launch._refuse_another_tp_size = checking
+sys.stderr = SlowStderr()
+launch.main(["--standalone", "--nproc-per-node", "2", "--", *sys.argv[1:], "--tensor-parallel-size", "2"])
+"""
+
+
+def test_ctrl_c_held_back_in_an_import_ends_the_launcher_with_one_line() -> None:
+    """The handler holds a Ctrl-C that comes inside an import back and has it sent again after it; the
+    launcher's checks see it first and end, and the signal sent again must not raise a second time in
+    that exit (it printed a traceback and ended by SIGINT)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _LAUNCH_INTERRUPTED_IN_IMPORT, "generate", "--model", "tiny-llama", "hi"],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 130, output[-3000:]
+    assert output.strip() == "tp-runtime: interrupted", output[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("tp", "after_s"), [(1, 0.5), (1, 6.0), (2, 8.0)])
 def test_ctrl_c_prints_one_line(tp: int, after_s: float) -> None:

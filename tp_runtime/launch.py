@@ -67,10 +67,13 @@ class _Interrupts:
     """This process's SIGINT handler until torchrun's agent installs its own, which it does before it
     starts any rank (and which then stops the ranks it started). A Ctrl-C here therefore finds no rank to
     stop: during the checks it raises KeyboardInterrupt (and is remembered, in case a library swallows
-    it); once torchrun is being set up it ends the process at once."""
+    it); once torchrun is being set up it ends the process at once. KeyboardInterrupt is raised once: a
+    second one (a Ctrl-C held back in an import and sent again, or pressed twice) would land in the
+    launcher's own exit."""
 
     def __init__(self) -> None:
         self.seen = False
+        self.raised = False  # a KeyboardInterrupt is on its way (the launcher checks `seen` besides)
         self.torchrun_log_dir: str | None = None
         self.in_torchrun = False
         self.deferred = DeferredSignals()  # one that came inside an import (torch's), sent again after it
@@ -82,7 +85,10 @@ class _Interrupts:
             if in_import(frame):
                 self.deferred.defer(signum)
                 return
-            raise KeyboardInterrupt
+            if not self.raised:
+                self.raised = True
+                raise KeyboardInterrupt
+            return
         if self.torchrun_log_dir is not None:
             shutil.rmtree(self.torchrun_log_dir, ignore_errors=True)
         with contextlib.suppress(Exception):
@@ -140,11 +146,13 @@ def main(argv: list[str] | None = None) -> None:
         command = cli.parse_and_check(command_argv, under_torchrun=True)
         _refuse_another_tp_size(command_argv, command)
         if interrupts.seen:
+            interrupts.raised = True
             raise KeyboardInterrupt
         status = _run_torchrun(torchrun_argv, command_argv, interrupts, _drain_s(command))
     except KeyboardInterrupt:
         status = cli.EXIT_INTERRUPTED
     if status == cli.EXIT_INTERRUPTED:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one line, however often Ctrl-C comes now
         print(f"{cli.PROG}: interrupted", file=sys.stderr, flush=True)
         # Not SystemExit: CPython ends with SIGINT instead of the status when the KeyboardInterrupt went
         # through C code (an import of torch); nothing is left to clean up here.
@@ -223,6 +231,8 @@ def _run_torchrun(
         os.environ[cli.LAUNCHED_ENV] = "1"  # the ranks leave Ctrl-C to this process
         _stop_ranks_with_sigterm_on_ctrl_c(interrupts)
         interrupts.in_torchrun = True
+        if interrupts.seen:  # one that came in the imports above, or was swallowed there
+            return cli.EXIT_INTERRUPTED
         try:
             run(args)
             return 0

@@ -283,7 +283,8 @@ def test_logit_bias_and_allowed_token_ids(served: tuple[Server, LLM]) -> None:
     plain = llm.generate(PROMPTS[0], greedy(12), use_tqdm=False)[0].outputs[0].token_ids
     assert want[0].outputs[0].token_ids != plain, "the biases changed nothing"
     extra = {"allowed_token_ids": allowed}
-    openai_bias = {str(t): v for t, v in bias.items()}
+    # Past [-100, 100] a bias is clamped, as vLLM's server does: -1e9 is -100 (a client's way to ban a token).
+    openai_bias = {str(t): -1e9 if v == -100.0 else v for t, v in bias.items()}
     out = client.completions.create(
         model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, logit_bias=openai_bias, extra_body=extra
     )  # fmt: skip
@@ -309,7 +310,6 @@ def test_logit_bias_and_allowed_token_ids(served: tuple[Server, LLM]) -> None:
         ({"logit_bias": {"+5": 1.0}}, "logit_bias keys must be token ids, got '+5'"),
         ({"logit_bias": {"-1": 1.0}}, "logit_bias keys must be token ids, got '-1'"),
         ({"logit_bias": {"9" * 5000: 1.0}}, "logit_bias keys must be token ids, got '999"),  # int() refuses
-        ({"logit_bias": {"5": 100.5}}, "logit_bias must map token ids"),
         ({"logit_bias": {"99999": 1.0}}, "logit_bias token id 99999 is outside the vocabulary"),
         ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
         ({"allowed_token_ids": [5, 99999]}, "allowed token id 99999 is outside the vocabulary"),
@@ -318,6 +318,10 @@ def test_logit_bias_and_allowed_token_ids(served: tuple[Server, LLM]) -> None:
             httpx.post(url, json={"prompt": "hi", "max_tokens": 2, **body}, headers=server.headers()), 400
         )
         assert fragment in error["message"], (body, error)
+    nan = b'{"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": NaN}}'  # pydantic's parser reads NaN
+    headers = {**server.headers(), "Content-Type": "application/json"}
+    error = _error(httpx.post(url, content=nan, headers=headers), 400)
+    assert "logit_bias must map token ids" in error["message"], error
 
 
 def test_skip_special_tokens_false_keeps_their_text(server1: Server, llm1: LLM) -> None:
@@ -708,10 +712,23 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
     fields = {"max_tokens": 2, "logprobs": False, "top_logprobs": 0}
     reply = httpx.post(chat, json={"messages": MESSAGES, **fields})
     assert reply.status_code == 200 and reply.json()["choices"][0]["logprobs"] is None, reply.text
-    # A null max_tokens in a completion is OpenAI's default, 16 (as vLLM's), not the rest of the context.
+    # A null max_tokens in a completion is the rest of the context, as vLLM's (left out, it is 16).
+    limit = httpx.get(f"{server1.url}/v1/models").json()["data"][0]["max_model_len"]
     body = {"prompt": "hi", "max_tokens": None, "ignore_eos": True, "temperature": 0}
     reply = httpx.post(url, json=body)
-    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 16, reply.text
+    assert reply.status_code == 200, reply.text
+    usage = reply.json()["usage"]
+    assert usage["completion_tokens"] == limit - usage["prompt_tokens"], (limit, usage)
+    body.pop("max_tokens")
+    assert httpx.post(url, json=body).json()["usage"]["completion_tokens"] == 16
+    # A whole number written as a float is taken where a count is, as vLLM's lax parsing takes it.
+    whole = httpx.post(url, json={"prompt": "hi", "max_tokens": 3.0, "n": 2.0, "seed": 7.0, "temperature": 1})
+    ints = httpx.post(url, json={"prompt": "hi", "max_tokens": 3, "n": 2, "seed": 7, "temperature": 1})
+    assert whole.status_code == 200, whole.text
+    assert [c["text"] for c in whole.json()["choices"]] == [c["text"] for c in ints.json()["choices"]]
+    for fields in ({"max_tokens": 3.5}, {"n": True}, {"seed": "7"}, {"prompt": [5.0, 6.0]}):
+        error = _error(httpx.post(url, json={"prompt": "hi", **fields}), 400)
+        assert error["param"] == next(iter(fields)) and error["code"] == 400, (fields, error)
     # Errors name the request's own fields, and a limit the server sets by its own flag.
     for fields, param, fragment in (
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs=21 exceeds this server's"),
@@ -733,7 +750,7 @@ def test_bad_requests_get_openai_400s(server1: Server) -> None:
     assert error["param"] == "prompt"
     error = _error(httpx.post(url, json={"prompt": [1, 2, 99999]}), 400)  # the engine's own prompt check
     assert error["param"] == "prompt" and "outside the vocabulary" in error["message"]
-    _error(httpx.get(f"{server1.url}/v1/nothing-here"), 404)
+    assert _error(httpx.get(f"{server1.url}/v1/nothing-here"), 404)["code"] == 404  # the status, as vLLM's
     # An empty stream_options without stream is no request for anything (as vLLM takes it).
     assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "stream_options": {}}).status_code == 200
     # The server is unharmed.

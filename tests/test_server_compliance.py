@@ -123,9 +123,13 @@ def test_continuous_usage_stats_put_each_choices_usage_in_its_chunks(url: str, p
         so_far[i] = usage["completion_tokens"]
     assert so_far == [3] * len(prompt_lengths), so_far
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3 * len(prompt_lengths), last
-    # Without include_usage it asks for nothing, as in vLLM.
-    plain = _events(url, path, {**body, "max_tokens": 1, "stream_options": {"continuous_usage_stats": True}})
+    # include_usage false asks for nothing; left out, it is true, as vLLM's default.
+    off = {"include_usage": False, "continuous_usage_stats": True}
+    plain = _events(url, path, {**body, "max_tokens": 1, "stream_options": off})
     assert all("usage" not in e for e in plain[:-1]), plain
+    continuous = {"continuous_usage_stats": True}
+    implied = _events(url, path, {**body, "max_tokens": 1, "stream_options": continuous})
+    assert all(e["usage"] is not None for e in implied[:-1]) and implied[-2]["choices"] == [], implied
 
 
 def test_tool_choice_none_still_shows_the_tools_to_the_template(url: str) -> None:

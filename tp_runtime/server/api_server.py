@@ -161,7 +161,8 @@ def check_schema_depth(schema: Any, field: str) -> None:
 def check_choices(num_prompts: int, n: int) -> None:
     if num_prompts * n > MAX_CHOICES:
         raise bad_request(
-            f"the request asks for {num_prompts * n} choices (prompts x n); at most {MAX_CHOICES}", "n"
+            f"the request asks for {num_prompts * n} choices (prompts x n); at most {MAX_CHOICES}",
+            "n" if n > 1 else "prompt",
         )
 
 
@@ -792,7 +793,7 @@ async def _serve(
                prompt_lengths=[len(ids) for ids, _ in requests])  # fmt: skip
     if body.stream:
         options = body.stream_options
-        with_usage = options is not None and options.include_usage
+        with_usage = options is not None and bool(options.include_usage)
         # As vLLM: continuous_usage_stats counts only with include_usage.
         continuous = with_usage and options is not None and options.continuous_usage_stats
         return _EventStream(run, with_usage=with_usage, continuous=continuous)
@@ -804,6 +805,8 @@ async def _serve(
 
 
 def _error_json(status: int, info: ErrorInfo, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    if info.code is None:
+        info = info.model_copy(update={"code": status})
     return JSONResponse(error_body(info), status_code=status, headers=headers)
 
 

@@ -71,7 +71,8 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status = status
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        # OpenAI's own code where it has one, else the status, as vLLM's
+        self.info = ErrorInfo(message=message, type=type, param=param, code=status if code is None else code)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -177,7 +178,9 @@ def sampling_params(
         )
         if wrong is not None:
             raise bad_request(f"logit_bias keys must be token ids, got {wrong[:40]!r}", "logit_bias")
-        bias = {int(token): value for token, value in body.logit_bias.items()}
+        # Clamped to OpenAI's [-100, 100], as vLLM's server does (clients ban a token with -1e9); NaN is
+        # left for SamplingParams to refuse.
+        bias = {int(t): v if v != v else min(100.0, max(-100.0, v)) for t, v in body.logit_bias.items()}
     try:
         return SamplingParams(
             structured_outputs=structured,

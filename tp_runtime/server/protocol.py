@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -36,6 +37,18 @@ Items = Annotated[list[_T], Field(fail_fast=True)]
 # Stop strings are looked for in every new token's text on the engine's thread: a request of 80,000 of
 # them (n=128) held every other stream for seconds a step. vLLM sets no bound; OpenAI allows 4.
 MAX_STOP_STRINGS = 256
+
+
+def _whole_number(value: Any) -> Any:
+    """16.0 for 16, as vLLM's lax models take it (JSON has one number type; a client that computes a
+    count in floating point sends one); 16.5, true and "16" stay refused."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# A request's scalar integer option (token-id lists stay strict: one Python call per element is slow).
+Int = Annotated[int, BeforeValidator(_whole_number)]
 
 
 class _Request(BaseModel):
@@ -75,7 +88,8 @@ def _non_null_defaults(model: type[BaseModel]) -> frozenset[str]:
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    # vLLM's default: stream_options given means usage unless it says false (or null, as vLLM reads it)
+    include_usage: bool | None = True
     # vLLM's: with include_usage, every chunk also carries the usage of its choice so far.
     continuous_usage_stats: bool = False
 
@@ -92,18 +106,18 @@ class SamplingFields(_Request):
     """What completions and chat completions share. None means the engine's default."""
 
     model: str | None = None
-    n: int = 1
+    n: Int = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int | None = None
     stop: str | Items[str] | None = None
     stop_token_ids: Items[int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     # vLLM's: the prompt's prefix-cache blocks are shared only with requests that give the same salt
@@ -114,7 +128,7 @@ class SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as JSON keys) -> [-100, 100]
     allowed_token_ids: Items[int] | None = None  # vLLM's: only these may be sampled
     # vLLM's: per prompt token, its logprob and the top ones (the first token's null); not with stream.
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Int | None = None
     # Structured outputs: vLLM's field ({"json": schema} or regex, choice, grammar, json_object), its
     # older guided_* names, and OpenAI's response_format (json_schema, json_object or text).
     structured_outputs: dict[str, Any] | None = None
@@ -127,7 +141,7 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True  # the text leaves special tokens out, unless false
     spaces_between_special_tokens: bool = True  # vLLM's (only slow tokenizers' decode reads it)
     # vLLM's: keep only the prompt's last k tokens (-1: max_model_len of them).
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: Int | None = None
     bad_words: Items[str] | None = None  # vLLM's: words never generated (SamplingParams.bad_words)
     # vLLM extensions this server does not serve: refused when given, rather than silently ignored.
     use_beam_search: bool = False
@@ -210,12 +224,12 @@ class SamplingFields(_Request):
 class CompletionRequest(SamplingFields):
     # A string, a list of strings, a list of token ids, or a list of such lists (one choice per prompt).
     prompt: str | Items[str] | Items[int] | Items[Items[int]]
-    max_tokens: int = 16  # OpenAI's default for completions; a null means it too, as vLLM's (not chat's)
-    logprobs: int | None = None  # the top tokens to return per position, besides the sampled one
+    max_tokens: Int | None = 16  # OpenAI's default for completions; a null: up to the context length (vLLM's)
+    logprobs: Int | None = None  # the top tokens to return per position, besides the sampled one
     echo: bool = False  # each choice's text (and logprobs) begins with its prompt's
     add_special_tokens: bool = True  # vLLM's: a string prompt gets the tokenizer's special tokens (BOS)
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     def unsupported(self) -> str | None:
         if self.suffix:
@@ -251,10 +265,10 @@ class ChatTemplateFields(_Request):
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
-    max_tokens: int | None = None  # None: up to the context length
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
+    max_tokens: Int | None = None  # None: up to the context length
+    max_completion_tokens: Int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False
-    top_logprobs: int | None = None  # with logprobs: the top tokens to return per position
+    top_logprobs: Int | None = None  # with logprobs: the top tokens to return per position
     # Functions the model may call (server/tool_calls.py): "auto" (the default with tools) reads calls
     # from its text with --tool-call-parser, "required" and a named function constrain it to calls.
     tool_choice: Any = None

@@ -1056,6 +1056,7 @@ def test_worker_traceback_stays_in_the_server_log(
             assert events[-1] == "[DONE]" and events[-2]["error"]["message"] == expected, events[-2:]
             assert _error(plain, 500)["message"] == expected
             assert _error(await client.get("/health"), 500)["message"] == expected
+            assert _error(await client.post("/ping"), 500)["message"] == expected  # vLLM's /health
             later = await client.post("/v1/chat/completions", json={"messages": MESSAGES})
             assert _error(later, 500)["message"] == expected
 
@@ -1143,6 +1144,7 @@ def test_tokenizing_does_not_block_the_event_loop(scripted_config: Any, byte_tok
             held = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a huge prompt"}))
             assert await asyncio.to_thread(front.entered.wait, 60)
             assert (await client.get("/health")).status_code == 200
+            assert (await client.get("/ping")).status_code == (await client.post("/ping")).status_code == 200
             other = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
             assert other.status_code == 200 and other.json()["choices"][0]["finish_reason"] == "length"
             assert not front.go.is_set()
@@ -1539,6 +1541,7 @@ def test_formatting_a_response_does_not_block_the_event_loop(
             held = asyncio.create_task(client.post("/v1/completions", json=held_body))
             assert await asyncio.to_thread(entered.wait, 60)
             assert (await client.get("/health")).status_code == 200
+            assert (await client.get("/ping")).status_code == (await client.post("/ping")).status_code == 200
             other = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
             assert other.status_code == 200 and other.json()["choices"][0]["finish_reason"] == "length"
             go.set()

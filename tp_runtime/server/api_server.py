@@ -980,6 +980,7 @@ def build_app(
         return _error_json(500, internal_error(exc).info)
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's name of it (SageMaker's health check)
     async def health() -> Response:
         ctx.check_available()
         return Response(status_code=200)

@@ -646,6 +646,15 @@ def test_length_bounded_strings_take_no_control_character(
         assert _takes(llm, spec, json.dumps(one)) == (low <= 1 and (high is None or high >= 1)), repr(one)
     if high is not None and high <= 600:
         assert not _takes(llm, spec, json.dumps("\t" * (high + 1))), "one escape past the bound"
+    # A surrogate pair's escapes are one character (one code point, as JSON Schema counts); a lone
+    # surrogate is no text at all.
+    one_character = low <= 1 and (high is None or high >= 1)
+    for pair in ("\\ud83d\\ude00", "\\uD83D\\uDE00", "😀"):
+        assert _takes(llm, spec, f'"{pair}"') == one_character, pair
+        if high is not None and high <= 12:
+            assert not _takes(llm, spec, '"' + pair * (high + 1) + '"'), pair
+    for lone in ("\\ud83d", "\\ude00", "\\ude00\\ud83d", "\\ud83da"):
+        assert not _takes(llm, spec, f'"{lone}"' if low <= 1 else f'"{lone}{"b" * low}"'), lone
 
 
 def test_only_json_strings_get_the_json_string_character(llm: LLM) -> None:

@@ -95,8 +95,15 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "m
 _BOUNDED_STRING_CLASS = r"[^\"\\\r\n]"
 _BOUNDED_STRING_CHARACTER = f" ::= (({_BOUNDED_STRING_CLASS}))"
 _BOUNDED_STRING_OPTIONAL = f' ::= ("" | ({_BOUNDED_STRING_CLASS}))'
+# A \u escape is one character unless a surrogate: a high one counts with the low one that must follow it
+# (one code point, as JSON Schema counts), and a lone one (no Unicode text; strict parsers refuse it) is out.
+_HEX = "[A-Fa-f0-9]"
+_NOT_SURROGATE = f"(([0-9A-Ca-cEFef] {_HEX} {_HEX} {_HEX}) | ([Dd] [0-7] {_HEX} {_HEX}))"
+_SURROGATE_PAIR = f'([Dd] [89ABab] {_HEX} {_HEX} "\\\\u" [Dd] [C-Fc-f] {_HEX} {_HEX})'
 _JSON_CHARACTER = (
-    r'(([^\0-\x1f\"\\]) | ("\\" (([\"\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
+    r'(([^\0-\x1f\"\\]) | ("\\" (([\"\\/bfnrt]) | ("u" ('
+    + f"{_NOT_SURROGATE} | {_SURROGATE_PAIR}"
+    + ")))))"
 )
 _QUOTE = r'"\""'
 # Group nesting a pattern or regex may have: xgrammar's JSON-schema pattern conversion recursed until the

@@ -796,3 +796,31 @@ def test_byte_tokens_never_spell_what_is_not_utf8(llm: LLM) -> None:
     state = grammars.matcher(grammars.compile(_spec(regex="[^\ud000-\ud7ff]x")))
     assert state.accept(ids[b"\xed"])
     assert offered(state, ids[b"\xa0"])
+
+
+@pytest.mark.parametrize(
+    ("schema", "taken", "refused"),
+    [
+        # draft 4 (and OpenAPI 3.0): exclusiveMinimum/exclusiveMaximum are booleans on minimum/maximum
+        ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer", "minimum": 0,
+          "exclusiveMinimum": True, "maximum": 3, "exclusiveMaximum": True}, ["1", "2"], ["0", "3", "-1"]),
+        ({"type": "integer", "minimum": 0.5, "maximum": 2, "exclusiveMaximum": True}, ["1"], ["0", "2"]),
+        ({"type": "number", "minimum": 0.5, "exclusiveMinimum": True}, ["0.6", "1"], ["0.5", "0"]),
+        ({"type": "integer", "minimum": 1, "exclusiveMinimum": False}, ["1", "2"], ["0"]),
+        # drafts 4 to 7: an array of items is 2020-12's prefixItems, additionalItems its items
+        ({"type": "array", "items": [{"type": "integer"}, {"type": "string"}]},
+         ['[1, "a"]', "[1]", "[]"], ['[1, "a", 2]', '["a", 1]']),
+        ({"type": "array", "items": [{"type": "integer"}], "additionalItems": {"type": "boolean"}},
+         ["[1, true, false]", "[1]"], ["[1, 2]", "[true]"]),
+        ({"type": "array", "items": [{"type": "integer"}], "additionalItems": False}, ["[1]"], ["[1, 2]"]),
+    ],
+)  # fmt: skip
+def test_older_drafts_keywords_are_read_as_they_mean(
+    llm: LLM, schema: dict[str, Any], taken: list[str], refused: list[str]
+) -> None:
+    """Draft 4's boolean exclusive bounds were refused as "not valid" (or, on an integer with a fractional
+    bound, dropped: 2 came out under exclusiveMaximum 2), and an array of items (pydantic 1's and zod's
+    tuples) was refused."""
+    spec = _spec(json=schema)
+    assert [t for t in taken if not _takes(llm, spec, t)] == []
+    assert [t for t in refused if _takes(llm, spec, t)] == []

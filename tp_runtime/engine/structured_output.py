@@ -412,6 +412,7 @@ def _schema_for_xgrammar(
     if not isinstance(schema, dict):
         return schema  # booleans, and what xgrammar refuses itself
     root = schema if root is None else root
+    schema = _in_draft_2020_words(schema)
     searches = searches or _PatternSearches()
 
     def refuse(why: str) -> InvalidRequestError:
@@ -647,6 +648,27 @@ def _schema_for_xgrammar(
                 _schema_for_xgrammar(s, f"{path}/{key}/{i}", root, refs, searches)
                 for i, s in enumerate(schema[key])
             ]
+    return out
+
+
+def _in_draft_2020_words(schema: dict[str, Any]) -> dict[str, Any]:
+    """Draft 4's boolean exclusiveMinimum/exclusiveMaximum (OpenAPI 3.0's too) and drafts 4-7's array of
+    `items` (with `additionalItems` for the rest) as draft 2020-12 writes them, which is what xgrammar
+    reads: it called the boolean "not valid" (or, on an integer with a fractional bound, it was dropped)
+    and refused the array, which pydantic 1 and zod write for a tuple."""
+    out = schema
+    for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        flag = schema.get(exclusive)
+        if isinstance(flag, bool):
+            out = dict(out) if out is schema else out
+            del out[exclusive]
+            if flag and bound in out:
+                out[exclusive] = out.pop(bound)
+    if isinstance(schema.get("items"), list) and "prefixItems" not in schema:
+        out = dict(out) if out is schema else out
+        out["prefixItems"] = out.pop("items")
+        if "additionalItems" in out:
+            out["items"] = out.pop("additionalItems")
     return out
 
 

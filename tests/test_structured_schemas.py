@@ -608,6 +608,23 @@ def test_a_pattern_never_lets_out_invalid_json(llm: LLM, pattern: str) -> None:
         assert not _takes(llm, spec, f'"{inner}"'), (pattern, inner)
 
 
+@pytest.mark.parametrize("pattern", ["^.$", "^a.b$", "^(.)$", "^[a.]$"])
+def test_a_patterns_dot_takes_no_line_terminator(llm: LLM, pattern: str) -> None:
+    """ECMA-262's `.` (a JSON schema pattern's) matches no line terminator (LF, CR, U+2028, U+2029);
+    xgrammar's let a raw U+2028 and U+2029 out, which a JavaScript validator refuses."""
+    spec = _spec(json={"type": "string", "pattern": pattern})
+
+    def texts(middle: str) -> list[str]:
+        value = "a" + middle + "b" if pattern == "^a.b$" else middle
+        return [json.dumps(value), json.dumps(value, ensure_ascii=False)]  # escaped, and raw where JSON may
+
+    for terminator in ("\n", "\r", "\u2028", "\u2029"):
+        assert [t for t in texts(terminator) if _takes(llm, spec, t)] == [], repr(terminator)
+    for other in ("a", "é", "\u0085"):
+        want = pattern != "^[a.]$" or other == "a"  # (a dot in a class is a dot)
+        assert _takes(llm, spec, texts(other)[1]) == want, repr(other)  # (xgrammar writes them raw)
+
+
 @pytest.mark.parametrize(
     ("schema", "low", "high"),
     [

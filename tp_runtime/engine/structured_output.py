@@ -980,7 +980,7 @@ def _json_pattern_for_xgrammar(pattern: str) -> str:
     group that ends in a repeat optional too: `^a(xy+)?b$` took "ayb"); each character past ASCII as
     `\\uXXXX` and a `]` outside a class as `\\]` (either one, as written, turned off xgrammar's JSON
     escaping for the whole pattern: `^é.$` let a raw `"` out); a `{` that begins no count as `\\{` (a
-    literal in ECMA-262: xgrammar read `a{ 1}` as `a`)."""
+    literal in ECMA-262: xgrammar read `a{ 1}` as `a`); a `.` as a class without the line terminators."""
     out: list[str] = []
     for match, inside in _classified(pattern):
         token = match.group()
@@ -988,6 +988,8 @@ def _json_pattern_for_xgrammar(pattern: str) -> str:
             token = f"\\u{ord(token):04x}"
         elif inside:
             pass  # (a class's members are as ECMA-262 reads them)
+        elif token == ".":  # ECMA-262's dot takes no line terminator; xgrammar's took U+2028 and U+2029
+            token = "[^\\n\\r\\u2028\\u2029]"
         elif token == "]":
             token = "\\]"
         elif token == "{" and not _COUNT.match(pattern, match.start()):

@@ -114,7 +114,7 @@ def _request(rng: random.Random, prefixes: list[str]) -> dict[str, Any]:
     roll = rng.random()
     if roll < 0.25 and body["stream"]:
         fault = ("drop", rng.randint(1, 3))
-        # Up to the context (a chat's null; a completion's is 16), EOS ignored: tokens to go when dropped.
+        # Up to the context (null), EOS ignored: tokens to go when dropped.
         for name in ("stop", "stop_token_ids", "structured_outputs", "min_tokens"):
             body.pop(name, None)
         body.update(max_tokens=None, ignore_eos=True)
@@ -185,7 +185,7 @@ def _params(body: dict[str, Any], chat: bool) -> SamplingParams:
     bias = body.get("logit_bias")
     return SamplingParams(
         temperature=body["temperature"], seed=body.get("seed"), n=body["n"],
-        max_tokens=16 if body["max_tokens"] is None and not chat else body["max_tokens"],  # completions' null
+        max_tokens=body["max_tokens"],  # null: up to the context, for both (as vLLM)
         min_tokens=body.get("min_tokens", 0), stop=body.get("stop"),
         stop_token_ids=body.get("stop_token_ids"), logprobs=logprobs if body.get("logprobs") else None,
         logit_bias={int(k): v for k, v in bias.items()} if bias else None,

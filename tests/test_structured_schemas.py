@@ -328,6 +328,12 @@ UNENFORCEABLE: list[Any] = [
     # a place the rewrite does not keep (a patternProperties key written anew for xgrammar)
     {"type": "object", "properties": {"s": {"$ref": "#/patternProperties/^a(b)?$/x-defs/S"}},
      "patternProperties": {"^a(b)?$": {"type": "integer", "x-defs": {"S": {"type": "string"}}}}},
+    # ... also where the walk reaches it (xgrammar said "Cannot find field"): a renamed key, and draft 7's
+    # additionalItems, which is 2020-12's items after the rewrite
+    {"type": "object", "properties": {"x": {"$ref": "#/patternProperties/^a(b)?$"}},
+     "patternProperties": {"^a(b)?$": {"type": "integer"}}},
+    {"type": "object", "properties": {"u": {"$ref": "#/properties/t/additionalItems"},
+     "t": {"type": "array", "items": [{"type": "integer"}], "additionalItems": {"type": "string"}}}},
     {"type": "array", "items": {"$ref": "#/properties/p/const"},
      "properties": {"p": {"type": "object", "const": {"type": "integer"}}}},
     {"type": "object", "properties": {"x": {"type": ["number", "null"], "exclusiveMinimum": 0,
@@ -620,6 +626,10 @@ def test_a_patterns_dot_takes_no_line_terminator(llm: LLM, pattern: str) -> None
 
     for terminator in ("\n", "\r", "\u2028", "\u2029"):
         assert [t for t in texts(terminator) if _takes(llm, spec, t)] == [], repr(terminator)
+    # A patternProperties key keeps its dots: it is a name a $ref may point at too.
+    keyed = {"type": "object", "patternProperties": {"^a.$": {"type": "integer"}}, "required": ["x"],
+             "properties": {"x": {"$ref": "#/patternProperties/^a.$"}}, "additionalProperties": False}
+    assert _takes(llm, _spec(json=keyed), '{"x": 1}') and not _takes(llm, _spec(json=keyed), '{"x": "s"}')
     for other in ("a", "é", "\u0085"):
         want = pattern != "^[a.]$" or other == "a"  # (a dot in a class is a dot)
         assert _takes(llm, spec, texts(other)[1]) == want, repr(other)  # (xgrammar writes them raw)

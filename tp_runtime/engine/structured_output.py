@@ -147,7 +147,11 @@ def _document_for_xgrammar(schema: Any) -> Any:
     rewrites: dict[tuple[str, ...], Any] = {}
     while refs:
         parts = _pointer_parts(refs.pop())
-        if parts is None or parts in rewrites or _walked(parts, schema):
+        if parts is None or parts in rewrites:
+            continue
+        if _walked(parts, schema):
+            if _at(out, parts) is None and _at(schema, parts) is not None:
+                _put(out, parts, None, set(), parts)  # renamed on the walk: refused, naming the place
             continue
         target = _at(schema, parts)
         if target is None:
@@ -569,7 +573,11 @@ def _schema_for_xgrammar(
         out["pattern"] = _json_pattern_for_xgrammar(out["pattern"])
     if isinstance(out.get("patternProperties"), dict):
         given = out["patternProperties"]
-        out["patternProperties"] = {_json_pattern_for_xgrammar(str(name)): sub for name, sub in given.items()}
+        # (a key's dots kept: a key is also a name that a $ref may point at, and a property name with U+2028
+        # or U+2029 in it is rare enough)
+        out["patternProperties"] = {
+            _json_pattern_for_xgrammar(str(name), dots=False): sub for name, sub in given.items()
+        }
         if len(out["patternProperties"]) < len(given):
             raise refuse("'patternProperties' keys that are the same pattern written two ways")
     # Strict mode: what the schema leaves unsaid is not allowed, unless that leaves nothing.
@@ -974,13 +982,14 @@ def _classified(regex: str) -> Iterator[tuple[re.Match[str], bool]]:
         yield match, inside
 
 
-def _json_pattern_for_xgrammar(pattern: str) -> str:
+def _json_pattern_for_xgrammar(pattern: str, dots: bool = True) -> str:
     """A JSON schema's `pattern` (checked by _pattern_problem) written so that xgrammar reads it as
     ECMA-262 does: each optional group `(...)?` as `(...){0,1}` (xgrammar made the start of an optional
     group that ends in a repeat optional too: `^a(xy+)?b$` took "ayb"); each character past ASCII as
     `\\uXXXX` and a `]` outside a class as `\\]` (either one, as written, turned off xgrammar's JSON
     escaping for the whole pattern: `^é.$` let a raw `"` out); a `{` that begins no count as `\\{` (a
-    literal in ECMA-262: xgrammar read `a{ 1}` as `a`); a `.` as a class without the line terminators."""
+    literal in ECMA-262: xgrammar read `a{ 1}` as `a`); with `dots`, a `.` as a class without the line
+    terminators."""
     out: list[str] = []
     for match, inside in _classified(pattern):
         token = match.group()
@@ -988,7 +997,7 @@ def _json_pattern_for_xgrammar(pattern: str) -> str:
             token = f"\\u{ord(token):04x}"
         elif inside:
             pass  # (a class's members are as ECMA-262 reads them)
-        elif token == ".":  # ECMA-262's dot takes no line terminator; xgrammar's took U+2028 and U+2029
+        elif token == "." and dots:  # ECMA-262's dot takes no line terminator; xgrammar's took U+2028/9
             token = "[^\\n\\r\\u2028\\u2029]"
         elif token == "]":
             token = "\\]"

@@ -294,6 +294,17 @@ def test_logit_bias_and_allowed_token_ids(served: tuple[Server, LLM]) -> None:
         model=NAME, messages=MESSAGES, max_tokens=8, temperature=0, logit_bias=openai_bias
     )  # fmt: skip
     assert chat.choices[0].message.content == ref.text
+    # Clamped, not just taken: with two tokens at +100 the model's own logits pick between them, so a bias
+    # of 1e9 on the one it does not pick must not win.
+    tied = llm.generate(PROMPTS[0], greedy(1, logit_bias={40: 100.0, 41: 100.0}), use_tqdm=False)
+    winner = tied[0].outputs[0].token_ids[0]
+    loser = 81 - winner
+    assert winner in (40, 41)
+    clamped = client.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=1, temperature=0,
+        logit_bias={str(loser): 1e9, str(winner): 100},
+    )  # fmt: skip
+    assert clamped.choices[0].text == tied[0].outputs[0].text
     # vLLM's bad_words: the words of the plain output, banned.
     words = [w for w in llm.get_tokenizer().decode(plain).split() if w.strip()][:3]
     want_banned = llm.generate(PROMPTS[0], greedy(12, bad_words=words), use_tqdm=False)[0].outputs[0]

@@ -3,7 +3,8 @@
 Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events when
 `stream: true`), POST /tokenize (vLLM's: a text or a conversation tokenized as those two tokenize it) and
 /detokenize, GET /v1/models, /v1/models/{id} (the model's card; 404 for another id), /version, /health
-(200; 503 while shutting down; 500 once the engine died), /metrics (Prometheus text). With an API key,
+and /ping (vLLM's name, GET or POST: 200; 503 while shutting down; 500 once the engine died), /metrics
+(Prometheus text). With an API key,
 the /v1 endpoints, /tokenize and /detokenize need `Authorization: Bearer KEY`.
 
 The front end runs on uvicorn's event loop. Per request it checks the key first, then reads the body (at

@@ -25,9 +25,9 @@ from tp_runtime.server.tool_calls import TOOL_CALL_PARSERS
 API_KEY_ENV = "TP_RUNTIME_API_KEY"
 DESCRIPTION = (
     "Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, "
-    "/health and /metrics. `serve MODEL` is `serve --model MODEL`, as in vLLM. SIGTERM or Ctrl-C drains: "
-    "in-flight requests run for up to --shutdown-grace seconds, those still running then end with "
-    'finish_reason "abort", the workers shut down and the server exits with status 0.'
+    "/health (or /ping) and /metrics. `serve MODEL` is `serve --model MODEL`, as in vLLM. SIGTERM or "
+    "Ctrl-C drains: in-flight requests run for up to --shutdown-grace seconds, those still running then "
+    'end with finish_reason "abort", the workers shut down and the server exits with status 0.'
 )
 DEFAULT_TIMEOUT_HEADERS_S = 5.0
 DEFAULT_MAX_CONNECTIONS = 1024
